@@ -1,0 +1,49 @@
+"""xla_tensorstore_ckpt: Orbax-style checkpointing for PyTorch/XLA SPMD.
+
+Each shard of an SPMD tensor is written into one chunk of a zarr v3 array (through tensorstore) at its index in
+the global array, so a checkpoint restores onto any mesh, any device count, or plain CPU. Importing this package
+does not import torch_xla.
+"""
+
+from . import zarr_dtypes as _zarr_dtypes
+from .checkpointer import metadata, restore, save
+from .errors import (
+    AsyncSaveError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    KeyMismatchError,
+    ShapeMismatchError,
+    StepNotFoundError,
+    StorageError,
+    UnsupportedValueError,
+)
+from .metadata import ArrayMetadata, SavedSharding
+from .options import RestoreOptions, SaveOptions
+
+_zarr_dtypes.register()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArrayMetadata",
+    "AsyncSaveError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "KeyMismatchError",
+    "RestoreOptions",
+    "SaveOptions",
+    "SavedSharding",
+    "ShapeMismatchError",
+    "StepNotFoundError",
+    "StorageError",
+    "UnsupportedValueError",
+    "metadata",
+    "restore",
+    "save",
+]

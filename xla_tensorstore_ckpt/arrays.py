@@ -1,0 +1,133 @@
+"""Zarr v3 arrays through tensorstore: specs, creation, chunk writes and region reads.
+
+Every array is plain zarr v3: a regular chunk grid (the SPMD shard grid), the ``bytes`` codec followed by
+``crc32c`` so every chunk carries a checksum that tensorstore (and zarr-python) verify on read. Reads refuse
+missing chunks (``fill_missing_data_reads: false``) and writes store every chunk, even all-zero ones, so a lost
+chunk is an error and never silent zeros.
+
+Functions start I/O and return at once with a `Pending` future; callers start many and then wait, so I/O
+runs concurrently on tensorstore's threads. Errors are translated to `CorruptCheckpointError` (checksum,
+missing data) or `StorageError` (the rest), with the array's location in the message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from . import storage
+from .errors import CorruptCheckpointError, StorageError
+
+Region = tuple[slice, ...]
+
+_CORRUPTION_CODES = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "OUT_OF_RANGE")
+
+
+def zarr_metadata(shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int]) -> dict:
+    """The ``zarr.json`` content (as a tensorstore metadata spec) for one checkpoint array."""
+    codecs: list[dict] = [{"name": "bytes"}, {"name": "crc32c"}]
+    if np.dtype(_numpy_dtype(dtype_name)).itemsize > 1:
+        codecs[0] = {"name": "bytes", "configuration": {"endian": "little"}}
+    return {
+        "shape": list(shape),
+        "data_type": dtype_name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": codecs,
+    }
+
+
+def _numpy_dtype(dtype_name: str) -> np.dtype:
+    from .dtypes import by_name
+
+    return by_name(dtype_name).numpy
+
+
+def _error(action: str, loc: storage.Location, exc: Exception) -> Exception:
+    text = str(exc)
+    if text.startswith(_CORRUPTION_CODES):
+        return CorruptCheckpointError(f"{action} array {loc}: {text}")
+    return StorageError(f"{action} array {loc}: {text}")
+
+
+class Pending:
+    """A tensorstore future with what it was for, so that its error can be reported in context."""
+
+    __slots__ = ("future", "action", "loc")
+
+    def __init__(self, future: ts.Future, action: str, loc: storage.Location):
+        self.future = future
+        self.action = action
+        self.loc = loc
+
+    def result(self) -> object:
+        """Wait for the future; translate its error into a `CheckpointError` naming the array."""
+        try:
+            return self.future.result()
+        except ValueError as exc:
+            raise _error(self.action, self.loc, exc) from exc
+
+
+def wait_all(pending: Sequence[Pending]) -> list[object]:
+    """Wait for every future (even after one fails) and raise the first error, noting how many failed."""
+    results: list[object] = []
+    errors: list[Exception] = []
+    for item in pending:
+        try:
+            results.append(item.result())
+        except (CorruptCheckpointError, StorageError) as exc:
+            errors.append(exc)
+            results.append(None)
+    if errors:
+        first = errors[0]
+        if len(errors) > 1:
+            first.args = (f"{first} (and {len(errors) - 1} more failed operations)",)
+        raise first
+    return results
+
+
+def create(loc: storage.Location, shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int],
+           *, fsync: bool, write_metadata: bool = True) -> Pending:
+    """Start creating the array at `loc` (writing ``zarr.json`` unless `write_metadata` is False, when another
+    process writes it); the result is the array open for chunk writes."""
+    spec = {
+        "driver": "zarr3",
+        "kvstore": loc.kvstore_spec(),
+        "metadata": zarr_metadata(shape, dtype_name, chunk_shape),
+        "store_data_equal_to_fill_value": True,
+    }
+    if write_metadata:
+        spec["create"] = True
+    else:
+        spec["assume_metadata"] = True
+    return Pending(ts.open(spec, context=storage.context(fsync)), "cannot create", loc)
+
+
+def write(store: ts.TensorStore, loc: storage.Location, region: Region, data: np.ndarray) -> Pending:
+    """Start writing `data` into `region`; the result is ready once the chunk is stored (committed). `data`
+    must stay unchanged until then: tensorstore references it without copying."""
+    futures = store[region].write(data, can_reference_source_data_indefinitely=True)
+    return Pending(futures.commit, f"cannot write region {_format_region(region)} of", loc)
+
+
+def open_existing(loc: storage.Location) -> Pending:
+    """Start opening a stored array for reading; reading a missing chunk will be an error."""
+    spec = {"driver": "zarr3", "kvstore": loc.kvstore_spec(), "open": True, "fill_missing_data_reads": False}
+    return Pending(ts.open(spec, context=storage.context(False), read=True), "cannot open", loc)
+
+
+def read(store: ts.TensorStore, loc: storage.Location, region: Region) -> Pending:
+    """Start reading `region` (only the chunks it touches, each checksum verified); the result is a numpy
+    array."""
+    return Pending(store[region].read(), f"cannot read region {_format_region(region)} of", loc)
+
+
+def stored_dtype_name(store: ts.TensorStore) -> str:
+    """The zarr data type name of an open array (e.g. ``bfloat16``)."""
+    return store.dtype.name
+
+
+def _format_region(region: Region) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in region) + "]"

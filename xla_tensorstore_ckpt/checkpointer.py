@@ -1,0 +1,419 @@
+"""One item (one state tree) to and from one directory: ``<dir>/_METADATA`` plus one zarr array per tensor.
+
+Save: flatten → plan (layouts, chunk grid = shard grid, one writer per distinct shard) → fetch shards to host in
+batches → concurrent chunk writes → ``_METADATA`` last. Restore: ``_METADATA`` → match against the target →
+read, for each local shard of each target tensor, exactly its region → place on the devices → rebuild the
+target's tree. The item counts as written only once ``_METADATA`` exists, so a crashed save leaves a directory
+that `restore` refuses. Everything here blocks; nothing is thread-safe across calls on the same directory.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import arrays, dtypes, layout, storage, tree
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    ShapeMismatchError,
+    UnsupportedValueError,
+)
+from .metadata import ArrayMetadata, ItemManifest
+from .options import RestoreOptions, SaveOptions
+from .plan import LocalShard, Placement, TensorLayout, cpu_layout
+
+PathLike = str | storage.Location
+
+
+# ----------------------------------------------------------------------------------------------- save
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    """One tensor to save: where it goes and which of its local shards this process writes."""
+
+    key_path: layout.KeyPath
+    meta: ArrayMetadata
+    tensor: torch.Tensor
+    layout: TensorLayout
+    writes: tuple[LocalShard, ...]
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes one fetch of this tensor brings to the host (replicas included for tiled tensors)."""
+        itemsize = dtypes.by_torch(self.tensor.dtype).itemsize
+        if self.layout.placement is Placement.TILED:
+            return math.prod(self.layout.shard_shape) * len(self.layout.shards) * itemsize
+        return math.prod(self.layout.shape) * itemsize
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    manifest: ItemManifest
+    arrays: tuple[ArrayPlan, ...]
+
+
+def plan_save(state: Any) -> SavePlan:
+    """Validate `state` and decide what to write. Raises `UnsupportedValueError` (naming the key) for a leaf
+    that is neither a tensor nor a JSON scalar, an unsupported dtype, or two keys that map to one directory.
+    Materializes pending XLA computations of the tensors; runs no other device work."""
+    leaves = tree.flatten(state)
+    tensors: list[tuple[layout.KeyPath, torch.Tensor]] = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            _check_tensor(path, leaf)
+            tensors.append((path, leaf))
+        elif not isinstance(leaf, tree.JSON_SCALARS):
+            raise UnsupportedValueError(
+                f"cannot save {tree.format_key_path(path)}: {type(leaf).__name__} is neither a tensor nor a "
+                "JSON value (int, float, str, bool, None)")
+    layouts = _layouts([t for _, t in tensors])
+    plans: dict[layout.KeyPath, ArrayPlan] = {}
+    seen_dirs: dict[str, layout.KeyPath] = {}
+    for (path, tensor), lay in zip(tensors, layouts):
+        directory = layout.array_path(path)
+        if directory in seen_dirs:
+            raise UnsupportedValueError(
+                f"keys {tree.format_key_path(seen_dirs[directory])!r} and {tree.format_key_path(path)!r} "
+                f"would both be stored in {directory!r}")
+        seen_dirs[directory] = path
+        meta = ArrayMetadata(directory, lay.shape, dtypes.by_torch(tensor.dtype).name, lay.chunk_shape,
+                             lay.sharding)
+        plans[path] = ArrayPlan(path, meta, tensor, lay, tuple(lay.distinct_shards()))
+    manifest = ItemManifest(tree.rebuild(state, lambda p, v: plans[p].meta if p in plans else v))
+    return SavePlan(manifest, tuple(plans.values()))
+
+
+def _check_tensor(path: layout.KeyPath, tensor: torch.Tensor) -> None:
+    if tensor.layout != torch.strided:
+        raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: {tensor.layout} tensors "
+                                    "are not supported; convert to dense first")
+    if tensor.device.type not in ("cpu", "xla"):
+        raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: tensors on "
+                                    f"{tensor.device} are not supported (use CPU or XLA tensors)")
+    try:
+        dtypes.by_torch(tensor.dtype)
+    except UnsupportedValueError as exc:
+        raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: {exc}") from None
+
+
+def _layouts(tensors: Sequence[torch.Tensor]) -> list[TensorLayout]:
+    xla = [i for i, t in enumerate(tensors) if t.device.type == "xla"]
+    out = [cpu_layout(tuple(t.shape)) if t.device.type == "cpu" else None for t in tensors]
+    if xla:
+        from . import sharding
+
+        sharding.materialize([tensors[i] for i in xla])
+        for i, lay in zip(xla, sharding.layouts([tensors[i] for i in xla])):
+            out[i] = lay
+    return out  # type: ignore[return-value]
+
+
+def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tensor]]:
+    """Host copies of the shards each plan writes, fetched with one torch_xla call per placement kind.
+    CPU tensors are referenced, not copied, unless `copy_cpu` (a caller that returns before the writes finish
+    must copy: the training loop may change them)."""
+    out: list[list[torch.Tensor]] = [[] for _ in batch]
+    xla = [i for i, p in enumerate(batch) if p.layout.placement is not Placement.CPU and p.writes]
+    for i, p in enumerate(batch):
+        if p.layout.placement is Placement.CPU and p.writes:
+            data = p.tensor.detach().resolve_conj().resolve_neg()
+            out[i] = [data.clone() if copy_cpu else data]
+    if xla:
+        from . import sharding
+
+        fetched = sharding.fetch([batch[i].tensor for i in xla], [batch[i].layout for i in xla],
+                                 [batch[i].writes for i in xla])
+        for i, shards in zip(xla, fetched):
+            out[i] = shards
+    return out
+
+
+def batches(plans: Sequence[ArrayPlan], limit: int) -> Iterator[list[ArrayPlan]]:
+    """Consecutive groups of plans whose fetches stay within `limit` bytes (a larger plan is alone)."""
+    group: list[ArrayPlan] = []
+    size = 0
+    for p in plans:
+        if group and size + p.host_bytes > limit:
+            yield group
+            group, size = [], 0
+        group.append(p)
+        size += p.host_bytes
+    if group:
+        yield group
+
+
+def write_arrays(loc: storage.Location, plans: Sequence[ArrayPlan], options: SaveOptions) -> None:
+    """Create every array and write this process's chunks: fetches of one batch overlap the writes of the
+    previous ones. Waits for every write, then raises the first error (naming array and region)."""
+    created = {p.key_path: arrays.create(loc.child(p.meta.path), p.meta.shape, p.meta.dtype,
+                                         p.meta.chunk_shape, fsync=options.fsync) for p in plans}
+    pending: list[arrays.Pending] = []
+    try:
+        for group in batches([p for p in plans if p.writes], options.host_batch_bytes):
+            for p, shards in zip(group, stage(group, copy_cpu=False)):
+                store = created[p.key_path].result()
+                for shard, data in zip(p.writes, shards):
+                    pending.append(arrays.write(store, loc.child(p.meta.path), shard.region,
+                                                dtypes.tensor_to_numpy(data)))
+    finally:
+        arrays.wait_all([*created.values(), *pending])
+
+
+def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOptions | None = None) -> None:
+    """Save one state tree into the directory `path` (local, ``gs://`` or ``memory://``). Blocks until
+    every chunk and ``_METADATA`` are stored.
+
+    `state` nests dicts, lists and tuples; leaves are torch tensors (XLA SPMD-sharded, XLA unsharded or CPU)
+    or JSON scalars. Each distinct shard is written once into its chunk of the tensor's zarr array; the save
+    causes no XLA compilation or execution beyond materializing pending computations.
+
+    Raises `UnsupportedValueError` before writing anything if a leaf cannot be stored,
+    `CheckpointExistsError` if `path` already holds data and `overwrite` is False, and `StorageError` /
+    `CorruptCheckpointError` if storage fails (then no ``_METADATA`` is written).
+    """
+    options = options or SaveOptions()
+    loc = storage.location(path)
+    plan = plan_save(state)
+    prepare_directory(loc, overwrite=overwrite)
+    write_arrays(loc, plan.arrays, options)
+    write_manifest(loc, plan.manifest, options)
+
+
+def prepare_directory(loc: storage.Location, *, overwrite: bool) -> None:
+    """Make sure `loc` is empty: delete it if `overwrite`, else raise `CheckpointExistsError` if it holds
+    anything."""
+    if storage.is_empty(loc):
+        return
+    if not overwrite:
+        what = "a checkpoint" if storage.read(loc, layout.ITEM_METADATA) is not None else "other files"
+        raise CheckpointExistsError(f"{loc} already holds {what}; pass overwrite=True to replace it")
+    storage.delete_tree(loc)
+
+
+def write_manifest(loc: storage.Location, manifest: ItemManifest, options: SaveOptions) -> None:
+    """Write ``_METADATA``, the last file of an item: its presence marks the item complete."""
+    storage.write(loc, layout.ITEM_METADATA, manifest.to_bytes(), fsync=options.fsync)
+
+
+# -------------------------------------------------------------------------------------------- restore
+
+
+def read_manifest(path: PathLike) -> ItemManifest:
+    """Read and validate ``<path>/_METADATA``. Raises `CheckpointNotFoundError` if absent,
+    `CorruptCheckpointError` if malformed, `FormatVersionError` if newer than this reader."""
+    loc = storage.location(path)
+    data = storage.read(loc, layout.ITEM_METADATA)
+    if data is None:
+        raise CheckpointNotFoundError(f"{loc} holds no checkpoint item ({layout.ITEM_METADATA} is missing)")
+    return ItemManifest.from_bytes(data, where=str(loc.child(layout.ITEM_METADATA)))
+
+
+def metadata(path: PathLike) -> Any:
+    """The saved tree with an `ArrayMetadata` (shape, dtype, chunk shape, saved sharding) for each tensor
+    and the values of JSON leaves. Reads only ``_METADATA``; never imports torch_xla."""
+    return read_manifest(path).tree
+
+
+@dataclass(frozen=True)
+class _ReadJob:
+    key_path: layout.KeyPath
+    meta: ArrayMetadata
+    target: torch.Tensor | None
+    layout: TensorLayout  # where the data goes: the target's local shards, or one whole-array shard
+
+    @property
+    def read_bytes(self) -> int:
+        itemsize = dtypes.by_name(self.meta.dtype).itemsize
+        return sum(s.size for s in self.layout.distinct_shards()) * itemsize
+
+
+def restore(path: PathLike, target: Any = None, *, strict: bool = True,
+            options: RestoreOptions | None = None) -> Any:
+    """Read the item at `path`. Blocks until every tensor is in place.
+
+    With `target` None: the saved tree with CPU tensors of the saved dtypes. With a `target` tree: a new tree
+    of the target's structure in which each tensor has the target's sharding, device and dtype (values are
+    cast when the dtype differs), reading for each local shard exactly its region. Non-tensor target leaves
+    take the saved value. The target is not modified.
+
+    Raises `KeyMismatchError` listing keys missing from the checkpoint or not in the target (with
+    `strict=False` these are skipped with a warning and missing ones keep the target's leaf),
+    `ShapeMismatchError` naming key, both shapes and the path, `CorruptCheckpointError` for damaged data
+    (naming array and chunk), `CheckpointNotFoundError` if `path` holds no item.
+    """
+    options = options or RestoreOptions()
+    loc = storage.location(path)
+    manifest = read_manifest(loc)
+    saved = manifest.leaves()
+    if target is None:
+        wanted = {p: None for p in saved}
+        result_tree = manifest.tree
+    else:
+        wanted = _match(loc, saved, dict(tree.flatten(target)), strict)
+        result_tree = target
+    jobs = _read_jobs(loc, saved, wanted)
+    values = read_arrays(loc, jobs, options)
+
+    def leaf(path_: layout.KeyPath, value: Any) -> Any:
+        if path_ in values:
+            return values[path_]
+        if path_ in wanted:
+            return saved[path_]
+        return value
+
+    return tree.rebuild(result_tree, leaf)
+
+
+def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> dict:
+    missing = tuple(tree.format_key_path(p) for p in target if p not in saved)
+    unexpected = tuple(tree.format_key_path(p) for p in saved if p not in target)
+    if missing or unexpected:
+        message = f"checkpoint {loc} and the restore target differ: " + "; ".join(
+            part for part in (
+                f"missing from the checkpoint: {', '.join(missing)}" if missing else "",
+                f"not in the target: {', '.join(unexpected)}" if unexpected else "") if part)
+        if strict:
+            raise KeyMismatchError(message + " (pass strict=False to restore the common keys)",
+                                   missing=missing, unexpected=unexpected)
+        warnings.warn(message + "; restoring the common keys", stacklevel=3)
+    wanted = {}
+    for path, value in target.items():
+        if path not in saved:
+            continue
+        stored = saved[path]
+        if isinstance(value, torch.Tensor):
+            if not isinstance(stored, ArrayMetadata):
+                raise UnsupportedValueError(
+                    f"cannot restore {tree.format_key_path(path)} from {loc}: the checkpoint holds the value "
+                    f"{stored!r}, the target a tensor")
+            if tuple(value.shape) != stored.shape:
+                raise ShapeMismatchError(
+                    f"cannot restore {tree.format_key_path(path)}: checkpoint shape {stored.shape} at "
+                    f"{loc.child(stored.path)} does not match target shape {tuple(value.shape)}")
+            wanted[path] = value
+        else:
+            wanted[path] = None
+    return wanted
+
+
+def _read_jobs(loc: storage.Location, saved: dict, wanted: dict) -> list[_ReadJob]:
+    jobs = []
+    xla = [(p, t) for p, t in wanted.items() if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+    xla_layouts = {}
+    if xla:
+        from . import sharding
+
+        xla_layouts = dict(zip([p for p, _ in xla], sharding.layouts([t for _, t in xla])))
+    for path, target in wanted.items():
+        meta = saved[path]
+        if not isinstance(meta, ArrayMetadata):
+            continue
+        lay = xla_layouts.get(path) or cpu_layout(meta.shape)
+        jobs.append(_ReadJob(path, meta, target, lay))
+    return jobs
+
+
+def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: RestoreOptions) -> dict:
+    """Read every job's regions and build its tensor; the reads of the next batch overlap building this one.
+    On error, outstanding reads are waited for before the error propagates."""
+    opened = {job.key_path: arrays.open_existing(loc.child(job.meta.path)) for job in jobs}
+    groups = _read_batches(jobs, options.read_batch_bytes)
+    results: dict[layout.KeyPath, torch.Tensor] = {}
+    current: list[dict] = []
+    following: list[dict] = []
+    try:
+        current = _issue_reads(loc, groups[0], opened) if groups else []
+        for k, group in enumerate(groups):
+            following = _issue_reads(loc, groups[k + 1], opened) if k + 1 < len(groups) else []
+            for job, reads in zip(group, current):
+                results[job.key_path] = _build(job, {index: r.result() for index, r in reads.items()})
+            current, following = following, []
+    except BaseException:
+        _drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
+        raise
+    return results
+
+
+def _drain(pending: Sequence[arrays.Pending]) -> None:
+    """Wait for futures whose results no longer matter (an error is already on its way)."""
+    for item in pending:
+        try:
+            item.result()
+        except (CorruptCheckpointError, OSError):
+            pass
+
+
+def _read_batches(jobs: Sequence[_ReadJob], limit: int) -> list[list[_ReadJob]]:
+    groups: list[list[_ReadJob]] = []
+    size = 0
+    for job in jobs:
+        if not groups or (size + job.read_bytes > limit and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(job)
+        size += job.read_bytes
+    return groups
+
+
+def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict) -> list[dict]:
+    issued = []
+    for job in group:
+        store = opened[job.key_path].result()
+        _check_stored(loc, job, store)
+        issued.append({s.index: arrays.read(store, loc.child(job.meta.path), s.region)
+                       for s in job.layout.distinct_shards()})
+    return issued
+
+
+def _check_stored(loc: storage.Location, job: _ReadJob, store: Any) -> None:
+    shape, dtype = tuple(store.shape), arrays.stored_dtype_name(store)
+    if shape != job.meta.shape or dtype != job.meta.dtype:
+        raise CorruptCheckpointError(
+            f"array {loc.child(job.meta.path)} holds {dtype}{list(shape)} but {layout.ITEM_METADATA} "
+            f"records {job.meta.dtype}{list(job.meta.shape)}")
+
+
+def _build(job: _ReadJob, regions: dict) -> torch.Tensor:
+    saved_dtype = dtypes.by_name(job.meta.dtype).torch
+    dtype = job.target.dtype if job.target is not None else saved_dtype
+    lay = job.layout
+    if lay.placement in (Placement.CPU, Placement.UNSHARDED):
+        shard = lay.shards[0]
+        data = (dtypes.numpy_to_tensor(regions[shard.index]) if shard.index in regions
+                else torch.empty(lay.shape, dtype=saved_dtype))
+        data = data.to(dtype)
+        if lay.placement is Placement.CPU:
+            return data
+        from . import sharding
+
+        return sharding.build(job.target, lay, [data])
+    padded: dict[Any, torch.Tensor] = {}
+    shards = []
+    for shard in lay.shards:
+        if shard.index not in padded:
+            padded[shard.index] = _pad(regions.get(shard.index), shard, lay.shard_shape, saved_dtype, dtype)
+        shards.append(padded[shard.index])
+    from . import sharding
+
+    return sharding.build(job.target, lay, shards)
+
+
+def _pad(region: Any, shard: LocalShard, shard_shape: tuple[int, ...], saved_dtype: torch.dtype,
+         dtype: torch.dtype) -> torch.Tensor:
+    """The shard's data in a buffer of the padded shard shape (XLA wants padding; its value is irrelevant)."""
+    data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(shard.extent, dtype=saved_dtype)
+    data = data.to(dtype)
+    if tuple(data.shape) == shard_shape:
+        return data
+    out = torch.zeros(shard_shape, dtype=dtype)
+    out[tuple(slice(0, e) for e in shard.extent)] = data
+    return out

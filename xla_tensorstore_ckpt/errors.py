@@ -1,0 +1,69 @@
+"""The one exception hierarchy of the package.
+
+Every error derives from `CheckpointError` and from the built-in exception a caller would naturally catch
+(`FileNotFoundError`, `ValueError`, ...), so both `except xtc.CheckpointError` and `except ValueError` work.
+Messages name the step, key and path involved wherever they are known.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by xla_tensorstore_ckpt."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A path holds no checkpoint (or no committed checkpoint item)."""
+
+    def __str__(self) -> str:  # FileNotFoundError formats (errno, strerror) pairs oddly; keep our message.
+        return str(self.args[0]) if self.args else ""
+
+
+class StepNotFoundError(CheckpointNotFoundError):
+    """A requested step is not committed under the checkpoint root."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A save would overwrite an existing checkpoint and overwriting was not requested."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class FormatVersionError(CheckpointError, ValueError):
+    """The checkpoint was written in a format version this reader does not know."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """Stored data or metadata is damaged, missing or malformed (checksums, missing chunks, bad JSON)."""
+
+
+class KeyMismatchError(CheckpointError, KeyError):
+    """Keys of the checkpoint and of the restore target differ."""
+
+    def __init__(self, message: str, *, missing: tuple[str, ...] = (), unexpected: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.missing = missing
+        self.unexpected = unexpected
+
+    def __str__(self) -> str:  # KeyError would repr() the message.
+        return str(self.args[0])
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """A stored array and its restore target have different shapes."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A tree holds a value the checkpoint format cannot store (not a tensor, not a JSON scalar)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """Reading or writing the underlying storage failed (permissions, full disk, network)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class AsyncSaveError(CheckpointError, RuntimeError):
+    """A background save failed; raised at the next call into the manager. `__cause__` holds the original."""

@@ -1,0 +1,82 @@
+"""Immutable records describing where a tensor's data lives and which chunks this process writes or reads.
+
+A `TensorLayout` lists a tensor's local shards (one per local device, in the runtime's device order) with their
+index in the global array. It comes from `sharding.layouts` for XLA tensors and from `cpu_layout` for CPU
+tensors, so the checkpointer never touches torch_xla itself. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from .metadata import SavedSharding
+
+Index = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in global coordinates, without padding
+
+
+class Placement(Enum):
+    CPU = "cpu"  # a host tensor
+    UNSHARDED = "unsharded"  # an XLA tensor without a sharding annotation
+    REPLICATED = "replicated"  # an XLA tensor replicated on every device
+    TILED = "tiled"  # an XLA tensor split into tiles, possibly partially replicated
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """One addressable shard: its position in the tensor's local shard list, device, index and replica id."""
+
+    position: int
+    device: str
+    index: Index
+    replica_id: int
+
+    @property
+    def region(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in self.index)
+
+    @property
+    def extent(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.index)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.extent)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How one tensor is laid out over this process's devices. `shard_shape` is the padded per-device shape
+    (the chunk shape on disk, except that chunk dimensions are at least 1)."""
+
+    shape: tuple[int, ...]
+    placement: Placement
+    shard_shape: tuple[int, ...]
+    shards: tuple[LocalShard, ...]
+    sharding: SavedSharding | None = None
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        return tuple(max(1, s) for s in self.shard_shape)
+
+    def distinct_shards(self) -> list[LocalShard]:
+        """One shard per distinct non-empty index: the one with the lowest replica id. Empty shards (of a
+        zero-length dimension, or past the end of an unevenly split one) hold nothing to write."""
+        best: dict[Index, LocalShard] = {}
+        for shard in self.shards:
+            if shard.size == 0:
+                continue
+            current = best.get(shard.index)
+            if current is None or shard.replica_id < current.replica_id:
+                best[shard.index] = shard
+        return sorted(best.values(), key=lambda s: s.index)
+
+
+def full_index(shape: tuple[int, ...]) -> Index:
+    return tuple((0, n) for n in shape)
+
+
+def cpu_layout(shape: tuple[int, ...]) -> TensorLayout:
+    """A CPU tensor: one shard covering the whole array."""
+    return TensorLayout(shape, Placement.CPU, shape, (LocalShard(0, "cpu", full_index(shape), 0),))

@@ -1,0 +1,166 @@
+"""The only module that touches torch_xla internals: local shard layouts, fetching shards to the host, and
+building sharded tensors from host shards.
+
+Everything works on lists of tensors so that torch_xla is called once per batch, not once per tensor. None of
+these functions compiles or executes an XLA computation (checked by the tests with torch_xla's metrics),
+except `materialize`, which runs pending lazy computations the caller already queued.
+Imported lazily by the checkpointer only when XLA tensors are present.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+
+from .metadata import SavedSharding
+from .plan import LocalShard, Placement, TensorLayout, full_index
+
+_X = torch_xla._XLAC
+_DEVICES_RE = re.compile(r"devices=\[([0-9,]+)\]([^ }]*)")
+_IOTA_RE = re.compile(r"<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+
+
+def unwrap(tensor: torch.Tensor) -> torch.Tensor:
+    """The underlying XLA tensor of an `XLAShardedTensor` wrapper (others unchanged)."""
+    return tensor.global_tensor if isinstance(tensor, xs.XLAShardedTensor) else tensor
+
+
+def materialize(tensors: Sequence[torch.Tensor]) -> None:
+    """Run the pending lazy computations of `tensors` (if any) so their device data exists. Blocks."""
+    tensors = [unwrap(t) for t in tensors]
+    pending = [t for t, need in zip(tensors, _X._check_tensor_need_materialization(tensors)) if need]
+    if pending:
+        _X._xla_sync_multi(pending, devices=[], wait=True)
+
+
+def layouts(tensors: Sequence[torch.Tensor]) -> list[TensorLayout]:
+    """The local shard layout of each XLA tensor (no device work, no data transfer)."""
+    tensors = [unwrap(t) for t in tensors]
+    specs = _X._get_xla_sharding_specs(tensors) if tensors else []
+    tiled = [i for i, spec in enumerate(specs) if _is_tiled(spec)]
+    replica_indices = _X._get_local_shard_replica_and_indices([tensors[i] for i in tiled]) if tiled else []
+    by_tensor = dict(zip(tiled, replica_indices))
+    devices = _X._xla_get_runtime_devices()
+    num_devices = xr.global_runtime_device_count()
+    out = []
+    for i, (tensor, spec) in enumerate(zip(tensors, specs)):
+        shape = tuple(tensor.shape)
+        if i in by_tensor:
+            tiles, order, replicas = parse_hlo_sharding(spec, len(shape))
+            shard_shape = tuple(-(-n // t) for n, t in zip(shape, tiles))
+            shards = tuple(
+                LocalShard(pos, devices[pos], tuple((s.start, s.stop) for s in index), replica)
+                for pos, (replica, index) in enumerate(by_tensor[i]))
+            sharding = _saved_sharding(spec, tiles, order, replicas, num_devices, len(shape))
+            out.append(TensorLayout(shape, Placement.TILED, shard_shape, shards, sharding))
+        elif spec:
+            shards = tuple(LocalShard(pos, dev, full_index(shape), pos) for pos, dev in enumerate(devices))
+            sharding = SavedSharding(spec, (1,) * len(shape), num_devices, num_devices)
+            out.append(TensorLayout(shape, Placement.REPLICATED, shape, shards, sharding))
+        else:
+            shards = (LocalShard(0, str(tensor.device), full_index(shape), 0),)
+            out.append(TensorLayout(shape, Placement.UNSHARDED, shape, shards))
+    return out
+
+
+def _is_tiled(spec: str) -> bool:
+    return bool(spec) and "devices=[" in spec
+
+
+def fetch(tensors: Sequence[torch.Tensor], tensor_layouts: Sequence[TensorLayout],
+          wanted: Sequence[Sequence[LocalShard]]) -> list[list[torch.Tensor]]:
+    """Copy the `wanted` shards of each tensor to host memory, without padding. One torch_xla call per kind
+    of placement for the whole batch. Blocks until the copies are done."""
+    tensors = [unwrap(t) for t in tensors]
+    out: list[list[torch.Tensor]] = [[] for _ in tensors]
+    tiled = [i for i, lay in enumerate(tensor_layouts) if lay.placement is Placement.TILED and wanted[i]]
+    whole = [i for i, lay in enumerate(tensor_layouts) if lay.placement is not Placement.TILED and wanted[i]]
+    if tiled:
+        for i, shard_list in zip(tiled, _X._get_local_shards([tensors[i] for i in tiled])):
+            for shard in wanted[i]:
+                data = shard_list[shard.position][0]
+                out[i].append(data[tuple(slice(0, e) for e in shard.extent)])
+    if whole:
+        for i, data in zip(whole, _X._xla_get_cpu_tensors([tensors[i] for i in whole])):
+            out[i].append(data)
+    return out
+
+
+def build(target: torch.Tensor, layout: TensorLayout, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new XLA tensor with `target`'s sharding and device from host `shards` (one per local shard of
+    `layout`, padded to `layout.shard_shape`). Transfers data; runs no computation."""
+    target = unwrap(target)
+    if layout.placement is Placement.UNSHARDED:
+        return shards[0].to(target.device)
+    return _X._global_tensor_from_cpu_shards(list(shards), _X._get_xla_op_sharding(target), list(layout.shape))
+
+
+def parse_hlo_sharding(spec: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Tiles per tensor dimension, the device order of the tile assignment, and the replication factor of an
+    HLO sharding string such as ``{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}``."""
+    match = _DEVICES_RE.search(spec)
+    if match is None:
+        raise ValueError(f"unrecognised sharding {spec!r}")
+    dims = tuple(int(d) for d in match.group(1).split(","))
+    iota = _IOTA_RE.search(spec)
+    if iota is not None:
+        reshape = [int(d) for d in iota.group(1).split(",")]
+        ids = np.arange(math.prod(reshape)).reshape(reshape)
+        if iota.group(2):
+            ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
+        order = tuple(int(d) for d in ids.reshape(-1))
+    else:
+        order = tuple(int(d) for d in match.group(2).split(",") if d)
+    tiles = dims[:rank]
+    return tiles, order, math.prod(dims[rank:])
+
+
+def _saved_sharding(spec: str, tiles: tuple[int, ...], order: tuple[int, ...], replicas: int,
+                    num_devices: int, rank: int) -> SavedSharding:
+    mesh = xs.get_global_mesh()
+    partition_spec = None
+    if mesh is not None and len(mesh.device_ids) == num_devices:
+        partition_spec = _match_partition_spec(
+            tuple(int(d) for d in np.asarray(mesh.device_ids).reshape(-1)), tuple(mesh.mesh_shape),
+            tuple(mesh.axis_names) if mesh.axis_names else None, tiles, order, replicas, rank)
+    if partition_spec is None:
+        return SavedSharding(spec, tiles, replicas, num_devices)
+    return SavedSharding(spec, tiles, replicas, num_devices, tuple(mesh.mesh_shape),
+                         tuple(mesh.axis_names) if mesh.axis_names else None, partition_spec)
+
+
+@lru_cache(maxsize=4096)
+def _match_partition_spec(device_ids: tuple[int, ...], mesh_shape: tuple[int, ...],
+                          axis_names: tuple[str, ...] | None, tiles: tuple[int, ...], order: tuple[int, ...],
+                          replicas: int, rank: int) -> tuple | None:
+    """The partition spec over the global mesh that yields this tile assignment, or None. Tries each tensor
+    dimension unsharded, on one mesh axis, or on an ordered pair of axes."""
+    axes = range(len(mesh_shape))
+    choices: list = [None, *[(a,) for a in axes], *itertools.permutations(axes, 2)]
+    mesh = np.array(device_ids).reshape(mesh_shape)
+    for candidate in itertools.product(choices, repeat=rank):
+        used = [a for c in candidate if c for a in c]
+        if len(used) != len(set(used)):
+            continue
+        cand_tiles = tuple(math.prod(mesh_shape[a] for a in c) if c else 1 for c in candidate)
+        if cand_tiles != tiles:
+            continue
+        rest = [a for a in axes if a not in used]
+        if math.prod(mesh_shape[a] for a in rest) != replicas:
+            continue
+        cand_order = tuple(int(d) for d in mesh.transpose(used + rest).reshape(-1))
+        if cand_order == order:
+            def name(a: int) -> str | int:
+                return axis_names[a] if axis_names else a
+            return tuple(None if c is None else (name(c[0]) if len(c) == 1 else tuple(name(a) for a in c))
+                         for c in candidate)
+    return None

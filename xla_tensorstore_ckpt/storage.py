@@ -1,0 +1,221 @@
+"""Where checkpoints live: URLs to tensorstore kvstore specs, and small-file operations (read, write, list,
+delete) that work the same on local disk (``/path`` or ``file://``), ``gs://bucket/prefix`` and ``memory://``.
+
+Array data never passes through here; `arrays` opens zarr arrays on `Location.kvstore_spec()` with the shared
+tensorstore context from `context()`. Functions block until done and raise `StorageError` naming the object.
+They are thread-safe.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+
+import tensorstore as ts
+
+from .errors import StorageError
+
+_SCHEMES = ("file", "gs", "memory")
+
+
+@dataclass(frozen=True)
+class Location:
+    """A directory in some storage: ``scheme`` is file, gs or memory; ``path`` has no trailing slash (for gs
+    and memory it has no leading slash either; for file it is absolute)."""
+
+    scheme: str
+    path: str
+    bucket: str = ""
+
+    def child(self, *names: str) -> Location:
+        """The location of a sub-directory (names may contain ``/``)."""
+        parts = [self.path] if self.path else []
+        parts.extend(n.strip("/") for n in names if n.strip("/"))
+        joined = "/".join(parts)
+        if self.scheme == "file" and not joined.startswith("/"):
+            joined = "/" + joined
+        return Location(self.scheme, joined, self.bucket)
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> Location:
+        head = self.path.rstrip("/").rsplit("/", 1)[0] if "/" in self.path.strip("/") else ""
+        if self.scheme == "file" and not head:
+            head = "/"
+        return Location(self.scheme, head, self.bucket)
+
+    def kvstore_spec(self) -> dict:
+        """A tensorstore kvstore spec for this directory (trailing slash included)."""
+        prefix = self.path.rstrip("/") + "/" if self.path.strip("/") else ""
+        if self.scheme == "file":
+            return {"driver": "file", "path": prefix or "/"}
+        if self.scheme == "memory":
+            return {"driver": "memory", "path": prefix}
+        return {"driver": "gcs", "bucket": self.bucket, "path": prefix}
+
+    def __str__(self) -> str:
+        if self.scheme == "file":
+            return self.path
+        if self.scheme == "gs":
+            return f"gs://{self.bucket}/{self.path}".rstrip("/")
+        return f"memory://{self.path}"
+
+
+def location(path: str | os.PathLike | Location) -> Location:
+    """Parse a user path: a local path, ``file://``, ``gs://bucket/prefix`` or ``memory://prefix``."""
+    if isinstance(path, Location):
+        return path
+    text = os.fspath(path)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return Location("file", os.path.abspath(text).rstrip("/") or "/")
+    if scheme not in _SCHEMES:
+        raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path, gs:// or memory://")
+    if scheme == "file":
+        return Location("file", os.path.abspath("/" + rest.lstrip("/")).rstrip("/") or "/")
+    rest = rest.strip("/")
+    if scheme == "memory":
+        return Location("memory", rest)
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"{text!r} names no bucket")
+    return Location("gs", prefix.strip("/"), bucket)
+
+
+@cache
+def _base_context() -> ts.Context:
+    return ts.Context()
+
+
+@cache
+def context(fsync: bool = True) -> ts.Context:
+    """The tensorstore context for array I/O. All contexts share one memory kvstore (a parent context), and
+    `fsync` selects whether the file kvstore syncs files and directories before a write completes."""
+    return ts.Context({"file_io_sync": fsync, "cache_pool": {"total_bytes_limit": 0}}, parent=_base_context())
+
+
+def _kvstore(loc: Location) -> ts.KvStore:
+    try:
+        return ts.KvStore.open(loc.kvstore_spec(), context=context()).result()
+    except ValueError as exc:
+        raise StorageError(f"cannot open storage at {loc}: {exc}") from exc
+
+
+def read(loc: Location, name: str) -> bytes | None:
+    """The bytes of file `name` in directory `loc`, or None if it does not exist."""
+    if loc.scheme == "file":
+        try:
+            with open(os.path.join(loc.path, name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(f"cannot read {loc.child(name)}: {exc}") from exc
+    try:
+        result = _kvstore(loc).read(name).result()
+    except ValueError as exc:
+        raise StorageError(f"cannot read {loc.child(name)}: {exc}") from exc
+    return result.value if result.state == "value" else None
+
+
+def write(loc: Location, name: str, data: bytes, *, fsync: bool = True) -> None:
+    """Write file `name` in `loc` atomically: readers see the old content or the new, never a part."""
+    if loc.scheme == "file":
+        target = os.path.join(loc.path, name)
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(name)}.", suffix=".tmp",
+                                       dir=os.path.dirname(target))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    if fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, target)
+            except BaseException:
+                _remove_quietly(tmp)
+                raise
+            if fsync:
+                _fsync_dir(os.path.dirname(target))
+        except OSError as exc:
+            raise StorageError(f"cannot write {target}: {exc}") from exc
+        return
+    try:
+        _kvstore(loc).write(name, data).result()
+    except ValueError as exc:
+        raise StorageError(f"cannot write {loc.child(name)}: {exc}") from exc
+
+
+def delete(loc: Location, name: str) -> None:
+    """Delete file `name` in `loc` (no error if it is absent)."""
+    if loc.scheme == "file":
+        try:
+            os.remove(os.path.join(loc.path, name))
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StorageError(f"cannot delete {loc.child(name)}: {exc}") from exc
+        return
+    try:
+        _kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\x00")).result()
+    except ValueError as exc:
+        raise StorageError(f"cannot delete {loc.child(name)}: {exc}") from exc
+
+
+def delete_tree(loc: Location) -> None:
+    """Delete the directory `loc` and everything below it (no error if it is absent)."""
+    if loc.scheme == "file":
+        try:
+            shutil.rmtree(loc.path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StorageError(f"cannot delete {loc}: {exc}") from exc
+        return
+    try:
+        _kvstore(loc).delete_range(ts.KvStore.KeyRange()).result()
+    except ValueError as exc:
+        raise StorageError(f"cannot delete {loc}: {exc}") from exc
+
+
+def list_children(loc: Location) -> list[str]:
+    """Names of the files and directories directly inside `loc` (empty if `loc` does not exist)."""
+    if loc.scheme == "file":
+        try:
+            return [entry.name for entry in os.scandir(loc.path)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise StorageError(f"cannot list {loc}: {exc}") from exc
+    try:
+        keys = _kvstore(loc).list().result()
+    except ValueError as exc:
+        raise StorageError(f"cannot list {loc}: {exc}") from exc
+    return sorted({key.decode("utf-8").split("/", 1)[0] for key in keys})
+
+
+def is_empty(loc: Location) -> bool:
+    """True if nothing is stored under `loc`."""
+    return not list_children(loc)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
