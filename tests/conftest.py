@@ -1,0 +1,53 @@
+"""Test environment: torch_xla SPMD on 8 virtual CPU devices, set up before anything imports torch_xla."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ["CPU_NUM_DEVICES"] = os.environ.get("XTC_TEST_DEVICES", "8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+
+xr.use_spmd()
+
+
+@pytest.fixture(scope="session")
+def num_devices() -> int:
+    return xr.global_runtime_device_count()
+
+
+def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], order=None) -> xs.Mesh:
+    n = int(np.prod(shape))
+    ids = np.arange(n) if order is None else np.asarray(order)
+    return xs.Mesh(ids, shape, names)
+
+
+def sharded(cpu: torch.Tensor, mesh: xs.Mesh | None, spec: tuple | None) -> torch.Tensor:
+    """An XLA copy of `cpu`, sharded with `spec` on `mesh` (unsharded if mesh is None), materialized."""
+    t = cpu.to("xla")
+    if mesh is not None:
+        xs.mark_sharding(t, mesh, spec)
+    torch_xla.sync()
+    return t
+
+
+@pytest.fixture
+def mesh_4x2() -> xs.Mesh:
+    return make_mesh((4, 2), ("x", "y"))
+
+
+@pytest.fixture
+def mesh_2x4() -> xs.Mesh:
+    return make_mesh((2, 4), ("a", "b"))
+
+
+@pytest.fixture
+def mesh_8() -> xs.Mesh:
+    return make_mesh((8,), ("d",))

@@ -1,0 +1,201 @@
+"""Item save/restore of CPU state trees: every dtype and layout, JSON leaves, optimizer state, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import layout
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
+          torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
+
+
+def random_tensor(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return (torch.randn(shape, generator=g, dtype=torch.float32) * 3).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def assert_trees_equal(a, b):
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_trees_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_trees_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.cpu(), b.cpu())
+    else:
+        assert a == b or (a != a and b != b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_round_trips_exactly(tmp_path, dtype):
+    state = {"x": random_tensor((5, 7), dtype), "scalar": random_tensor((), dtype),
+             "empty": random_tensor((0, 3), dtype)}
+    xtc.save(tmp_path / "ck", state)
+    assert_trees_equal(xtc.restore(tmp_path / "ck"), state)
+
+
+def test_optimizer_state_dict_round_trips_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    xtc.save(tmp_path / "ck", state)
+    restored = xtc.restore(tmp_path / "ck")
+    assert_trees_equal(restored["optimizer"], state["optimizer"])
+    assert_trees_equal(restored["model"], dict(state["model"]))
+    fresh = torch.optim.AdamW(model.parameters(), lr=1.0)
+    fresh.load_state_dict(restored["optimizer"])
+    assert fresh.param_groups[0]["betas"] == (0.9, 0.95) and fresh.param_groups[0]["lr"] == 1e-3
+
+
+def test_json_leaves_and_structure(tmp_path):
+    state = {"a": [1, 2.5, "s", True, None, float("inf")], "nested": {"t": (1, (2, 3)), 5: {}}, "empty": []}
+    xtc.save(tmp_path / "ck", state)
+    assert_trees_equal(xtc.restore(tmp_path / "ck"), state)
+
+
+def test_hostile_keys_are_stored_inside_the_item_and_round_trip(tmp_path):
+    keys = ["..", "../escape", "/abs/path", "a/b", "nul\x00", "ünï", "x" * 600, "_METADATA", "0", ""]
+    state = {k: torch.full((2,), float(i)) for i, k in enumerate(keys)}
+    xtc.save(tmp_path / "ck", state)
+    assert_trees_equal(xtc.restore(tmp_path / "ck"), state)
+    item = os.path.realpath(tmp_path / "ck")
+    for root, _dirs, _files in os.walk(item):
+        assert os.path.realpath(root).startswith(item)
+    assert sorted(os.listdir(tmp_path)) == ["ck"] and not os.path.exists("/abs")
+    assert len(os.listdir(item)) == len(keys) + 1  # one directory per key, plus _METADATA
+
+
+def test_metadata_describes_arrays_and_values(tmp_path):
+    xtc.save(tmp_path / "ck", {"w": torch.zeros(4, 6, dtype=torch.bfloat16), "step": 7})
+    info = xtc.metadata(tmp_path / "ck")
+    assert info["step"] == 7
+    assert info["w"] == xtc.ArrayMetadata("w", (4, 6), "bfloat16", (4, 6), None)
+    assert info["w"].torch_dtype == torch.bfloat16 and info["w"].nbytes == 48
+
+
+def test_cast_on_restore_to_target_dtype(tmp_path):
+    src = torch.randn(6, 3)
+    xtc.save(tmp_path / "ck", {"w": src})
+    out = xtc.restore(tmp_path / "ck", {"w": torch.zeros(6, 3, dtype=torch.bfloat16)})
+    assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], src.to(torch.bfloat16))
+
+
+def test_non_json_leaf_fails_before_anything_is_written(tmp_path):
+    with pytest.raises(xtc.UnsupportedValueError, match="opt/fn"):
+        xtc.save(tmp_path / "ck", {"w": torch.zeros(2), "opt": {"fn": object()}})
+    assert not (tmp_path / "ck").exists()
+
+
+def test_shape_mismatch_names_key_shapes_and_path(tmp_path):
+    xtc.save(tmp_path / "ck", {"layer": {"w": torch.zeros(4, 6)}})
+    with pytest.raises(xtc.ShapeMismatchError) as err:
+        xtc.restore(tmp_path / "ck", {"layer": {"w": torch.zeros(6, 4)}})
+    message = str(err.value)
+    assert "layer/w" in message and "(4, 6)" in message and "(6, 4)" in message and str(tmp_path) in message
+
+
+def test_missing_and_unexpected_keys(tmp_path):
+    xtc.save(tmp_path / "ck", {"a": torch.ones(2), "b": torch.ones(3)})
+    target = {"a": torch.zeros(2), "c": torch.zeros(4)}
+    with pytest.raises(xtc.KeyMismatchError) as err:
+        xtc.restore(tmp_path / "ck", target)
+    assert err.value.missing == ("c",) and err.value.unexpected == ("b",)
+    assert isinstance(err.value, KeyError) and "strict=False" in str(err.value)
+    with pytest.warns(UserWarning, match="missing from the checkpoint: c"):
+        out = xtc.restore(tmp_path / "ck", target, strict=False)
+    assert torch.equal(out["a"], torch.ones(2)) and out["c"] is target["c"] and "b" not in out
+
+
+def test_target_is_not_modified(tmp_path):
+    xtc.save(tmp_path / "ck", {"a": torch.ones(2)})
+    target = {"a": torch.zeros(2)}
+    out = xtc.restore(tmp_path / "ck", target)
+    assert torch.equal(target["a"], torch.zeros(2)) and torch.equal(out["a"], torch.ones(2))
+
+
+def test_existing_checkpoint_is_not_overwritten_without_consent(tmp_path):
+    xtc.save(tmp_path / "ck", {"a": torch.ones(2)})
+    with pytest.raises(xtc.CheckpointExistsError):
+        xtc.save(tmp_path / "ck", {"a": torch.zeros(2)})
+    assert torch.equal(xtc.restore(tmp_path / "ck")["a"], torch.ones(2))
+    xtc.save(tmp_path / "ck", {"b": torch.zeros(3)}, overwrite=True)
+    assert list(xtc.restore(tmp_path / "ck")) == ["b"]
+    assert not (tmp_path / "ck" / "a").exists()
+
+
+def _chunk_file(item, array):
+    chunk_dir = item / array / "c"
+    files = [os.path.join(r, f) for r, _, fs in os.walk(chunk_dir) for f in fs]
+    return sorted(files)[0]
+
+
+def test_flipped_byte_is_detected_naming_array_and_chunk(tmp_path):
+    xtc.save(tmp_path / "ck", {"w": torch.randn(8, 8)})
+    chunk = _chunk_file(tmp_path / "ck", "w")
+    data = bytearray(open(chunk, "rb").read())
+    data[10] ^= 0x01
+    open(chunk, "wb").write(data)
+    with pytest.raises(xtc.CorruptCheckpointError) as err:
+        xtc.restore(tmp_path / "ck")
+    assert "w" in str(err.value) and chunk in str(err.value)
+
+
+def test_missing_chunk_is_an_error_not_zeros(tmp_path):
+    xtc.save(tmp_path / "ck", {"w": torch.zeros(8, 8)})
+    chunk = _chunk_file(tmp_path / "ck", "w")
+    os.remove(chunk)
+    with pytest.raises(xtc.CorruptCheckpointError, match="missing"):
+        xtc.restore(tmp_path / "ck")
+
+
+def test_newer_format_version_is_refused(tmp_path):
+    xtc.save(tmp_path / "ck", {"w": torch.zeros(2)})
+    meta = tmp_path / "ck" / layout.ITEM_METADATA
+    doc = json.loads(meta.read_text())
+    doc["format_version"] = 99
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(xtc.FormatVersionError, match="99"):
+        xtc.restore(tmp_path / "ck")
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(xtc.CheckpointNotFoundError):
+        xtc.restore(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError):
+        xtc.metadata(tmp_path / "nothing")
+
+
+def test_manifest_disagreeing_with_zarr_json_is_corrupt(tmp_path):
+    xtc.save(tmp_path / "ck", {"w": torch.zeros(4)})
+    meta = tmp_path / "ck" / layout.ITEM_METADATA
+    doc = json.loads(meta.read_text())
+    doc["tree"]["dict"][0][1]["array"]["shape"] = [5]
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(xtc.CorruptCheckpointError, match="records"):
+        xtc.restore(tmp_path / "ck")
+
+
+def test_memory_storage_round_trip():
+    state = {"w": torch.randn(3, 3), "n": 1}
+    xtc.save("memory://core-test/ck", state)
+    assert_trees_equal(xtc.restore("memory://core-test/ck"), state)

@@ -1,0 +1,196 @@
+"""Item save/restore of torch_xla SPMD tensors on 8 CPU devices: chunk grid = shard grid, resharding restores,
+uneven and partially replicated shards, no XLA work caused by a save."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+import zarr
+from conftest import make_mesh, sharded
+from test_checkpointer_cpu import assert_trees_equal, random_tensor
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import sharding as sharding_module
+
+
+def chunk_files(array_dir):
+    return sorted(os.path.relpath(os.path.join(r, f), array_dir)
+                  for r, _, fs in os.walk(os.path.join(array_dir, "c")) for f in fs)
+
+
+def spec_of(t):
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
+def test_chunk_grid_is_the_shard_grid_and_metadata_names_mesh_and_spec(tmp_path, mesh_4x2):
+    xs.set_global_mesh(mesh_4x2)
+    try:
+        w = sharded(torch.randn(16, 8), mesh_4x2, ("x", "y"))
+        xtc.save(tmp_path / "ck", {"w": w})
+    finally:
+        xs.set_global_mesh(None)
+    info = xtc.metadata(tmp_path / "ck")["w"]
+    assert info.chunk_shape == (4, 4)
+    assert info.sharding.tiles == (4, 2) and info.sharding.replicas == 1
+    assert info.sharding.mesh_shape == (4, 2) and info.sharding.partition_spec == ("x", "y")
+    assert chunk_files(tmp_path / "ck" / "w") == [f"c/{i}/{j}" for i in range(4) for j in range(2)]
+
+
+def test_replicas_are_written_once(tmp_path, mesh_4x2, monkeypatch):
+    written = []
+    from xla_tensorstore_ckpt import arrays
+
+    real_write = arrays.write
+    monkeypatch.setattr(arrays, "write", lambda store, loc, region, data: written.append(
+        (loc.name, tuple((r.start, r.stop) for r in region))) or real_write(store, loc, region, data))
+    src = torch.randn(8, 6)
+    state = {"rows": sharded(src, mesh_4x2, ("x", None)), "full": sharded(src, mesh_4x2, (None, None)),
+             "plain": sharded(src, None, None)}
+    xtc.save(tmp_path / "ck", state)
+    names = [n for n, _ in written]
+    assert names.count("rows") == 4 and names.count("full") == 1 and names.count("plain") == 1
+    assert len(set(written)) == len(written)
+    assert chunk_files(tmp_path / "ck" / "rows") == [f"c/{i}/0" for i in range(4)]
+    assert_trees_equal(xtc.restore(tmp_path / "ck"), {"rows": src, "full": src, "plain": src})
+
+
+def test_save_causes_no_compilation_or_execution(tmp_path, mesh_4x2, mesh_8):
+    state = {"a": sharded(torch.randn(16, 8), mesh_4x2, ("x", "y")),
+             "b": sharded(torch.randn(10, 3), mesh_4x2, (None, "y")),
+             "c": sharded(torch.randn(5), mesh_8, (None,)), "d": sharded(torch.randn(3, 3), None, None)}
+    met.clear_all()
+    xtc.save(tmp_path / "ck", state)
+    names = set(met.metric_names())
+    assert not {"CompileTime", "ExecuteTime", "ExecuteReplicatedTime"} & names, names
+    assert "TransferFromDeviceTime" in names  # it did read the shards from the devices
+
+
+def test_shards_are_fetched_in_batches(tmp_path, mesh_4x2, monkeypatch):
+    calls = []
+
+    class CountingXLAC:
+        def __getattr__(self, name):
+            real = getattr(torch_xla._XLAC, name)
+            if name in ("_get_local_shards", "_xla_get_cpu_tensors"):
+                return lambda tensors, *a: calls.append((name, len(tensors))) or real(tensors, *a)
+            return real
+
+    monkeypatch.setattr(sharding_module, "_X", CountingXLAC())
+    state = {f"t{i}": sharded(torch.randn(8, 4), mesh_4x2, ("x", "y")) for i in range(20)}
+    state.update({f"u{i}": sharded(torch.randn(3), None, None) for i in range(10)})
+    xtc.save(tmp_path / "ck", state)
+    assert calls == [("_get_local_shards", 20), ("_xla_get_cpu_tensors", 10)]
+
+
+RESHARD_CASES = [
+    # (saved mesh, saved spec, target mesh, target spec)
+    (((4, 2), ("x", "y")), ("x", "y"), ((2, 4), ("a", "b")), ("a", "b")),
+    (((8,), ("d",)), ("d", None), ((8,), ("d",)), (None, "d")),
+    (((4, 2), ("x", "y")), ("x", "y"), ((8,), ("d",)), ("d", None)),
+    (((4, 2), ("x", "y")), ("y", "x"), None, None),
+    (None, None, ((4, 2), ("x", "y")), ("x", "y")),
+    (((4, 2), ("x", "y")), ("x", "y"), ((4, 2), ("x", "y")), (None, None)),
+    (((4, 2), ("x", "y")), (None, None), ((2, 4), ("a", "b")), ("b", "a")),
+    (((4, 2), ("x", "y")), (("x", "y"), None), ((2, 4), ("a", "b")), (None, ("b", "a"))),
+]
+
+
+def _mesh(desc, order=None):
+    return None if desc is None else make_mesh(*desc, order=order)
+
+
+@pytest.mark.parametrize("saved_mesh,saved_spec,target_mesh,target_spec", RESHARD_CASES,
+                         ids=["4x2-to-2x4", "8-transposed", "2d-to-1d", "sharded-to-unsharded",
+                              "unsharded-to-sharded", "sharded-to-replicated", "replicated-to-sharded",
+                              "multi-axis"])
+@pytest.mark.parametrize("shape", [(16, 8), (13, 7)], ids=["even", "uneven"])
+def test_restore_onto_another_mesh_is_exact(tmp_path, saved_mesh, saved_spec, target_mesh, target_spec, shape):
+    src = torch.randn(*shape)
+    xtc.save(tmp_path / "ck", {"w": sharded(src, _mesh(saved_mesh), saved_spec)})
+    target = {"w": sharded(torch.zeros(*shape), _mesh(target_mesh), target_spec)}
+    met.clear_all()
+    out = xtc.restore(tmp_path / "ck", target)
+    assert not {"CompileTime", "ExecuteTime"} & set(met.metric_names())
+    assert spec_of(out["w"]) == spec_of(target["w"])
+    assert torch.equal(out["w"].cpu(), src)
+    assert torch.equal(target["w"].cpu(), torch.zeros(*shape))
+
+
+def test_restore_reads_only_each_local_shards_region(tmp_path, mesh_4x2, mesh_2x4, monkeypatch):
+    from xla_tensorstore_ckpt import arrays
+
+    src = torch.randn(16, 8)
+    xtc.save(tmp_path / "ck", {"w": sharded(src, mesh_4x2, ("x", "y"))})
+    regions = []
+    real_read = arrays.read
+    monkeypatch.setattr(arrays, "read", lambda store, loc, region: regions.append(region) or real_read(
+        store, loc, region))
+    out = xtc.restore(tmp_path / "ck", {"w": sharded(torch.zeros(16, 8), mesh_2x4, ("b", None))})
+    assert torch.equal(out["w"].cpu(), src)
+    assert sorted((r[0].start, r[0].stop, r[1].start, r[1].stop) for r in regions) == [
+        (0, 4, 0, 8), (4, 8, 0, 8), (8, 12, 0, 8), (12, 16, 0, 8)]
+
+
+def test_uneven_shards_store_only_real_values(tmp_path, mesh_4x2):
+    src = torch.arange(10 * 5, dtype=torch.float32).reshape(10, 5) + 1
+    xtc.save(tmp_path / "ck", {"w": sharded(src, mesh_4x2, ("x", "y"))})
+    info = xtc.metadata(tmp_path / "ck")["w"]
+    assert info.shape == (10, 5) and info.chunk_shape == (3, 3)
+    z = zarr.open_array(str(tmp_path / "ck" / "w"), mode="r")
+    assert z.shape == (10, 5)
+    assert torch.equal(torch.from_numpy(z[:]), src)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8,
+                                   torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn,
+                                   torch.float8_e5m2], ids=str)
+def test_xla_dtypes_round_trip(tmp_path, mesh_4x2, mesh_2x4, dtype):
+    src = random_tensor((8, 6), dtype)
+    xtc.save(tmp_path / "ck", {"w": sharded(src, mesh_4x2, ("x", "y")),
+                               "s": sharded(random_tensor((), dtype), None, None)})
+    out = xtc.restore(tmp_path / "ck", {"w": sharded(torch.zeros(8, 6, dtype=dtype), mesh_2x4, ("a", "b")),
+                                        "s": sharded(torch.zeros((), dtype=dtype), None, None)})
+    assert out["w"].dtype == dtype and torch.equal(out["w"].cpu(), src)
+    assert torch.equal(xtc.restore(tmp_path / "ck")["w"], src)
+
+
+def test_zero_length_dimension_and_scalars(tmp_path, mesh_4x2):
+    state = {"empty": sharded(torch.zeros(0, 4), mesh_4x2, ("x", None)),
+             "scalar": sharded(torch.tensor(2.5), mesh_4x2, ())}
+    xtc.save(tmp_path / "ck", state)
+    out = xtc.restore(tmp_path / "ck", state)
+    assert out["empty"].shape == (0, 4) and float(out["scalar"].cpu()) == 2.5
+
+
+def test_cast_to_target_dtype_on_devices(tmp_path, mesh_4x2, mesh_2x4):
+    src = torch.randn(8, 8)
+    xtc.save(tmp_path / "ck", {"w": sharded(src, mesh_4x2, ("x", "y"))})
+    out = xtc.restore(tmp_path / "ck", {"w": sharded(torch.zeros(8, 8, dtype=torch.bfloat16), mesh_2x4, ("a", "b"))})
+    assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"].cpu(), src.to(torch.bfloat16))
+
+
+def test_restore_into_cpu_target_from_sharded_save(tmp_path, mesh_4x2):
+    src = torch.randn(12, 4)
+    xtc.save(tmp_path / "ck", {"w": sharded(src, mesh_4x2, ("x", "y"))})
+    out = xtc.restore(tmp_path / "ck", {"w": torch.zeros(12, 4)})
+    assert out["w"].device.type == "cpu" and torch.equal(out["w"], src)
+
+
+def test_pending_computations_are_materialized_before_save(tmp_path, mesh_4x2):
+    base = sharded(torch.ones(8, 8), mesh_4x2, ("x", "y"))
+    lazy = base * 3  # not yet executed
+    xtc.save(tmp_path / "ck", {"w": lazy})
+    assert torch.equal(xtc.restore(tmp_path / "ck")["w"], torch.full((8, 8), 3.0))
+
+
+def test_permuted_device_mesh(tmp_path):
+    mesh = make_mesh((4, 2), ("x", "y"), order=[3, 1, 7, 5, 0, 2, 4, 6])
+    src = torch.randn(8, 6)
+    xtc.save(tmp_path / "ck", {"w": sharded(src, mesh, ("x", "y"))})
+    target = sharded(torch.zeros(8, 6), make_mesh((2, 4), ("a", "b"), order=[7, 6, 5, 4, 3, 2, 1, 0]), ("b", "a"))
+    assert torch.equal(xtc.restore(tmp_path / "ck", {"w": target})["w"].cpu(), src)

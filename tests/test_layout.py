@@ -1,0 +1,49 @@
+"""Key-path escaping: reversible, one safe path segment per key, never escaping the item directory."""
+
+from __future__ import annotations
+
+import pytest
+
+from xla_tensorstore_ckpt import layout
+
+ROUND_TRIP = [
+    "weight", "layers.0.attn.q_proj.weight", "_orig_mod.w", 0, 7, -3, "0", "007", "-1", "", ".", "..", "...",
+    "a/b", "/etc/passwd", "../../x", "a\\b", "nul\x00byte", "ünïcødé", "日本語", "%41", "%", "x%y",
+    "_METADATA", "_CHECKPOINT_METADATA", "zarr.json", "c", "with space", "[0:4]", "~tilde",
+]
+
+
+@pytest.mark.parametrize("key", ROUND_TRIP, ids=repr)
+def test_component_round_trips_and_is_one_safe_segment(key):
+    name = layout.escape_component(key)
+    assert layout.unescape_component(name) == key
+    assert type(layout.unescape_component(name)) is type(key)
+    assert "/" not in name and "\\" not in name and "\x00" not in name
+    assert name not in ("", ".", "..", layout.ITEM_METADATA, layout.CHECKPOINT_METADATA, layout.ZARR_METADATA)
+    assert layout.is_safe_relative_path(name)
+
+
+def test_escaping_is_injective_over_the_examples():
+    names = [layout.escape_component(k) for k in ROUND_TRIP]
+    assert len(set(names)) == len(names)
+
+
+def test_int_and_digit_string_keys_differ():
+    assert layout.escape_component(0) == "0"
+    assert layout.escape_component("0") != "0"
+
+
+def test_long_names_are_shortened_and_stay_distinct():
+    a, b = "x" * 1000, "x" * 999 + "y"
+    ea, eb = layout.escape_component(a), layout.escape_component(b)
+    assert len(ea) <= layout.MAX_COMPONENT_LENGTH and len(eb) <= layout.MAX_COMPONENT_LENGTH
+    assert ea != eb
+
+
+def test_array_path_joins_components():
+    assert layout.array_path(("state", 0, "exp_avg")) == "state/0/exp_avg"
+
+
+@pytest.mark.parametrize("path", ["", "/abs", "a/../b", "..", "a//b", "a/./b", "a\\b", "a\x00"], ids=repr)
+def test_unsafe_relative_paths_are_rejected(path):
+    assert not layout.is_safe_relative_path(path)
