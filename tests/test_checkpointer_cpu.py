@@ -199,3 +199,28 @@ def test_memory_storage_round_trip():
     state = {"w": torch.randn(3, 3), "n": 1}
     xtc.save("memory://core-test/ck", state)
     assert_trees_equal(xtc.restore("memory://core-test/ck"), state)
+
+
+def test_flipped_byte_in_a_single_file_array_names_the_chunk(tmp_path):
+    pytest.importorskip("torch_xla")
+    from conftest import make_mesh, sharded
+
+    xtc.save(tmp_path / "ck", {"w": sharded(torch.randn(16, 8), make_mesh((4, 2), ("x", "y")), ("x", "y"))})
+    chunk = _chunk_file(tmp_path / "ck", "w")
+    data = bytearray(open(chunk, "rb").read())
+    data[200] ^= 0x01  # inside the second inner chunk
+    open(chunk, "wb").write(data)
+    with pytest.raises(xtc.CorruptCheckpointError) as err:
+        xtc.restore(tmp_path / "ck")
+    assert chunk in str(err.value)
+
+
+def test_truncated_single_file_array_is_corrupt(tmp_path):
+    from conftest import make_mesh, sharded
+
+    xtc.save(tmp_path / "ck", {"w": sharded(torch.randn(16, 8), make_mesh((4, 2), ("x", "y")), ("x", "y"))})
+    chunk = _chunk_file(tmp_path / "ck", "w")
+    data = open(chunk, "rb").read()
+    open(chunk, "wb").write(data[: len(data) // 2])
+    with pytest.raises(xtc.CorruptCheckpointError):
+        xtc.restore(tmp_path / "ck")

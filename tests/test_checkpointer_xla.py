@@ -3,6 +3,7 @@ uneven and partially replicated shards, no XLA work caused by a save."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -23,6 +24,16 @@ def chunk_files(array_dir):
                   for r, _, fs in os.walk(os.path.join(array_dir, "c")) for f in fs)
 
 
+def inner_chunk_shape(array_dir):
+    """The chunk grid of a stored array: zarr's chunk grid, or the inner grid of a single-file array."""
+    doc = json.loads((array_dir / "zarr.json").read_text())
+    codec = doc["codecs"][0]
+    if codec["name"] == "sharding_indexed":
+        assert [c["name"] for c in codec["configuration"]["codecs"]] == ["bytes", "crc32c"]
+        return tuple(codec["configuration"]["chunk_shape"])
+    return tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
+
+
 def spec_of(t):
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
@@ -38,7 +49,8 @@ def test_chunk_grid_is_the_shard_grid_and_metadata_names_mesh_and_spec(tmp_path,
     assert info.chunk_shape == (4, 4)
     assert info.sharding.tiles == (4, 2) and info.sharding.replicas == 1
     assert info.sharding.mesh_shape == (4, 2) and info.sharding.partition_spec == ("x", "y")
-    assert chunk_files(tmp_path / "ck" / "w") == [f"c/{i}/{j}" for i in range(4) for j in range(2)]
+    assert inner_chunk_shape(tmp_path / "ck" / "w") == (4, 4)
+    assert chunk_files(tmp_path / "ck" / "w") == ["c/0/0"]  # all 8 chunks in one file: one writer holds them
 
 
 def test_replicas_are_written_once(tmp_path, mesh_4x2, monkeypatch):
@@ -46,8 +58,12 @@ def test_replicas_are_written_once(tmp_path, mesh_4x2, monkeypatch):
     from xla_tensorstore_ckpt import arrays
 
     real_write = arrays.write
-    monkeypatch.setattr(arrays, "write", lambda store, loc, region, data: written.append(
-        (loc.name, tuple((r.start, r.stop) for r in region))) or real_write(store, loc, region, data))
+
+    def spy(store, loc, chunks, single_file):
+        written.extend((loc.name, tuple((r.start, r.stop) for r in region)) for region, _ in chunks)
+        return real_write(store, loc, chunks, single_file=single_file)
+
+    monkeypatch.setattr(arrays, "write", spy)
     src = torch.randn(8, 6)
     state = {"rows": sharded(src, mesh_4x2, ("x", None)), "full": sharded(src, mesh_4x2, (None, None)),
              "plain": sharded(src, None, None)}
@@ -55,7 +71,7 @@ def test_replicas_are_written_once(tmp_path, mesh_4x2, monkeypatch):
     names = [n for n, _ in written]
     assert names.count("rows") == 4 and names.count("full") == 1 and names.count("plain") == 1
     assert len(set(written)) == len(written)
-    assert chunk_files(tmp_path / "ck" / "rows") == [f"c/{i}/0" for i in range(4)]
+    assert inner_chunk_shape(tmp_path / "ck" / "rows") == (2, 6)
     assert_trees_equal(xtc.restore(tmp_path / "ck"), {"rows": src, "full": src, "plain": src})
 
 
@@ -121,7 +137,7 @@ def test_restore_onto_another_mesh_is_exact(tmp_path, saved_mesh, saved_spec, ta
     assert torch.equal(target["w"].cpu(), torch.zeros(*shape))
 
 
-def test_restore_reads_only_each_local_shards_region(tmp_path, mesh_4x2, mesh_2x4, monkeypatch):
+def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4, monkeypatch):
     from xla_tensorstore_ckpt import arrays
 
     src = torch.randn(16, 8)
@@ -130,10 +146,30 @@ def test_restore_reads_only_each_local_shards_region(tmp_path, mesh_4x2, mesh_2x
     real_read = arrays.read
     monkeypatch.setattr(arrays, "read", lambda store, loc, region: regions.append(region) or real_read(
         store, loc, region))
-    out = xtc.restore(tmp_path / "ck", {"w": sharded(torch.zeros(16, 8), mesh_2x4, ("b", None))})
+    out = xtc.restore(tmp_path / "ck", {"w": sharded(torch.zeros(16, 8), mesh_2x4, ("b", "a"))})
     assert torch.equal(out["w"].cpu(), src)
-    assert sorted((r[0].start, r[0].stop, r[1].start, r[1].stop) for r in regions) == [
-        (0, 4, 0, 8), (4, 8, 0, 8), (8, 12, 0, 8), (12, 16, 0, 8)]
+    # All 8 local shards tile the array: one read of exactly the array, not one read per overlapping chunk.
+    assert [(r[0].start, r[0].stop, r[1].start, r[1].stop) for r in regions] == [(0, 16, 0, 8)]
+
+
+def test_reads_cover_exactly_the_local_shards():
+    """On a multi-host pod a process holds only some shards; it reads their regions and nothing else."""
+    from xla_tensorstore_ckpt.checkpointer import _ReadJob
+    from xla_tensorstore_ckpt.metadata import ArrayMetadata
+    from xla_tensorstore_ckpt.plan import LocalShard, Placement, TensorLayout
+
+    meta = ArrayMetadata("w", (16, 8), "float32", (4, 4))
+
+    def job(indices):
+        shards = tuple(LocalShard(i, f"d{i}", idx, 0) for i, idx in enumerate(indices))
+        return _ReadJob(("w",), meta, None, TensorLayout((16, 8), Placement.TILED, (4, 4), shards))
+
+    # Two shards forming a box are read as that box.
+    assert job([((0, 4), (0, 4)), ((0, 4), (4, 8))]).reads == (((0, 4), (0, 8)),)
+    # Two shards that do not tile their bounding box are read separately.
+    assert job([((0, 4), (0, 4)), ((8, 12), (4, 8))]).reads == (((0, 4), (0, 4)), ((8, 12), (4, 8)))
+    # Replicas of one shard: one read.
+    assert job([((4, 8), (0, 4)), ((4, 8), (0, 4))]).reads == (((4, 8), (0, 4)),)
 
 
 def test_uneven_shards_store_only_real_values(tmp_path, mesh_4x2):

@@ -25,15 +25,28 @@ Region = tuple[slice, ...]
 _CORRUPTION_CODES = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "OUT_OF_RANGE")
 
 
-def zarr_metadata(shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int]) -> dict:
-    """The ``zarr.json`` content (as a tensorstore metadata spec) for one checkpoint array."""
-    codecs: list[dict] = [{"name": "bytes"}, {"name": "crc32c"}]
+def zarr_metadata(shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int], *,
+                  single_file: bool = False) -> dict:
+    """The ``zarr.json`` content (as a tensorstore metadata spec) for one checkpoint array.
+
+    The chunk grid is `chunk_shape` (the SPMD shard grid). With `single_file`, all chunks of the array are
+    stored in one file (zarr's ``sharding_indexed`` codec; each inner chunk keeps its own checksum), which
+    saves thousands of small files for small tensors; it needs every chunk written by one writer at once.
+    """
+    item_codecs: list[dict] = [{"name": "bytes"}, {"name": "crc32c"}]
     if np.dtype(_numpy_dtype(dtype_name)).itemsize > 1:
-        codecs[0] = {"name": "bytes", "configuration": {"endian": "little"}}
+        item_codecs[0] = {"name": "bytes", "configuration": {"endian": "little"}}
+    if single_file:
+        grid = [-(-n // c) * c if n else c for n, c in zip(shape, chunk_shape)]
+        codecs: list[dict] = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": list(chunk_shape), "codecs": item_codecs, "index_location": "end",
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}]
+    else:
+        grid, codecs = list(chunk_shape), item_codecs
     return {
         "shape": list(shape),
         "data_type": dtype_name,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
         "chunk_key_encoding": {"name": "default"},
         "codecs": codecs,
     }
@@ -89,33 +102,41 @@ def wait_all(pending: Sequence[Pending]) -> list[object]:
 
 
 def create(loc: storage.Location, shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int],
-           *, fsync: bool, write_metadata: bool = True) -> Pending:
+           *, single_file: bool = False, write_metadata: bool = True) -> Pending:
     """Start creating the array at `loc` (writing ``zarr.json`` unless `write_metadata` is False, when another
     process writes it); the result is the array open for chunk writes."""
     spec = {
         "driver": "zarr3",
         "kvstore": loc.kvstore_spec(),
-        "metadata": zarr_metadata(shape, dtype_name, chunk_shape),
+        "metadata": zarr_metadata(shape, dtype_name, chunk_shape, single_file=single_file),
         "store_data_equal_to_fill_value": True,
     }
     if write_metadata:
         spec["create"] = True
     else:
         spec["assume_metadata"] = True
-    return Pending(ts.open(spec, context=storage.context(fsync)), "cannot create", loc)
+    return Pending(ts.open(spec, context=storage.context()), "cannot create", loc)
 
 
-def write(store: ts.TensorStore, loc: storage.Location, region: Region, data: np.ndarray) -> Pending:
-    """Start writing `data` into `region`; the result is ready once the chunk is stored (committed). `data`
-    must stay unchanged until then: tensorstore references it without copying."""
-    futures = store[region].write(data, can_reference_source_data_indefinitely=True)
-    return Pending(futures.commit, f"cannot write region {_format_region(region)} of", loc)
+def write(store: ts.TensorStore, loc: storage.Location, chunks: Sequence[tuple[Region, np.ndarray]], *,
+          single_file: bool) -> list[Pending]:
+    """Start writing whole chunks (region, data) of one array; the results are ready once the chunks are
+    stored. The data must stay unchanged until then: tensorstore references it without copying. With
+    `single_file` (see `zarr_metadata`) the chunks are written in one transaction, as one file."""
+    if not single_file:
+        return [Pending(store[region].write(data, can_reference_source_data_indefinitely=True).commit,
+                        f"cannot write region {_format_region(region)} of", loc) for region, data in chunks]
+    txn = ts.Transaction()
+    view = store.with_transaction(txn)
+    copies = [Pending(view[region].write(data, can_reference_source_data_indefinitely=True).copy,
+                      f"cannot write region {_format_region(region)} of", loc) for region, data in chunks]
+    return [*copies, Pending(txn.commit_async(), "cannot write", loc)]
 
 
 def open_existing(loc: storage.Location) -> Pending:
     """Start opening a stored array for reading; reading a missing chunk will be an error."""
     spec = {"driver": "zarr3", "kvstore": loc.kvstore_spec(), "open": True, "fill_missing_data_reads": False}
-    return Pending(ts.open(spec, context=storage.context(False), read=True), "cannot open", loc)
+    return Pending(ts.open(spec, context=storage.context(), read=True), "cannot open", loc)
 
 
 def read(store: ts.TensorStore, loc: storage.Location, region: Region) -> Pending:

@@ -13,6 +13,7 @@ import math
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from .errors import (
 )
 from .metadata import ArrayMetadata, ItemManifest
 from .options import RestoreOptions, SaveOptions
-from .plan import LocalShard, Placement, TensorLayout, cpu_layout
+from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout
 
 PathLike = str | storage.Location
 
@@ -45,6 +46,11 @@ class ArrayPlan:
     tensor: torch.Tensor
     layout: TensorLayout
     writes: tuple[LocalShard, ...]
+
+    @property
+    def single_file(self) -> bool:
+        """Store all chunks in one file: this process writes every chunk, and there is more than one."""
+        return len(self.writes) > 1 and len(self.writes) == self.meta.num_chunks
 
     @property
     def host_bytes(self) -> int:
@@ -153,19 +159,22 @@ def batches(plans: Sequence[ArrayPlan], limit: int) -> Iterator[list[ArrayPlan]]
 
 def write_arrays(loc: storage.Location, plans: Sequence[ArrayPlan], options: SaveOptions) -> None:
     """Create every array and write this process's chunks: fetches of one batch overlap the writes of the
-    previous ones. Waits for every write, then raises the first error (naming array and region)."""
-    created = {p.key_path: arrays.create(loc.child(p.meta.path), p.meta.shape, p.meta.dtype,
-                                         p.meta.chunk_shape, fsync=options.fsync) for p in plans}
+    previous ones. Waits for every write, then raises the first error (naming array and region); with
+    `options.fsync`, returns only once everything is durable."""
+    locations = {p.key_path: loc.child(p.meta.path) for p in plans}
+    created = {p.key_path: arrays.create(locations[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
+                                         single_file=p.single_file) for p in plans}
     pending: list[arrays.Pending] = []
     try:
         for group in batches([p for p in plans if p.writes], options.host_batch_bytes):
             for p, shards in zip(group, stage(group, copy_cpu=False)):
-                store = created[p.key_path].result()
-                for shard, data in zip(p.writes, shards):
-                    pending.append(arrays.write(store, loc.child(p.meta.path), shard.region,
-                                                dtypes.tensor_to_numpy(data)))
+                chunks = [(s.region, dtypes.tensor_to_numpy(d)) for s, d in zip(p.writes, shards)]
+                pending.extend(arrays.write(created[p.key_path].result(), locations[p.key_path], chunks,
+                                            single_file=p.single_file))
     finally:
         arrays.wait_all([*created.values(), *pending])
+    if options.fsync:
+        storage.sync(loc)
 
 
 def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOptions | None = None) -> None:
@@ -230,10 +239,23 @@ class _ReadJob:
     target: torch.Tensor | None
     layout: TensorLayout  # where the data goes: the target's local shards, or one whole-array shard
 
+    @cached_property
+    def reads(self) -> tuple[Index, ...]:
+        """The regions to read. When the local shards tile a box (always on a single host), the box is read
+        once, so a chunk shared by several target shards is decoded once, not once per shard."""
+        shards = self.layout.distinct_shards()
+        if len(shards) <= 1:
+            return tuple(s.index for s in shards)
+        box = tuple((min(s.index[d][0] for s in shards), max(s.index[d][1] for s in shards))
+                    for d in range(len(self.meta.shape)))
+        if sum(s.size for s in shards) == math.prod(b - a for a, b in box):
+            return (box,)
+        return tuple(s.index for s in shards)
+
     @property
     def read_bytes(self) -> int:
         itemsize = dtypes.by_name(self.meta.dtype).itemsize
-        return sum(s.size for s in self.layout.distinct_shards()) * itemsize
+        return sum(math.prod(b - a for a, b in r) for r in self.reads) * itemsize
 
 
 def restore(path: PathLike, target: Any = None, *, strict: bool = True,
@@ -369,8 +391,8 @@ def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict)
     for job in group:
         store = opened[job.key_path].result()
         _check_stored(loc, job, store)
-        issued.append({s.index: arrays.read(store, loc.child(job.meta.path), s.region)
-                       for s in job.layout.distinct_shards()})
+        array_loc = loc.child(job.meta.path)
+        issued.append({r: arrays.read(store, array_loc, tuple(slice(a, b) for a, b in r)) for r in job.reads})
     return issued
 
 
@@ -382,14 +404,25 @@ def _check_stored(loc: storage.Location, job: _ReadJob, store: Any) -> None:
             f"records {job.meta.dtype}{list(job.meta.shape)}")
 
 
+def _region(index: Index, reads: dict) -> Any:
+    """The data of `index` (a numpy view into the read that contains it), or None for an empty shard."""
+    if math.prod(b - a for a, b in index) == 0:
+        return None
+    for read, data in reads.items():
+        if index == read:
+            return data
+        if all(ra <= a and b <= rb for (a, b), (ra, rb) in zip(index, read)):
+            return data[tuple(slice(a - ra, b - ra) for (a, b), (ra, _) in zip(index, read))]
+    raise AssertionError(f"no read covers {index}")  # the reads are planned to cover every shard
+
+
 def _build(job: _ReadJob, regions: dict) -> torch.Tensor:
     saved_dtype = dtypes.by_name(job.meta.dtype).torch
     dtype = job.target.dtype if job.target is not None else saved_dtype
     lay = job.layout
     if lay.placement in (Placement.CPU, Placement.UNSHARDED):
-        shard = lay.shards[0]
-        data = (dtypes.numpy_to_tensor(regions[shard.index]) if shard.index in regions
-                else torch.empty(lay.shape, dtype=saved_dtype))
+        region = _region(lay.shards[0].index, regions)
+        data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(lay.shape, dtype=saved_dtype)
         data = data.to(dtype)
         if lay.placement is Placement.CPU:
             return data
@@ -400,7 +433,7 @@ def _build(job: _ReadJob, regions: dict) -> torch.Tensor:
     shards = []
     for shard in lay.shards:
         if shard.index not in padded:
-            padded[shard.index] = _pad(regions.get(shard.index), shard, lay.shard_shape, saved_dtype, dtype)
+            padded[shard.index] = _pad(_region(shard.index, regions), shard, lay.shard_shape, saved_dtype, dtype)
         shards.append(padded[shard.index])
     from . import sharding
 

@@ -90,6 +90,11 @@ class ArrayMetadata:
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.by_name(self.dtype).itemsize
 
+    @property
+    def num_chunks(self) -> int:
+        """Chunks holding data (none for an array with a zero-length dimension)."""
+        return math.prod(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
+
     def to_json(self) -> dict:
         return {
             "path": self.path, "shape": list(self.shape), "dtype": self.dtype,

@@ -1,0 +1,106 @@
+"""Runs one contender on one workload in this process and prints one JSON line of measurements.
+
+usage: worker.py CONTENDER WORKLOAD --scale S --repeats N --dir DIR
+Run by run.py in a fresh process per contender so that peak memory is the contender's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+
+xr.use_spmd()
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import contenders  # noqa: E402
+import memory  # noqa: E402
+import workloads  # noqa: E402
+
+from xla_tensorstore_ckpt import sharding  # noqa: E402
+
+
+def _disk_usage(path: str) -> tuple[int, int]:
+    files = size = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            files += 1
+            size += os.path.getsize(os.path.join(root, n))
+    return files, size
+
+
+def _distinct_shard_bytes(state) -> int:
+    total = 0
+    for t, lay in zip(state.values(), sharding.layouts(list(state.values()))):
+        total += sum(s.size for s in lay.distinct_shards()) * t.element_size()
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("contender")
+    parser.add_argument("workload", choices=workloads.WORKLOADS)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", required=True)
+    args = parser.parse_args()
+
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    state = workloads.build_state(args.workload, args.scale)
+    entries, _ = workloads.specs(args.workload, args.scale)
+    restore_specs = {name: spec for name, _, _, _, spec in entries}
+    mesh_b = xs.Mesh(np.arange(8), (2, 4), ("a", "b"))
+
+    def place(name: str, cpu: torch.Tensor) -> torch.Tensor:
+        t = cpu.to("xla")
+        if restore_specs[name] is not None:
+            xs.mark_sharding(t, mesh_b, restore_specs[name])
+        return t
+
+    contender = contenders.CONTENDERS[args.contender](os.path.join(args.dir, "root"))
+    result = {"contender": contender.name, "workload": args.workload, "scale": args.scale,
+              "fsync": contender.fsync, "state_bytes": workloads.state_bytes(state),
+              "distinct_shard_bytes": _distinct_shard_bytes(state), "save_s": [],
+              "restore_s": [], "restore_peak_extra_bytes": []}
+    # The first save in a fresh process shows the peak extra host memory; it also warms up lazy
+    # initialisation, so its time is not counted.
+    _, peak, _ = memory.measure(lambda: contender.save(0, state))
+    result["save_peak_extra_bytes"] = peak
+    root = os.path.join(args.dir, "root")
+    result["files"], result["bytes_written"] = _disk_usage(root)
+    for step in range(1, args.repeats + 1):
+        # Each measurement starts with no dirty pages; deleting the previous step lets the page cache reuse its
+        # memory (first-touch of fresh memory is very slow in this VM and would add noise unrelated to I/O).
+        contender.delete(step - 1)
+        os.sync()
+        seconds, _, _ = memory.measure(lambda step=step: contender.save(step, state))
+        result["save_s"].append(seconds)
+    restored = None
+    for _ in range(args.repeats):
+        target = workloads.build_target(args.workload, args.scale)
+        del restored
+        os.sync()
+        seconds, peak, restored = memory.measure(lambda target=target: contender.restore(args.repeats, target, place))
+        result["restore_s"].append(seconds)
+        result["restore_peak_extra_bytes"].append(peak)
+    keys = list(state)[:: max(1, len(state) // 8)]
+    result["restore_exact"] = all(torch.equal(restored[k].cpu(), state[k].cpu()) for k in keys)
+    contender.close()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
