@@ -47,10 +47,10 @@ class ArrayPlan:
     layout: TensorLayout
     writes: tuple[LocalShard, ...]
 
-    @property
-    def single_file(self) -> bool:
-        """Store all chunks in one file: this process writes every chunk, and there is more than one."""
-        return len(self.writes) > 1 and len(self.writes) == self.meta.num_chunks
+    def single_file(self, options: SaveOptions) -> bool:
+        """Store all chunks in one file: a small array, more than one chunk, and this process writes all."""
+        return (len(self.writes) > 1 and len(self.writes) == self.meta.num_chunks
+                and self.meta.nbytes <= options.single_file_max_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -163,14 +163,14 @@ def write_arrays(loc: storage.Location, plans: Sequence[ArrayPlan], options: Sav
     `options.fsync`, returns only once everything is durable."""
     locations = {p.key_path: loc.child(p.meta.path) for p in plans}
     created = {p.key_path: arrays.create(locations[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
-                                         single_file=p.single_file) for p in plans}
+                                         single_file=p.single_file(options)) for p in plans}
     pending: list[arrays.Pending] = []
     try:
         for group in batches([p for p in plans if p.writes], options.host_batch_bytes):
             for p, shards in zip(group, stage(group, copy_cpu=False)):
                 chunks = [(s.region, dtypes.tensor_to_numpy(d)) for s, d in zip(p.writes, shards)]
                 pending.extend(arrays.write(created[p.key_path].result(), locations[p.key_path], chunks,
-                                            single_file=p.single_file))
+                                            single_file=p.single_file(options)))
     finally:
         arrays.wait_all([*created.values(), *pending])
     if options.fsync:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 _MiB = 1 << 20
 
 
-def _positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def _check_int(name: str, value: object, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,15 +20,21 @@ class SaveOptions:
         (local disk; object stores are durable once a write returns). Off trades crash durability for speed.
     host_batch_bytes: device bytes fetched to host per torch_xla call; writes of one batch overlap the fetch
         of the next. Bounds the replicas held at once when a tensor is partially replicated.
+    single_file_max_bytes: an array of at most this size whose chunks are all written by this process is
+        stored as one file (zarr's sharding codec, a checksum per chunk still): thousands of small tensors
+        then cost thousands of files, not tens of thousands. Larger arrays keep one file per chunk, which
+        tensorstore writes without assembling the whole array in memory.
     """
 
     fsync: bool = True
     host_batch_bytes: int = 256 * _MiB
+    single_file_max_bytes: int = 4 * _MiB
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsync, bool):
             raise ValueError(f"fsync must be a bool, got {self.fsync!r}")
-        _positive("host_batch_bytes", self.host_batch_bytes)
+        _check_int("host_batch_bytes", self.host_batch_bytes)
+        _check_int("single_file_max_bytes", self.single_file_max_bytes, minimum=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,4 +48,4 @@ class RestoreOptions:
     read_batch_bytes: int = 256 * _MiB
 
     def __post_init__(self) -> None:
-        _positive("read_batch_bytes", self.read_batch_bytes)
+        _check_int("read_batch_bytes", self.read_batch_bytes)
