@@ -162,7 +162,7 @@ def test_reads_cover_exactly_the_local_shards():
 
     def job(indices):
         shards = tuple(LocalShard(i, f"d{i}", idx, 0) for i, idx in enumerate(indices))
-        return _ReadJob(("w",), meta, None, TensorLayout((16, 8), Placement.TILED, (4, 4), shards))
+        return _ReadJob(("w",), meta, None, torch.float32, TensorLayout((16, 8), Placement.TILED, (4, 4), shards))
 
     # Two shards forming a box are read as that box.
     assert job([((0, 4), (0, 4)), ((0, 4), (4, 8))]).reads == (((0, 4), (0, 8)),)

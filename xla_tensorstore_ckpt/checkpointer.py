@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -51,6 +52,11 @@ class ArrayPlan:
         """Store all chunks in one file: a small array, more than one chunk, and this process writes all."""
         return (len(self.writes) > 1 and len(self.writes) == self.meta.num_chunks
                 and self.meta.nbytes <= options.single_file_max_bytes)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host bytes this plan's writes hold until written."""
+        return sum(s.size for s in self.writes) * dtypes.by_torch(self.tensor.dtype).itemsize
 
     @property
     def host_bytes(self) -> int:
@@ -157,24 +163,50 @@ def batches(plans: Sequence[ArrayPlan], limit: int) -> Iterator[list[ArrayPlan]]
         yield group
 
 
-def write_arrays(loc: storage.Location, plans: Sequence[ArrayPlan], options: SaveOptions) -> None:
-    """Create every array and write this process's chunks: fetches of one batch overlap the writes of the
-    previous ones. Waits for every write, then raises the first error (naming array and region); with
-    `options.fsync`, returns only once everything is durable."""
+def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: SaveOptions, *,
+                 copy_cpu: bool = False, max_host_bytes: int | None = None) -> list[arrays.Pending]:
+    """Create every array and start writing this process's chunks; return the futures to wait for.
+
+    Blocks while shards are fetched to host memory (batch by batch; the writes of one batch run while the next
+    is fetched). `copy_cpu` copies CPU tensors too, for callers that return before the writes finish. With
+    `max_host_bytes`, staged data not yet written never exceeds it (plus one batch): the call then waits for
+    earlier writes instead of fetching more. On error, every started operation is waited for first.
+    """
     locations = {p.key_path: loc.child(p.meta.path) for p in plans}
-    created = {p.key_path: arrays.create(locations[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
-                                         single_file=p.single_file(options)) for p in plans}
-    pending: list[arrays.Pending] = []
+    pending: list[arrays.Pending] = [
+        arrays.create(locations[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
+                      single_file=p.single_file(options)) for p in plans]
+    created = dict(zip([p.key_path for p in plans], pending))
+    in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
+    in_flight_bytes = 0
     try:
         for group in batches([p for p in plans if p.writes], options.host_batch_bytes):
-            for p, shards in zip(group, stage(group, copy_cpu=False)):
+            group_bytes = sum(p.staged_bytes for p in group)
+            while max_host_bytes is not None and in_flight and in_flight_bytes + group_bytes > max_host_bytes:
+                done_bytes, done = in_flight.popleft()
+                arrays.wait_all(done)
+                in_flight_bytes -= done_bytes
+            group_pending: list[arrays.Pending] = []
+            for p, shards in zip(group, stage(group, copy_cpu=copy_cpu)):
                 chunks = [(s.region, dtypes.tensor_to_numpy(d)) for s, d in zip(p.writes, shards)]
-                pending.extend(arrays.write(created[p.key_path].result(), locations[p.key_path], chunks,
-                                            single_file=p.single_file(options)))
-    finally:
-        arrays.wait_all([*created.values(), *pending])
-    if options.fsync:
-        storage.sync(loc)
+                group_pending.extend(arrays.write(created[p.key_path].result(), locations[p.key_path], chunks,
+                                                  single_file=p.single_file(options)))
+            pending.extend(group_pending)
+            in_flight.append((group_bytes, group_pending))
+            in_flight_bytes += group_bytes
+    except BaseException:
+        drain(pending)
+        raise
+    return pending
+
+
+def drain(pending: Sequence[arrays.Pending]) -> None:
+    """Wait for futures whose results no longer matter (an error is already on its way)."""
+    for item in pending:
+        try:
+            item.result()
+        except (CorruptCheckpointError, OSError):
+            pass
 
 
 def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOptions | None = None) -> None:
@@ -193,7 +225,9 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     loc = storage.location(path)
     plan = plan_save(state)
     prepare_directory(loc, overwrite=overwrite)
-    write_arrays(loc, plan.arrays, options)
+    arrays.wait_all(issue_writes(loc, plan.arrays, options))
+    if options.fsync:
+        storage.sync(loc)
     write_manifest(loc, plan.manifest, options)
 
 
@@ -233,11 +267,21 @@ def metadata(path: PathLike) -> Any:
 
 
 @dataclass(frozen=True)
+class RestoreAs:
+    """A restore-target leaf that is not a tensor yet: restore the array with the placement (sharding and
+    device) of `reference`, as `dtype`. Used to rebuild optimizer state on the sharding of its parameter."""
+
+    reference: torch.Tensor
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class _ReadJob:
     key_path: layout.KeyPath
     meta: ArrayMetadata
-    target: torch.Tensor | None
-    layout: TensorLayout  # where the data goes: the target's local shards, or one whole-array shard
+    reference: torch.Tensor | None  # gives sharding and device; None: a CPU tensor
+    dtype: torch.dtype
+    layout: TensorLayout  # where the data goes: the reference's local shards, or one whole-array shard
 
     @cached_property
     def reads(self) -> tuple[Index, ...]:
@@ -272,30 +316,28 @@ def restore(path: PathLike, target: Any = None, *, strict: bool = True,
     `ShapeMismatchError` naming key, both shapes and the path, `CorruptCheckpointError` for damaged data
     (naming array and chunk), `CheckpointNotFoundError` if `path` holds no item.
     """
+    manifest = read_manifest(path)
+    values = read_item(path, target, strict=strict, options=options, manifest=manifest)
+    return tree.rebuild(manifest.tree if target is None else target, lambda p, v: values.get(p, v))
+
+
+def read_item(path: PathLike, target: Any = None, *, strict: bool = True, options: RestoreOptions | None = None,
+              manifest: ItemManifest | None = None) -> dict[layout.KeyPath, Any]:
+    """The restored value of every key path `restore` would fill: tensors placed like their target leaf
+    (a tensor or a `RestoreAs`; CPU tensors for other leaves) and saved JSON values. Same errors as
+    `restore`; callers that restore in place (the manager) assign the values themselves."""
     options = options or RestoreOptions()
     loc = storage.location(path)
-    manifest = read_manifest(loc)
+    manifest = manifest or read_manifest(loc)
     saved = manifest.leaves()
-    if target is None:
-        wanted = {p: None for p in saved}
-        result_tree = manifest.tree
-    else:
-        wanted = _match(loc, saved, dict(tree.flatten(target)), strict)
-        result_tree = target
-    jobs = _read_jobs(loc, saved, wanted)
-    values = read_arrays(loc, jobs, options)
-
-    def leaf(path_: layout.KeyPath, value: Any) -> Any:
-        if path_ in values:
-            return values[path_]
-        if path_ in wanted:
-            return saved[path_]
-        return value
-
-    return tree.rebuild(result_tree, leaf)
+    wanted = {p: None for p in saved} if target is None else _match(loc, saved, dict(tree.flatten(target)), strict)
+    values = read_arrays(loc, _read_jobs(saved, wanted), options)
+    values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
+    return values
 
 
 def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> dict:
+    """Target leaves by key path, checked against the checkpoint (keys, tensor shapes)."""
     missing = tuple(tree.format_key_path(p) for p in target if p not in saved)
     unexpected = tuple(tree.format_key_path(p) for p in saved if p not in target)
     if missing or unexpected:
@@ -306,41 +348,44 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
         if strict:
             raise KeyMismatchError(message + " (pass strict=False to restore the common keys)",
                                    missing=missing, unexpected=unexpected)
-        warnings.warn(message + "; restoring the common keys", stacklevel=3)
+        warnings.warn(message + "; restoring the common keys", stacklevel=4)
     wanted = {}
     for path, value in target.items():
         if path not in saved:
             continue
         stored = saved[path]
-        if isinstance(value, torch.Tensor):
+        reference = value.reference if isinstance(value, RestoreAs) else value
+        if isinstance(reference, torch.Tensor):
             if not isinstance(stored, ArrayMetadata):
                 raise UnsupportedValueError(
                     f"cannot restore {tree.format_key_path(path)} from {loc}: the checkpoint holds the value "
                     f"{stored!r}, the target a tensor")
-            if tuple(value.shape) != stored.shape:
+            if tuple(reference.shape) != stored.shape:
                 raise ShapeMismatchError(
                     f"cannot restore {tree.format_key_path(path)}: checkpoint shape {stored.shape} at "
-                    f"{loc.child(stored.path)} does not match target shape {tuple(value.shape)}")
-            wanted[path] = value
-        else:
-            wanted[path] = None
+                    f"{loc.child(stored.path)} does not match target shape {tuple(reference.shape)}")
+        wanted[path] = value if isinstance(value, (torch.Tensor, RestoreAs)) else None
     return wanted
 
 
-def _read_jobs(loc: storage.Location, saved: dict, wanted: dict) -> list[_ReadJob]:
-    jobs = []
-    xla = [(p, t) for p, t in wanted.items() if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+def _read_jobs(saved: dict, wanted: dict) -> list[_ReadJob]:
+    targets = {p: (t.reference, t.dtype) if isinstance(t, RestoreAs) else (t, t.dtype)
+               for p, t in wanted.items() if isinstance(t, (torch.Tensor, RestoreAs))}
+    xla = [(p, ref) for p, (ref, _) in targets.items() if ref.device.type == "xla"]
     xla_layouts = {}
     if xla:
         from . import sharding
 
         xla_layouts = dict(zip([p for p, _ in xla], sharding.layouts([t for _, t in xla])))
-    for path, target in wanted.items():
+    jobs = []
+    for path in wanted:
         meta = saved[path]
         if not isinstance(meta, ArrayMetadata):
             continue
-        lay = xla_layouts.get(path) or cpu_layout(meta.shape)
-        jobs.append(_ReadJob(path, meta, target, lay))
+        reference, dtype = targets.get(path, (None, meta.torch_dtype))
+        if reference is not None and reference.device.type != "xla":
+            reference = None
+        jobs.append(_ReadJob(path, meta, reference, dtype, xla_layouts.get(path) or cpu_layout(meta.shape)))
     return jobs
 
 
@@ -360,18 +405,9 @@ def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: Restor
                 results[job.key_path] = _build(job, {index: r.result() for index, r in reads.items()})
             current, following = following, []
     except BaseException:
-        _drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
+        drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
         raise
     return results
-
-
-def _drain(pending: Sequence[arrays.Pending]) -> None:
-    """Wait for futures whose results no longer matter (an error is already on its way)."""
-    for item in pending:
-        try:
-            item.result()
-        except (CorruptCheckpointError, OSError):
-            pass
 
 
 def _read_batches(jobs: Sequence[_ReadJob], limit: int) -> list[list[_ReadJob]]:
@@ -418,26 +454,26 @@ def _region(index: Index, reads: dict) -> Any:
 
 def _build(job: _ReadJob, regions: dict) -> torch.Tensor:
     saved_dtype = dtypes.by_name(job.meta.dtype).torch
-    dtype = job.target.dtype if job.target is not None else saved_dtype
     lay = job.layout
     if lay.placement in (Placement.CPU, Placement.UNSHARDED):
         region = _region(lay.shards[0].index, regions)
         data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(lay.shape, dtype=saved_dtype)
-        data = data.to(dtype)
+        data = data.to(job.dtype)
         if lay.placement is Placement.CPU:
             return data
         from . import sharding
 
-        return sharding.build(job.target, lay, [data])
+        return sharding.build(job.reference, lay, [data])
     padded: dict[Any, torch.Tensor] = {}
     shards = []
     for shard in lay.shards:
         if shard.index not in padded:
-            padded[shard.index] = _pad(_region(shard.index, regions), shard, lay.shard_shape, saved_dtype, dtype)
+            padded[shard.index] = _pad(_region(shard.index, regions), shard, lay.shard_shape, saved_dtype,
+                                       job.dtype)
         shards.append(padded[shard.index])
     from . import sharding
 
-    return sharding.build(job.target, lay, shards)
+    return sharding.build(job.reference, lay, shards)
 
 
 def _pad(region: Any, shard: LocalShard, shard_shape: tuple[int, ...], saved_dtype: torch.dtype,

@@ -19,6 +19,7 @@ ZARR_METADATA = "zarr.json"
 MAX_COMPONENT_LENGTH = 200
 _SAFE_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 _INTEGER = re.compile(r"-?[0-9]+")
+_STEP = re.compile(r"0|[1-9][0-9]*")
 _RESERVED = frozenset({ITEM_METADATA, CHECKPOINT_METADATA, ZARR_METADATA, ".", ".."})
 EMPTY_COMPONENT = "%"
 
@@ -81,3 +82,19 @@ def is_safe_relative_path(path: str) -> bool:
         return False
     parts = path.split("/")
     return all(p not in ("", ".", "..") for p in parts)
+
+
+def step_name(step: int, prefix: str | None) -> str:
+    """Directory name of a step: ``100`` or, with a prefix, ``checkpoint_100``."""
+    return f"{prefix}_{step}" if prefix else str(step)
+
+
+def parse_step_name(name: str, prefix: str | None) -> int | None:
+    """The step a directory name denotes, or None if it is not a step directory of this prefix."""
+    if prefix:
+        if not name.startswith(prefix + "_"):
+            return None
+        name = name[len(prefix) + 1:]
+    if not _STEP.fullmatch(name):
+        return None
+    return int(name)

@@ -218,3 +218,44 @@ def _str(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise CorruptCheckpointError(f"{where}: expected a string, got {value!r}"[:300])
     return value
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """The commit marker of a step (``<step>/_CHECKPOINT_METADATA``), written last: a step is committed iff
+    it exists and decodes. Holds what the step contains and how it came to be."""
+
+    step: int
+    items: tuple[str, ...]
+    created_at: float
+    committed_at: float
+    metrics: dict[str, Any] | None = None
+    custom: dict[str, Any] | None = None
+    versions: dict[str, str] | None = None
+    process_count: int = 1
+    format_version: int = FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        doc = {"format_version": self.format_version, "step": self.step, "items": list(self.items),
+               "created_at": self.created_at, "committed_at": self.committed_at, "metrics": self.metrics,
+               "custom": self.custom, "versions": self.versions, "process_count": self.process_count}
+        return json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, where: str) -> StepMetadata:
+        doc = _load_json(data, where)
+        check_format_version(doc, where)
+        items = _list(doc.get("items"), where)
+        if not all(isinstance(i, str) and layout.is_safe_relative_path(i) and "/" not in i for i in items):
+            raise CorruptCheckpointError(f"{where}: malformed item list {items!r}"[:300])
+        for name in ("metrics", "custom", "versions"):
+            if doc.get(name) is not None and not isinstance(doc[name], dict):
+                raise CorruptCheckpointError(f"{where}: {name} is not an object")
+        for name in ("created_at", "committed_at"):
+            if isinstance(doc.get(name), bool) or not isinstance(doc.get(name), (int, float)):
+                raise CorruptCheckpointError(f"{where}: {name} is not a number")
+        return cls(step=_int(doc.get("step"), where, minimum=0), items=tuple(items),
+                   created_at=float(doc["created_at"]), committed_at=float(doc["committed_at"]),
+                   metrics=doc.get("metrics"), custom=doc.get("custom"), versions=doc.get("versions"),
+                   process_count=_int(doc.get("process_count", 1), where, minimum=1),
+                   format_version=doc["format_version"])
