@@ -20,8 +20,10 @@ from .errors import (
     StorageError,
     UnsupportedValueError,
 )
-from .metadata import ArrayMetadata, SavedSharding
+from .manager import CheckpointManager, CheckpointManagerOptions
+from .metadata import ArrayMetadata, SavedSharding, StepMetadata
 from .options import RestoreOptions, SaveOptions
+from .training_state import skip_batches
 
 _zarr_dtypes.register()
 
@@ -31,6 +33,8 @@ __all__ = [
     "ArrayMetadata",
     "AsyncSaveError",
     "CheckpointError",
+    "CheckpointManager",
+    "CheckpointManagerOptions",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -40,10 +44,12 @@ __all__ = [
     "SaveOptions",
     "SavedSharding",
     "ShapeMismatchError",
+    "StepMetadata",
     "StepNotFoundError",
     "StorageError",
     "UnsupportedValueError",
     "metadata",
     "restore",
     "save",
+    "skip_batches",
 ]

@@ -35,11 +35,13 @@ def unwrap(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def materialize(tensors: Sequence[torch.Tensor]) -> None:
-    """Run the pending lazy computations of `tensors` (if any) so their device data exists. Blocks."""
+    """Run the pending lazy computations of `tensors` (if any) and wait for executions still in flight (an
+    asynchronous `torch_xla.sync()` returns before its results exist), so their device data exists. Blocks."""
     tensors = [unwrap(t) for t in tensors]
     pending = [t for t, need in zip(tensors, _X._check_tensor_need_materialization(tensors)) if need]
     if pending:
         _X._xla_sync_multi(pending, devices=[], wait=True)
+    _X._xla_wait_device_ops(devices=[])
 
 
 def layouts(tensors: Sequence[torch.Tensor]) -> list[TensorLayout]:
@@ -164,3 +166,11 @@ def _match_partition_spec(device_ids: tuple[int, ...], mesh_shape: tuple[int, ..
             return tuple(None if c is None else (name(c[0]) if len(c) == 1 else tuple(name(a) for a in c))
                          for c in candidate)
     return None
+
+
+def replace(targets: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
+    """Swap each target's device data for that of the matching new tensor (same shape, sharding and dtype),
+    keeping the target's Python identity (parameters stay the optimizer's). Runs no computation."""
+    with torch.no_grad():
+        for target, value in zip(targets, new):
+            _X._replace_xla_tensor(unwrap(target), unwrap(value))

@@ -1,0 +1,381 @@
+"""CheckpointManager in one process: resume rules, retention, commits, fresh-optimizer restore, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import layout
+
+
+def options(**kw):
+    kw.setdefault("save_interval_steps", 1)
+    kw.setdefault("max_to_keep", None)
+    kw.setdefault("async_save", False)
+    return xtc.CheckpointManagerOptions(**kw)
+
+
+def spec(t):
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def xla_net(mesh, seed=0):
+    torch.manual_seed(seed)
+    net = Net().to("xla")
+    import torch_xla.distributed.spmd as xs
+
+    first, second = mesh.axis_names
+    xs.mark_sharding(net.a.weight, mesh, (first, second))
+    xs.mark_sharding(net.b.weight, mesh, (second, first))
+    torch_xla.sync()
+    return net
+
+
+def train_steps(net, opt, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(4, 8, generator=g).to(next(net.parameters()).device)
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+
+
+def cpu_state(net):
+    return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------- resume rules
+
+
+def test_resume_rules(tmp_path):
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        assert mgr.restore("latest", extra={"v": 0}) is None  # nothing committed
+        for step in (1, 2, 3):
+            mgr.save(step, extra={"v": step})
+        extra = {"v": -1}
+        assert mgr.restore(None, extra=extra) is None and extra["v"] == -1
+        assert mgr.restore("latest", extra=extra) == 3 and extra["v"] == 3
+        assert mgr.restore(2, extra=extra) == 2 and extra["v"] == 2
+        with pytest.warns(UserWarning, match="step 7 is not committed.*newest committed step, 3"):
+            assert mgr.restore(7, extra=extra) == 3
+        assert extra["v"] == 3
+        with pytest.raises(ValueError):
+            mgr.restore("earliest", extra=extra)
+
+
+def test_restore_warns_and_returns_none_when_requested_step_missing_and_nothing_committed(tmp_path):
+    with xtc.CheckpointManager(tmp_path, options()) as mgr, pytest.warns(UserWarning, match="nothing"):
+        assert mgr.restore(5, extra={"v": 0}) is None
+
+
+# ------------------------------------------------------------------------------------ whole training state
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=1e-2),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+], ids=["sgd-momentum", "adam", "adamw"])
+def test_fresh_optimizer_restores_with_parameter_sharding(tmp_path, mesh_4x2, mesh_2x4, make_opt):
+    net = xla_net(mesh_4x2)
+    opt = make_opt(net.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train_steps(net, opt, 2)
+    sched.step()
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        mgr.save(2, model=net, optimizer=opt, lr_scheduler=sched)
+    # A new model on another mesh, and an optimizer that has never stepped (no priming step).
+    net2 = xla_net(mesh_2x4, seed=5)
+    opt2 = make_opt(net2.parameters())
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    params_before = [id(p) for p in net2.parameters()]
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        assert mgr.restore("latest", model=net2, optimizer=opt2, lr_scheduler=sched2) == 2
+    assert [id(p) for p in net2.parameters()] == params_before
+    assert spec(net2.a.weight) == spec(xla_net(mesh_2x4).a.weight)  # kept its own (new) sharding
+    for key, value in cpu_state(net).items():
+        assert torch.equal(cpu_state(net2)[key], value), key
+    for p, p2 in zip(net.parameters(), net2.parameters()):
+        for name, value in opt.state[p].items():
+            restored = opt2.state[p2][name]
+            assert torch.equal(restored.cpu(), value.cpu()), name
+            if restored.shape == p2.shape and restored.dim() > 0:
+                assert restored.device.type == "xla" and spec(restored) == spec(p2), name
+    assert sched2.state_dict() == sched.state_dict() and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    # Training continues identically.
+    train_steps(net, opt, 1, seed=9)
+    train_steps(net2, opt2, 1, seed=9)
+    for key, value in cpu_state(net).items():
+        torch.testing.assert_close(cpu_state(net2)[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_rng_states_are_saved_and_restored(tmp_path):
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        torch.manual_seed(3)
+        random.seed(4)
+        np.random.seed(5)
+        mgr.save(1, extra={"x": 1})
+        expected = (torch.rand(3), random.random(), np.random.rand())
+        torch.manual_seed(99)
+        random.seed(99)
+        np.random.seed(99)
+        mgr.restore("latest", extra={"x": 0})
+        assert torch.equal(torch.rand(3), expected[0])
+        assert random.random() == expected[1] and np.random.rand() == expected[2]
+
+
+def test_extra_dict_updated_in_place_keeping_tensor_sharding(tmp_path, mesh_4x2):
+    import torch_xla.distributed.spmd as xs
+
+    counter = torch.arange(8.0).to("xla")
+    xs.mark_sharding(counter, mesh_4x2, ("x",))
+    torch_xla.sync()
+    extra = {"position": 17, "counter": counter, "name": "run-a", "cpu": torch.ones(2)}
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        mgr.save(1, extra=extra)
+        target_counter = torch.zeros(8).to("xla")
+        xs.mark_sharding(target_counter, mesh_4x2, (None,))
+        torch_xla.sync()
+        target = {"position": 0, "counter": target_counter, "name": "", "cpu": torch.zeros(2)}
+        cpu_before = target["cpu"]
+        mgr.restore("latest", extra=target)
+    assert target["position"] == 17 and target["name"] == "run-a"
+    assert target["counter"] is target_counter and torch.equal(target_counter.cpu(), torch.arange(8.0))
+    assert spec(target_counter) == "{replicated}"
+    assert target["cpu"] is cpu_before and torch.equal(cpu_before, torch.ones(2))
+
+
+class Loader:
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def test_data_loader_state_and_fast_forward(tmp_path):
+    loader = Loader()
+    loader.position = 42
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        mgr.save(1, data_loader=loader)
+        fresh = Loader()
+        mgr.restore("latest", data_loader=fresh)
+    assert fresh.position == 42
+    assert list(xtc.skip_batches(range(10), 7)) == [7, 8, 9]
+    assert list(xtc.skip_batches(range(3), 5)) == []
+
+
+def test_raw_state_trees_are_restored_in_place(tmp_path):
+    model_state = {"w": torch.ones(3), "b": torch.zeros(2)}
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        mgr.save(1, model=model_state)
+        target = {"w": torch.zeros(3), "b": torch.ones(2)}
+        w = target["w"]
+        mgr.restore("latest", model=target)
+    assert target["w"] is w and torch.equal(w, torch.ones(3)) and torch.equal(target["b"], torch.zeros(2))
+
+
+# ---------------------------------------------------------------------------------------- commit protocol
+
+
+def test_step_layout_and_marker(tmp_path):
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        mgr.save(5, model={"w": torch.ones(2)}, metrics={"loss": torch.tensor(0.5)}, custom_metadata={"run": "a"})
+        meta = mgr.metadata(5)
+    assert sorted(os.listdir(tmp_path / "5")) == sorted([layout.CHECKPOINT_METADATA, "model", "rng"])
+    assert meta.step == 5 and meta.items == ("model", "rng") and meta.metrics == {"loss": 0.5}
+    assert meta.custom == {"run": "a"} and meta.versions["torch"] == torch.__version__
+    assert meta.committed_at >= meta.created_at
+    doc = json.loads((tmp_path / "5" / layout.CHECKPOINT_METADATA).read_text())
+    assert doc["format_version"] == 1 and doc["step"] == 5
+
+
+def test_uncommitted_steps_are_ignored_and_removed_on_start(tmp_path):
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        mgr.save(1, extra={"v": 1})
+        mgr.save(2, extra={"v": 2})
+    os.remove(tmp_path / "2" / layout.CHECKPOINT_METADATA)  # as if the save of step 2 had crashed
+    (tmp_path / "3" / "model").mkdir(parents=True)
+    (tmp_path / "notes").mkdir()
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+        extra = {"v": 0}
+        assert mgr.restore("latest", extra=extra) == 1 and extra["v"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["1", "notes"]  # partial steps gone, foreign entries untouched
+
+
+def test_saving_a_committed_step_needs_force_and_force_replaces_it(tmp_path):
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        mgr.save(1, extra={"v": 1})
+        with pytest.raises(xtc.CheckpointExistsError, match="step 1 is already committed"):
+            mgr.save(1, extra={"v": 2})
+        assert mgr.save(1, extra={"v": 3}, force=True)
+        extra = {"v": 0}
+        mgr.restore(1, extra=extra)
+        assert extra["v"] == 3 and mgr.all_steps() == [1]
+
+
+def test_should_save_and_checkpointing_off(tmp_path):
+    mgr = xtc.CheckpointManager(tmp_path / "root", options(save_interval_steps=10))
+    assert [s for s in range(0, 31) if mgr.should_save(s)] == [0, 10, 20, 30]
+    mgr.close()
+    off = xtc.CheckpointManager(tmp_path / "off", options(save_interval_steps=None))
+    assert not off.save(10, model={"w": torch.ones(1)})
+    off.close()
+    assert not (tmp_path / "off").exists()
+    on = xtc.CheckpointManager(tmp_path / "off", options(save_interval_steps=None))
+    assert on.save(10, model={"w": torch.ones(1)}, force=True) and on.all_steps() == [10]
+    on.close()
+
+
+def test_step_prefix(tmp_path):
+    with xtc.CheckpointManager(tmp_path, options(step_prefix="ckpt")) as mgr:
+        mgr.save(3, extra={"v": 3})
+        assert mgr.all_steps() == [3]
+    assert os.listdir(tmp_path) == ["ckpt_3"]
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:  # without the prefix, ckpt_3 is not a step
+        assert mgr.all_steps() == []
+
+
+# ----------------------------------------------------------------------------------------------- retention
+
+
+def saved_steps(tmp_path, steps, metrics=None, **kw):
+    with xtc.CheckpointManager(tmp_path, options(save_rng=False, **kw)) as mgr:
+        for step in steps:
+            mgr.save(step, extra={"s": step}, metrics=None if metrics is None else metrics.get(step))
+        return mgr.all_steps(), mgr.best_step()
+
+
+def test_max_to_keep(tmp_path):
+    assert saved_steps(tmp_path, range(1, 7), max_to_keep=3)[0] == [4, 5, 6]
+    assert sorted(int(n) for n in os.listdir(tmp_path)) == [4, 5, 6]
+
+
+def test_keep_period_adds_to_max_to_keep(tmp_path):
+    assert saved_steps(tmp_path, range(1, 11), max_to_keep=2, keep_period=4)[0] == [4, 8, 9, 10]
+
+
+def test_best_fn_keeps_the_best_and_the_newest(tmp_path):
+    metrics = {1: {"loss": 0.9}, 2: {"loss": 0.1}, 3: {"loss": 0.5}, 4: {"loss": 0.7}, 5: {"loss": 0.8}}
+    steps, best = saved_steps(tmp_path, range(1, 6), metrics, max_to_keep=2, best_fn=lambda m: m["loss"])
+    assert steps == [2, 3, 5] and best == 2  # best two (2, 3) plus the newest (5)
+
+
+def test_best_mode_max_and_steps_without_metrics(tmp_path):
+    metrics = {1: {"acc": 0.1}, 2: None, 3: {"acc": 0.9}, 4: {"acc": 0.5}, 5: {"acc": 0.2}}
+    steps, best = saved_steps(tmp_path / "a", range(1, 6), metrics, max_to_keep=1, best_fn=lambda m: m["acc"],
+                              best_mode="max")
+    assert steps == [2, 3, 5] and best == 3
+    steps, _ = saved_steps(tmp_path / "b", range(1, 6), metrics, max_to_keep=1, best_fn=lambda m: m["acc"],
+                           best_mode="max", keep_checkpoints_without_metrics=False)
+    assert steps == [3, 5]
+
+
+def test_retention_policy_combinations():
+    policy = xtc.manager.RetentionPolicy(max_to_keep=2, keep_period=3, best_fn=lambda m: m["l"])
+    metrics = {s: {"l": float(10 - s % 4)} for s in range(1, 10)}
+    # best two by loss: steps with s % 4 == 3 (7 and 3), plus multiples of 3, plus the newest (9)
+    assert policy.steps_to_delete(list(range(1, 10)), metrics) == [1, 2, 4, 5, 8]
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def test_not_a_checkpoint_root(tmp_path):
+    xtc.save(tmp_path / "item", {"w": torch.ones(1)})
+    with pytest.raises(xtc.CheckpointError, match="item directory, not a checkpoint root"):
+        xtc.CheckpointManager(tmp_path / "item")
+    with xtc.CheckpointManager(tmp_path / "root", options()) as mgr:
+        mgr.save(1, extra={"v": 1})
+    with pytest.raises(xtc.CheckpointError, match="step directory"):
+        xtc.CheckpointManager(tmp_path / "root" / "1")
+    with pytest.raises(xtc.CheckpointNotFoundError):
+        xtc.CheckpointManager(tmp_path / "missing", options(create=False))
+
+
+def test_corrupt_or_newer_marker_is_not_committed_and_not_deleted(tmp_path):
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, extra={"v": step})
+    (tmp_path / "3" / layout.CHECKPOINT_METADATA).write_text("{not json")
+    doc = json.loads((tmp_path / "2" / layout.CHECKPOINT_METADATA).read_text())
+    doc["format_version"] = 7
+    (tmp_path / "2" / layout.CHECKPOINT_METADATA).write_text(json.dumps(doc))
+    with pytest.warns(UserWarning) as record:
+        mgr = xtc.CheckpointManager(tmp_path, options())
+    messages = " ".join(str(w.message) for w in record)
+    assert "step 3" in messages and "not valid JSON" in messages and "format version 7" in messages
+    assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+    with pytest.raises(xtc.StepNotFoundError):
+        mgr.metadata(3)
+    mgr.close()
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "3"]  # nothing deleted
+
+
+def test_model_mismatch_and_param_group_layout_errors(tmp_path, mesh_4x2):
+    net = xla_net(mesh_4x2)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    train_steps(net, opt, 1)
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        mgr.save(1, model=net, optimizer=opt)
+        other = torch.nn.Linear(8, 3)
+        with pytest.raises(xtc.KeyMismatchError, match="a.weight"):
+            mgr.restore("latest", model=other)
+        wrong_shape = Net()
+        wrong_shape.a = torch.nn.Linear(8, 17)
+        with pytest.raises(xtc.CheckpointError):
+            mgr.restore("latest", model=wrong_shape)
+        split = torch.optim.AdamW([{"params": [net.a.weight]}, {"params": [p for n, p in net.named_parameters()
+                                                                           if n != "a.weight"]}], lr=1e-3)
+        with pytest.raises(xtc.CheckpointError, match="param-group layout"):
+            mgr.restore("latest", optimizer=split)
+        with pytest.raises(xtc.CheckpointNotFoundError, match="no 'lr_scheduler' item"):
+            mgr.restore("latest", lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    assert sorted(os.listdir(tmp_path)) == ["1"]
+
+
+def test_options_validate():
+    with pytest.raises(ValueError):
+        xtc.CheckpointManagerOptions(max_to_keep=0)
+    with pytest.raises(ValueError):
+        xtc.CheckpointManagerOptions(best_mode="median")
+    with pytest.raises(ValueError):
+        xtc.CheckpointManagerOptions(step_prefix="a/b")
+    with pytest.raises(ValueError):
+        xtc.CheckpointManagerOptions(save_on_steps={1, 2})
+    with pytest.raises(ValueError):
+        xtc.SaveOptions(host_batch_bytes=0)
+
+
+def test_latest_step_with_many_steps_is_cached(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(200):
+            (tmp_path / str(step)).mkdir()
+            marker = xtc.StepMetadata(step=step, items=(), created_at=0.0, committed_at=0.0)
+            (tmp_path / str(step) / layout.CHECKPOINT_METADATA).write_bytes(marker.to_bytes())
+        with xtc.CheckpointManager(tmp_path, options()) as mgr:
+            assert mgr.latest_step() == 199 and len(mgr.all_steps()) == 200

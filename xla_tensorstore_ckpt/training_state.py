@@ -1,0 +1,158 @@
+"""Adapters between training objects (modules, optimizers, schedulers, data loaders, RNGs) and state trees,
+and in-place assignment of restored values. Called by the manager; blocks; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import tree
+from .checkpointer import RestoreAs
+from .errors import CheckpointError, UnsupportedValueError
+from .layout import KeyPath
+from .metadata import ArrayMetadata
+
+
+def state_of(obj: Any) -> Any:
+    """The state tree of an object to save: a module's or optimizer's ``state_dict()``, or a raw tree."""
+    if isinstance(obj, torch.nn.Module):
+        return obj.state_dict()
+    if hasattr(obj, "state_dict") and callable(obj.state_dict):
+        return obj.state_dict()
+    return obj
+
+
+def module_target(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers themselves (not detached copies), for in-place restore."""
+    return dict(module.state_dict(keep_vars=True))
+
+
+def optimizer_target(optimizer: torch.optim.Optimizer, saved: Any, where: str) -> dict:
+    """A restore target for a (possibly fresh, never stepped) optimizer: each saved state tensor shaped like
+    its parameter is restored with that parameter's sharding and dtype; other state (step counters) goes to
+    the CPU. Raises `CheckpointError` if the param-group layout differs from the saved one."""
+    current = optimizer.state_dict()["param_groups"]
+    saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(saved_groups, list) or [len(g.get("params", ())) for g in saved_groups] != [
+            len(g["params"]) for g in current]:
+        raise CheckpointError(
+            f"optimizer at {where} has param groups of sizes "
+            f"{[len(g.get('params', ())) for g in saved_groups or []]}, the optimizer being restored "
+            f"{[len(g['params']) for g in current]}: another param-group layout")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state_target: dict[int, dict[str, Any]] = {}
+    for index, entries in (saved.get("state") or {}).items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entries, dict):
+            raise CheckpointError(f"optimizer at {where} has state for parameter {index!r}, which does not exist")
+        param = params[index]
+        state_target[index] = {}
+        for name, meta in entries.items():
+            if isinstance(meta, ArrayMetadata) and meta.shape == tuple(param.shape):
+                dtype = param.dtype if meta.torch_dtype.is_floating_point and param.is_floating_point() \
+                    else meta.torch_dtype
+                state_target[index][name] = RestoreAs(param, dtype)
+            else:
+                state_target[index][name] = None
+    return {"state": state_target, "param_groups": saved_groups}
+
+
+def assign_in_place(target: Any, values: dict[KeyPath, Any]) -> None:
+    """Write restored `values` into the `target` tree: tensors keep their identity, device and sharding (XLA
+    data is swapped without computation, CPU data copied); other leaves are replaced in their (mutable)
+    containers."""
+    xla_pairs = []
+    for path, value in values.items():
+        container, key = _parent(target, path)
+        current = container[key]
+        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+            if current.device.type == "xla":
+                xla_pairs.append((current, value))
+            else:
+                with torch.no_grad():
+                    current.copy_(value)
+        elif isinstance(container, (dict, list)):
+            container[key] = value
+    if xla_pairs:
+        from . import sharding
+
+        sharding.replace([t for t, _ in xla_pairs], [v for _, v in xla_pairs])
+
+
+def _parent(root: Any, path: KeyPath) -> tuple[Any, Any]:
+    node = root
+    for key in path[:-1]:
+        node = node[key]
+    return node, path[-1]
+
+
+def capture_rng() -> dict:
+    """The random number generator states a resumed run needs: torch (CPU), Python, numpy, and torch_xla's
+    seed when torch_xla is in use."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"bit_generator": numpy_state["bit_generator"],
+                  "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.uint32).copy()),
+                  "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]),
+                  "gauss": float(numpy_state["gauss"])},
+    }
+    if "torch_xla" in sys.modules:
+        import torch_xla.core.xla_model as xm
+
+        state["xla_seed"] = int(xm.get_rng_state())
+    return state
+
+
+def restore_rng(state: Any) -> None:
+    """Set the generators from a `capture_rng` tree (as read back from a checkpoint)."""
+    try:
+        torch.set_rng_state(state["torch"].to(torch.uint8))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        numpy_state = state["numpy"]
+        np.random.set_state({"bit_generator": numpy_state["bit_generator"],
+                             "state": {"key": numpy_state["key"].numpy().astype(np.uint32),
+                                       "pos": numpy_state["pos"]},
+                             "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"]})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"the saved RNG state is malformed: {exc}") from exc
+    if "xla_seed" in state and "torch_xla" in sys.modules:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(int(state["xla_seed"]))
+
+
+def metrics_json(metrics: dict | None) -> dict | None:
+    """Metrics as JSON scalars (tensors become Python numbers, which waits for their computation; NaN and
+    infinities are stored as null, as JSON has no spelling for them)."""
+    if metrics is None:
+        return None
+    if not isinstance(metrics, dict):
+        raise UnsupportedValueError(f"metrics must be a dict, not {type(metrics).__name__}")
+    out = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            value = None
+        if not isinstance(name, str) or not isinstance(value, tree.JSON_SCALARS):
+            raise UnsupportedValueError(f"metric {name!r}={value!r} is not a str -> number (or str, bool) pair")
+        out[name] = value
+    return out
+
+
+def skip_batches(iterable: Iterable, n: int) -> Iterator:
+    """An iterator over `iterable` with its first `n` items consumed: fast-forwards a data loader without
+    state to where a resumed run left off (``for batch in xtc.skip_batches(loader, done_steps): ...``)."""
+    iterator = iter(iterable)
+    next(itertools.islice(iterator, n, n), None)
+    return iterator
