@@ -17,6 +17,13 @@ import torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()
 
+# torch's autograd engine sizes its per-device queues at the first backward pass. If a CPU-only backward runs
+# first (some tests train a CPU model), a later backward on the XLA device trips an internal assert in
+# torch 2.9; one tiny XLA backward up front initializes the engine for both.
+_warm = torch.ones(1, device="xla", requires_grad=True)
+(_warm * 2).sum().backward()
+torch_xla.sync()
+
 
 @pytest.fixture(scope="session")
 def num_devices() -> int:
