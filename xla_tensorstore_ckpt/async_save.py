@@ -39,19 +39,27 @@ class BackgroundCommitter:
 
     def submit(self, step: int, tail: Callable[[], None]) -> None:
         """Run `tail` in the background using the slot taken by `reserve`. Does not block."""
+        self._run(f"asynchronous save of step {step}", step, tail, release=True)
 
+    def defer(self, what: str, step: int, work: Callable[[], None]) -> None:
+        """Run `work` (e.g. retention deletes) in the background after what is already queued, without taking
+        a slot: it never delays the staging of the next save. Does not block."""
+        self._run(what, step, work, release=False)
+
+    def _run(self, what: str, step: int, work: Callable[[], None], *, release: bool) -> None:
         def run() -> None:
             try:
-                tail()
+                work()
             except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller's thread
                 with self._lock:
                     if self._error is None:
-                        error = AsyncSaveError(f"asynchronous save of step {step} failed: {exc}")
+                        error = AsyncSaveError(f"{what} failed: {exc}")
                         error.__cause__ = exc
                         error.step = step  # type: ignore[attr-defined]
                         self._error = error
             finally:
-                self._slots.release()
+                if release:
+                    self._slots.release()
 
         with self._lock:
             self._futures = [f for f in self._futures if not f.done()]

@@ -7,8 +7,9 @@ partial save, never restored, and removed when a manager starts. Commits never r
 protocol holds on object stores and a copied step directory stays valid.
 
 Saves are asynchronous by default: `save` blocks only while shards are copied off the devices, and one
-background thread finishes the save (writes, sync, manifests, marker, retention). Its errors are re-raised at the
-next `save`, `restore`, `wait_until_finished` or `close`. The manager is meant to be driven by one thread of one
+background thread finishes the save (writes, sync, manifests, marker). Retention deletes run on that thread after
+the commit, in both modes, so they never stall training. Background errors are re-raised at the next `save`,
+`restore`, `wait_until_finished` or `close`. The manager is meant to be driven by one thread of one
 training job; the public methods are not safe to call concurrently from several threads.
 """
 
@@ -278,13 +279,14 @@ class CheckpointManager:
         storage.write(step_loc, layout.CHECKPOINT_METADATA, marker.to_bytes(), fsync=options.fsync)
         with self._lock:
             self._steps[step] = marker
-        self._apply_retention()
-
-    def _apply_retention(self) -> None:
-        with self._lock:
             metrics = {s: m.metrics for s, m in self._steps.items()}
-        for step in self._retention.steps_to_delete(list(metrics), metrics):
-            self._delete_step(step)
+            doomed = self._retention.steps_to_delete(list(metrics), metrics)
+            for old in doomed:
+                self._steps.pop(old)
+        if doomed:
+            # Deleting is off the critical path: it never delays this save's return or the next staging.
+            self._committer.defer(f"deleting steps {doomed} (retention after step {step})", step,
+                                  lambda: [self._delete_step(old) for old in doomed])
 
     def _delete_step(self, step: int) -> None:
         """Uncommit (marker first), then delete. Retried; a step is never left committed but half deleted."""
