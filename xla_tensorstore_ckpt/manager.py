@@ -16,6 +16,7 @@ training job; the public methods are not safe to call concurrently from several 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -65,6 +66,9 @@ class CheckpointManagerOptions:
     max_pending_saves: saves in flight at once; a new save waits for the oldest before staging.
     max_host_bytes: cap on staged host memory per save; a larger state is streamed (the save blocks longer).
     save_rng: save the torch, Python, numpy and XLA RNG states with each step (restored by `restore`).
+    save_on_preemption: install a SIGTERM handler (the manager must be created on the main thread); after a
+        SIGTERM the next `save` call saves whatever the interval says and waits for the commit, and
+        `reached_preemption(step)` tells the training loop to exit.
     save_options, restore_options: item-level I/O options.
     """
 
@@ -81,6 +85,7 @@ class CheckpointManagerOptions:
     max_pending_saves: int = 1
     max_host_bytes: int | None = None
     save_rng: bool = True
+    save_on_preemption: bool = False
     save_options: SaveOptions = field(default_factory=SaveOptions)
     restore_options: RestoreOptions = field(default_factory=RestoreOptions)
 
@@ -100,7 +105,7 @@ class CheckpointManagerOptions:
         if self.step_prefix is not None and (not self.step_prefix or "/" in self.step_prefix
                                              or not layout.is_safe_relative_path(self.step_prefix)):
             raise ValueError(f"step_prefix {self.step_prefix!r} is not a plain name")
-        for name in ("create", "async_save", "save_rng", "keep_checkpoints_without_metrics"):
+        for name in ("create", "async_save", "save_rng", "save_on_preemption", "keep_checkpoints_without_metrics"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
 
@@ -127,8 +132,23 @@ class CheckpointManager:
         self._steps: dict[int, StepMetadata] = {}
         self._in_flight: int | None = None
         self._closed = False
+        self._preempted = threading.Event()
+        self._preemption_step: int | None = None
+        self._previous_sigterm: Any = None
         self._check_root()
         self.reload()
+        if self._options.save_on_preemption:
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._preempted.set()
+        if callable(self._previous_sigterm):
+            self._previous_sigterm(signum, frame)
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once a SIGTERM arrived (with `save_on_preemption`) and the state up to `step` is committed:
+        the training loop should exit now and resume later from this step."""
+        return self._preemption_step is not None and step >= self._preemption_step
 
     # ---------------------------------------------------------------------------------------- queries
 
@@ -193,7 +213,10 @@ class CheckpointManager:
         return marker
 
     def should_save(self, step: int) -> bool:
-        """True if `step` is due by the save interval / steps and not yet saved."""
+        """True if `step` is due by the save interval / steps (or a SIGTERM arrived) and not yet saved."""
+        if self._preempted.is_set() and self._preemption_step is None:
+            with self._lock:
+                return step not in self._steps
         latest = self.latest_step()
         last = latest if self._in_flight is None else max(latest or 0, self._in_flight)
         return self._save_policy.should_save(step, last)
@@ -263,6 +286,11 @@ class CheckpointManager:
                 finish()
             finally:
                 self._committer.release()
+        if self._preempted.is_set() and self._preemption_step is None:
+            self._committer.wait()  # the process is about to be killed: the commit must land first
+            self._preemption_step = step
+            warnings.warn(f"SIGTERM received: step {step} is committed at {step_loc}; the trainer should exit",
+                          stacklevel=2)
         return True
 
     def _finish(self, step: int, step_loc: storage.Location, plans: dict, pending: list,
@@ -385,6 +413,9 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        if self._options.save_on_preemption:
+            previous = self._previous_sigterm
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         self._committer.close()
 
     def __enter__(self) -> CheckpointManager:

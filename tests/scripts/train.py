@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--async", dest="async_save", action="store_true")
     parser.add_argument("--max-to-keep", type=int, default=None)
+    parser.add_argument("--save-on-preemption", action="store_true")
+    parser.add_argument("--step-delay", type=float, default=0.0)
     args = parser.parse_args()
 
     xr.use_spmd()
@@ -86,7 +89,7 @@ def main() -> None:
     torch_xla.sync()
 
     options = xtc.CheckpointManagerOptions(save_interval_steps=args.save_every, max_to_keep=args.max_to_keep,
-                                           async_save=args.async_save)
+                                           async_save=args.async_save, save_on_preemption=args.save_on_preemption)
     data = {"position": 0}
     start = 0
     with xtc.CheckpointManager(args.root, options) as manager:
@@ -112,6 +115,10 @@ def main() -> None:
             print(json.dumps({"step": step, "loss": value}), flush=True)
             manager.save(step, model=model, optimizer=optimizer, lr_scheduler=scheduler, extra=data,
                          metrics={"loss": value})
+            if manager.reached_preemption(step):
+                print(json.dumps({"preempted": step}), flush=True)
+                os._exit(0)
+            time.sleep(args.step_delay)
             if args.stop_at is not None and step == args.stop_at:
                 manager.wait_until_finished()
                 print(json.dumps({"stopped": step}), flush=True)

@@ -1,0 +1,195 @@
+"""Asynchronous saves: the caller blocks only for the copy off the devices, values are those at save() time,
+background errors are never lost, bounded pending saves and host memory, save on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch_xla
+from test_checkpointer_cpu import assert_trees_equal
+from test_manager import cpu_state, train_steps, xla_net
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import arrays, checkpointer, storage
+
+
+def async_options(**kw):
+    kw.setdefault("save_interval_steps", 1)
+    kw.setdefault("max_to_keep", None)
+    return xtc.CheckpointManagerOptions(**kw)
+
+
+def test_async_is_the_default():
+    assert xtc.CheckpointManagerOptions().async_save is True
+
+
+def test_written_values_are_those_at_save_time(tmp_path, mesh_4x2, monkeypatch):
+    net = xla_net(mesh_4x2)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    train_steps(net, opt, 2)
+    extra = {"buf": torch.arange(6.0), "position": 5, "nested": [torch.ones(2)]}
+    expected_model = cpu_state(net)
+    expected_opt = {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())}
+    gate = threading.Event()
+    real_wait_all = arrays.wait_all
+
+    def slow_wait_all(pending):  # hold the background writes until the caller has mutated everything
+        gate.wait(30)
+        return real_wait_all(pending)
+
+    monkeypatch.setattr(arrays, "wait_all", slow_wait_all)
+    with xtc.CheckpointManager(tmp_path, async_options()) as mgr:
+        assert mgr.save(2, model=net, optimizer=opt, extra=extra)
+        assert mgr.all_steps() == []  # returned before the commit
+        train_steps(net, opt, 3, seed=7)  # parameters and optimizer state change on the devices
+        extra["buf"].add_(100)
+        extra["position"] = 99
+        extra["nested"][0].mul_(-1)
+        gate.set()
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2]
+        fresh = xla_net(mesh_4x2, seed=3)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        fresh_extra = {"buf": torch.zeros(6), "position": 0, "nested": [torch.zeros(2)]}
+        mgr.restore("latest", model=fresh, optimizer=fresh_opt, extra=fresh_extra)
+    for key, value in expected_model.items():
+        assert torch.equal(cpu_state(fresh)[key], value), key
+    for i, state in enumerate(fresh_opt.state.values()):
+        for name, value in state.items():
+            assert torch.equal(value.cpu(), expected_opt[i][name]), name
+    assert_trees_equal(fresh_extra, {"buf": torch.arange(6.0), "position": 5, "nested": [torch.ones(2)]})
+
+
+@pytest.mark.parametrize("where", ["save", "wait_until_finished", "restore", "close"])
+def test_background_error_is_reraised_with_step_and_cause(tmp_path, monkeypatch, where):
+    mgr = xtc.CheckpointManager(tmp_path, async_options())
+    mgr.save(1, extra={"v": 1})
+    mgr.wait_until_finished()
+
+    def broken_sync(loc):
+        raise xtc.StorageError(f"disk full while syncing {loc}")
+
+    monkeypatch.setattr(storage, "sync", broken_sync)
+    assert mgr.save(2, extra={"v": 2})  # returns: the failure happens in the background
+    with pytest.raises(xtc.AsyncSaveError, match="step 2") as err:
+        if where == "save":
+            time.sleep(0.5)
+            mgr.save(3, extra={"v": 3})
+        elif where == "restore":
+            mgr.restore("latest", extra={"v": 0})
+        else:
+            getattr(mgr, where)()
+    assert isinstance(err.value.__cause__, xtc.StorageError) and "disk full" in str(err.value)
+    monkeypatch.undo()
+    if where == "close":
+        mgr = xtc.CheckpointManager(tmp_path, async_options())
+    assert mgr.all_steps() == [1]  # the failed step is not committed; the earlier one is intact
+    extra = {"v": 0}
+    assert mgr.restore("latest", extra=extra) == 1 and extra["v"] == 1
+    assert mgr.save(4, extra={"v": 4})  # the error was reported once; saving works again
+    mgr.close()
+    assert 2 not in xtc.CheckpointManager(tmp_path, async_options()).all_steps()
+
+
+def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path, monkeypatch):
+    events = []
+    real_write_manifest = checkpointer.write_manifest
+    real_stage = checkpointer.stage
+
+    def slow_manifest(loc, manifest, options):
+        time.sleep(0.3)
+        events.append(("committing", loc.parent.name))
+        return real_write_manifest(loc, manifest, options)
+
+    def tracking_stage(batch, *, copy_cpu):
+        events.append(("staging", None))
+        return real_stage(batch, copy_cpu=copy_cpu)
+
+    monkeypatch.setattr(checkpointer, "write_manifest", slow_manifest)
+    monkeypatch.setattr(checkpointer, "stage", tracking_stage)
+    with xtc.CheckpointManager(tmp_path, async_options(save_rng=False)) as mgr:
+        mgr.save(1, extra={"t": torch.ones(4)})
+        mgr.save(2, extra={"t": torch.ones(4)})
+    assert events == [("staging", None), ("committing", "1"), ("staging", None), ("committing", "2")]
+
+
+def test_max_pending_saves_allows_overlap(tmp_path, monkeypatch):
+    real_sync = storage.sync
+    monkeypatch.setattr(storage, "sync", lambda loc: (time.sleep(0.5), real_sync(loc)))
+    with xtc.CheckpointManager(tmp_path, async_options(max_pending_saves=2, save_rng=False)) as mgr:
+        start = time.perf_counter()
+        mgr.save(1, extra={"t": torch.ones(4)})
+        mgr.save(2, extra={"t": torch.ones(4)})
+        assert time.perf_counter() - start < 0.5  # the second save did not wait for the first commit
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2]
+
+
+def test_max_host_bytes_streams_the_save(tmp_path, monkeypatch):
+    issued, waited = {}, []
+    in_flight_peaks = []
+    real_write, real_wait_all = arrays.write, arrays.wait_all
+
+    def tracking_write(store, loc, chunks, *, single_file):
+        pending = real_write(store, loc, chunks, single_file=single_file)
+        issued[id(pending[-1])] = sum(d.nbytes for _, d in chunks)
+        outstanding = sum(issued.values()) - sum(waited)
+        in_flight_peaks.append(outstanding)
+        return pending
+
+    def tracking_wait_all(pending):
+        result = real_wait_all(pending)
+        waited.extend(issued.pop(id(p), 0) for p in pending)
+        return result
+
+    monkeypatch.setattr(arrays, "write", tracking_write)
+    monkeypatch.setattr(arrays, "wait_all", tracking_wait_all)
+    state = {f"t{i}": torch.randn(256, 256) for i in range(16)}  # 16 x 256 KiB = 4 MiB
+    cap = 1 << 20
+    options = async_options(max_host_bytes=cap, save_rng=False,
+                            save_options=xtc.SaveOptions(host_batch_bytes=256 << 10))
+    with xtc.CheckpointManager(tmp_path, options) as mgr:
+        mgr.save(1, model=state)
+        mgr.wait_until_finished()
+        assert max(in_flight_peaks) <= cap + (256 << 10)
+        assert_trees_equal(xtc.restore(tmp_path / "1" / "model"), state)
+
+
+def test_sigterm_saves_commits_and_the_run_resumes(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "scripts", "train.py")
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8")
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, script, "--root", str(root), "--steps", "1000", "--save-every",
+                             "1000", "--save-on-preemption", "--async", "--step-delay", "0.2"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = []
+    for line in proc.stdout:
+        log.append(json.loads(line))
+        if log[-1].get("step") == 3:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    log.extend(json.loads(line) for line in out.splitlines() if line.startswith("{"))
+    assert proc.returncode == 0, err[-3000:]
+    preempted = next(e["preempted"] for e in log if "preempted" in e)
+    assert preempted >= 3
+    with xtc.CheckpointManager(root, async_options()) as mgr:
+        assert mgr.all_steps() == [preempted]  # only the preemption save (the interval is 1000)
+    straight = subprocess.run([sys.executable, script, "--root", str(tmp_path / "straight"), "--steps",
+                               str(preempted + 2)], env=env, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run([sys.executable, script, "--root", str(root), "--steps", str(preempted + 2),
+                              "--resume", "latest"], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight_losses = [json.loads(x)["loss"] for x in straight.stdout.splitlines() if '"loss"' in x]
+    resumed_log = [json.loads(x) for x in resumed.stdout.splitlines() if x.startswith("{")]
+    assert {"restored": preempted} in resumed_log
+    assert [e["loss"] for e in resumed_log if "loss" in e] == straight_losses[preempted:]
+    torch_xla.sync()
