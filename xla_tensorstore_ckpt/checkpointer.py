@@ -167,18 +167,31 @@ def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: Sav
                  copy_cpu: bool = False, max_host_bytes: int | None = None) -> list[arrays.Pending]:
     """Create every array and start writing this process's chunks; return the futures to wait for.
 
-    Blocks while shards are fetched to host memory (batch by batch; the writes of one batch run while the next
-    is fetched). `copy_cpu` copies CPU tensors too, for callers that return before the writes finish. With
-    `max_host_bytes`, staged data not yet written never exceeds it (plus one batch): the call then waits for
-    earlier writes instead of fetching more. On error, every started operation is waited for first.
+    Blocks while shards are fetched to host memory, batch by batch. `copy_cpu` copies CPU tensors too; it is
+    for callers that return before the writes finish (asynchronous saves), and then writes start only once
+    everything is staged, so that the copy off the devices, which the caller waits for, does not compete
+    with the writes. Otherwise the writes of one batch run while the next is fetched. With `max_host_bytes`,
+    staged data not yet written never exceeds it (plus one batch): the call waits for earlier writes instead
+    of fetching more. On error, every started operation is waited for first.
     """
     locations = {p.key_path: loc.child(p.meta.path) for p in plans}
     pending: list[arrays.Pending] = [
         arrays.create(locations[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
                       single_file=p.single_file(options)) for p in plans]
     created = dict(zip([p.key_path for p in plans], pending))
+    staged: deque[tuple[list[ArrayPlan], list[list[torch.Tensor]]]] = deque()
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
+    deferred = copy_cpu and max_host_bytes is None
+
+    def write(group: list[ArrayPlan], shards_per_plan: list[list[torch.Tensor]]) -> list[arrays.Pending]:
+        out: list[arrays.Pending] = []
+        for p, shards in zip(group, shards_per_plan):
+            chunks = [(s.region, dtypes.tensor_to_numpy(d)) for s, d in zip(p.writes, shards)]
+            out.extend(arrays.write(created[p.key_path].result(), locations[p.key_path], chunks,
+                                    single_file=p.single_file(options)))
+        return out
+
     try:
         for group in batches([p for p in plans if p.writes], options.host_batch_bytes):
             group_bytes = sum(p.staged_bytes for p in group)
@@ -186,14 +199,14 @@ def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: Sav
                 done_bytes, done = in_flight.popleft()
                 arrays.wait_all(done)
                 in_flight_bytes -= done_bytes
-            group_pending: list[arrays.Pending] = []
-            for p, shards in zip(group, stage(group, copy_cpu=copy_cpu)):
-                chunks = [(s.region, dtypes.tensor_to_numpy(d)) for s, d in zip(p.writes, shards)]
-                group_pending.extend(arrays.write(created[p.key_path].result(), locations[p.key_path], chunks,
-                                                  single_file=p.single_file(options)))
-            pending.extend(group_pending)
-            in_flight.append((group_bytes, group_pending))
-            in_flight_bytes += group_bytes
+            staged.append((group, stage(group, copy_cpu=copy_cpu)))
+            if not deferred:
+                group_pending = write(*staged.popleft())
+                pending.extend(group_pending)
+                in_flight.append((group_bytes, group_pending))
+                in_flight_bytes += group_bytes
+        while staged:
+            pending.extend(write(*staged.popleft()))
     except BaseException:
         drain(pending)
         raise

@@ -1,0 +1,159 @@
+"""Asynchronous saves (issue: async saves): how long save() blocks the caller on the 1 GiB 2D-sharded state,
+against the floor (copying the same shards to host memory alone), the synchronous save, and torch_xla's
+CheckpointManager.save_async; and a training loop that saves every step against the same loop without saves.
+
+usage: python benchmarks/bench_async.py [--scale 1.0] [--repeats 5] [--loop-steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+
+xr.use_spmd()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import contenders  # noqa: E402
+import workloads  # noqa: E402
+
+import xla_tensorstore_ckpt as xtc  # noqa: E402
+
+
+def median(values):
+    return statistics.median(values)
+
+
+def blocking_times(state, tmp, repeats):
+    tensors = list(state.values())
+    floor, ours_async, ours_sync, theirs = [], [], [], []
+    async_mgr = xtc.CheckpointManager(os.path.join(tmp, "async"), xtc.CheckpointManagerOptions(
+        save_interval_steps=1, max_to_keep=1, save_rng=False))
+    sync_mgr = xtc.CheckpointManager(os.path.join(tmp, "sync"), xtc.CheckpointManagerOptions(
+        save_interval_steps=1, max_to_keep=1, save_rng=False, async_save=False))
+    txla = contenders.TorchXlaManager(os.path.join(tmp, "txla"))
+    for step in range(repeats + 1):  # step 0 warms every path up
+        os.sync()
+        start = time.perf_counter()
+        shards = torch_xla._XLAC._get_local_shards(tensors)
+        elapsed = time.perf_counter() - start
+        del shards
+        if step:
+            floor.append(elapsed)
+        async_mgr.wait_until_finished()
+        os.sync()
+        start = time.perf_counter()
+        async_mgr.save(step, model=state)
+        elapsed = time.perf_counter() - start
+        async_mgr.wait_until_finished()
+        if step:
+            ours_async.append(elapsed)
+        os.sync()
+        start = time.perf_counter()
+        sync_mgr.save(step, model=state)
+        if step:
+            ours_sync.append(time.perf_counter() - start)
+        sync_mgr.wait_until_finished()
+        os.sync()
+        start = time.perf_counter()
+        txla.manager.save_async(step, state, force=True)
+        elapsed = time.perf_counter() - start
+        txla.manager.join()
+        shutil.rmtree(os.path.join(tmp, "txla", str(step - 1)), ignore_errors=True)
+        if step:
+            theirs.append(elapsed)
+    async_mgr.close()
+    sync_mgr.close()
+    return floor, ours_async, ours_sync, theirs
+
+
+class Model(torch.nn.Module):
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return x
+
+
+def training_loop(tmp, steps, save: bool, width: int, batch: int) -> float:
+    mesh = xs.Mesh(np.arange(8), (4, 2), ("fsdp", "model"))
+    torch.manual_seed(0)
+    model = Model(width, 8).to("xla")
+    for layer in model.layers:
+        xs.mark_sharding(layer.weight, mesh, ("fsdp", "model"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    mgr = xtc.CheckpointManager(os.path.join(tmp, f"loop-{save}"), xtc.CheckpointManagerOptions(
+        save_interval_steps=1, max_to_keep=2)) if save else None
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(batch, width, generator=g) for _ in range(4)]
+
+    def step(i):
+        x = data[i % 4].to("xla")
+        xs.mark_sharding(x, mesh, ("fsdp", None))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+        if mgr is not None:
+            mgr.save(i, model=model, optimizer=opt, extra={"step": i})
+
+    step(0)  # compile
+    torch_xla._XLAC._xla_wait_device_ops(devices=[])
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        step(i)
+    torch_xla._XLAC._xla_wait_device_ops(devices=[])
+    elapsed = time.perf_counter() - start
+    if mgr is not None:
+        mgr.close()  # the last save's commit is not part of the loop (the loop could go on)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--loop-steps", type=int, default=20)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=2048,
+                        help="rows per step; compute per state byte grows with it (real LLM steps have far more)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="xtc-bench-async-") as tmp:
+        state = workloads.build_state("large", args.scale)
+        floor, ours_async, ours_sync, theirs = blocking_times(state, tmp, args.repeats)
+        del state
+        f, a, s, t = median(floor), median(ours_async), median(ours_sync), median(theirs)
+        print(f"1 GiB x {args.scale}: time the caller is blocked by save(), median of {args.repeats}")
+        print(f"  host copy of the shards alone (floor) {f:.3f} s")
+        print(f"  xtc async save()                      {a:.3f} s = {a / f:.2f}x the floor (goal <= 1.25x), "
+              f"{a / s:.2f} of the sync save (goal <= 0.33)")
+        print(f"  xtc sync save()                       {s:.3f} s")
+        print(f"  torch_xla CheckpointManager.save_async {t:.3f} s  -> xtc blocks {t / a:.2f}x less")
+        without = training_loop(tmp, args.loop_steps, False, args.width, args.batch)
+        with_saves = training_loop(tmp, args.loop_steps, True, args.width, args.batch)
+        params = 8 * (args.width * args.width + args.width)
+        print(f"training loop, {args.loop_steps} steps, {params / 1e6:.0f}M parameters + AdamW "
+              f"({3 * 4 * params / 2**20:.0f} MiB of state), batch {args.batch} x {args.width}, saving every step "
+              f"({without / args.loop_steps:.2f} s per step without):")
+        print(f"  without checkpoints {without:.2f} s, with {with_saves:.2f} s = {with_saves / without:.2f}x "
+              "(goal <= 1.3x)")
+
+
+if __name__ == "__main__":
+    main()
