@@ -20,6 +20,7 @@ from .errors import (
     StorageError,
     UnsupportedValueError,
 )
+from .inspection import open_array
 from .manager import CheckpointManager, CheckpointManagerOptions
 from .metadata import ArrayMetadata, SavedSharding, StepMetadata
 from .options import RestoreOptions, SaveOptions
@@ -49,6 +50,7 @@ __all__ = [
     "StorageError",
     "UnsupportedValueError",
     "metadata",
+    "open_array",
     "restore",
     "save",
     "skip_batches",

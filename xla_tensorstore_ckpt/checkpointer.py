@@ -238,7 +238,9 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     loc = storage.location(path)
     plan = plan_save(state)
     prepare_directory(loc, overwrite=overwrite)
-    arrays.wait_all(issue_writes(loc, plan.arrays, options))
+    # Nothing needs the staged data once written, so at most two batches are held: the one being written and
+    # the one being fetched.
+    arrays.wait_all(issue_writes(loc, plan.arrays, options, max_host_bytes=2 * options.host_batch_bytes))
     if options.fsync:
         storage.sync(loc)
     write_manifest(loc, plan.manifest, options)

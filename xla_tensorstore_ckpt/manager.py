@@ -270,7 +270,7 @@ class CheckpointManager:
             for name, plan in plans.items():
                 pending.extend(checkpointer.issue_writes(
                     step_loc.child(name), plan.arrays, options, copy_cpu=self._options.async_save,
-                    max_host_bytes=self._options.max_host_bytes))
+                    max_host_bytes=self._host_budget()))
         except BaseException:
             self._committer.release()
             raise
@@ -292,6 +292,13 @@ class CheckpointManager:
             warnings.warn(f"SIGTERM received: step {step} is committed at {step_loc}; the trainer should exit",
                           stacklevel=2)
         return True
+
+    def _host_budget(self) -> int | None:
+        """Staged bytes a save may hold: the user's cap; in synchronous mode (where staged data is dropped as
+        soon as it is written) two batches: the one being written and the one being fetched."""
+        if self._options.max_host_bytes is not None or self._options.async_save:
+            return self._options.max_host_bytes
+        return 2 * self._options.save_options.host_batch_bytes
 
     def _finish(self, step: int, step_loc: storage.Location, plans: dict, pending: list,
                 metrics: dict | None, custom: dict | None, created_at: float) -> None:

@@ -27,7 +27,7 @@ class SaveOptions:
     """
 
     fsync: bool = True
-    host_batch_bytes: int = 256 * _MiB
+    host_batch_bytes: int = 64 * _MiB
     single_file_max_bytes: int = 4 * _MiB
 
     def __post_init__(self) -> None:

@@ -1,0 +1,312 @@
+"""The offline command line, ``xtckpt`` (also ``python -m xla_tensorstore_ckpt``).
+
+Reads checkpoints without torch_xla or the training code. Listing commands print aligned tables (``--json`` for
+machine-readable output); long work shows a progress bar when stderr is a terminal. Errors are one line on
+stderr: exit status 2 for a bad request (usage, unknown key, malformed slice, not a checkpoint), 1 for damaged
+data (corrupt chunks, failed verification).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import numpy as np
+
+from . import export, inspection
+from .errors import CheckpointError, CheckpointNotFoundError
+from .inspection import UsageError
+
+EXIT_DATA, EXIT_USAGE = 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 5GB, 500MiB)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    scale = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9, "T": 1e12, "TB": 1e12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}.get(unit)
+    if scale is None or number <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}")
+    return int(number * scale)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
+    """Rows aligned in columns; `right` lists the indices of right-aligned (numeric) columns."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def progress_bar(label: str) -> Callable[[int, int], None] | None:
+    """A callback drawing a progress bar on stderr, or None when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        return None
+
+    def draw(done: int, total: int) -> None:
+        width = 30
+        filled = int(width * done / total) if total else width
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return draw
+
+
+def _fmt_number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.6g}"
+
+
+def _metrics_text(metrics: dict | None) -> str:
+    if not metrics:
+        return ""
+    return " ".join(f"{k}={_fmt_number(v) if isinstance(v, float) else v}" for k, v in metrics.items())
+
+
+def _time_text(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=1, default=str))
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+
+def cmd_steps(args: argparse.Namespace) -> int:
+    steps = inspection.list_steps(args.root)
+    if not steps:
+        raise CheckpointNotFoundError(f"{args.root} holds no checkpoint steps")
+    if args.json:
+        _print_json([{"step": s.step, "name": s.name, "status": s.status, "committed_at": s.committed_at,
+                      "bytes": s.nbytes, "metrics": s.metrics, "problem": s.problem} for s in steps])
+        return 0
+    rows = [(s.step, s.status, _time_text(s.committed_at), human_bytes(s.nbytes),
+             _metrics_text(s.metrics) if s.status == "committed" else (s.problem or "no commit marker")[:80])
+            for s in steps]
+    print(table(("step", "status", "committed", "size", "metrics"), rows, right=(0, 3)))
+    return 0
+
+
+def cmd_tree(args: argparse.Namespace) -> int:
+    checkpoint = inspection.open_checkpoint(args.path)
+    rows = inspection.tree_rows(checkpoint, args.item)
+    if args.json:
+        _print_json([{"key": r.key, **({"shape": list(r.meta.shape), "dtype": r.meta.dtype,
+                                        "chunk_shape": list(r.meta.chunk_shape), "bytes": r.meta.nbytes,
+                                        "sharding": r.meta.sharding.to_json() if r.meta.sharding else None}
+                                       if r.meta else {"value": r.value})} for r in rows])
+        return 0
+    lines = []
+    for r in rows:
+        if r.meta is None:
+            lines.append((r.key, "", "value", "", "", json.dumps(r.value)))
+        else:
+            sharding = r.meta.sharding.describe() if r.meta.sharding else "unsharded"
+            lines.append((r.key, str(list(r.meta.shape)), r.meta.dtype, str(list(r.meta.chunk_shape)),
+                          human_bytes(r.meta.nbytes), sharding))
+    print(table(("key", "shape", "dtype", "chunk", "bytes", "sharding / value"), lines, right=(4,)))
+    total = sum(r.meta.nbytes for r in rows if r.meta)
+    print(f"{sum(1 for r in rows if r.meta)} arrays, {human_bytes(total)}; "
+          f"{sum(1 for r in rows if r.meta is None)} values")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    checkpoint = inspection.open_checkpoint(args.path)
+    key, index = inspection.parse_key_and_slice(
+        args.key, lambda k: len(inspection.array_metadata(checkpoint, k)[1].shape))
+    values = inspection.read_slice(checkpoint, key, index)
+    if args.json:
+        _print_json({"key": key, "dtype": str(values.dtype), "shape": list(values.shape),
+                     "values": _to_json_values(values)})
+        return 0
+    print(f"{key}{'[' + args.key.split('[', 1)[1] if '[' in args.key else ''}: {values.dtype} "
+          f"{list(values.shape)}")
+    with np.printoptions(threshold=2000, linewidth=120, edgeitems=4):
+        print(values if values.dtype.kind in "biufc?" else values.astype(np.float32))
+    return 0
+
+
+def _to_json_values(values: np.ndarray) -> Any:
+    if values.dtype.kind in "biu?":
+        return values.tolist()
+    if values.dtype.kind == "c":
+        return [[float(v.real), float(v.imag)] for v in values.reshape(-1)]
+    as_float = values.astype(np.float64)
+    return [None if not math.isfinite(v) else v for v in as_float.reshape(-1).tolist()] if as_float.ndim else (
+        float(as_float) if math.isfinite(float(as_float)) else None)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    checkpoint = inspection.open_checkpoint(args.path)
+    keys = args.keys or inspection.all_array_keys(checkpoint)
+    draw = progress_bar("stats")
+    results = []
+    for done, key in enumerate(keys, 1):
+        results.append(inspection.array_stats(checkpoint, key))
+        if draw:
+            draw(done, len(keys))
+    if args.json:
+        _print_json([vars(r) for r in results])
+        return 0
+    rows = [(r.key, r.count, _fmt_number(r.min), _fmt_number(r.max), _fmt_number(r.mean), _fmt_number(r.std),
+             r.nan, r.inf) for r in results]
+    print(table(("key", "finite", "min", "max", "mean", "std", "nan", "inf"), rows, right=(1, 2, 3, 4, 5, 6, 7)))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    a, b = inspection.open_checkpoint(args.a), inspection.open_checkpoint(args.b)
+    entries = inspection.diff(a, b, progress_bar("diff"))
+    if args.json:
+        _print_json([{"key": e.key, "change": e.change, **e.detail} for e in entries])
+        return 0
+    if not entries:
+        print("no differences")
+        return 0
+    rows = []
+    for e in entries:
+        if e.change == "values":
+            detail = (f"max |b-a| {_fmt_number(e.detail['max_abs_diff'])}, "
+                      f"relative L2 {_fmt_number(e.detail['relative_l2'])}")
+        elif e.detail:
+            detail = f"{e.detail['a']} -> {e.detail['b']}"
+        else:
+            detail = ""
+        rows.append((e.key, e.change, detail))
+    print(table(("key", "change", "detail"), rows))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    checked, problems = inspection.verify(args.path, progress_bar("verify"))
+    if args.json:
+        _print_json({"arrays": checked, "ok": not problems,
+                     "problems": [{"where": p.where, "message": p.message} for p in problems]})
+    else:
+        for p in problems:
+            print(f"FAIL {p.where}: {p.message}")
+        print(f"{'OK' if not problems else 'FAILED'}: {checked} arrays checked, {len(problems)} problems")
+    return EXIT_DATA if problems else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    checkpoint = inspection.open_checkpoint(args.path)
+    items = tuple(args.items.split(",")) if args.items else (("model",) if "model" in checkpoint.items else
+                                                             checkpoint.items)
+    draw = progress_bar("export")
+    if args.format == "safetensors":
+        files = export.export_safetensors(checkpoint, items, args.out, max_file_bytes=args.max_file_size,
+                                          progress=draw)
+    else:
+        files = [export.export_torch(checkpoint, items, args.out, progress=draw)]
+    if args.json:
+        _print_json({"files": files})
+    else:
+        for f in files:
+            print(f)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="xtckpt", description="Inspect and export xla_tensorstore_ckpt checkpoints offline.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def command(name: str, help_text: str, fn: Callable[[argparse.Namespace], int], json_flag: bool = True):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(fn=fn)
+        if json_flag:
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        return p
+
+    p = command("steps", "committed steps with time, size and metrics; partial steps shown as such", cmd_steps)
+    p.add_argument("root")
+    p = command("tree", "every key with shape, dtype, chunk shape, bytes, saved sharding, and JSON values",
+                cmd_tree)
+    p.add_argument("path", help="ROOT/STEP, or an item directory")
+    p.add_argument("item", nargs="?")
+    p = command("show", "values of a slice, reading only the chunks needed: KEY[0:4, :8]", cmd_show)
+    p.add_argument("path")
+    p.add_argument("key", help="ITEM/KEY optionally followed by [slice], e.g. 'model/w[0:4, :8]'")
+    p = command("stats", "min, max, mean, std, NaN and Inf counts per array, chunk by chunk", cmd_stats)
+    p.add_argument("path")
+    p.add_argument("keys", nargs="*")
+    p = command("diff", "keys added/removed, shape and dtype changes, value differences", cmd_diff)
+    p.add_argument("a")
+    p.add_argument("b")
+    p = command("verify", "every chunk present and every checksum valid (exit 1 otherwise)", cmd_verify)
+    p.add_argument("path", help="ROOT, ROOT/STEP or an item directory")
+    p = command("export", "a consolidated single-host copy (safetensors or torch)", cmd_export)
+    p.add_argument("path")
+    p.add_argument("out", help="output directory (safetensors) or file (torch)")
+    p.add_argument("--format", choices=("safetensors", "torch"), required=True)
+    p.add_argument("--items", help="comma-separated items (default: model)")
+    p.add_argument("--max-file-size", type=parse_size, default=parse_size("5GB"),
+                   help="largest safetensors file, e.g. 5GB (default), 500MiB")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``xtckpt``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (UsageError, CheckpointNotFoundError) as exc:
+        print(f"xtckpt: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"xtckpt: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_DATA
+    except KeyboardInterrupt:
+        return 130
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def run() -> None:
+    """Console-script wrapper: exit with `main`'s status; a closed stdout pipe (``| head``) is not an error."""
+    try:
+        status = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        sys.stderr.close()
+        status = 0
+    sys.exit(status)
