@@ -243,3 +243,12 @@ def test_module_entry_point(root):
     proc = subprocess.run([sys.executable, "-m", "xla_tensorstore_ckpt", "steps", str(root), "--json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and [s["step"] for s in json.loads(proc.stdout)] == [1, 2, 3]
+
+
+def test_progress_bar_only_on_a_terminal(root, capsys, monkeypatch):
+    run("stats", root / "2", capsys=capsys)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    status = cli.main(["verify", str(root)])
+    err = capsys.readouterr().err
+    assert status == 0 and "verify [" in err and "6/6" in err

@@ -4,6 +4,7 @@ tensorstore read it, and each chunk carries a CRC32C checksum."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -44,3 +45,19 @@ def test_zarr_python_verifies_checksums(tmp_path):
     chunk.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum"):
         zarr.open_array(str(tmp_path / "ck" / "w"), mode="r")[:]
+
+
+def test_the_documented_zarr_registration_works_without_this_package(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "format.md")).read()
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", doc, re.S) if "data_type_registry" in block)
+    xtc.save(tmp_path / "ck", {"w": torch.arange(12.0).reshape(3, 4).to(torch.bfloat16)})
+    snippet = snippet.replace("/ckpt/step_100/model/0.weight", str(tmp_path / "ck" / "w"))
+    snippet += ("\nimport sys\nassert 'xla_tensorstore_ckpt' not in sys.modules\n"
+                "print(z[:].astype('float32').tolist())\n")
+    proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(torch.arange(12.0).reshape(3, 4).tolist())
