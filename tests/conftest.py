@@ -8,6 +8,8 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ["CPU_NUM_DEVICES"] = os.environ.get("XTC_TEST_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import itertools  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -43,6 +45,35 @@ def sharded(cpu: torch.Tensor, mesh: xs.Mesh | None, spec: tuple | None) -> torc
         xs.mark_sharding(t, mesh, spec)
     torch_xla.sync()
     return t
+
+
+# gs:// goes to a fake-gcs-server started on first use; the clients read these variables.
+import gcs_emulator  # noqa: E402
+
+GCS_PORT = gcs_emulator.free_port()
+gcs_emulator.configure_clients(f"http://127.0.0.1:{GCS_PORT}")
+GCS_BUCKET = "xtc-test"
+_unique = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator_server():
+    server = gcs_emulator.Emulator(GCS_PORT).start()
+    server.create_bucket(GCS_BUCKET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["file", "memory", "gcs"])
+def storage_root(request, tmp_path) -> str:
+    """A fresh, empty root on each storage backend: the conformance suite runs every test on all three."""
+    n = next(_unique)
+    if request.param == "file":
+        return str(tmp_path / "root")
+    if request.param == "memory":
+        return f"memory://conformance/{n}"
+    request.getfixturevalue("gcs_emulator_server")
+    return f"gs://{GCS_BUCKET}/conformance/{n}"
 
 
 @pytest.fixture

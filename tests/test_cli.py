@@ -246,8 +246,8 @@ def test_module_entry_point(root):
 
 
 def test_progress_bar_only_on_a_terminal(root, capsys, monkeypatch):
-    run("stats", root / "2", capsys=capsys)
-    assert capsys.readouterr().err == ""
+    _, _, err = run("stats", root / "2", capsys=capsys)
+    assert err == ""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     status = cli.main(["verify", str(root)])
     err = capsys.readouterr().err

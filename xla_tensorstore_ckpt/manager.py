@@ -442,7 +442,7 @@ class CheckpointManager:
             if storage.read(self._root, marker) is not None:
                 raise CheckpointError(f"{self._root} is {what} directory, not a checkpoint root; "
                                       "pass the directory that holds the steps")
-        if not self._options.create and self._root.scheme == "file" and not os.path.isdir(self._root.path):
+        if not self._options.create and not storage.exists(self._root):
             raise CheckpointNotFoundError(f"checkpoint root {self._root} does not exist (and create=False)")
 
     def _step_location(self, step: int) -> storage.Location:

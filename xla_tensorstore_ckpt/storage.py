@@ -93,8 +93,16 @@ def location(path: str | os.PathLike | Location) -> Location:
 def context() -> ts.Context:
     """The tensorstore context for array I/O (one per process, so ``memory://`` stores are shared). The file
     kvstore does not sync each file: `sync` makes a whole save durable at once, which is far cheaper than one
-    fsync per chunk file."""
-    return ts.Context({"file_io_sync": False, "cache_pool": {"total_bytes_limit": 0}})
+    fsync per chunk file. GCS requests are retried with exponential backoff on transient errors (429, 5xx,
+    dropped connections), a bounded number of times; the error that finally escapes names the object."""
+    return ts.Context({
+        "file_io_sync": False,
+        "cache_pool": {"total_bytes_limit": 0},
+        "gcs_request_retries": {"max_retries": GCS_MAX_RETRIES, "initial_delay": "50ms", "max_delay": "5s"},
+    })
+
+
+GCS_MAX_RETRIES = 10
 
 
 def sync(loc: Location) -> None:
@@ -213,14 +221,24 @@ def delete_tree(loc: Location) -> None:
 
 
 def list_children(loc: Location) -> list[str]:
-    """Names of the files and directories directly inside `loc` (empty if `loc` does not exist)."""
+    """Sorted names of the files and directories directly inside `loc` (empty if `loc` does not exist). On GCS this
+    is one delimited listing, not a walk over every object below."""
     if loc.scheme == "file":
         try:
-            return [entry.name for entry in os.scandir(loc.path)]
+            return sorted(entry.name for entry in os.scandir(loc.path))
         except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError as exc:
             raise StorageError(f"cannot list {loc}: {exc}") from exc
+    if loc.scheme == "gs":
+        prefix = f"{loc.bucket}/{loc.path}".rstrip("/")
+        try:
+            entries = _gcsfs().ls(prefix, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StorageError(f"cannot list {loc}: {exc}") from exc
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix})
     try:
         keys = _kvstore(loc).list().result()
     except ValueError as exc:
@@ -228,9 +246,28 @@ def list_children(loc: Location) -> list[str]:
     return sorted({key.decode("utf-8").split("/", 1)[0] for key in keys})
 
 
+@cache
+def _gcsfs():  # noqa: ANN202 - gcsfs is imported lazily: only gs:// needs it
+    """A gcsfs file system for delimited listings (tensorstore's kvstore lists recursively). Credentials are
+    gcsfs's defaults (application default credentials on TPU VMs); against an emulator
+    (STORAGE_EMULATOR_HOST) anonymous access."""
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # else every call waits on a gRPC probe
+    import gcsfs
+
+    token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
+    return gcsfs.GCSFileSystem(token=token)  # retries transient HTTP errors itself (6 attempts)
+
+
 def is_empty(loc: Location) -> bool:
     """True if nothing is stored under `loc`."""
     return not list_children(loc)
+
+
+def exists(loc: Location) -> bool:
+    """True if the directory `loc` exists (object stores have no empty directories: something is below it)."""
+    if loc.scheme == "file":
+        return os.path.isdir(loc.path)
+    return not is_empty(loc)
 
 
 def _fsync_dir(path: str) -> None:

