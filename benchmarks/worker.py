@@ -28,10 +28,15 @@ import contenders  # noqa: E402
 import memory  # noqa: E402
 import workloads  # noqa: E402
 
-from xla_tensorstore_ckpt import sharding  # noqa: E402
+from xla_tensorstore_ckpt import sharding, storage  # noqa: E402
 
 
 def _disk_usage(path: str) -> tuple[int, int]:
+    if path.startswith("gs://"):
+        from xla_tensorstore_ckpt.storage import _gcsfs
+
+        sizes = _gcsfs().du(path[len("gs://"):], total=False)
+        return len(sizes), sum(sizes.values())
     files = size = 0
     for root, _, names in os.walk(path):
         for n in names:
@@ -53,11 +58,12 @@ def main() -> None:
     parser.add_argument("workload", choices=workloads.WORKLOADS)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", required=True)
+    parser.add_argument("--dir", required=True, help="a local directory, or gs://bucket/prefix")
     args = parser.parse_args()
 
-    shutil.rmtree(args.dir, ignore_errors=True)
-    os.makedirs(args.dir)
+    if not args.dir.startswith("gs://"):
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(args.dir)
     state = workloads.build_state(args.workload, args.scale)
     entries, _ = workloads.specs(args.workload, args.scale)
     restore_specs = {name: spec for name, _, _, _, spec in entries}
@@ -98,7 +104,7 @@ def main() -> None:
     keys = list(state)[:: max(1, len(state) // 8)]
     result["restore_exact"] = all(torch.equal(restored[k].cpu(), state[k].cpu()) for k in keys)
     contender.close()
-    shutil.rmtree(args.dir, ignore_errors=True)
+    storage.delete_tree(storage.location(args.dir))
     print("RESULT " + json.dumps(result), flush=True)
 
 
