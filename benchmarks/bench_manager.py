@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
-from xla_tensorstore_ckpt import arrays, checkpointer, layout, storage  # noqa: E402
+from xla_tensorstore_ckpt import arrays, layout, saving, storage  # noqa: E402
 
 ITEM_WORK = [0.0]  # seconds the manager spends in the item-level work it shares with xtc.save
 
@@ -43,8 +43,8 @@ def _timed(module, name):
     setattr(module, name, wrapper)
 
 
-for _module, _name in ((checkpointer, "issue_writes"), (arrays, "wait_all"), (storage, "sync"),
-                       (checkpointer, "write_manifest"), (checkpointer, "plan_save")):
+for _module, _name in ((saving, "issue_writes"), (arrays, "wait_all"), (storage, "sync"),
+                       (saving, "write_manifest"), (saving, "plan_save")):
     _timed(_module, _name)
 
 

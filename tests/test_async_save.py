@@ -18,7 +18,7 @@ from test_checkpointer_cpu import assert_trees_equal
 from test_manager import cpu_state, train_steps, xla_net
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, checkpointer, storage
+from xla_tensorstore_ckpt import arrays, saving, storage
 
 
 def async_options(**kw):
@@ -101,8 +101,8 @@ def test_background_error_is_reraised_with_step_and_cause(tmp_path, monkeypatch,
 
 def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path, monkeypatch):
     events = []
-    real_write_manifest = checkpointer.write_manifest
-    real_stage = checkpointer.stage
+    real_write_manifest = saving.write_manifest
+    real_stage = saving.stage
 
     def slow_manifest(loc, manifest, options):
         time.sleep(0.3)
@@ -113,8 +113,8 @@ def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path, monke
         events.append(("staging", None))
         return real_stage(batch, copy_cpu=copy_cpu)
 
-    monkeypatch.setattr(checkpointer, "write_manifest", slow_manifest)
-    monkeypatch.setattr(checkpointer, "stage", tracking_stage)
+    monkeypatch.setattr(saving, "write_manifest", slow_manifest)
+    monkeypatch.setattr(saving, "stage", tracking_stage)
     with xtc.CheckpointManager(tmp_path, async_options(save_rng=False)) as mgr:
         mgr.save(1, extra={"t": torch.ones(4)})
         mgr.save(2, extra={"t": torch.ones(4)})

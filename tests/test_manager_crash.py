@@ -19,11 +19,11 @@ from crash_save import state_for  # noqa: E402
 
 # (kill point, extra arguments, steps committed afterwards)
 POINTS = [
-    ("checkpointer.stage:1", [], [1, 2]),  # copying shards to host
+    ("saving.stage:1", [], [1, 2]),  # copying shards to host
     ("arrays.create:3", [], [1, 2]),  # writing array metadata (zarr.json)
     ("arrays.write:4", [], [1, 2]),  # in the middle of chunk writes
     ("storage.sync:1", [], [1, 2]),  # after the chunk writes, before they are durable
-    ("checkpointer.write_manifest:1", [], [1, 2]),  # before the item manifest
+    ("saving.write_manifest:1", [], [1, 2]),  # before the item manifest
     ("storage.write:1", [], [1, 2]),  # first small-file write of the step (a manifest)
     ("storage.write:2", ["--async"], [1, 2]),  # the commit marker, asynchronous save
     ("storage.delete_tree:2", ["--max-to-keep", "2"], [2, 3]),  # retention: step 1 uncommitted, not deleted

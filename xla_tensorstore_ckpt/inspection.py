@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from . import arrays, checkpointer, layout, storage, tree
+from . import arrays, layout, restoring, storage, tree
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 from .metadata import ArrayMetadata, ItemManifest, StepMetadata
 
@@ -40,7 +40,7 @@ class Checkpoint:
         return self.location.child(item) if item else self.location
 
     def manifest(self, item: str) -> ItemManifest:
-        return checkpointer.read_manifest(self.item_location(item))
+        return restoring.read_manifest(self.item_location(item))
 
 
 def open_checkpoint(path: str | storage.Location) -> Checkpoint:
@@ -122,7 +122,7 @@ def list_steps(root: str) -> list[StepInfo]:
         try:
             marker = StepMetadata.from_bytes(data, where=str(loc.child(name, layout.CHECKPOINT_METADATA)))
             nbytes = sum(meta.nbytes for item in marker.items
-                         for _, meta in checkpointer.read_manifest(loc.child(name, item)).arrays())
+                         for _, meta in restoring.read_manifest(loc.child(name, item)).arrays())
         except (CorruptCheckpointError, FormatVersionError, CheckpointNotFoundError) as exc:
             out.append(StepInfo(step, name, "invalid", None, None, None, str(exc)))
             continue

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from . import arrays, checkpointer, layout, storage, training_state
+from . import arrays, checkpointer, layout, restoring, saving, storage, training_state
 from .async_save import BackgroundCommitter
+from .distributed import Coordinator
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -69,6 +70,9 @@ class CheckpointManagerOptions:
     save_on_preemption: install a SIGTERM handler (the manager must be created on the main thread); after a
         SIGTERM the next `save` call saves whatever the interval says and waits for the commit, and
         `reached_preemption(step)` tells the training loop to exit.
+    coordination_timeout_s: in a job of several processes, how long a process waits for the others at a
+        synchronization point before failing the save with `CoordinationError` (a dead process is usually
+        detected at once, through its closed connection).
     save_options, restore_options: item-level I/O options.
     """
 
@@ -86,6 +90,7 @@ class CheckpointManagerOptions:
     max_host_bytes: int | None = None
     save_rng: bool = True
     save_on_preemption: bool = False
+    coordination_timeout_s: float = 600.0
     save_options: SaveOptions = field(default_factory=SaveOptions)
     restore_options: RestoreOptions = field(default_factory=RestoreOptions)
 
@@ -98,6 +103,9 @@ class CheckpointManagerOptions:
         if not isinstance(self.save_on_steps, frozenset) or not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.save_on_steps):
             raise ValueError(f"save_on_steps must be a frozenset of step numbers, got {self.save_on_steps!r}")
+        if isinstance(self.coordination_timeout_s, bool) or not isinstance(
+                self.coordination_timeout_s, (int, float)) or self.coordination_timeout_s <= 0:
+            raise ValueError(f"coordination_timeout_s must be a positive number, got {self.coordination_timeout_s!r}")
         if self.best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
         if self.best_fn is not None and not callable(self.best_fn):
@@ -128,6 +136,10 @@ class CheckpointManager:
             best_fn=self._options.best_fn, best_mode=self._options.best_mode,
             keep_checkpoints_without_metrics=self._options.keep_checkpoints_without_metrics)
         self._committer = BackgroundCommitter(self._options.max_pending_saves)
+        # Two groups: collectives of the caller's thread and of the background commits never interleave.
+        timeout = self._options.coordination_timeout_s
+        self._coordinator = Coordinator.from_environment(timeout)
+        self._commit_coordinator = Coordinator.from_environment(timeout)
         self._lock = threading.Lock()  # guards _steps, which the background thread updates
         self._steps: dict[int, StepMetadata] = {}
         self._in_flight: int | None = None
@@ -158,17 +170,20 @@ class CheckpointManager:
 
     def reload(self) -> None:
         """Re-read the committed steps from storage and remove partial steps (saves that never committed).
-        Called by the constructor. Blocks."""
+        Called by the constructor. The primary process decides; every process gets the same answer.
+        Collective with several processes. Blocks."""
         steps: dict[int, StepMetadata] = {}
-        for name in storage.list_children(self._root):
-            step = layout.parse_step_name(name, self._options.step_prefix)
-            if step is None:
-                continue
-            marker = self._read_marker(step, name)
-            if marker is not None:
-                steps[step] = marker
-            elif storage.read(self._root.child(name), layout.CHECKPOINT_METADATA) is None:
-                storage.delete_tree(self._root.child(name))  # a save that crashed before its commit
+        if self._coordinator.is_primary:
+            for name in storage.list_children(self._root):
+                step = layout.parse_step_name(name, self._options.step_prefix)
+                if step is None:
+                    continue
+                marker = self._read_marker(step, name)
+                if marker is not None:
+                    steps[step] = marker
+                elif storage.read(self._root.child(name), layout.CHECKPOINT_METADATA) is None:
+                    storage.delete_tree(self._root.child(name))  # a save that crashed before its commit
+        steps = self._coordinator.broadcast(steps)
         with self._lock:
             self._steps = steps
 
@@ -256,19 +271,27 @@ class CheckpointManager:
             _OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra, data_loader)) if obj is not None}
         if self._options.save_rng:
             items[RNG_ITEM] = training_state.capture_rng()
-        plans = {name: checkpointer.plan_save(state) for name, state in items.items()}
         metrics_json = training_state.metrics_json(dict(metrics) if metrics is not None else None)
         custom = dict(custom_metadata) if custom_metadata is not None else None
+        options = self._options.save_options
+        step_loc = self._step_location(step)
         self._committer.reserve()
         try:
-            if committed:
-                self._delete_step(step)
-            step_loc = self._step_location(step)
-            storage.delete_tree(step_loc)  # leftovers of a crashed save of this step
-            options = self._options.save_options
+            plans = {name: saving.plan_save(state, options, self._coordinator) for name, state in items.items()}
+            error = None
+            if self._coordinator.is_primary:
+                try:
+                    if committed:
+                        self._delete_step(step)
+                    storage.delete_tree(step_loc)  # leftovers of a crashed save of this step
+                except StorageError as exc:
+                    error = exc
+            self._coordinator.raise_unless_ok(error, f"preparing step {step} at {step_loc}")
+            with self._lock:
+                self._steps.pop(step, None)
             pending = []
             for name, plan in plans.items():
-                pending.extend(checkpointer.issue_writes(
+                pending.extend(saving.issue_writes(
                     step_loc.child(name), plan.arrays, options, copy_cpu=self._options.async_save,
                     max_host_bytes=self._host_budget()))
         except BaseException:
@@ -302,23 +325,40 @@ class CheckpointManager:
 
     def _finish(self, step: int, step_loc: storage.Location, plans: dict, pending: list,
                 metrics: dict | None, custom: dict | None, created_at: float) -> None:
-        """Wait for the writes, make them durable, write the manifests, then the commit marker; retention."""
+        """Wait for this process's writes and make them durable; once every process has, the primary writes the
+        manifests, then the commit marker; every process learns the outcome. Then retention."""
+        coordinator = self._commit_coordinator
         options = self._options.save_options
-        arrays.wait_all(pending)
-        if options.fsync:
-            storage.sync(step_loc)
-        for name, plan in plans.items():
-            checkpointer.write_manifest(step_loc.child(name), plan.manifest, options)
+        error = None
+        try:
+            arrays.wait_all(pending)
+            if options.fsync:
+                storage.sync(step_loc)
+        except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
+            error = exc
+        coordinator.raise_unless_ok(error, f"writing step {step} to {step_loc}")
         marker = StepMetadata(step=step, items=tuple(plans), created_at=created_at, committed_at=time.time(),
-                              metrics=metrics, custom=custom, versions=_versions(), process_count=1)
-        storage.write(step_loc, layout.CHECKPOINT_METADATA, marker.to_bytes(), fsync=options.fsync)
+                              metrics=metrics, custom=custom, versions=_versions(),
+                              process_count=coordinator.count)
+        doomed: list[int] = []
+        if coordinator.is_primary:
+            try:
+                for name, plan in plans.items():
+                    saving.write_manifest(step_loc.child(name), plan.manifest, options)
+                storage.write(step_loc, layout.CHECKPOINT_METADATA, marker.to_bytes(), fsync=options.fsync)
+                with self._lock:
+                    metrics_by_step = {s: m.metrics for s, m in self._steps.items()}
+                metrics_by_step[step] = metrics
+                doomed = self._retention.steps_to_delete(list(metrics_by_step), metrics_by_step)
+            except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
+                error = exc
+        coordinator.raise_unless_ok(error, f"committing step {step} at {step_loc}")
+        doomed = coordinator.broadcast(doomed)
         with self._lock:
             self._steps[step] = marker
-            metrics = {s: m.metrics for s, m in self._steps.items()}
-            doomed = self._retention.steps_to_delete(list(metrics), metrics)
             for old in doomed:
-                self._steps.pop(old)
-        if doomed:
+                self._steps.pop(old, None)
+        if doomed and coordinator.is_primary:
             # Deleting is off the critical path: it never delays this save's return or the next staging.
             self._committer.defer(f"deleting steps {doomed} (retention after step {step})", step,
                                   lambda: [self._delete_step(old) for old in doomed])
@@ -339,11 +379,20 @@ class CheckpointManager:
                 time.sleep(0.1 * 2**attempt)
 
     def delete(self, step: int) -> None:
-        """Delete a committed step (waits for pending saves first). `StepNotFoundError` if not committed."""
+        """Delete a committed step (waits for pending saves first). `StepNotFoundError` if not committed.
+        With several processes, call it on every process: the primary deletes, all agree."""
         self._check_open()
         self._committer.wait()
         self.metadata(step)  # raises StepNotFoundError if not committed
-        self._delete_step(step)
+        error = None
+        if self._coordinator.is_primary:
+            try:
+                self._delete_step(step)
+            except StorageError as exc:
+                error = exc
+        self._coordinator.raise_unless_ok(error, f"deleting step {step}")
+        with self._lock:
+            self._steps.pop(step, None)
 
     # ---------------------------------------------------------------------------------------- restore
 
@@ -378,15 +427,15 @@ class CheckpointManager:
             item_loc = step_loc.child(name)
             if isinstance(obj, torch.nn.Module):
                 target = training_state.module_target(obj)
-                training_state.assign_in_place(target, checkpointer.read_item(
+                training_state.assign_in_place(target, restoring.read_item(
                     item_loc, target, strict=strict, options=options))
             elif isinstance(obj, torch.optim.Optimizer):
-                target = training_state.optimizer_target(obj, checkpointer.metadata(item_loc), str(item_loc))
+                target = training_state.optimizer_target(obj, restoring.read_manifest(item_loc).tree, str(item_loc))
                 obj.load_state_dict(checkpointer.restore(item_loc, target, options=options))
             elif hasattr(obj, "load_state_dict") and callable(obj.load_state_dict):
                 obj.load_state_dict(checkpointer.restore(item_loc, options=options))
             else:
-                training_state.assign_in_place(obj, checkpointer.read_item(
+                training_state.assign_in_place(obj, restoring.read_item(
                     item_loc, obj, strict=strict, options=options))
         if restore_rng and self._options.save_rng and RNG_ITEM in marker.items:
             training_state.restore_rng(checkpointer.restore(step_loc.child(RNG_ITEM), options=options))

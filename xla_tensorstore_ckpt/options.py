@@ -24,17 +24,22 @@ class SaveOptions:
         stored as one file (zarr's sharding codec, a checksum per chunk still): thousands of small tensors
         then cost thousands of files, not tens of thousands. Larger arrays keep one file per chunk, which
         tensorstore writes without assembling the whole array in memory.
+    split_bytes: in a job of several processes, a tensor of at least this size that every process holds whole
+        (unsharded or replicated) is cut into one chunk per process along its first dimension, so that all
+        processes share its writing instead of one writing it all.
     """
 
     fsync: bool = True
     host_batch_bytes: int = 64 * _MiB
     single_file_max_bytes: int = 4 * _MiB
+    split_bytes: int = 16 * _MiB
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsync, bool):
             raise ValueError(f"fsync must be a bool, got {self.fsync!r}")
         _check_int("host_batch_bytes", self.host_batch_bytes)
         _check_int("single_file_max_bytes", self.single_file_max_bytes, minimum=0)
+        _check_int("split_bytes", self.split_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)

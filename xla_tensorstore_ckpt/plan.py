@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .metadata import SavedSharding
+from .sharded_array import ShardedArray
 
 Index = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in global coordinates, without padding
 
@@ -21,6 +22,7 @@ class Placement(Enum):
     UNSHARDED = "unsharded"  # an XLA tensor without a sharding annotation
     REPLICATED = "replicated"  # an XLA tensor replicated on every device
     TILED = "tiled"  # an XLA tensor split into tiles, possibly partially replicated
+    HOST = "host"  # a ShardedArray: host shards of a global array
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,9 @@ def full_index(shape: tuple[int, ...]) -> Index:
 def cpu_layout(shape: tuple[int, ...]) -> TensorLayout:
     """A CPU tensor: one shard covering the whole array."""
     return TensorLayout(shape, Placement.CPU, shape, (LocalShard(0, "cpu", full_index(shape), 0),))
+
+
+def host_layout(array: ShardedArray) -> TensorLayout:
+    """A `ShardedArray`: the shards it holds, on its shard grid."""
+    shards = tuple(LocalShard(i, "host", index, 0) for i, (index, _) in enumerate(array.shards))
+    return TensorLayout(array.shape, Placement.HOST, array.shard_shape, shards)

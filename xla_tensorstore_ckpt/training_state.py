@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from . import tree
-from .checkpointer import RestoreAs
 from .errors import CheckpointError, UnsupportedValueError
 from .layout import KeyPath
 from .metadata import ArrayMetadata
+from .restoring import RestoreAs
 
 
 def state_of(obj: Any) -> Any:

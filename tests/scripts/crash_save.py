@@ -15,7 +15,7 @@ import signal
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, checkpointer, storage  # noqa: F401 - patched by name
+from xla_tensorstore_ckpt import arrays, saving, storage  # noqa: F401 - patched by name
 
 
 def state_for(step: int) -> dict:

@@ -1,0 +1,148 @@
+"""Coordination of the processes of one job over torch.distributed (gloo on the host network).
+
+A `Coordinator` knows this process's index and the process count and runs the few collectives a checkpoint
+needs: gathering small Python records, broadcasting the primary's decision, and agreeing on success. With one
+process everything is local. With several, the library uses its own gloo group (created from the default
+process group, which the library also initializes from the environment — MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE — when the user has not), so users need not set one up, and every collective fails with an error
+naming the cause within `timeout` instead of hanging when a process dies.
+
+Collectives must be called by every process in the same order; each `Coordinator` has its own group, so the
+manager uses one on the caller's thread and another on its background thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CheckpointError
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class CoordinationError(CheckpointError, RuntimeError):
+    """Another process failed, died or did not answer in time; nothing was committed."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of `Coordinator.agree`: ok on every process, or the first failure (process and message)."""
+
+    ok: bool
+    process: int | None = None
+    message: str | None = None
+
+
+class Coordinator:
+    """Collectives over a dedicated gloo group (or trivial ones for a single process). Blocking."""
+
+    def __init__(self, group: Any = None, index: int = 0, count: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self._group, self.index, self.count, self.timeout_s = group, index, count, timeout_s
+
+    @classmethod
+    def single(cls) -> Coordinator:
+        """A coordinator of this process alone."""
+        return cls()
+
+    @classmethod
+    def from_environment(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> Coordinator:
+        """A coordinator of every process of the job: torch.distributed's world, initialized here (gloo, from
+        MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE) if the user has not, with a new gloo group of its own. A single
+        process gets `single()`. Collective when there are several processes."""
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return cls.single()
+        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return cls.single()
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(group, dist.get_rank(), dist.get_world_size(), timeout_s)
+
+    @property
+    def is_primary(self) -> bool:
+        return self.index == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.count > 1
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every process's `value`, in process order. Values are small Python records (pickled by
+        torch.distributed in transit; nothing of this reaches a checkpoint)."""
+        if not self.distributed:
+            return [value]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.count
+        try:
+            dist.all_gather_object(out, value, group=self._group)
+        except RuntimeError as exc:
+            raise CoordinationError(f"process {self.index}: exchange with the other processes failed "
+                                    f"(a process died or timed out after {self.timeout_s:g} s): {exc}") from exc
+        return out
+
+    def broadcast(self, value: Any) -> Any:
+        """The primary's `value` on every process."""
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        box = [value if self.is_primary else None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self._group)
+        except RuntimeError as exc:
+            raise CoordinationError(f"process {self.index}: did not hear from the primary process "
+                                    f"(it died or timed out after {self.timeout_s:g} s): {exc}") from exc
+        return box[0]
+
+    def agree(self, error: BaseException | None) -> Outcome:
+        """Tell every process whether this one succeeded; return the common outcome (the first failure)."""
+        statuses = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        for process, status in enumerate(statuses):
+            if status is not None:
+                return Outcome(False, process, status)
+        return Outcome(True)
+
+    def raise_unless_ok(self, error: BaseException | None, what: str) -> None:
+        """`agree`, then raise (on every process) if any process failed; re-raise this one's own error."""
+        outcome = self.agree(error)
+        if outcome.ok:
+            return
+        if error is not None:
+            raise error
+        raise CoordinationError(f"{what} failed on process {outcome.process}: {outcome.message}")
+
+
+def balance(holders: Sequence[tuple[Any, int, Sequence[int]]], count: int) -> dict[Any, int]:
+    """Choose one writer per chunk: `holders` lists (chunk id, bytes, processes holding it). Chunks held by
+    one process go to it; the others go, largest first, to the least loaded holder, so bytes written spread
+    evenly. Deterministic: every process computes the same answer from the same input."""
+    load = [0] * count
+    writer: dict[Any, int] = {}
+    for chunk, nbytes, procs in holders:
+        if len(procs) == 1:
+            writer[chunk] = procs[0]
+            load[procs[0]] += nbytes
+    shared = sorted((h for h in holders if len(h[2]) > 1), key=lambda h: (-h[1], str(h[0])))
+    for chunk, nbytes, procs in shared:
+        best = min(sorted(procs), key=lambda p: load[p])
+        writer[chunk] = best
+        load[best] += nbytes
+    return writer
+
+
+_default: Coordinator | None = None
+
+
+def default_coordinator() -> Coordinator:
+    """The coordinator of the item-level `save` (created on first use; collective on several processes)."""
+    global _default
+    if _default is None:
+        _default = Coordinator.from_environment()
+    return _default

@@ -1,0 +1,257 @@
+"""The restore half of an item: match the saved tree against a target, read for each local shard of each target
+exactly its region (a box covering several shards is read once), and place the data: on the target's devices
+with its sharding (XLA), as CPU tensors, or as the shards a `ShardedArray` target asks for.
+
+Restoring needs no coordination between processes: each reads its own regions. Everything blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from . import arrays, dtypes, layout, storage, tree
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    ShapeMismatchError,
+    UnsupportedValueError,
+)
+from .metadata import ArrayMetadata, ItemManifest
+from .options import RestoreOptions
+from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
+from .saving import drain
+from .sharded_array import ShardedArray
+
+PathLike = str | storage.Location
+
+
+def read_manifest(path: PathLike) -> ItemManifest:
+    """Read and validate ``<path>/_METADATA``. Raises `CheckpointNotFoundError` if absent,
+    `CorruptCheckpointError` if malformed, `FormatVersionError` if newer than this reader."""
+    loc = storage.location(path)
+    data = storage.read(loc, layout.ITEM_METADATA)
+    if data is None:
+        raise CheckpointNotFoundError(f"{loc} holds no checkpoint item ({layout.ITEM_METADATA} is missing)")
+    return ItemManifest.from_bytes(data, where=str(loc.child(layout.ITEM_METADATA)))
+
+
+@dataclass(frozen=True)
+class RestoreAs:
+    """A restore-target leaf that is not a tensor yet: restore the array with the placement (sharding and
+    device) of `reference`, as `dtype`. Used to rebuild optimizer state on the sharding of its parameter."""
+
+    reference: torch.Tensor
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _ReadJob:
+    key_path: layout.KeyPath
+    meta: ArrayMetadata
+    reference: torch.Tensor | ShardedArray | None  # gives sharding and device; None: a CPU tensor
+    dtype: torch.dtype
+    layout: TensorLayout  # where the data goes: the reference's local shards, or one whole-array shard
+
+    @cached_property
+    def reads(self) -> tuple[Index, ...]:
+        """The regions to read. When the local shards tile a box (always on a single host), the box is read
+        once, so a chunk shared by several target shards is decoded once, not once per shard."""
+        shards = self.layout.distinct_shards()
+        if len(shards) <= 1:
+            return tuple(s.index for s in shards)
+        box = tuple((min(s.index[d][0] for s in shards), max(s.index[d][1] for s in shards))
+                    for d in range(len(self.meta.shape)))
+        if sum(s.size for s in shards) == math.prod(b - a for a, b in box):
+            return (box,)
+        return tuple(s.index for s in shards)
+
+    @property
+    def read_bytes(self) -> int:
+        itemsize = dtypes.by_name(self.meta.dtype).itemsize
+        return sum(math.prod(b - a for a, b in r) for r in self.reads) * itemsize
+
+
+def read_item(path: PathLike, target: Any = None, *, strict: bool = True, options: RestoreOptions | None = None,
+              manifest: ItemManifest | None = None) -> dict[layout.KeyPath, Any]:
+    """The restored value of every key path `restore` would fill: tensors placed like their target leaf
+    (a tensor or a `RestoreAs`; CPU tensors for other leaves) and saved JSON values. Same errors as
+    `restore`; callers that restore in place (the manager) assign the values themselves."""
+    options = options or RestoreOptions()
+    loc = storage.location(path)
+    manifest = manifest or read_manifest(loc)
+    if isinstance(target, ShardedArray):
+        raise UnsupportedValueError("the restore target must be a tree (dict, list or tuple), not a ShardedArray")
+    saved = manifest.leaves()
+    wanted = {p: None for p in saved} if target is None else _match(loc, saved, dict(tree.flatten(target)), strict)
+    values = read_arrays(loc, _read_jobs(saved, wanted), options)
+    values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
+    return values
+
+
+def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> dict:
+    """Target leaves by key path, checked against the checkpoint (keys, tensor shapes)."""
+    missing = tuple(tree.format_key_path(p) for p in target if p not in saved)
+    unexpected = tuple(tree.format_key_path(p) for p in saved if p not in target)
+    if missing or unexpected:
+        message = f"checkpoint {loc} and the restore target differ: " + "; ".join(
+            part for part in (
+                f"missing from the checkpoint: {', '.join(missing)}" if missing else "",
+                f"not in the target: {', '.join(unexpected)}" if unexpected else "") if part)
+        if strict:
+            raise KeyMismatchError(message + " (pass strict=False to restore the common keys)",
+                                   missing=missing, unexpected=unexpected)
+        warnings.warn(message + "; restoring the common keys", stacklevel=4)
+    wanted = {}
+    for path, value in target.items():
+        if path not in saved:
+            continue
+        stored = saved[path]
+        reference = value.reference if isinstance(value, RestoreAs) else value
+        if isinstance(reference, (torch.Tensor, ShardedArray)):
+            if not isinstance(stored, ArrayMetadata):
+                raise UnsupportedValueError(
+                    f"cannot restore {tree.format_key_path(path)} from {loc}: the checkpoint holds the value "
+                    f"{stored!r}, the target an array")
+            if tuple(reference.shape) != stored.shape:
+                raise ShapeMismatchError(
+                    f"cannot restore {tree.format_key_path(path)}: checkpoint shape {stored.shape} at "
+                    f"{loc.child(stored.path)} does not match target shape {tuple(reference.shape)}")
+        wanted[path] = value if isinstance(value, (torch.Tensor, RestoreAs, ShardedArray)) else None
+    return wanted
+
+
+def _read_jobs(saved: dict, wanted: dict) -> list[_ReadJob]:
+    targets = {p: (t.reference, t.dtype) if isinstance(t, RestoreAs) else (t, t.dtype)
+               for p, t in wanted.items() if isinstance(t, (torch.Tensor, RestoreAs, ShardedArray))}
+    xla = [(p, ref) for p, (ref, _) in targets.items() if isinstance(ref, torch.Tensor) and ref.device.type == "xla"]
+    layouts: dict[layout.KeyPath, TensorLayout] = {
+        p: host_layout(ref) for p, (ref, _) in targets.items() if isinstance(ref, ShardedArray)}
+    if xla:
+        from . import sharding
+
+        layouts.update(zip([p for p, _ in xla], sharding.layouts([t for _, t in xla])))
+    jobs = []
+    for path in wanted:
+        meta = saved[path]
+        if not isinstance(meta, ArrayMetadata):
+            continue
+        reference, dtype = targets.get(path, (None, meta.torch_dtype))
+        if path not in layouts:
+            reference = None  # a CPU tensor
+        jobs.append(_ReadJob(path, meta, reference, dtype, layouts.get(path) or cpu_layout(meta.shape)))
+    return jobs
+
+
+def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: RestoreOptions) -> dict:
+    """Read every job's regions and build its tensor; the reads of the next batch overlap building this one.
+    On error, outstanding reads are waited for before the error propagates."""
+    opened = {job.key_path: arrays.open_existing(loc.child(job.meta.path)) for job in jobs}
+    groups = _read_batches(jobs, options.read_batch_bytes)
+    results: dict[layout.KeyPath, torch.Tensor] = {}
+    current: list[dict] = []
+    following: list[dict] = []
+    try:
+        current = _issue_reads(loc, groups[0], opened) if groups else []
+        for k, group in enumerate(groups):
+            following = _issue_reads(loc, groups[k + 1], opened) if k + 1 < len(groups) else []
+            for job, reads in zip(group, current):
+                results[job.key_path] = _build(job, {index: r.result() for index, r in reads.items()})
+            current, following = following, []
+    except BaseException:
+        drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
+        raise
+    return results
+
+
+def _read_batches(jobs: Sequence[_ReadJob], limit: int) -> list[list[_ReadJob]]:
+    groups: list[list[_ReadJob]] = []
+    size = 0
+    for job in jobs:
+        if not groups or (size + job.read_bytes > limit and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(job)
+        size += job.read_bytes
+    return groups
+
+
+def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict) -> list[dict]:
+    issued = []
+    for job in group:
+        store = opened[job.key_path].result()
+        _check_stored(loc, job, store)
+        array_loc = loc.child(job.meta.path)
+        issued.append({r: arrays.read(store, array_loc, tuple(slice(a, b) for a, b in r)) for r in job.reads})
+    return issued
+
+
+def _check_stored(loc: storage.Location, job: _ReadJob, store: Any) -> None:
+    shape, dtype = tuple(store.shape), arrays.stored_dtype_name(store)
+    if shape != job.meta.shape or dtype != job.meta.dtype:
+        raise CorruptCheckpointError(
+            f"array {loc.child(job.meta.path)} holds {dtype}{list(shape)} but {layout.ITEM_METADATA} "
+            f"records {job.meta.dtype}{list(job.meta.shape)}")
+
+
+def _region(index: Index, reads: dict) -> Any:
+    """The data of `index` (a numpy view into the read that contains it), or None for an empty shard."""
+    if math.prod(b - a for a, b in index) == 0:
+        return None
+    for read, data in reads.items():
+        if index == read:
+            return data
+        if all(ra <= a and b <= rb for (a, b), (ra, rb) in zip(index, read)):
+            return data[tuple(slice(a - ra, b - ra) for (a, b), (ra, _) in zip(index, read))]
+    raise AssertionError(f"no read covers {index}")  # the reads are planned to cover every shard
+
+
+def _build(job: _ReadJob, regions: dict) -> torch.Tensor | ShardedArray:
+    saved_dtype = dtypes.by_name(job.meta.dtype).torch
+    lay = job.layout
+    if lay.placement is Placement.HOST:
+        shards = []
+        for shard in lay.shards:
+            region = _region(shard.index, regions)
+            data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(shard.extent,
+                                                                                          dtype=saved_dtype)
+            shards.append((shard.index, data.to(job.dtype).contiguous()))
+        return ShardedArray(lay.shape, job.dtype, lay.shard_shape, tuple(shards))
+    if lay.placement in (Placement.CPU, Placement.UNSHARDED):
+        region = _region(lay.shards[0].index, regions)
+        data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(lay.shape, dtype=saved_dtype)
+        data = data.to(job.dtype)
+        if lay.placement is Placement.CPU:
+            return data
+        from . import sharding
+
+        return sharding.build(job.reference, lay, [data])
+    padded: dict[Any, torch.Tensor] = {}
+    shards = []
+    for shard in lay.shards:
+        if shard.index not in padded:
+            padded[shard.index] = _pad(_region(shard.index, regions), shard, lay.shard_shape, saved_dtype,
+                                       job.dtype)
+        shards.append(padded[shard.index])
+    from . import sharding
+
+    return sharding.build(job.reference, lay, shards)
+
+
+def _pad(region: Any, shard: LocalShard, shard_shape: tuple[int, ...], saved_dtype: torch.dtype,
+         dtype: torch.dtype) -> torch.Tensor:
+    """The shard's data in a buffer of the padded shard shape (XLA wants padding; its value is irrelevant)."""
+    data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(shard.extent, dtype=saved_dtype)
+    data = data.to(dtype)
+    if tuple(data.shape) == shard_shape:
+        return data
+    out = torch.zeros(shard_shape, dtype=dtype)
+    out[tuple(slice(0, e) for e in shard.extent)] = data
+    return out

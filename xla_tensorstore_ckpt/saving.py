@@ -1,0 +1,343 @@
+"""The save half of an item: plan (which chunks exist, which process writes each), stage (copy shards to the
+host), write (concurrent tensorstore writes), manifest.
+
+One chunk, one writer: every chunk of every array is written by exactly one process. Chunks held by several
+processes (replicas) go to the least loaded holder, and a large tensor that every process holds in full is cut
+into one chunk per process, so the bytes written spread over the job. With a single process all of this
+reduces to "write each distinct local shard once". Planning is collective when a `Coordinator` spans several
+processes (every process must call it, in the same order); the rest is local. Everything blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import arrays, dtypes, layout, storage, tree
+from .distributed import Coordinator
+from .errors import CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError
+from .metadata import ArrayMetadata, ItemManifest
+from .options import SaveOptions
+from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
+from .sharded_array import ShardedArray
+
+ArrayLike = torch.Tensor | ShardedArray
+
+
+@dataclass(frozen=True)
+class ChunkWrite:
+    """A chunk this process writes, and the local shard holding its data (the chunk lies inside it)."""
+
+    region: Index
+    source: LocalShard
+
+    @property
+    def size(self) -> int:
+        return math.prod(b - a for a, b in self.region)
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    """One array to save: its metadata, where its data is, the chunks this process writes, and the two
+    decisions every process makes alike: one file for all chunks, and who writes ``zarr.json``."""
+
+    key_path: layout.KeyPath
+    meta: ArrayMetadata
+    value: ArrayLike
+    layout: TensorLayout
+    writes: tuple[ChunkWrite, ...]
+    single_file: bool
+    writes_metadata: bool
+
+    @property
+    def itemsize(self) -> int:
+        return dtypes.by_name(self.meta.dtype).itemsize
+
+    @property
+    def sources(self) -> tuple[LocalShard, ...]:
+        """The distinct local shards the writes read from."""
+        return tuple(dict.fromkeys(w.source for w in self.writes))
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host bytes held until written."""
+        return sum(s.size for s in self.sources) * self.itemsize
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes one fetch brings to the host (torch_xla fetches every local shard of a tiled tensor)."""
+        if self.layout.placement is Placement.TILED:
+            return math.prod(self.layout.shard_shape) * len(self.layout.shards) * self.itemsize
+        return self.staged_bytes
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    manifest: ItemManifest
+    arrays: tuple[ArrayPlan, ...]
+
+
+def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coordinator | None = None) -> SavePlan:
+    """Validate `state` and decide what every process writes. Collective when `coordinator` spans several
+    processes. Raises `UnsupportedValueError` (naming the key) for a leaf that is neither an array nor a JSON
+    scalar, an unsupported dtype, two keys that map to one directory, or processes that disagree on the
+    arrays. Materializes pending XLA computations; runs no other device work."""
+    options = options or SaveOptions()
+    coordinator = coordinator or Coordinator.single()
+    values: list[tuple[layout.KeyPath, ArrayLike]] = []
+    for path, leaf in tree.flatten(state):
+        if isinstance(leaf, torch.Tensor):
+            _check_tensor(path, leaf)
+            values.append((path, leaf))
+        elif isinstance(leaf, ShardedArray):
+            _check_dtype(path, leaf.dtype)
+            values.append((path, leaf))
+        elif not isinstance(leaf, tree.JSON_SCALARS):
+            raise UnsupportedValueError(
+                f"cannot save {tree.format_key_path(path)}: {type(leaf).__name__} is neither a tensor nor a "
+                "JSON value (int, float, str, bool, None)")
+    layouts = _layouts([v for _, v in values])
+    seen_dirs: dict[str, layout.KeyPath] = {}
+    local = []
+    for (path, value), lay in zip(values, layouts):
+        directory = layout.array_path(path)
+        if directory in seen_dirs:
+            raise UnsupportedValueError(
+                f"keys {tree.format_key_path(seen_dirs[directory])!r} and {tree.format_key_path(path)!r} "
+                f"would both be stored in {directory!r}")
+        seen_dirs[directory] = path
+        chunk_shape = _chunk_shape(lay, value.dtype, options, coordinator.count)
+        meta = ArrayMetadata(directory, lay.shape, dtypes.by_torch(value.dtype).name, chunk_shape, lay.sharding)
+        local.append((path, value, lay, meta, _local_chunks(lay, chunk_shape)))
+    writers = _assign_writers(local, coordinator)
+    plans = []
+    for position, (path, value, lay, meta, chunks) in enumerate(local):
+        owner = {region: writers[(meta.path, region)] for region in _grid(meta)}
+        writes = tuple(ChunkWrite(region, source) for region, source in chunks.items()
+                       if owner[region] == coordinator.index)
+        sole = set(owner.values())
+        single_file = len(owner) > 1 and len(sole) == 1 and meta.nbytes <= options.single_file_max_bytes
+        metadata_writer = next(iter(sole)) if single_file else position % coordinator.count
+        plans.append(ArrayPlan(path, meta, value, lay, writes, single_file, metadata_writer == coordinator.index))
+    by_path = {p.key_path: p.meta for p in plans}
+    manifest = ItemManifest(tree.rebuild(state, lambda p, v: by_path.get(p, v)))
+    return SavePlan(manifest, tuple(plans))
+
+
+def _check_tensor(path: layout.KeyPath, tensor: torch.Tensor) -> None:
+    if tensor.layout != torch.strided:
+        raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: {tensor.layout} tensors "
+                                    "are not supported; convert to dense first")
+    if tensor.device.type not in ("cpu", "xla"):
+        raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: tensors on "
+                                    f"{tensor.device} are not supported (use CPU or XLA tensors)")
+    _check_dtype(path, tensor.dtype)
+
+
+def _check_dtype(path: layout.KeyPath, dtype: torch.dtype) -> None:
+    try:
+        dtypes.by_torch(dtype)
+    except UnsupportedValueError as exc:
+        raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: {exc}") from None
+
+
+def _layouts(values: Sequence[ArrayLike]) -> list[TensorLayout]:
+    xla = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+    out: list[TensorLayout | None] = [
+        host_layout(v) if isinstance(v, ShardedArray) else cpu_layout(tuple(v.shape)) if v.device.type == "cpu"
+        else None for v in values]
+    if xla:
+        from . import sharding
+
+        sharding.materialize([values[i] for i in xla])
+        for i, lay in zip(xla, sharding.layouts([values[i] for i in xla])):
+            out[i] = lay
+    return out  # type: ignore[return-value]
+
+
+def _chunk_shape(lay: TensorLayout, dtype: torch.dtype, options: SaveOptions, processes: int) -> tuple[int, ...]:
+    """The shard grid; except that a large tensor every process holds whole is cut along its first dimension
+    into one chunk per process, so that all of them share its writing."""
+    whole = lay.placement in (Placement.CPU, Placement.UNSHARDED, Placement.REPLICATED)
+    nbytes = math.prod(lay.shape) * dtypes.by_torch(dtype).itemsize
+    if processes > 1 and whole and lay.shape and lay.shape[0] >= processes and nbytes >= options.split_bytes:
+        return (-(-lay.shape[0] // processes), *lay.chunk_shape[1:])
+    return lay.chunk_shape
+
+
+def _grid(meta: ArrayMetadata) -> list[Index]:
+    """Every chunk region of an array (none if it has a zero-length dimension)."""
+    if 0 in meta.shape:
+        return []
+    regions: list[Index] = [()]
+    for n, c in zip(meta.shape, meta.chunk_shape):
+        regions = [r + ((k * c, min((k + 1) * c, n)),) for r in regions for k in range(-(-n // c))]
+    return regions
+
+
+def _local_chunks(lay: TensorLayout, chunk_shape: tuple[int, ...]) -> dict[Index, LocalShard]:
+    """The chunks whose data this process holds, each with the local shard (lowest replica) holding it."""
+    if chunk_shape == lay.chunk_shape:  # chunks are the shards themselves
+        return {shard.index: shard for shard in lay.distinct_shards()}
+    out: dict[Index, LocalShard] = {}
+    meta_grid = _grid(ArrayMetadata("", lay.shape, "uint8", chunk_shape))
+    for shard in lay.distinct_shards():
+        for region in meta_grid:
+            if all(sa <= a and b <= sb for (a, b), (sa, sb) in zip(region, shard.index)) and region not in out:
+                out[region] = shard
+    return out
+
+
+def _assign_writers(local: list, coordinator: Coordinator) -> dict[tuple[str, Index], int]:
+    """(array directory, chunk region) -> writing process, identical on every process."""
+    mine = [(meta.path, meta.shape, meta.dtype, meta.chunk_shape, tuple(chunks)) for _, _, _, meta, chunks in local]
+    everyone = coordinator.all_gather(mine)
+    reference = [(d, s, t, c) for d, s, t, c, _ in everyone[0]]
+    holders: dict[tuple[str, Index], list[int]] = {}
+    sizes: dict[tuple[str, Index], int] = {}
+    for process, arrays_of_process in enumerate(everyone):
+        if [(d, s, t, c) for d, s, t, c, _ in arrays_of_process] != reference:
+            raise UnsupportedValueError(
+                f"process {process} saves other arrays (keys, shapes, dtypes or chunking) than process 0; "
+                "every process must save the same tree")
+        for directory, _shape, dtype, _chunks, regions in arrays_of_process:
+            itemsize = dtypes.by_name(dtype).itemsize
+            for region in regions:
+                holders.setdefault((directory, region), []).append(process)
+                sizes[(directory, region)] = math.prod(b - a for a, b in region) * itemsize
+    for _, _, _, meta, _ in local:
+        for region in _grid(meta):
+            if (meta.path, region) not in holders:
+                raise UnsupportedValueError(f"chunk {region} of {meta.path} is held by no process")
+    from .distributed import balance
+
+    return balance([(chunk, sizes[chunk], procs) for chunk, procs in holders.items()], coordinator.count)
+
+
+def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tensor]]:
+    """Host data of each plan's writes (one tensor per write), fetched from the devices with one torch_xla call
+    per placement kind. Host tensors are referenced, not copied, unless `copy_cpu` (a caller that returns
+    before the writes finish must copy: the training loop may change them)."""
+    sources: list[dict[LocalShard, torch.Tensor]] = [{} for _ in batch]
+    xla = [i for i, p in enumerate(batch) if p.layout.placement in (Placement.TILED, Placement.REPLICATED,
+                                                                    Placement.UNSHARDED) and p.writes]
+    for i, p in enumerate(batch):
+        if p.layout.placement is Placement.CPU and p.writes:
+            data = p.value.detach().resolve_conj().resolve_neg()
+            sources[i] = {p.layout.shards[0]: data.clone() if copy_cpu else data}
+        elif p.layout.placement is Placement.HOST and p.writes:
+            held = dict(zip(p.layout.shards, (d for _, d in p.value.shards)))
+            sources[i] = {s: held[s].clone() if copy_cpu else held[s] for s in p.sources}
+    if xla:
+        from . import sharding
+
+        fetched = sharding.fetch([batch[i].value for i in xla], [batch[i].layout for i in xla],
+                                 [batch[i].sources for i in xla])
+        for i, shards in zip(xla, fetched):
+            sources[i] = dict(zip(batch[i].sources, shards))
+    return [[_cut(sources[i][w.source], w) for w in p.writes] for i, p in enumerate(batch)]
+
+
+def _cut(data: torch.Tensor, write: ChunkWrite) -> torch.Tensor:
+    if write.region == write.source.index:
+        return data
+    return data[tuple(slice(a - sa, b - sa) for (a, b), (sa, _) in zip(write.region, write.source.index))]
+
+
+def batches(plans: Sequence[ArrayPlan], limit: int) -> Iterator[list[ArrayPlan]]:
+    """Consecutive groups of plans whose fetches stay within `limit` bytes (a larger plan is alone)."""
+    group: list[ArrayPlan] = []
+    size = 0
+    for p in plans:
+        if group and size + p.host_bytes > limit:
+            yield group
+            group, size = [], 0
+        group.append(p)
+        size += p.host_bytes
+    if group:
+        yield group
+
+
+def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: SaveOptions, *,
+                 copy_cpu: bool = False, max_host_bytes: int | None = None) -> list[arrays.Pending]:
+    """Create the arrays this process creates and start writing its chunks; return the futures to wait for.
+
+    Blocks while shards are fetched to host memory, batch by batch. `copy_cpu` copies host tensors too; it is
+    for callers that return before the writes finish (asynchronous saves), and then writes start only once
+    everything is staged, so that the copy off the devices, which the caller waits for, does not compete
+    with the writes. Otherwise the writes of one batch run while the next is fetched. With `max_host_bytes`,
+    staged data not yet written never exceeds it (plus one batch): the call waits for earlier writes instead
+    of fetching more. On error, every started operation is waited for first.
+    """
+    locations = {p.key_path: loc.child(p.meta.path) for p in plans}
+    pending: list[arrays.Pending] = []
+    created: dict[layout.KeyPath, arrays.Pending] = {}
+    for p in plans:
+        if p.writes or p.writes_metadata:
+            created[p.key_path] = arrays.create(locations[p.key_path], p.meta.shape, p.meta.dtype,
+                                                p.meta.chunk_shape, single_file=p.single_file,
+                                                write_metadata=p.writes_metadata)
+            pending.append(created[p.key_path])
+    staged: deque[tuple[list[ArrayPlan], list[list[torch.Tensor]]]] = deque()
+    in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
+    in_flight_bytes = 0
+    deferred = copy_cpu and max_host_bytes is None
+
+    def write(group: list[ArrayPlan], data: list[list[torch.Tensor]]) -> list[arrays.Pending]:
+        out: list[arrays.Pending] = []
+        for p, chunk_data in zip(group, data):
+            chunks = [(tuple(slice(a, b) for a, b in w.region), dtypes.tensor_to_numpy(d))
+                      for w, d in zip(p.writes, chunk_data)]
+            out.extend(arrays.write(created[p.key_path].result(), locations[p.key_path], chunks,
+                                    single_file=p.single_file))
+        return out
+
+    try:
+        for group in batches([p for p in plans if p.writes], options.host_batch_bytes):
+            group_bytes = sum(p.staged_bytes for p in group)
+            while max_host_bytes is not None and in_flight and in_flight_bytes + group_bytes > max_host_bytes:
+                done_bytes, done = in_flight.popleft()
+                arrays.wait_all(done)
+                in_flight_bytes -= done_bytes
+            staged.append((group, stage(group, copy_cpu=copy_cpu)))
+            if not deferred:
+                group_pending = write(*staged.popleft())
+                pending.extend(group_pending)
+                in_flight.append((group_bytes, group_pending))
+                in_flight_bytes += group_bytes
+        while staged:
+            pending.extend(write(*staged.popleft()))
+    except BaseException:
+        drain(pending)
+        raise
+    return pending
+
+
+def drain(pending: Sequence[arrays.Pending]) -> None:
+    """Wait for futures whose results no longer matter (an error is already on its way)."""
+    for item in pending:
+        try:
+            item.result()
+        except (CorruptCheckpointError, OSError):
+            pass
+
+
+def prepare_directory(loc: storage.Location, *, overwrite: bool) -> None:
+    """Make sure `loc` is empty: delete it if `overwrite`, else raise `CheckpointExistsError` if it holds
+    anything."""
+    if storage.is_empty(loc):
+        return
+    if not overwrite:
+        what = "a checkpoint" if storage.read(loc, layout.ITEM_METADATA) is not None else "other files"
+        raise CheckpointExistsError(f"{loc} already holds {what}; pass overwrite=True to replace it")
+    storage.delete_tree(loc)
+
+
+def write_manifest(loc: storage.Location, manifest: ItemManifest, options: SaveOptions) -> None:
+    """Write ``_METADATA``, the last file of an item: its presence marks the item complete."""
+    storage.write(loc, layout.ITEM_METADATA, manifest.to_bytes(), fsync=options.fsync)
