@@ -154,9 +154,9 @@ def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4, monkeypat
 
 def test_reads_cover_exactly_the_local_shards():
     """On a multi-host pod a process holds only some shards; it reads their regions and nothing else."""
-    from xla_tensorstore_ckpt.restoring import _ReadJob
     from xla_tensorstore_ckpt.metadata import ArrayMetadata
     from xla_tensorstore_ckpt.plan import LocalShard, Placement, TensorLayout
+    from xla_tensorstore_ckpt.restoring import _ReadJob
 
     meta = ArrayMetadata("w", (16, 8), "float32", (4, 4))
 

@@ -26,7 +26,7 @@ POINTS = [
     ("saving.write_manifest:1", [], [1, 2]),  # before the item manifest
     ("storage.write:1", [], [1, 2]),  # first small-file write of the step (a manifest)
     ("storage.write:2", ["--async"], [1, 2]),  # the commit marker, asynchronous save
-    ("storage.delete_tree:2", ["--max-to-keep", "2"], [2, 3]),  # retention: step 1 uncommitted, not deleted
+    ("storage.delete_tree:1", ["--max-to-keep", "2"], [2, 3]),  # retention: step 1 uncommitted, not deleted
 ]
 
 

@@ -7,6 +7,7 @@ does not import torch_xla.
 
 from . import zarr_dtypes as _zarr_dtypes
 from .checkpointer import metadata, restore, save
+from .distributed import CoordinationError, Coordinator
 from .errors import (
     AsyncSaveError,
     CheckpointError,
@@ -24,6 +25,7 @@ from .inspection import open_array
 from .manager import CheckpointManager, CheckpointManagerOptions
 from .metadata import ArrayMetadata, SavedSharding, StepMetadata
 from .options import RestoreOptions, SaveOptions
+from .sharded_array import ShardedArray
 from .training_state import skip_batches
 
 _zarr_dtypes.register()
@@ -38,6 +40,8 @@ __all__ = [
     "CheckpointManagerOptions",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CoordinationError",
+    "Coordinator",
     "CorruptCheckpointError",
     "FormatVersionError",
     "KeyMismatchError",
@@ -45,6 +49,7 @@ __all__ = [
     "SaveOptions",
     "SavedSharding",
     "ShapeMismatchError",
+    "ShardedArray",
     "StepMetadata",
     "StepNotFoundError",
     "StorageError",

@@ -123,12 +123,15 @@ def write(store: ts.TensorStore, loc: storage.Location, chunks: Sequence[tuple[R
     """Start writing whole chunks (region, data) of one array; the results are ready once the chunks are
     stored. The data must stay unchanged until then: tensorstore references it without copying. With
     `single_file` (see `zarr_metadata`) the chunks are written in one transaction, as one file."""
+    # Zero-copy everywhere but in memory://, whose store would keep referencing our numpy buffers: freeing them
+    # later (under the store's lock, needing the GIL) can deadlock against a thread holding the GIL.
+    reference = loc.scheme != "memory"
     if not single_file:
-        return [Pending(store[region].write(data, can_reference_source_data_indefinitely=True).commit,
+        return [Pending(store[region].write(data, can_reference_source_data_indefinitely=reference).commit,
                         f"cannot write region {_format_region(region)} of", loc) for region, data in chunks]
     txn = ts.Transaction()
     view = store.with_transaction(txn)
-    copies = [Pending(view[region].write(data, can_reference_source_data_indefinitely=True).copy,
+    copies = [Pending(view[region].write(data, can_reference_source_data_indefinitely=reference).copy,
                       f"cannot write region {_format_region(region)} of", loc) for region, data in chunks]
     return [*copies, Pending(txn.commit_async(), "cannot write", loc)]
 

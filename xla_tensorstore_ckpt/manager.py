@@ -283,7 +283,8 @@ class CheckpointManager:
                 try:
                     if committed:
                         self._delete_step(step)
-                    storage.delete_tree(step_loc)  # leftovers of a crashed save of this step
+                    if not storage.is_empty(step_loc):
+                        storage.delete_tree(step_loc)  # leftovers of a crashed save of this step
                 except StorageError as exc:
                     error = exc
             self._coordinator.raise_unless_ok(error, f"preparing step {step} at {step_loc}")

@@ -10,6 +10,7 @@ processes (every process must call it, in the same order); the rest is local. Ev
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from . import arrays, dtypes, layout, storage, tree
-from .distributed import Coordinator
+from .distributed import Coordinator, balance
 from .errors import CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError
 from .metadata import ArrayMetadata, ItemManifest
 from .options import SaveOptions
@@ -111,14 +112,15 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
                 f"keys {tree.format_key_path(seen_dirs[directory])!r} and {tree.format_key_path(path)!r} "
                 f"would both be stored in {directory!r}")
         seen_dirs[directory] = path
-        chunk_shape = _chunk_shape(lay, value.dtype, options, coordinator.count)
-        meta = ArrayMetadata(directory, lay.shape, dtypes.by_torch(value.dtype).name, chunk_shape, lay.sharding)
-        local.append((path, value, lay, meta, _local_chunks(lay, chunk_shape)))
-    writers = _assign_writers(local, coordinator)
+        meta = ArrayMetadata(directory, lay.shape, dtypes.by_torch(value.dtype).name, lay.chunk_shape,
+                             lay.sharding)
+        local.append((path, value, lay, meta))
+    chunk_shapes, writers = _assign_writers([(meta, lay) for _, _, lay, meta in local], options, coordinator)
     plans = []
-    for position, (path, value, lay, meta, chunks) in enumerate(local):
+    for position, (path, value, lay, meta) in enumerate(local):
+        meta = dataclasses.replace(meta, chunk_shape=chunk_shapes[meta.path])
         owner = {region: writers[(meta.path, region)] for region in _grid(meta)}
-        writes = tuple(ChunkWrite(region, source) for region, source in chunks.items()
+        writes = tuple(ChunkWrite(region, source) for region, source in _local_chunks(lay, meta.chunk_shape).items()
                        if owner[region] == coordinator.index)
         sole = set(owner.values())
         single_file = len(owner) > 1 and len(sole) == 1 and meta.nbytes <= options.single_file_max_bytes
@@ -160,16 +162,6 @@ def _layouts(values: Sequence[ArrayLike]) -> list[TensorLayout]:
     return out  # type: ignore[return-value]
 
 
-def _chunk_shape(lay: TensorLayout, dtype: torch.dtype, options: SaveOptions, processes: int) -> tuple[int, ...]:
-    """The shard grid; except that a large tensor every process holds whole is cut along its first dimension
-    into one chunk per process, so that all of them share its writing."""
-    whole = lay.placement in (Placement.CPU, Placement.UNSHARDED, Placement.REPLICATED)
-    nbytes = math.prod(lay.shape) * dtypes.by_torch(dtype).itemsize
-    if processes > 1 and whole and lay.shape and lay.shape[0] >= processes and nbytes >= options.split_bytes:
-        return (-(-lay.shape[0] // processes), *lay.chunk_shape[1:])
-    return lay.chunk_shape
-
-
 def _grid(meta: ArrayMetadata) -> list[Index]:
     """Every chunk region of an array (none if it has a zero-length dimension)."""
     if 0 in meta.shape:
@@ -193,30 +185,46 @@ def _local_chunks(lay: TensorLayout, chunk_shape: tuple[int, ...]) -> dict[Index
     return out
 
 
-def _assign_writers(local: list, coordinator: Coordinator) -> dict[tuple[str, Index], int]:
-    """(array directory, chunk region) -> writing process, identical on every process."""
-    mine = [(meta.path, meta.shape, meta.dtype, meta.chunk_shape, tuple(chunks)) for _, _, _, meta, chunks in local]
+def _assign_writers(local: list[tuple[ArrayMetadata, TensorLayout]], options: SaveOptions,
+                    coordinator: Coordinator) -> tuple[dict[str, tuple[int, ...]], dict[tuple[str, Index], int]]:
+    """The final chunk shape of every array and the process writing each chunk, identical on every process.
+
+    The chunk grid is the shard grid, except that a large array that every process holds whole (one chunk,
+    held everywhere) is cut along its first dimension into one chunk per process, so that all share its
+    writing. Collective with several processes."""
+    mine = [(meta.path, meta.shape, meta.dtype, meta.chunk_shape,
+             tuple(s.index for s in lay.distinct_shards())) for meta, lay in local]
     everyone = coordinator.all_gather(mine)
-    reference = [(d, s, t, c) for d, s, t, c, _ in everyone[0]]
+    reference = [entry[:4] for entry in everyone[0]]
     holders: dict[tuple[str, Index], list[int]] = {}
-    sizes: dict[tuple[str, Index], int] = {}
-    for process, arrays_of_process in enumerate(everyone):
-        if [(d, s, t, c) for d, s, t, c, _ in arrays_of_process] != reference:
+    for process, entries in enumerate(everyone):
+        if [entry[:4] for entry in entries] != reference:
             raise UnsupportedValueError(
                 f"process {process} saves other arrays (keys, shapes, dtypes or chunking) than process 0; "
                 "every process must save the same tree")
-        for directory, _shape, dtype, _chunks, regions in arrays_of_process:
-            itemsize = dtypes.by_name(dtype).itemsize
+        for directory, _shape, _dtype, _chunks, regions in entries:
             for region in regions:
                 holders.setdefault((directory, region), []).append(process)
-                sizes[(directory, region)] = math.prod(b - a for a, b in region) * itemsize
-    for _, _, _, meta, _ in local:
-        for region in _grid(meta):
+    chunk_shapes: dict[str, tuple[int, ...]] = {}
+    chunks: list[tuple[tuple[str, Index], int, list[int]]] = []
+    for meta, _ in local:
+        grid = _grid(meta)
+        for region in grid:
             if (meta.path, region) not in holders:
                 raise UnsupportedValueError(f"chunk {region} of {meta.path} is held by no process")
-    from .distributed import balance
-
-    return balance([(chunk, sizes[chunk], procs) for chunk, procs in holders.items()], coordinator.count)
+        everywhere = len(grid) == 1 and len(holders[(meta.path, grid[0])]) == coordinator.count
+        if (coordinator.count > 1 and everywhere and meta.shape and meta.shape[0] >= coordinator.count
+                and meta.nbytes >= options.split_bytes):
+            meta = dataclasses.replace(meta, chunk_shape=(-(-meta.shape[0] // coordinator.count),
+                                                          *meta.chunk_shape[1:]))
+            held = {region: list(range(coordinator.count)) for region in _grid(meta)}
+        else:
+            held = {region: holders[(meta.path, region)] for region in grid}
+        chunk_shapes[meta.path] = meta.chunk_shape
+        itemsize = dtypes.by_name(meta.dtype).itemsize
+        chunks.extend(((meta.path, region), math.prod(b - a for a, b in region) * itemsize, procs)
+                      for region, procs in held.items())
+    return chunk_shapes, balance(chunks, coordinator.count)
 
 
 def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tensor]]:

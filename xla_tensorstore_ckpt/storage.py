@@ -12,8 +12,10 @@ import ctypes
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import tensorstore as ts
 
@@ -153,7 +155,7 @@ def read(loc: Location, name: str) -> bytes | None:
         except OSError as exc:
             raise StorageError(f"cannot read {loc.child(name)}: {exc}") from exc
     try:
-        result = _kvstore(loc).read(name).result()
+        result = _kv(loc, lambda kv: kv.read(name))
     except ValueError as exc:
         raise StorageError(f"cannot read {loc.child(name)}: {exc}") from exc
     return result.value if result.state == "value" else None
@@ -183,7 +185,7 @@ def write(loc: Location, name: str, data: bytes, *, fsync: bool = True) -> None:
             raise StorageError(f"cannot write {target}: {exc}") from exc
         return
     try:
-        _kvstore(loc).write(name, data).result()
+        _kv(loc, lambda kv: kv.write(name, data))
     except ValueError as exc:
         raise StorageError(f"cannot write {loc.child(name)}: {exc}") from exc
 
@@ -199,7 +201,7 @@ def delete(loc: Location, name: str) -> None:
             raise StorageError(f"cannot delete {loc.child(name)}: {exc}") from exc
         return
     try:
-        _kvstore(loc).delete_range(ts.KvStore.KeyRange(name, name + "\x00")).result()
+        _kv(loc, lambda kv: kv.delete_range(ts.KvStore.KeyRange(name, name + "\x00")))
     except ValueError as exc:
         raise StorageError(f"cannot delete {loc.child(name)}: {exc}") from exc
 
@@ -215,9 +217,14 @@ def delete_tree(loc: Location) -> None:
             raise StorageError(f"cannot delete {loc}: {exc}") from exc
         return
     try:
-        _kvstore(loc).delete_range(ts.KvStore.KeyRange()).result()
+        _kv(loc, lambda kv: kv.delete_range(ts.KvStore.KeyRange()))
     except ValueError as exc:
         raise StorageError(f"cannot delete {loc}: {exc}") from exc
+
+
+def _kv(loc: Location, operation: Callable[[ts.KvStore], ts.Future]) -> Any:
+    """Run one kvstore operation on the directory `loc` and wait for it."""
+    return operation(_kvstore(loc)).result()
 
 
 def list_children(loc: Location) -> list[str]:
@@ -240,7 +247,7 @@ def list_children(loc: Location) -> list[str]:
             raise StorageError(f"cannot list {loc}: {exc}") from exc
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix})
     try:
-        keys = _kvstore(loc).list().result()
+        keys = _kv(loc, lambda kv: kv.list())
     except ValueError as exc:
         raise StorageError(f"cannot list {loc}: {exc}") from exc
     return sorted({key.decode("utf-8").split("/", 1)[0] for key in keys})

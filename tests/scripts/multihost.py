@@ -1,0 +1,105 @@
+"""One process of a simulated multi-host job (gloo on 127.0.0.1; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
+environment). Each process holds a disjoint part of the shards of global arrays, as it would on a pod.
+
+usage: multihost.py save ROOT            -> saves the item ROOT/item from this process's shards
+       multihost.py restore ROOT OUT     -> restores its part of another shard split, writes it to OUT/rank<r>
+       multihost.py manager ROOT KILL    -> manager saves steps 1 and 2; the process of rank KILL dies in step 2
+Prints one JSON line: {"rank": r, "bytes": bytes this process wrote, ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import arrays, storage
+from xla_tensorstore_ckpt.distributed import Coordinator
+
+# name -> (shape, dtype, save shard shape, restore shard shape)
+ARRAYS = {
+    "tiled": ((32, 16), torch.float32, (4, 8), (16, 4)),
+    "uneven": ((10, 6), torch.float32, (3, 6), (10, 2)),
+    "bf16": ((16, 8), torch.bfloat16, (8, 4), (4, 8)),
+    "partial": ((8, 8), torch.float32, (4, 8), (8, 8)),
+    "replicated": ((1024, 512), torch.float32, (1024, 512), (256, 512)),
+}
+
+
+def global_value(name: str) -> torch.Tensor:
+    shape, dtype, _, _ = ARRAYS[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def held_shards(name: str, shard_shape, rank: int, world: int, *, restore: bool) -> list:
+    grid = xtc.ShardedArray.grid(ARRAYS[name][0], shard_shape)
+    if name == "replicated" and not restore:
+        return grid  # every process holds the whole tensor
+    if name == "partial" and not restore:
+        return [grid[rank % len(grid)]]  # each shard held by several processes
+    offset = 1 if restore else 0  # restore: another assignment of shards to processes
+    return [index for k, index in enumerate(grid) if (k + offset) % world == rank]
+
+
+def state(rank: int, world: int) -> dict:
+    tree = {name: xtc.ShardedArray.from_tensor(global_value(name), ARRAYS[name][2],
+                                               held_shards(name, ARRAYS[name][2], rank, world, restore=False))
+            for name in ARRAYS}
+    tree["meta"] = {"step": 7, "note": "multi-host"}
+    return tree
+
+
+def count_bytes() -> dict:
+    written = {"bytes": 0}
+    real = arrays.write
+
+    def counting(store, loc, chunks, *, single_file):
+        written["bytes"] += sum(d.nbytes for _, d in chunks)
+        return real(store, loc, chunks, single_file=single_file)
+
+    arrays.write = counting
+    return written
+
+
+def main() -> None:
+    mode, root = sys.argv[1], sys.argv[2]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    written = count_bytes()
+    options = xtc.SaveOptions(split_bytes=1 << 20)
+    if mode == "save":
+        xtc.save(f"{root}/item", state(rank, world), options=options)
+        print(json.dumps({"rank": rank, "bytes": written["bytes"]}), flush=True)
+    elif mode == "restore":
+        target = {name: xtc.ShardedArray.target(shape, dtype, restore_shards,
+                                                held_shards(name, restore_shards, rank, world, restore=True))
+                  for name, (shape, dtype, _, restore_shards) in ARRAYS.items()}
+        target["meta"] = {"step": 0, "note": ""}
+        out = xtc.restore(f"{root}/item", target)
+        shards = {name: {json.dumps([list(i) for i in index]): data for index, data in out[name].shards}
+                  for name in ARRAYS}
+        xtc.save(f"{sys.argv[3]}/rank{rank}", {"shards": shards, "meta": out["meta"]}, coordinator=Coordinator.single())
+        print(json.dumps({"rank": rank, "restored": {n: len(s) for n, s in shards.items()}}), flush=True)
+    else:
+        kill_rank = int(sys.argv[3])
+        manager_options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False,
+                                                       coordination_timeout_s=60, save_options=options)
+        manager = xtc.CheckpointManager(root, manager_options)
+        manager.save(1, model=state(rank, world))
+        if rank == kill_rank:
+            real_sync = storage.sync
+            storage.sync = lambda loc: os.kill(os.getpid(), signal.SIGKILL) or real_sync(loc)
+        try:
+            manager.save(2, model=state(rank, world))
+            print(json.dumps({"rank": rank, "step2": "committed"}), flush=True)
+        except xtc.CheckpointError as exc:
+            print(json.dumps({"rank": rank, "step2": type(exc).__name__, "error": str(exc)[:500]}), flush=True)
+        print(json.dumps({"rank": rank, "steps": manager.all_steps()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
