@@ -12,21 +12,39 @@ import pytest
 from test_checkpointer_cpu import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import layout
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "crash_save.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
 from crash_save import state_for  # noqa: E402
 
-# (kill point, extra arguments, steps committed afterwards)
+# (kill point, extra arguments, steps committed afterwards). The state has 6 arrays, staged one batch each; the
+# last save's calls are counted, so e.g. arrays.write:4 is the fourth array's chunk writes.
+KEEP2 = ["--max-to-keep", "2"]
 POINTS = [
-    ("saving.stage:1", [], [1, 2]),  # copying shards to host
-    ("arrays.create:3", [], [1, 2]),  # writing array metadata (zarr.json)
-    ("arrays.write:4", [], [1, 2]),  # in the middle of chunk writes
-    ("storage.sync:1", [], [1, 2]),  # after the chunk writes, before they are durable
+    *[(f"saving.stage:{n}", [], [1, 2]) for n in (1, 3, 6)],  # copying shards to host
+    *[(f"saving.stage:{n}", ["--async"], [1, 2]) for n in (2, 5)],
+    *[(f"arrays.create:{n}", [], [1, 2]) for n in (1, 2, 4, 6)],  # array metadata (zarr.json)
+    *[(f"arrays.create:{n}", ["--async"], [1, 2]) for n in (3,)],
+    *[(f"arrays.write:{n}", [], [1, 2]) for n in (1, 2, 4, 6)],  # chunk writes (earlier ones in flight)
+    *[(f"arrays.write:{n}", ["--async"], [1, 2]) for n in (1, 5)],
+    ("arrays.wait_all:1", [], [1, 2]),  # waiting for the chunk writes
+    ("arrays.wait_all:1", ["--async"], [1, 2]),
+    ("storage.sync:1", [], [1, 2]),  # chunks written, not yet durable
+    ("storage.sync:1", ["--async"], [1, 2]),
     ("saving.write_manifest:1", [], [1, 2]),  # before the item manifest
-    ("storage.write:1", [], [1, 2]),  # first small-file write of the step (a manifest)
-    ("storage.write:2", ["--async"], [1, 2]),  # the commit marker, asynchronous save
-    ("storage.delete_tree:1", ["--max-to-keep", "2"], [2, 3]),  # retention: step 1 uncommitted, not deleted
+    ("saving.write_manifest:1", ["--async"], [1, 2]),
+    ("os.replace:1", [], [1, 2]),  # the manifest's temporary file is written, not yet in place
+    ("storage.write:1", [], [1, 2]),  # the manifest
+    ("storage.write:2", [], [1, 2]),  # the commit marker
+    ("os.replace:2", [], [1, 2]),  # the marker's temporary file written, not yet in place
+    ("storage.write:2", ["--async"], [1, 2]),
+    ("os.replace:2", ["--async"], [1, 2]),
+    ("storage.write:3", KEEP2, [1, 2, 3]),  # committed; the lock heartbeat (retention not yet decided)
+    ("storage.delete:1", KEEP2, [1, 2, 3]),  # retention: before step 1's marker is removed
+    ("storage.delete_tree:1", KEEP2, [2, 3]),  # retention: step 1 uncommitted, its files not yet deleted
+    ("storage.delete:1", KEEP2 + ["--async"], [1, 2, 3]),
+    ("storage.delete_tree:1", KEEP2 + ["--async"], [2, 3]),
 ]
 
 
@@ -40,7 +58,7 @@ def run(root, point, extra):
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory):
     base = tmp_path_factory.mktemp("crash")
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         procs = list(pool.map(lambda args: run(base / str(args[0]), args[1][0], args[1][1]), enumerate(POINTS)))
     return base, procs
 
@@ -57,9 +75,10 @@ def test_kill_mid_save_loses_nothing_committed(crashed, index):
         assert mgr.all_steps() == expected and mgr.latest_step() == expected[-1]
         for step in expected:
             assert_trees_equal(xtc.restore(root / str(step) / "model"), state_for(step))
-        leftovers = sorted(int(n) for n in os.listdir(root))
+        leftovers = sorted(int(n) for n in os.listdir(root) if n != layout.MANAGER_LOCK)
         assert leftovers == expected  # the partial step is gone
         assert mgr.save(4, model=state_for(4))
         assert mgr.all_steps() == [*expected, 4]
     assert_trees_equal(xtc.restore(root / "4" / "model"), state_for(4))
+    assert layout.MANAGER_LOCK not in os.listdir(root)  # the dead process's stale lock was taken over, then freed
     assert not any(n.endswith(".tmp") for _, _, files in os.walk(root) for n in files)

@@ -148,6 +148,12 @@ def read(store: ts.TensorStore, loc: storage.Location, region: Region) -> Pendin
     return Pending(store[region].read(), f"cannot read region {_format_region(region)} of", loc)
 
 
+def chunk_shape(store: ts.TensorStore) -> tuple[int, ...]:
+    """The chunk shape of an open array (the inner chunks of a single-file array); () for a 0-d array."""
+    shape = store.chunk_layout.read_chunk.shape
+    return tuple(shape) if shape is not None else ()
+
+
 def stored_dtype_name(store: ts.TensorStore) -> str:
     """The zarr data type name of an open array (e.g. ``bfloat16``)."""
     return store.dtype.name

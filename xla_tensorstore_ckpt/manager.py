@@ -15,11 +15,14 @@ training job; the public methods are not safe to call concurrently from several 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -73,6 +76,9 @@ class CheckpointManagerOptions:
     coordination_timeout_s: in a job of several processes, how long a process waits for the others at a
         synchronization point before failing the save with `CoordinationError` (a dead process is usually
         detected at once, through its closed connection).
+    lock_timeout_s: a manager owns its root through ``<root>/_MANAGER_LOCK`` (refreshed at every commit). Another
+        manager finding a live owner's lock only reads (restores, lists) and refuses to save. A lock is stale —
+        taken over — when its process is gone (same host) or it has not been refreshed for this long (other hosts).
     save_options, restore_options: item-level I/O options.
     """
 
@@ -91,6 +97,7 @@ class CheckpointManagerOptions:
     save_rng: bool = True
     save_on_preemption: bool = False
     coordination_timeout_s: float = 600.0
+    lock_timeout_s: float = 1800.0
     save_options: SaveOptions = field(default_factory=SaveOptions)
     restore_options: RestoreOptions = field(default_factory=RestoreOptions)
 
@@ -100,12 +107,13 @@ class CheckpointManagerOptions:
         _optional_int("keep_period", self.keep_period, 1)
         _optional_int("max_host_bytes", self.max_host_bytes, 1)
         _optional_int("max_pending_saves", self.max_pending_saves, 1)
+        for name in ("coordination_timeout_s", "lock_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not isinstance(self.save_on_steps, frozenset) or not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.save_on_steps):
             raise ValueError(f"save_on_steps must be a frozenset of step numbers, got {self.save_on_steps!r}")
-        if isinstance(self.coordination_timeout_s, bool) or not isinstance(
-                self.coordination_timeout_s, (int, float)) or self.coordination_timeout_s <= 0:
-            raise ValueError(f"coordination_timeout_s must be a positive number, got {self.coordination_timeout_s!r}")
         if self.best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
         if self.best_fn is not None and not callable(self.best_fn):
@@ -148,6 +156,11 @@ class CheckpointManager:
         self._preemption_step: int | None = None
         self._previous_sigterm: Any = None
         self._check_root()
+        self._owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
+        self._lock_holder: dict | None = None  # another manager that owns the root, if any
+        self._owns_lock = False  # taken at the first save: a manager that only restores never writes
+        if self._coordinator.is_primary:
+            self._lock_holder = self._live_holder()
         self.reload()
         if self._options.save_on_preemption:
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -168,10 +181,38 @@ class CheckpointManager:
     def directory(self) -> str:
         return str(self._root)
 
+    def _live_holder(self) -> dict | None:
+        """The manager that owns the root and is alive, or None (a stale lock counts as none)."""
+        data = storage.read(self._root, layout.MANAGER_LOCK)
+        holder = _decode_lock(data) if data is not None else None
+        return holder if holder is not None and self._is_live(holder) else None
+
+    def _take_lock(self) -> bool:
+        """Own the root, unless a live manager does (then remember who, for error messages)."""
+        for _ in range(2):
+            if storage.read(self._root, layout.MANAGER_LOCK) is not None:
+                self._lock_holder = self._live_holder()
+                if self._lock_holder is not None:
+                    return False
+                storage.delete(self._root, layout.MANAGER_LOCK)  # stale: its owner is gone
+            if storage.create_exclusive(self._root, layout.MANAGER_LOCK, self._lock_record()):
+                self._lock_holder = None
+                return True
+        return False
+
+    def _lock_record(self) -> bytes:
+        return json.dumps({**self._owner, "heartbeat": time.time()}).encode()
+
+    def _is_live(self, holder: dict) -> bool:
+        if holder.get("host") == self._owner["host"]:
+            return _pid_alive(holder.get("pid"))
+        heartbeat = holder.get("heartbeat")
+        return isinstance(heartbeat, (int, float)) and time.time() - heartbeat < self._options.lock_timeout_s
+
     def reload(self) -> None:
-        """Re-read the committed steps from storage and remove partial steps (saves that never committed).
-        Called by the constructor. The primary process decides; every process gets the same answer.
-        Collective with several processes. Blocks."""
+        """Re-read the committed steps from storage and, unless another live manager owns the root, remove
+        partial steps (saves that never committed). Called by the constructor. The primary process decides;
+        every process gets the same answer. Collective with several processes. Blocks."""
         steps: dict[int, StepMetadata] = {}
         if self._coordinator.is_primary:
             for name in storage.list_children(self._root):
@@ -181,7 +222,8 @@ class CheckpointManager:
                 marker = self._read_marker(step, name)
                 if marker is not None:
                     steps[step] = marker
-                elif storage.read(self._root.child(name), layout.CHECKPOINT_METADATA) is None:
+                elif self._lock_holder is None and storage.read(self._root.child(name),
+                                                                layout.CHECKPOINT_METADATA) is None:
                     storage.delete_tree(self._root.child(name))  # a save that crashed before its commit
         steps = self._coordinator.broadcast(steps)
         with self._lock:
@@ -266,6 +308,13 @@ class CheckpointManager:
                                         "pass force=True to replace it")
         if not force and not self.should_save(step):
             return False
+        if self._coordinator.is_primary and not self._owns_lock:
+            self._owns_lock = self._take_lock()
+        if self._coordinator.is_primary and not self._owns_lock:
+            raise CheckpointError(
+                f"cannot save step {step}: {self._root} is owned by another checkpoint manager "
+                f"({self._lock_holder}); this one can only restore. If that process is gone, delete "
+                f"{self._root.child(layout.MANAGER_LOCK)} (or wait lock_timeout_s).")
         created_at = time.time()
         items = {name: training_state.state_of(obj) for name, obj in zip(
             _OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra, data_loader)) if obj is not None}
@@ -347,6 +396,7 @@ class CheckpointManager:
                 for name, plan in plans.items():
                     saving.write_manifest(step_loc.child(name), plan.manifest, options)
                 storage.write(step_loc, layout.CHECKPOINT_METADATA, marker.to_bytes(), fsync=options.fsync)
+                storage.write(self._root, layout.MANAGER_LOCK, self._lock_record(), fsync=False)  # heartbeat
                 with self._lock:
                     metrics_by_step = {s: m.metrics for s, m in self._steps.items()}
                 metrics_by_step[step] = metrics
@@ -473,7 +523,12 @@ class CheckpointManager:
         if self._options.save_on_preemption:
             previous = self._previous_sigterm
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        self._committer.close()
+        try:
+            self._committer.close()
+        finally:
+            if self._owns_lock:
+                self._owns_lock = False
+                storage.delete(self._root, layout.MANAGER_LOCK)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -500,6 +555,26 @@ class CheckpointManager:
 
     def _not_committed(self, step: int) -> str:
         return f"step {step} is not committed under {self._root} (committed: {self.all_steps() or 'none'})"
+
+
+def _decode_lock(data: bytes) -> dict | None:
+    try:
+        holder = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _pid_alive(pid: object) -> bool:
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _versions() -> dict[str, str]:

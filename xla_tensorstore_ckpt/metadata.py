@@ -116,7 +116,8 @@ class ArrayMetadata:
             itemsize = dtypes.by_name(dtype).itemsize
         except UnsupportedValueError:
             raise CorruptCheckpointError(f"{where}: unknown dtype {dtype!r} for {path}") from None
-        if len(shape) > MAX_RANK or len(chunk_shape) != len(shape):
+        if len(shape) > MAX_RANK or len(chunk_shape) != len(shape) or any(
+                c > max(1, n) for c, n in zip(chunk_shape, shape)):
             raise CorruptCheckpointError(f"{where}: array {path} has shape {shape} and chunk shape {chunk_shape}")
         if math.prod(shape) * itemsize > MAX_ARRAY_BYTES:
             raise CorruptCheckpointError(f"{where}: array {path} claims an absurd shape {shape}")

@@ -8,6 +8,7 @@ Restoring needs no coordination between processes: each reads its own regions. E
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -153,6 +154,12 @@ def _read_jobs(saved: dict, wanted: dict) -> list[_ReadJob]:
 def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: RestoreOptions) -> dict:
     """Read every job's regions and build its tensor; the reads of the next batch overlap building this one.
     On error, outstanding reads are waited for before the error propagates."""
+    limit = _memory_limit()
+    for job in jobs:
+        if job.read_bytes > limit:
+            raise CorruptCheckpointError(
+                f"restoring {tree.format_key_path(job.key_path)} from {loc.child(job.meta.path)} would read "
+                f"{job.read_bytes / 2**30:.1f} GiB at once, more than this machine's memory; a damaged checkpoint?")
     opened = {job.key_path: arrays.open_existing(loc.child(job.meta.path)) for job in jobs}
     groups = _read_batches(jobs, options.read_batch_bytes)
     results: dict[layout.KeyPath, torch.Tensor] = {}
@@ -194,11 +201,15 @@ def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict)
 
 
 def _check_stored(loc: storage.Location, job: _ReadJob, store: Any) -> None:
+    """The stored array must be the one the manifest describes (a hostile ``zarr.json`` could otherwise make
+    tensorstore allocate absurd chunks)."""
     shape, dtype = tuple(store.shape), arrays.stored_dtype_name(store)
-    if shape != job.meta.shape or dtype != job.meta.dtype:
+    chunks = arrays.chunk_shape(store)
+    if shape != job.meta.shape or dtype != job.meta.dtype or chunks != job.meta.chunk_shape:
         raise CorruptCheckpointError(
-            f"array {loc.child(job.meta.path)} holds {dtype}{list(shape)} but {layout.ITEM_METADATA} "
-            f"records {job.meta.dtype}{list(job.meta.shape)}")
+            f"array {loc.child(job.meta.path)} holds {dtype}{list(shape)} in chunks {list(chunks)} but "
+            f"{layout.ITEM_METADATA} records {job.meta.dtype}{list(job.meta.shape)} in chunks "
+            f"{list(job.meta.chunk_shape)}")
 
 
 def _region(index: Index, reads: dict) -> Any:
@@ -255,3 +266,11 @@ def _pad(region: Any, shard: LocalShard, shard_shape: tuple[int, ...], saved_dty
     out = torch.zeros(shard_shape, dtype=dtype)
     out[tuple(slice(0, e) for e in shard.extent)] = data
     return out
+
+
+def _memory_limit() -> int:
+    """Physical memory of this machine: no single read may need more."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62

@@ -1,8 +1,8 @@
 """A saving process that kills itself (SIGKILL, like kill -9) at a chosen point of a save.
 
 usage: crash_save.py ROOT --kill-at MODULE.FUNCTION:N [--steps 1,2,3] [--async] [--max-to-keep K]
-Saves the given steps of a deterministic CPU state with a CheckpointManager; the N-th call of
-xla_tensorstore_ckpt.MODULE.FUNCTION (counted from the start of the last step's save) kills the process
+Saves the given steps of a deterministic CPU state with a CheckpointManager; the N-th call of MODULE.FUNCTION
+(a module of xla_tensorstore_ckpt, or os) counted from the start of the last step's save kills the process
 before the call runs. Exits 0 if the point was never reached.
 """
 
@@ -20,8 +20,8 @@ from xla_tensorstore_ckpt import arrays, saving, storage  # noqa: F401 - patched
 
 def state_for(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g).to(torch.bfloat16),
-            "layers": [{"k": torch.randn(16, 16, generator=g)} for _ in range(3)], "step": step}
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(2048, generator=g).to(torch.bfloat16),
+            "layers": [{"k": torch.randn(32, 32, generator=g)} for _ in range(4)], "step": step}
 
 
 def install(target: str) -> None:
@@ -49,8 +49,9 @@ def main() -> None:
     parser.add_argument("--max-to-keep", type=int, default=None)
     args = parser.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
-    options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=args.max_to_keep,
-                                           async_save=args.async_save, save_rng=False)
+    options = xtc.CheckpointManagerOptions(
+        save_interval_steps=1, max_to_keep=args.max_to_keep, async_save=args.async_save, save_rng=False,
+        save_options=xtc.SaveOptions(host_batch_bytes=4096))  # one small batch per array: many staging points
     manager = xtc.CheckpointManager(args.root, options)
     for step in steps:
         if step == steps[-1]:
