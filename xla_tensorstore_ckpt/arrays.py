@@ -12,6 +12,7 @@ missing data) or `StorageError` (the rest), with the array's location in the mes
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,29 +59,36 @@ def _numpy_dtype(dtype_name: str) -> np.dtype:
     return by_name(dtype_name).numpy
 
 
-def _error(action: str, loc: storage.Location, exc: Exception) -> Exception:
-    text = str(exc)
-    if text.startswith(_CORRUPTION_CODES):
+def _error(action: str, loc: storage.Location, exc: Exception, *, writing: bool) -> Exception:
+    """A `CheckpointError` for a failed tensorstore operation: damaged or missing data found while reading is
+    `CorruptCheckpointError`, anything else (and every failed write) `StorageError`. tensorstore's spec dump
+    is cut from the message; the status, the file and the OS error stay."""
+    text = _SPEC_DUMP.sub("", str(exc))
+    if not writing and text.startswith(_CORRUPTION_CODES):
         return CorruptCheckpointError(f"{action} array {loc}: {text}")
     return StorageError(f"{action} array {loc}: {text}")
+
+
+_SPEC_DUMP = re.compile(r"\s*\[tensorstore_spec='.*'\]", re.S)
 
 
 class Pending:
     """A tensorstore future with what it was for, so that its error can be reported in context."""
 
-    __slots__ = ("future", "action", "loc")
+    __slots__ = ("future", "action", "loc", "writing")
 
-    def __init__(self, future: ts.Future, action: str, loc: storage.Location):
+    def __init__(self, future: ts.Future, action: str, loc: storage.Location, *, writing: bool = False):
         self.future = future
         self.action = action
         self.loc = loc
+        self.writing = writing
 
     def result(self) -> object:
         """Wait for the future; translate its error into a `CheckpointError` naming the array."""
         try:
             return self.future.result()
         except ValueError as exc:
-            raise _error(self.action, self.loc, exc) from exc
+            raise _error(self.action, self.loc, exc, writing=self.writing) from exc
 
 
 def wait_all(pending: Sequence[Pending]) -> list[object]:
@@ -115,7 +123,7 @@ def create(loc: storage.Location, shape: Sequence[int], dtype_name: str, chunk_s
         spec["create"] = True
     else:
         spec["assume_metadata"] = True
-    return Pending(ts.open(spec, context=storage.context()), "cannot create", loc)
+    return Pending(ts.open(spec, context=storage.context()), "cannot create", loc, writing=True)
 
 
 def write(store: ts.TensorStore, loc: storage.Location, chunks: Sequence[tuple[Region, np.ndarray]], *,
@@ -128,12 +136,14 @@ def write(store: ts.TensorStore, loc: storage.Location, chunks: Sequence[tuple[R
     reference = loc.scheme != "memory"
     if not single_file:
         return [Pending(store[region].write(data, can_reference_source_data_indefinitely=reference).commit,
-                        f"cannot write region {_format_region(region)} of", loc) for region, data in chunks]
+                        f"cannot write region {_format_region(region)} of", loc, writing=True)
+                for region, data in chunks]
     txn = ts.Transaction()
     view = store.with_transaction(txn)
     copies = [Pending(view[region].write(data, can_reference_source_data_indefinitely=reference).copy,
-                      f"cannot write region {_format_region(region)} of", loc) for region, data in chunks]
-    return [*copies, Pending(txn.commit_async(), "cannot write", loc)]
+                      f"cannot write region {_format_region(region)} of", loc, writing=True)
+              for region, data in chunks]
+    return [*copies, Pending(txn.commit_async(), "cannot write", loc, writing=True)]
 
 
 def open_existing(loc: storage.Location) -> Pending:

@@ -1,0 +1,117 @@
+"""Soak: many save/restore cycles with retention and asynchronous saves on, and the saving process killed
+(SIGKILL) at random moments. At the end the steps on disk are exactly what the retention policy keeps, no
+temporary files are left, and every kept step verifies.
+
+usage: soak.py ROOT [--cycles 200] [--crash-every 20] [--seed 0]
+One cycle is one saved step; each (re)started saver first restores the newest step and checks it bit for bit.
+Prints one JSON summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import inspection, layout
+
+MAX_TO_KEEP, KEEP_PERIOD = 3, 10
+
+
+def state_for(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(128, 64, generator=g), "layers": [torch.randn(32, 32, generator=g) for _ in range(4)],
+            "b": torch.randn(64, generator=g).to(torch.bfloat16)}
+
+
+def options() -> xtc.CheckpointManagerOptions:
+    return xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=MAX_TO_KEEP, keep_period=KEEP_PERIOD,
+                                        async_save=True, save_rng=False)
+
+
+def child(root: str, last: int) -> None:
+    with xtc.CheckpointManager(root, options()) as mgr:
+        model = {"w": torch.zeros(128, 64), "layers": [torch.zeros(32, 32) for _ in range(4)],
+                 "b": torch.zeros(64, dtype=torch.bfloat16)}
+        extra = {"step": -1}
+        start = mgr.restore("latest", model=model, extra=extra)
+        if start is not None:
+            expected = state_for(start)
+            ok = extra["step"] == start and torch.equal(model["w"], expected["w"]) and all(
+                torch.equal(a, b) for a, b in zip(model["layers"], expected["layers"]))
+            print(json.dumps({"restored": start, "ok": bool(ok)}), flush=True)
+            if not ok:
+                sys.exit(3)
+        for step in range((start or 0) + 1, last + 1):
+            mgr.save(step, model=state_for(step), extra={"step": step})
+            print(json.dumps({"cycle": step, "committed": mgr.all_steps()}), flush=True)
+            time.sleep(random.random() * 0.02)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("--cycles", type=int, default=200)
+    parser.add_argument("--crash-every", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(args.root, args.child)
+        return
+    rng = random.Random(args.seed)
+    committed: set[int] = set()
+    crashes = restarts = 0
+    while True:
+        proc = subprocess.Popen([sys.executable, __file__, args.root, "--child", str(args.cycles)],
+                                stdout=subprocess.PIPE, text=True)
+        restarts += 1
+        kill_after = rng.randint(max(1, args.crash_every // 2), args.crash_every * 3 // 2)
+        seen = 0
+        killed = False
+        for line in proc.stdout:
+            event = json.loads(line)
+            if event.get("ok") is False:
+                raise SystemExit(f"restore of step {event['restored']} after a crash was not bit-exact")
+            if "cycle" in event:
+                committed.update(event["committed"])
+                seen += 1
+                if seen >= kill_after and event["cycle"] < args.cycles:
+                    time.sleep(rng.random() * 0.05)  # somewhere inside the next save
+                    proc.send_signal(signal.SIGKILL)
+                    killed = True
+                    break
+        proc.wait()
+        if killed:
+            crashes += 1
+            continue
+        if proc.returncode != 0:
+            raise SystemExit(f"saver failed with status {proc.returncode}")
+        break
+    with xtc.CheckpointManager(args.root, options()) as mgr:  # cleans partial steps, as any restart does
+        on_disk = mgr.all_steps()
+    everything = committed | set(on_disk)
+    newest = sorted(everything)[-MAX_TO_KEEP:]
+    expected = sorted({s for s in everything if s % KEEP_PERIOD == 0} | set(newest))
+    names = sorted(os.listdir(args.root))
+    leftovers = [os.path.join(r, n) for r, _, files in os.walk(args.root) for n in files
+                 if n.endswith(".tmp") or "__lock" in n or n == layout.MANAGER_LOCK]
+    checked, problems = inspection.verify(args.root)
+    summary = {"cycles": args.cycles, "crashes": crashes, "restarts": restarts, "steps_on_disk": on_disk,
+               "expected_steps": expected, "kept_steps_verified": on_disk if not problems else [],
+               "arrays_verified": checked, "problems": [p.message for p in problems], "leftovers": leftovers}
+    print(json.dumps(summary))
+    if on_disk != expected or leftovers or problems or names != [str(s) for s in sorted(on_disk, key=str)]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
