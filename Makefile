@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 $(PY) examples/demo.py
+	$(PY) examples/demo.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

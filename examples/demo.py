@@ -1,96 +1,146 @@
-"""The main job (until the training demo lands): save SPMD-sharded state from one mesh, restore it onto another
-mesh, onto CPU, and read it back with plain zarr. Prints what it did at each step.
+"""The main job (`make demo`): train a small decoder-only transformer with torch_xla SPMD on 8 CPU devices and
+asynchronous checkpoints, kill it (a simulated preemption), resume from the latest step in a fresh process with
+the loss curve continuing exactly, restore the checkpoint onto 4 devices with another partition spec and get the
+same evaluation loss, inspect it with `xtckpt`, and export it to safetensors.
 
-run: make demo   (PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 .venv/bin/python examples/demo.py [--checkpoint-dir DIR])
+    python examples/demo.py [--checkpoint-dir ./checkpoints] [--steps 40] [--save-steps 10] [--kill-at 27]
+
+`--checkpoint-dir gs://bucket/prefix` works as well. The directory is cleared first.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import shutil
+import signal
+import subprocess
+import sys
 import time
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")
-os.environ.setdefault("CPU_NUM_DEVICES", "8")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch_xla  # noqa: E402
-import torch_xla.distributed.spmd as xs  # noqa: E402
-import torch_xla.runtime as xr  # noqa: E402
-import zarr  # noqa: E402
-
-import xla_tensorstore_ckpt as xtc  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN = os.path.join(HERE, "train.py")
 
 
 def section(title: str) -> None:
-    print(f"\n== {title} " + "=" * max(0, 70 - len(title)))
+    print(f"\n=== {title} " + "=" * max(0, 74 - len(title)), flush=True)
+
+
+def environment(devices: int) -> dict:
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONWARNINGS="ignore")
+    return env
+
+
+def train(args, extra: list[str], devices: int = 8, kill_at: int | None = None) -> list[dict]:
+    """Run train.py, print its steps as they come, optionally SIGKILL it once it reports step `kill_at`."""
+    cmd = [sys.executable, TRAIN, "--json", "--checkpoint-dir", args.checkpoint_dir, "--steps", str(args.steps),
+           "--save-steps", str(args.save_steps), "--max-to-keep", str(args.max_to_keep), *args.model_args, *extra]
+    proc = subprocess.Popen(cmd, env=environment(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events = []
+    for line in proc.stdout:
+        if not line.startswith("{"):
+            continue
+        event = json.loads(line)
+        events.append(event)
+        if "step" in event and "loss" in event:
+            print(f"  step {event['step']:3d}  loss {event['loss']:.4f}  step time {1000 * event['step_s']:5.0f} ms"
+                  f"  checkpoint stall {1000 * event['stall_s']:4.0f} ms{'  (saved)' if event['saved'] else ''}",
+                  flush=True)
+        elif "restored" in event:
+            print(f"  restored step {event['restored']} in {event['seconds']:.2f} s", flush=True)
+        elif "eval_loss" in event:
+            print(f"  evaluation loss at step {event['step']} on {event['devices']} devices (mesh {event['mesh']}):"
+                  f" {event['eval_loss']:.6f}", flush=True)
+        if kill_at is not None and event.get("step") == kill_at:
+            proc.send_signal(signal.SIGKILL)
+            print(f"  -- SIGKILL sent to the training process (pid {proc.pid}) after step {kill_at} --", flush=True)
+            break
+    _, err = proc.communicate(timeout=600)
+    if kill_at is None and proc.returncode != 0:
+        raise SystemExit(f"training failed:\n{err[-3000:]}")
+    return events
+
+
+def run_cli(*argv: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "xla_tensorstore_ckpt", *argv], capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0:
+        raise SystemExit(f"xtckpt {' '.join(argv)} failed: {proc.stderr}")
+    return proc.stdout
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--checkpoint-dir", default="./checkpoints/demo")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint-dir", default="./checkpoints")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-steps", type=int, default=10)
+    parser.add_argument("--max-to-keep", type=int, default=3)
+    parser.add_argument("--kill-at", type=int, default=27)
+    parser.add_argument("--small", action="store_true", help="a tiny model (for the test suite)")
+    parser.add_argument("--export-dir", default=None, help="default: <checkpoint-dir>-export (local only)")
     args = parser.parse_args()
+    args.model_args = ["--dim", "64", "--layers", "1", "--seq", "16", "--batch", "8"] if args.small else []
+    if args.kill_at <= args.save_steps or args.kill_at >= args.steps:
+        raise SystemExit("--kill-at must fall after the first save and before the last step")
+    started = time.perf_counter()
 
-    xr.use_spmd()
-    n = xr.global_runtime_device_count()
-    section(f"state on {n} devices, mesh (4, 2) ('data', 'model')")
-    mesh = xs.Mesh(np.arange(n), (n // 2, 2), ("data", "model"))
-    xs.set_global_mesh(mesh)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to("xla")
-    xs.mark_sharding(model[0].weight, mesh, ("data", "model"))
-    xs.mark_sharding(model[2].weight, mesh, ("model", "data"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(2):
-        loss = model(torch.randn(16, 256).to("xla")).pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        torch_xla.sync()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 2}
-    reference = {k: v.cpu() for k, v in model.state_dict().items()}
-    for key, value in model.state_dict().items():
-        spec = torch_xla._XLAC._get_xla_sharding_spec(value) or "unsharded"
-        print(f"  model/{key:10} {tuple(value.shape)!s:12} {spec}")
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    from xla_tensorstore_ckpt import storage
 
-    section(f"save to {args.checkpoint_dir}")
-    shutil.rmtree(args.checkpoint_dir, ignore_errors=True)
-    start = time.perf_counter()
-    xtc.save(args.checkpoint_dir, state)
-    print(f"  saved in {time.perf_counter() - start:.3f} s")
-    info = xtc.metadata(args.checkpoint_dir)
-    for key, meta in info["model"].items():
-        sharding = meta.sharding.describe() if meta.sharding else "unsharded"
-        print(f"  model/{key:10} chunks {meta.chunk_shape!s:10} saved with {sharding}")
+    storage.delete_tree(storage.location(args.checkpoint_dir))
 
-    section("restore onto another mesh: (2, 4) with transposed partition specs")
-    other = xs.Mesh(np.arange(n), (2, n // 2), ("x", "y"))
-    target = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
-    torch_xla.sync()
-    xs.mark_sharding(target["0.weight"], other, ("y", "x"))
-    xs.mark_sharding(target["2.weight"], other, (None, "y"))
-    start = time.perf_counter()
-    restored = xtc.restore(args.checkpoint_dir, {"model": target}, strict=False)["model"]
-    print(f"  restored in {time.perf_counter() - start:.3f} s")
-    for key, value in restored.items():
-        same = torch.equal(value.cpu(), reference[key])
-        spec = torch_xla._XLAC._get_xla_sharding_spec(value) or "unsharded"
-        print(f"  model/{key:10} now {spec:40} equal to saved: {same}")
-        assert same
+    section(f"1. training on 8 devices (mesh 4x2, FSDP-style 2D sharding), checkpoint every {args.save_steps} "
+            "steps, async")
+    first = train(args, ["--resume-from-checkpoint", "null"], kill_at=args.kill_at)
+    losses_before = {e["step"]: e["loss"] for e in first if "loss" in e}
 
-    section("restore onto CPU, without a target")
-    cpu = xtc.restore(args.checkpoint_dir)
-    print(f"  step {cpu['step']}, optimizer state keys {sorted(cpu['optimizer']['state'][0])}, "
-          f"betas {cpu['optimizer']['param_groups'][0]['betas']}")
-    assert all(torch.equal(cpu["model"][k], reference[k]) for k in reference)
+    section("2. simulated preemption: the process was killed; what is on disk")
+    print(run_cli("steps", args.checkpoint_dir), end="")
 
-    section("read one array with plain zarr-python")
-    z = zarr.open_array(os.path.join(args.checkpoint_dir, "model", "0.weight"), mode="r")
-    print(f"  zarr: shape {z.shape}, chunks {z.chunks}, dtype {z.dtype}; [0, :4] = {np.round(z[0, :4], 4)}")
-    print("\nall checks passed")
+    section("3. resume from the latest step in a fresh process (resume_from_checkpoint=latest)")
+    second = train(args, ["--resume-from-checkpoint", "latest"])
+    restored = next(e["restored"] for e in second if "restored" in e)
+    losses_after = {e["step"]: e["loss"] for e in second if "loss" in e}
+    overlap = [s for s in losses_after if s in losses_before]
+    exact = all(losses_after[s] == losses_before[s] for s in overlap)
+    print(f"  resumed at step {restored}; steps {overlap[0]}-{overlap[-1]} ran twice (before the kill and after "
+          f"the resume): losses identical to the last bit: {exact}")
+    if not exact:
+        raise SystemExit("the resumed loss curve differs")
+    eval_8 = next(e["eval_loss"] for e in second if "eval_loss" in e)
+
+    section("4. the same checkpoint on 4 devices, mesh 2x2, partition specs with the axes' roles swapped")
+    third = train(args, ["--resume-from-checkpoint", "latest", "--eval-only", "--mesh", "2x2", "--swap-spec"],
+                  devices=4)
+    eval_4 = next(e["eval_loss"] for e in third if "eval_loss" in e)
+    difference = abs(eval_4 - eval_8)
+    print(f"  evaluation loss: 8 devices {eval_8:.6f}, 4 devices {eval_4:.6f} (difference {difference:.2e})")
+    if difference > 1e-4:
+        raise SystemExit("the evaluation loss on the other mesh differs")
+
+    section("5. offline inspection: xtckpt steps / xtckpt tree")
+    print(run_cli("steps", args.checkpoint_dir), end="")
+    latest = args.steps
+    tree = run_cli("tree", f"{args.checkpoint_dir.rstrip('/')}/{latest}", "model").splitlines()
+    print("\n".join(tree[:8] + ["  ..."] + tree[-2:]))
+
+    section("6. export to safetensors (Hugging Face layout), streaming tensor by tensor")
+    export_dir = args.export_dir or (args.checkpoint_dir.rstrip("/") + "-export")
+    if not export_dir.startswith("gs://"):
+        for line in run_cli("export", f"{args.checkpoint_dir.rstrip('/')}/{latest}", export_dir, "--format",
+                            "safetensors", "--max-file-size", "4MB").splitlines():
+            print(f"  {line}  ({os.path.getsize(line) / 2**20:.1f} MiB)")
+        from safetensors.torch import load_file
+
+        files = sorted(f for f in os.listdir(export_dir) if f.endswith(".safetensors"))
+        loaded = {}
+        for name in files:
+            loaded.update(load_file(os.path.join(export_dir, name)))
+        print(f"  {len(loaded)} tensors, {sum(t.numel() for t in loaded.values()) / 1e6:.2f}M parameters, "
+              f"loadable with safetensors.torch.load_file")
+
+    print(f"\nall checks passed in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
