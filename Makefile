@@ -22,6 +22,7 @@ test: lint
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) benchmarks/run.py
 
 clean:

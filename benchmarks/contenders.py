@@ -1,8 +1,9 @@
 """The implementations compared by the benchmarks, behind one small interface.
 
-Each contender saves a state dict of sharded XLA tensors under `root/<step>` and restores it onto a target of
-the same keys sharded on another mesh. `save` returns when the data is written (and fsynced where the
-contender does so: see `fsync`); `save_blocking` is the time the caller waits in the asynchronous variants.
+Each contender saves a state dict of sharded XLA tensors under `root/<step>` and restores it onto a target of the
+same keys sharded on another mesh. `save` returns when the caller may continue (the blocked time); `wait` returns
+when the data is written (and fsynced where the contender does so: see `fsync`). Orbax runs in its own process
+and virtual environment (orbax_worker.py).
 """
 
 from __future__ import annotations
@@ -28,22 +29,27 @@ class Contender:
     def save(self, step: int, state: dict) -> None:
         raise NotImplementedError
 
+    def wait(self) -> None:
+        pass
+
     def restore(self, step: int, target: dict, place: Callable[[str, torch.Tensor], torch.Tensor]) -> dict:
         raise NotImplementedError
 
+    def path(self, step: int) -> str:
+        return os.path.join(self.root, str(step))
+
     def delete(self, step: int) -> None:
         """Remove a saved step (outside any timing), on local disk or gs://."""
-        path = os.path.join(self.root, str(step))
-        storage.delete_tree(storage.location(path))
-        if os.path.exists(path + ".pt"):
-            os.remove(path + ".pt")
+        storage.delete_tree(storage.location(self.path(step)))
+        if os.path.exists(self.path(step) + ".pt"):
+            os.remove(self.path(step) + ".pt")
 
     def close(self) -> None:
         pass
 
 
 class Xtc(Contender):
-    """This library, synchronous item save."""
+    """This library: the synchronous item save (`xtc.save`), with or without fsync."""
 
     def __init__(self, root: str, *, fsync: bool = True):
         super().__init__(root)
@@ -51,10 +57,38 @@ class Xtc(Contender):
         self.name = "xtc" if fsync else "xtc-nofsync"
 
     def save(self, step, state):
-        xtc.save(os.path.join(self.root, str(step)), state, options=xtc.SaveOptions(fsync=self.fsync))
+        xtc.save(self.path(step), state, options=xtc.SaveOptions(fsync=self.fsync))
 
     def restore(self, step, target, place):
-        return xtc.restore(os.path.join(self.root, str(step)), target)
+        return xtc.restore(self.path(step), target)
+
+
+class XtcAsync(Contender):
+    """This library's CheckpointManager with asynchronous saves (the default)."""
+
+    name = "xtc-async"
+    fsync = True
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.manager = xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(
+            save_interval_steps=1, max_to_keep=None, save_rng=False))
+
+    def save(self, step, state):
+        self.manager.save(step, model=state)
+
+    def wait(self):
+        self.manager.wait_until_finished()
+
+    def restore(self, step, target, place):
+        return xtc.restore(os.path.join(self.path(step), "model"), target)
+
+    def delete(self, step):
+        if step in self.manager.all_steps():
+            self.manager.delete(step)
+
+    def close(self):
+        self.manager.close()
 
 
 def _free_port() -> int:
@@ -64,12 +98,12 @@ def _free_port() -> int:
 
 
 class TorchXlaManager(Contender):
-    """torch_xla.experimental.distributed_checkpoint.CheckpointManager (DCP + SPMD planners), its defaults."""
+    """torch_xla.experimental.distributed_checkpoint.CheckpointManager (DCP + SPMD planners), its defaults;
+    `save` (synchronous) or `save_async`."""
 
-    name = "torch_xla"
     fsync = True  # DCP's FsspecWriter syncs files by default
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, *, asynchronous: bool = False):
         super().__init__(root)
         import torch.distributed as dist
         from torch_xla.experimental.distributed_checkpoint import CheckpointManager
@@ -79,9 +113,17 @@ class TorchXlaManager(Contender):
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             dist.init_process_group("gloo", rank=0, world_size=1)
         self.manager = CheckpointManager(root, save_interval=1, chkpt_on_preemption=False)
+        self.asynchronous = asynchronous
+        self.name = "torch_xla-async" if asynchronous else "torch_xla"
 
     def save(self, step, state):
-        self.manager.save(step, state, force=True)
+        if self.asynchronous:
+            self.manager.save_async(step, state, force=True)
+        else:
+            self.manager.save(step, state, force=True)
+
+    def wait(self):
+        self.manager.join()
 
     def restore(self, step, target, place):
         self.manager.restore(step, target)
@@ -95,20 +137,30 @@ class TorchSave(Contender):
     name = "torch.save"
     fsync = False
 
-    def _path(self, step):
+    def path(self, step):
         return os.path.join(self.root, f"{step}.pt")
 
     def save(self, step, state):
         gathered = {k: v.cpu() for k, v in state.items()}
         os.makedirs(self.root, exist_ok=True)
-        torch.save(gathered, self._path(step))
+        torch.save(gathered, self.path(step))
 
     def restore(self, step, target, place):
-        loaded = torch.load(self._path(step), weights_only=True)
+        loaded = torch.load(self.path(step), weights_only=True)
         out = {k: place(k, v) for k, v in loaded.items()}
         torch_xla.sync()
         return out
 
+    def delete(self, step):
+        if os.path.exists(self.path(step)):
+            os.remove(self.path(step))
 
-CONTENDERS = {"xtc": Xtc, "xtc-nofsync": lambda root: Xtc(root, fsync=False), "torch_xla": TorchXlaManager,
-              "torch.save": TorchSave}
+
+CONTENDERS = {
+    "xtc": Xtc,
+    "xtc-nofsync": lambda root: Xtc(root, fsync=False),
+    "xtc-async": XtcAsync,
+    "torch_xla": TorchXlaManager,
+    "torch_xla-async": lambda root: TorchXlaManager(root, asynchronous=True),
+    "torch.save": TorchSave,
+}

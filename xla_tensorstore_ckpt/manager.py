@@ -339,18 +339,28 @@ class CheckpointManager:
             self._coordinator.raise_unless_ok(error, f"preparing step {step} at {step_loc}")
             with self._lock:
                 self._steps.pop(step, None)
-            pending = []
-            for name, plan in plans.items():
-                pending.extend(saving.issue_writes(
+            if self._options.async_save and self._options.max_host_bytes is None:
+                # Only the copy off the devices happens here; creating arrays and issuing writes (a fraction of
+                # a millisecond per chunk) is left to the background thread.
+                staged = {name: saving.stage_all(plan.arrays, options, copy_cpu=True) for name, plan in plans.items()}
+
+                def start() -> list:
+                    return [p for name, plan in plans.items()
+                            for p in saving.start_writes(step_loc.child(name), plan.arrays, staged.pop(name))]
+            else:
+                started = [p for name, plan in plans.items() for p in saving.issue_writes(
                     step_loc.child(name), plan.arrays, options, copy_cpu=self._options.async_save,
-                    max_host_bytes=self._host_budget()))
+                    max_host_bytes=self._host_budget())]
+
+                def start() -> list:
+                    return started
         except BaseException:
             self._committer.release()
             raise
         self._in_flight = step
 
         def finish() -> None:
-            self._finish(step, step_loc, plans, pending, metrics_json, custom, created_at)
+            self._finish(step, step_loc, plans, start, metrics_json, custom, created_at)
 
         if self._options.async_save:
             self._committer.submit(step, finish)
@@ -373,15 +383,16 @@ class CheckpointManager:
             return self._options.max_host_bytes
         return 2 * self._options.save_options.host_batch_bytes
 
-    def _finish(self, step: int, step_loc: storage.Location, plans: dict, pending: list,
+    def _finish(self, step: int, step_loc: storage.Location, plans: dict, start: Callable[[], list],
                 metrics: dict | None, custom: dict | None, created_at: float) -> None:
-        """Wait for this process's writes and make them durable; once every process has, the primary writes the
-        manifests, then the commit marker; every process learns the outcome. Then retention."""
+        """Start (if not started) and wait for this process's writes and make them durable; once every process
+        has, the primary writes the manifests, then the commit marker; every process learns the outcome. Then
+        retention."""
         coordinator = self._commit_coordinator
         options = self._options.save_options
         error = None
         try:
-            arrays.wait_all(pending)
+            arrays.wait_all(start())
             if options.fsync:
                 storage.sync(step_loc)
         except Exception as exc:  # noqa: BLE001 - shared with every process, then raised

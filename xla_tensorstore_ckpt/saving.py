@@ -271,40 +271,39 @@ def batches(plans: Sequence[ArrayPlan], limit: int) -> Iterator[list[ArrayPlan]]
         yield group
 
 
+Staged = list[tuple[list[ArrayPlan], list[list[torch.Tensor]]]]
+
+
+def stage_all(plans: Sequence[ArrayPlan], options: SaveOptions, *, copy_cpu: bool) -> Staged:
+    """Host copies of everything this process writes, batch by batch (the transient fetch of a batch stays
+    within `options.host_batch_bytes`). Blocks. For asynchronous saves: once this returns, training may change
+    the tensors; `start_writes` then writes from the copies."""
+    return [(group, stage(group, copy_cpu=copy_cpu))
+            for group in batches([p for p in plans if p.writes], options.host_batch_bytes)]
+
+
+def start_writes(loc: storage.Location, plans: Sequence[ArrayPlan], staged: Staged) -> list[arrays.Pending]:
+    """Create the arrays this process creates and start writing staged chunks; return the futures."""
+    writer = _Writer(loc, plans)
+    try:
+        for group, data in staged:
+            writer.write(group, data)
+    except BaseException:
+        drain(writer.pending)
+        raise
+    return writer.pending
+
+
 def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: SaveOptions, *,
                  copy_cpu: bool = False, max_host_bytes: int | None = None) -> list[arrays.Pending]:
-    """Create the arrays this process creates and start writing its chunks; return the futures to wait for.
-
-    Blocks while shards are fetched to host memory, batch by batch. `copy_cpu` copies host tensors too; it is
-    for callers that return before the writes finish (asynchronous saves), and then writes start only once
-    everything is staged, so that the copy off the devices, which the caller waits for, does not compete
-    with the writes. Otherwise the writes of one batch run while the next is fetched. With `max_host_bytes`,
-    staged data not yet written never exceeds it (plus one batch): the call waits for earlier writes instead
-    of fetching more. On error, every started operation is waited for first.
-    """
-    locations = {p.key_path: loc.child(p.meta.path) for p in plans}
-    pending: list[arrays.Pending] = []
-    created: dict[layout.KeyPath, arrays.Pending] = {}
-    for p in plans:
-        if p.writes or p.writes_metadata:
-            created[p.key_path] = arrays.create(locations[p.key_path], p.meta.shape, p.meta.dtype,
-                                                p.meta.chunk_shape, single_file=p.single_file,
-                                                write_metadata=p.writes_metadata)
-            pending.append(created[p.key_path])
-    staged: deque[tuple[list[ArrayPlan], list[list[torch.Tensor]]]] = deque()
+    """Stage and write, interleaved: the writes of one batch run while the next is fetched. Returns the futures
+    to wait for. Blocks while shards are fetched. With `max_host_bytes`, staged data not yet written never
+    exceeds it (plus one batch): the call waits for earlier writes instead of fetching more. `copy_cpu`
+    copies host tensors too (for callers that return before the writes finish). On error, every started
+    operation is waited for first."""
+    writer = _Writer(loc, plans)
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
-    deferred = copy_cpu and max_host_bytes is None
-
-    def write(group: list[ArrayPlan], data: list[list[torch.Tensor]]) -> list[arrays.Pending]:
-        out: list[arrays.Pending] = []
-        for p, chunk_data in zip(group, data):
-            chunks = [(tuple(slice(a, b) for a, b in w.region), dtypes.tensor_to_numpy(d))
-                      for w, d in zip(p.writes, chunk_data)]
-            out.extend(arrays.write(created[p.key_path].result(), locations[p.key_path], chunks,
-                                    single_file=p.single_file))
-        return out
-
     try:
         for group in batches([p for p in plans if p.writes], options.host_batch_bytes):
             group_bytes = sum(p.staged_bytes for p in group)
@@ -312,18 +311,37 @@ def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: Sav
                 done_bytes, done = in_flight.popleft()
                 arrays.wait_all(done)
                 in_flight_bytes -= done_bytes
-            staged.append((group, stage(group, copy_cpu=copy_cpu)))
-            if not deferred:
-                group_pending = write(*staged.popleft())
-                pending.extend(group_pending)
-                in_flight.append((group_bytes, group_pending))
-                in_flight_bytes += group_bytes
-        while staged:
-            pending.extend(write(*staged.popleft()))
+            in_flight.append((group_bytes, writer.write(group, stage(group, copy_cpu=copy_cpu))))
+            in_flight_bytes += group_bytes
     except BaseException:
-        drain(pending)
+        drain(writer.pending)
         raise
-    return pending
+    return writer.pending
+
+
+class _Writer:
+    """Creates arrays (on first use) and issues chunk writes; collects every future."""
+
+    def __init__(self, loc: storage.Location, plans: Sequence[ArrayPlan]):
+        self.locations = {p.key_path: loc.child(p.meta.path) for p in plans}
+        self.pending: list[arrays.Pending] = []
+        self.created: dict[layout.KeyPath, arrays.Pending] = {}
+        for p in plans:
+            if p.writes or p.writes_metadata:
+                self.created[p.key_path] = arrays.create(
+                    self.locations[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
+                    single_file=p.single_file, write_metadata=p.writes_metadata)
+                self.pending.append(self.created[p.key_path])
+
+    def write(self, group: Sequence[ArrayPlan], data: Sequence[Sequence[torch.Tensor]]) -> list[arrays.Pending]:
+        out: list[arrays.Pending] = []
+        for p, chunk_data in zip(group, data):
+            chunks = [(tuple(slice(a, b) for a, b in w.region), dtypes.tensor_to_numpy(d))
+                      for w, d in zip(p.writes, chunk_data)]
+            out.extend(arrays.write(self.created[p.key_path].result(), self.locations[p.key_path], chunks,
+                                    single_file=p.single_file))
+        self.pending.extend(out)
+        return out
 
 
 def drain(pending: Sequence[arrays.Pending]) -> None:
