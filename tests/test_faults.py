@@ -17,7 +17,7 @@ import torch
 from test_checkpointer_cpu import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, cli, layout, saving, storage
+from xla_tensorstore_ckpt import arrays, cli, layout, storage
 
 PACKAGE = os.path.join(os.path.dirname(__file__), "..", "xla_tensorstore_ckpt")
 
@@ -58,15 +58,17 @@ def assert_intact(root, steps):
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_unwritable_item_directory_fails_cleanly(root_with_two_steps, monkeypatch, async_save):
     # A file where the item directory must go: every write below it fails with a real OS error.
-    real = saving.issue_writes
+    real = arrays.create
 
-    def blocked(loc, plans, save_options, **kw):
-        os.makedirs(os.path.dirname(loc.path), exist_ok=True)
-        with open(loc.path, "w") as f:
-            f.write("in the way")
-        return real(loc, plans, save_options, **kw)
+    def blocked(loc, *args, **kw):
+        item = os.path.dirname(loc.path)
+        if not os.path.exists(item):
+            os.makedirs(os.path.dirname(item), exist_ok=True)
+            with open(item, "w") as f:
+                f.write("in the way")
+        return real(loc, *args, **kw)
 
-    monkeypatch.setattr(saving, "issue_writes", blocked)
+    monkeypatch.setattr(arrays, "create", blocked)
     mgr = xtc.CheckpointManager(root_with_two_steps, options(async_save=async_save))
     with pytest.raises((xtc.StorageError, xtc.AsyncSaveError)) as err:
         mgr.save(3, model=state_for(3))
