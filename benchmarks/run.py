@@ -70,9 +70,10 @@ def run_worker(contender: str, workload: str, args, workdir: str, env: dict, *, 
 
 
 def floors(nbytes: int, workdir: str, repeats: int) -> dict:
-    """The machine's floor for `nbytes`: a plain sequential write with fsync, and a memory copy."""
+    """The machine's floor for `nbytes`: a plain sequential write with fsync, a read of that file back from the page
+    cache into fresh memory (what a restore of a just-written checkpoint cannot beat), and a memory copy."""
     block = np.random.default_rng(0).integers(0, 255, size=min(nbytes, 16 << 20), dtype=np.uint8)
-    writes, copies = [], []
+    writes, reads, copies = [], [], []
     for _ in range(repeats):
         path = os.path.join(workdir, "floor.bin")
         os.sync()
@@ -83,13 +84,19 @@ def floors(nbytes: int, workdir: str, repeats: int) -> dict:
             f.flush()
             os.fsync(f.fileno())
         writes.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        target = np.empty(nbytes, dtype=np.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(memoryview(target))
+        reads.append(time.perf_counter() - start)
+        del target
         os.remove(path)
         source = np.ones(nbytes, dtype=np.uint8)
         start = time.perf_counter()
         copy = source.copy()
         copies.append(time.perf_counter() - start)
         del copy, source
-    return {"write_fsync_s": writes, "memcpy_s": copies}
+    return {"write_fsync_s": writes, "read_s": reads, "memcpy_s": copies}
 
 
 def median(values):
@@ -108,7 +115,8 @@ def table(results: list[dict], floor: dict[str, dict]) -> str:
         nbytes = rows[0]["state_bytes"]
         f = floor[workload]
         lines.append(f"\n{workload}: {nbytes / 2**30:.2f} GiB; floor on this machine: sequential write+fsync "
-                     f"{median(f['write_fsync_s']):.3f} s, memcpy {median(f['memcpy_s']):.3f} s")
+                     f"{median(f['write_fsync_s']):.3f} s, read back {median(f['read_s']):.3f} s, "
+                     f"memcpy {median(f['memcpy_s']):.3f} s")
         header = (f"{'contender':16} {'fsync':5} {'save s':>13} {'x base':>6} {'blocked s':>13} {'restore s':>13} "
                   f"{'x base':>6} {'4 dev s':>7} {'GiB/s':>6} {'peak+':>6} {'files':>6} {'MiB':>7} {'exact':>5}")
         lines += [header, "-" * len(header)]

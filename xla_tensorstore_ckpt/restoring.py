@@ -33,6 +33,12 @@ from .sharded_array import ShardedArray
 
 PathLike = str | storage.Location
 
+# Reading each target shard into its own buffer avoids cutting shards out of one large read (an extra copy, and
+# large allocations that must be faulted in afresh every time); fetching a chunk twice from the page cache or
+# the network costs less than that, up to about this factor.
+MAX_READ_AMPLIFICATION = 2.0
+SMALL_READ_BYTES = 4 << 20
+
 
 def read_manifest(path: PathLike) -> ItemManifest:
     """Read and validate ``<path>/_METADATA``. Raises `CheckpointNotFoundError` if absent,
@@ -63,16 +69,32 @@ class _ReadJob:
 
     @cached_property
     def reads(self) -> tuple[Index, ...]:
-        """The regions to read. When the local shards tile a box (always on a single host), the box is read
-        once, so a chunk shared by several target shards is decoded once, not once per shard."""
+        """The regions to read. Each local shard is read on its own, into its own buffer that goes to the device
+        as it is, unless the shards tile a box (always on a single host) and the box is small (one read beats
+        many) or reading shard by shard would fetch more than `MAX_READ_AMPLIFICATION` times the stored bytes
+        (a chunk feeding several shards is fetched once per shard): then the box is read once and the shards
+        are cut from it."""
         shards = self.layout.distinct_shards()
         if len(shards) <= 1:
             return tuple(s.index for s in shards)
+        indices = tuple(s.index for s in shards)
         box = tuple((min(s.index[d][0] for s in shards), max(s.index[d][1] for s in shards))
                     for d in range(len(self.meta.shape)))
-        if sum(s.size for s in shards) == math.prod(b - a for a, b in box):
+        box_elements = math.prod(b - a for a, b in box)
+        tiled = sum(s.size for s in shards) == box_elements
+        small = box_elements * dtypes.by_name(self.meta.dtype).itemsize <= SMALL_READ_BYTES
+        if tiled and (small or sum(map(self._fetched, indices)) > MAX_READ_AMPLIFICATION * self._fetched(box)):
             return (box,)
-        return tuple(s.index for s in shards)
+        return indices
+
+    def _fetched(self, region: Index) -> int:
+        """Elements of the stored chunks a read of `region` fetches (whole chunks: checksums cover a chunk)."""
+        total = 1
+        for (a, b), chunk, n in zip(region, self.meta.chunk_shape, self.meta.shape):
+            if b <= a:
+                return 0
+            total *= min(n, -(-b // chunk) * chunk) - (a // chunk) * chunk
+        return total
 
     @property
     def read_bytes(self) -> int:
