@@ -99,6 +99,28 @@ def floors(nbytes: int, workdir: str, repeats: int) -> dict:
     return {"write_fsync_s": writes, "read_s": reads, "memcpy_s": copies}
 
 
+def object_store_floors(nbytes: int, bucket: str, repeats: int) -> dict:
+    """The object store's own ceiling for `nbytes`: plain writes and reads of 16 MiB objects, all in flight at
+    once, through tensorstore's gcs kvstore (no zarr, no checksums), against the same emulator."""
+    import tensorstore as ts
+
+    block = np.random.default_rng(0).integers(0, 255, size=min(nbytes, 16 << 20), dtype=np.uint8).tobytes()
+    sizes = [min(len(block), nbytes - offset) for offset in range(0, nbytes, len(block))]
+    writes, reads = [], []
+    for run in range(repeats):
+        store = ts.KvStore.open({"driver": "gcs", "bucket": bucket, "path": f"floor-{run}/"}).result()
+        start = time.perf_counter()
+        for future in [store.write(f"{i}", block[:size]) for i, size in enumerate(sizes)]:
+            future.result()
+        writes.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for future in [store.read(f"{i}") for i in range(len(sizes))]:
+            future.result()
+        reads.append(time.perf_counter() - start)
+        store.delete_range(ts.KvStore.KeyRange()).result()
+    return {"object_write_s": writes, "object_read_s": reads}
+
+
 def median(values):
     return statistics.median(values) if values else float("nan")
 
@@ -117,6 +139,9 @@ def table(results: list[dict], floor: dict[str, dict]) -> str:
         lines.append(f"\n{workload}: {nbytes / 2**30:.2f} GiB; floor on this machine: sequential write+fsync "
                      f"{median(f['write_fsync_s']):.3f} s, read back {median(f['read_s']):.3f} s, "
                      f"memcpy {median(f['memcpy_s']):.3f} s")
+        if "object_write_s" in f:
+            lines.append(f"object store alone (16 MiB objects through tensorstore's gcs kvstore): write "
+                         f"{median(f['object_write_s']):.3f} s, read {median(f['object_read_s']):.3f} s")
         header = (f"{'contender':16} {'fsync':5} {'save s':>13} {'x base':>6} {'blocked s':>13} {'restore s':>13} "
                   f"{'x base':>6} {'4 dev s':>7} {'GiB/s':>6} {'peak+':>6} {'files':>6} {'MiB':>7} {'exact':>5}")
         lines += [header, "-" * len(header)]
@@ -184,13 +209,17 @@ def main() -> None:
         emulator = gcs_emulator.Emulator().start()
         emulator.create_bucket("bench")
         env.update(gcs_emulator.client_environment(emulator.url))
+        os.environ.update(gcs_emulator.client_environment(emulator.url))  # for the object store floor
         contenders = [c for c in contenders if c not in ("torch.save", "orbax")]  # local files only
     results, floor = [], {}
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
             base = "gs://bench" if emulator else workdir
             for workload in args.workloads.split(","):
-                floor[workload] = floors(workloads.spec_bytes(workload, args.scale), workdir, args.repeats)
+                nbytes = workloads.spec_bytes(workload, args.scale)
+                floor[workload] = floors(nbytes, workdir, args.repeats)
+                if emulator:
+                    floor[workload].update(object_store_floors(nbytes, "bench", args.repeats))
                 for contender in contenders:
                     print(f"running {contender} on {workload} ({args.storage}) ...", file=sys.stderr, flush=True)
                     on4 = workload == "model" and contender in RESTORE_ON_4

@@ -175,6 +175,7 @@ def test_reads_cover_exactly_the_local_shards():
 def test_large_shards_are_read_into_their_own_buffers():
     """Shards of a large array are read one by one (each straight into the buffer that goes to its device)
     unless that would fetch a chunk more than twice; small arrays are read as one box."""
+    from xla_tensorstore_ckpt import storage
     from xla_tensorstore_ckpt.metadata import ArrayMetadata
     from xla_tensorstore_ckpt.plan import LocalShard, Placement, TensorLayout
     from xla_tensorstore_ckpt.restoring import SMALL_READ_BYTES, _ReadJob
@@ -182,18 +183,21 @@ def test_large_shards_are_read_into_their_own_buffers():
     rows = 4096
     assert rows * 8192 * 4 > 8 * SMALL_READ_BYTES
 
-    def job(chunk_shape, grid, shape=(rows, 8192)):
+    def job(chunk_shape, grid, shape=(rows, 8192), max_amplification=2.0):
         r, c = shape[0] // grid[0], shape[1] // grid[1]
         indices = [((i * r, (i + 1) * r), (j * c, (j + 1) * c)) for i in range(grid[0]) for j in range(grid[1])]
         shards = tuple(LocalShard(k, f"d{k}", idx, 0) for k, idx in enumerate(indices))
         meta = ArrayMetadata("w", shape, "float32", chunk_shape)
         lay = TensorLayout(shape, Placement.TILED, (r, c), shards)
-        return _ReadJob(("w",), meta, None, torch.float32, lay), indices
+        return _ReadJob(("w",), meta, None, torch.float32, lay, max_amplification), indices
 
     same_mesh, indices = job((rows // 4, 4096), (4, 2))
     assert same_mesh.reads == tuple(indices)  # each chunk fetched once
     other_mesh, indices = job((rows // 4, 4096), (2, 4))
     assert other_mesh.reads == tuple(indices)  # each chunk fetched twice: still shard by shard
+    over_network, _ = job((rows // 4, 4096), (2, 4), max_amplification=1.0)
+    assert over_network.reads == (((0, rows), (0, 8192)),)  # gs://: each chunk fetched once
+    assert not storage.location("gs://b/x").cheap_refetch and storage.location("/tmp/x").cheap_refetch
     unsharded, _ = job((rows, 8192), (4, 2))
     assert unsharded.reads == (((0, rows), (0, 8192)),)  # one chunk feeding 8 shards: fetched once, as a box
     small, _ = job((4, 4), (2, 4), shape=(16, 8))

@@ -34,8 +34,8 @@ from .sharded_array import ShardedArray
 PathLike = str | storage.Location
 
 # Reading each target shard into its own buffer avoids cutting shards out of one large read (an extra copy, and
-# large allocations that must be faulted in afresh every time); fetching a chunk twice from the page cache or
-# the network costs less than that, up to about this factor.
+# large allocations that must be faulted in afresh every time); fetching a chunk twice from the page cache costs
+# less than that, up to about this factor. Over a network, each chunk is fetched once.
 MAX_READ_AMPLIFICATION = 2.0
 SMALL_READ_BYTES = 4 << 20
 
@@ -66,12 +66,13 @@ class _ReadJob:
     reference: torch.Tensor | ShardedArray | None  # gives sharding and device; None: a CPU tensor
     dtype: torch.dtype
     layout: TensorLayout  # where the data goes: the reference's local shards, or one whole-array shard
+    max_amplification: float = MAX_READ_AMPLIFICATION  # stored bytes fetched per byte, at most, to read by shard
 
     @cached_property
     def reads(self) -> tuple[Index, ...]:
         """The regions to read. Each local shard is read on its own, into its own buffer that goes to the device
         as it is, unless the shards tile a box (always on a single host) and the box is small (one read beats
-        many) or reading shard by shard would fetch more than `MAX_READ_AMPLIFICATION` times the stored bytes
+        many) or reading shard by shard would fetch more than `max_amplification` times the stored bytes
         (a chunk feeding several shards is fetched once per shard): then the box is read once and the shards
         are cut from it."""
         shards = self.layout.distinct_shards()
@@ -83,7 +84,7 @@ class _ReadJob:
         box_elements = math.prod(b - a for a, b in box)
         tiled = sum(s.size for s in shards) == box_elements
         small = box_elements * dtypes.by_name(self.meta.dtype).itemsize <= SMALL_READ_BYTES
-        if tiled and (small or sum(map(self._fetched, indices)) > MAX_READ_AMPLIFICATION * self._fetched(box)):
+        if tiled and (small or sum(map(self._fetched, indices)) > self.max_amplification * self._fetched(box)):
             return (box,)
         return indices
 
@@ -114,7 +115,8 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
         raise UnsupportedValueError("the restore target must be a tree (dict, list or tuple), not a ShardedArray")
     saved = manifest.leaves()
     wanted = {p: None for p in saved} if target is None else _match(loc, saved, dict(tree.flatten(target)), strict)
-    values = read_arrays(loc, _read_jobs(saved, wanted), options)
+    values = read_arrays(loc, _read_jobs(saved, wanted, MAX_READ_AMPLIFICATION if loc.cheap_refetch else 1.0),
+                         options)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 
@@ -151,7 +153,7 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
     return wanted
 
 
-def _read_jobs(saved: dict, wanted: dict) -> list[_ReadJob]:
+def _read_jobs(saved: dict, wanted: dict, max_amplification: float) -> list[_ReadJob]:
     targets = {p: (t.reference, t.dtype) if isinstance(t, RestoreAs) else (t, t.dtype)
                for p, t in wanted.items() if isinstance(t, (torch.Tensor, RestoreAs, ShardedArray))}
     xla = [(p, ref) for p, (ref, _) in targets.items() if isinstance(ref, torch.Tensor) and ref.device.type == "xla"]
@@ -169,7 +171,8 @@ def _read_jobs(saved: dict, wanted: dict) -> list[_ReadJob]:
         reference, dtype = targets.get(path, (None, meta.torch_dtype))
         if path not in layouts:
             reference = None  # a CPU tensor
-        jobs.append(_ReadJob(path, meta, reference, dtype, layouts.get(path) or cpu_layout(meta.shape)))
+        jobs.append(_ReadJob(path, meta, reference, dtype, layouts.get(path) or cpu_layout(meta.shape),
+                             max_amplification))
     return jobs
 
 

@@ -53,6 +53,12 @@ class Location:
             head = "/"
         return Location(self.scheme, head, self.bucket)
 
+    @property
+    def cheap_refetch(self) -> bool:
+        """Whether fetching the same bytes again costs about a memory copy (local disk's page cache, memory)
+        rather than a network transfer."""
+        return self.scheme != "gs"
+
     def kvstore_spec(self) -> dict:
         """A tensorstore kvstore spec for this directory (trailing slash included)."""
         prefix = self.path.rstrip("/") + "/" if self.path.strip("/") else ""
