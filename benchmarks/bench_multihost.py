@@ -33,9 +33,9 @@ g = torch.Generator().manual_seed(99)
 state["replicated"] = torch.randn(rows, 8192, generator=g)  # held whole by every process
 written = {"bytes": 0}
 real = arrays.write
-def counting(store, loc, chunks, *, single_file):
+def counting(store, loc, chunks, **kwargs):
     written["bytes"] += sum(d.nbytes for _, d in chunks)
-    return real(store, loc, chunks, single_file=single_file)
+    return real(store, loc, chunks, **kwargs)
 arrays.write = counting
 xtc.save(f"{root}/warm", state)  # warm-up: lazy initialisation, first-touch memory
 times = []

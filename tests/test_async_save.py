@@ -138,8 +138,8 @@ def test_max_host_bytes_streams_the_save(tmp_path, monkeypatch):
     in_flight_peaks = []
     real_write, real_wait_all = arrays.write, arrays.wait_all
 
-    def tracking_write(store, loc, chunks, *, single_file):
-        pending = real_write(store, loc, chunks, single_file=single_file)
+    def tracking_write(store, loc, chunks, **kwargs):
+        pending = real_write(store, loc, chunks, **kwargs)
         issued[id(pending[-1])] = sum(d.nbytes for _, d in chunks)
         outstanding = sum(issued.values()) - sum(waited)
         in_flight_peaks.append(outstanding)

@@ -59,9 +59,9 @@ def test_replicas_are_written_once(tmp_path, mesh_4x2, monkeypatch):
 
     real_write = arrays.write
 
-    def spy(store, loc, chunks, single_file):
+    def spy(store, loc, chunks, **kwargs):
         written.extend((loc.name, tuple((r.start, r.stop) for r in region)) for region, _ in chunks)
-        return real_write(store, loc, chunks, single_file=single_file)
+        return real_write(store, loc, chunks, **kwargs)
 
     monkeypatch.setattr(arrays, "write", spy)
     src = torch.randn(8, 6)
@@ -73,6 +73,25 @@ def test_replicas_are_written_once(tmp_path, mesh_4x2, monkeypatch):
     assert len(set(written)) == len(written)
     assert inner_chunk_shape(tmp_path / "ck" / "rows") == (2, 6)
     assert_trees_equal(xtc.restore(tmp_path / "ck"), {"rows": src, "full": src, "plain": src})
+
+
+@pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "no-fsync"])
+def test_finished_chunk_files_are_handed_to_the_disk_during_a_fsync_save(tmp_path, mesh_4x2, monkeypatch, fsync):
+    """A save that fsyncs starts the disk writes of each chunk file as soon as it is written (so the final
+    syncfs finds little left): every chunk file, and only real files, are named."""
+    from xla_tensorstore_ckpt import arrays, storage
+
+    started = []
+    monkeypatch.setattr(storage, "start_writeback", lambda loc, name: started.append(os.path.join(loc.path, name)))
+    state = {"big": sharded(torch.randn(4096, 512), mesh_4x2, ("x", "y")),  # one file per chunk
+             "small": sharded(torch.randn(16, 8), mesh_4x2, ("x", "y")),  # one file for all chunks
+             "scalar": torch.tensor(3.0)}
+    xtc.save(tmp_path / "ck", state, options=xtc.SaveOptions(fsync=fsync))
+    arrays._WRITEBACK.submit(lambda: None).result()  # the writeback thread has run every request
+    files = sorted(os.path.join(root, f) for name in state
+                   for root, _, fs in os.walk(tmp_path / "ck" / name) for f in fs if f != "zarr.json")
+    assert len(files) == 8 + 1 + 1
+    assert sorted(started) == (files if fsync else [])
 
 
 def test_save_causes_no_compilation_or_execution(tmp_path, mesh_4x2, mesh_8):

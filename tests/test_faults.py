@@ -97,7 +97,7 @@ def test_disk_full_during_sync_fails_cleanly(root_with_two_steps, monkeypatch):
 def test_injected_chunk_write_error_names_the_array(root_with_two_steps, monkeypatch):
     import tensorstore as ts
 
-    def failing_write(store, loc, chunks, *, single_file):
+    def failing_write(store, loc, chunks, **kwargs):
         promise, future = ts.Promise.new()
         promise.set_exception(ValueError("RESOURCE_EXHAUSTED: No space left on device"))
         return [arrays.Pending(future, "cannot write region of", loc)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import tensorstore as ts
@@ -127,23 +128,52 @@ def create(loc: storage.Location, shape: Sequence[int], dtype_name: str, chunk_s
 
 
 def write(store: ts.TensorStore, loc: storage.Location, chunks: Sequence[tuple[Region, np.ndarray]], *,
-          single_file: bool) -> list[Pending]:
+          single_file: bool, writeback: bool = False) -> list[Pending]:
     """Start writing whole chunks (region, data) of one array; the results are ready once the chunks are
     stored. The data must stay unchanged until then: tensorstore references it without copying. With
-    `single_file` (see `zarr_metadata`) the chunks are written in one transaction, as one file."""
+    `single_file` (see `zarr_metadata`) the chunks are written in one transaction, as one file. With
+    `writeback` (saves that end with `storage.sync`), each finished chunk file is handed to the disk at once."""
     # Zero-copy everywhere but in memory://, whose store would keep referencing our numpy buffers: freeing them
     # later (under the store's lock, needing the GIL) can deadlock against a thread holding the GIL.
     reference = loc.scheme != "memory"
     if not single_file:
-        return [Pending(store[region].write(data, can_reference_source_data_indefinitely=reference).commit,
-                        f"cannot write region {_format_region(region)} of", loc, writing=True)
-                for region, data in chunks]
+        shape = chunk_shape(store)
+        pending = [Pending(store[region].write(data, can_reference_source_data_indefinitely=reference).commit,
+                           f"cannot write region {_format_region(region)} of", loc, writing=True)
+                   for region, data in chunks]
+        if writeback:
+            for (region, _), item in zip(chunks, pending):
+                _on_done(item, loc, _chunk_key(tuple(r.start // c for r, c in zip(region, shape))))
+        return pending
     txn = ts.Transaction()
     view = store.with_transaction(txn)
     copies = [Pending(view[region].write(data, can_reference_source_data_indefinitely=reference).copy,
                       f"cannot write region {_format_region(region)} of", loc, writing=True)
               for region, data in chunks]
-    return [*copies, Pending(txn.commit_async(), "cannot write", loc, writing=True)]
+    commit = Pending(txn.commit_async(), "cannot write", loc, writing=True)
+    if writeback:
+        _on_done(commit, loc, _chunk_key((0,) * store.rank))
+    return [*copies, commit]
+
+
+def _chunk_key(grid_index: tuple[int, ...]) -> str:
+    """The file of a chunk under zarr v3's default chunk key encoding."""
+    return "/".join(("c", *map(str, grid_index)))
+
+
+# One thread hands finished chunk files to the disk: off tensorstore's threads, and never on the caller's.
+_WRITEBACK = ThreadPoolExecutor(1, thread_name_prefix="xtc-writeback")
+
+
+def _on_done(item: Pending, loc: storage.Location, key: str) -> None:
+    item.future.add_done_callback(lambda _: _hand_to_disk(loc, key))
+
+
+def _hand_to_disk(loc: storage.Location, key: str) -> None:
+    try:
+        _WRITEBACK.submit(storage.start_writeback, loc, key)
+    except RuntimeError:
+        pass  # the interpreter is shutting down; the save's final sync decides durability anyway
 
 
 def open_existing(loc: storage.Location) -> Pending:

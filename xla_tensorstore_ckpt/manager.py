@@ -346,7 +346,7 @@ class CheckpointManager:
 
                 def start() -> list:
                     return [p for name, plan in plans.items()
-                            for p in saving.start_writes(step_loc.child(name), plan.arrays, staged.pop(name))]
+                            for p in saving.start_writes(step_loc.child(name), plan.arrays, staged.pop(name), options)]
             else:
                 started = [p for name, plan in plans.items() for p in saving.issue_writes(
                     step_loc.child(name), plan.arrays, options, copy_cpu=self._options.async_save,

@@ -282,9 +282,10 @@ def stage_all(plans: Sequence[ArrayPlan], options: SaveOptions, *, copy_cpu: boo
             for group in batches([p for p in plans if p.writes], options.host_batch_bytes)]
 
 
-def start_writes(loc: storage.Location, plans: Sequence[ArrayPlan], staged: Staged) -> list[arrays.Pending]:
+def start_writes(loc: storage.Location, plans: Sequence[ArrayPlan], staged: Staged,
+                 options: SaveOptions) -> list[arrays.Pending]:
     """Create the arrays this process creates and start writing staged chunks; return the futures."""
-    writer = _Writer(loc, plans)
+    writer = _Writer(loc, plans, writeback=options.fsync)
     try:
         for group, data in staged:
             writer.write(group, data)
@@ -301,7 +302,7 @@ def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: Sav
     exceeds it (plus one batch): the call waits for earlier writes instead of fetching more. `copy_cpu`
     copies host tensors too (for callers that return before the writes finish). On error, every started
     operation is waited for first."""
-    writer = _Writer(loc, plans)
+    writer = _Writer(loc, plans, writeback=options.fsync)
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
     try:
@@ -320,9 +321,11 @@ def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: Sav
 
 
 class _Writer:
-    """Creates arrays (on first use) and issues chunk writes; collects every future."""
+    """Creates arrays (on first use) and issues chunk writes; collects every future. With `writeback` (saves
+    that fsync), finished chunk files are handed to the disk while later ones are still being staged."""
 
-    def __init__(self, loc: storage.Location, plans: Sequence[ArrayPlan]):
+    def __init__(self, loc: storage.Location, plans: Sequence[ArrayPlan], *, writeback: bool):
+        self.writeback = writeback
         self.locations = {p.key_path: loc.child(p.meta.path) for p in plans}
         self.pending: list[arrays.Pending] = []
         self.created: dict[layout.KeyPath, arrays.Pending] = {}
@@ -339,7 +342,7 @@ class _Writer:
             chunks = [(tuple(slice(a, b) for a, b in w.region), dtypes.tensor_to_numpy(d))
                       for w, d in zip(p.writes, chunk_data)]
             out.extend(arrays.write(self.created[p.key_path].result(), self.locations[p.key_path], chunks,
-                                    single_file=p.single_file))
+                                    single_file=p.single_file, writeback=self.writeback))
         self.pending.extend(out)
         return out
 

@@ -58,9 +58,9 @@ def count_bytes() -> dict:
     written = {"bytes": 0}
     real = arrays.write
 
-    def counting(store, loc, chunks, *, single_file):
+    def counting(store, loc, chunks, **kwargs):
         written["bytes"] += sum(d.nbytes for _, d in chunks)
-        return real(store, loc, chunks, single_file=single_file)
+        return real(store, loc, chunks, **kwargs)
 
     arrays.write = counting
     return written
