@@ -4,7 +4,7 @@ torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/
 
 usage: python benchmarks/run.py [--scale 1.0] [--repeats 3] [--workloads large,small,model]
                                 [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
-                                [--storage local|gcs]
+                                [--storage local|gcs] [--warm-restore]
 
 Workloads (benchmarks/workloads.py): `large` 1 GiB of 2D-sharded float32 + bfloat16; `small` 2,000 tensors of
 4 KiB-256 KiB; `model` a ~200M-parameter decoder with AdamW moments (~2.4 GiB), FSDP-sharded, also restored onto
@@ -52,6 +52,7 @@ def run_worker(contender: str, workload: str, args, workdir: str, env: dict, *, 
     flags = ["--scale", str(args.scale), "--repeats", str(args.repeats), "--dir", directory]
     flags += ["--keep"] if keep else []
     flags += ["--restore-only"] if restore_only else []
+    flags += ["--warm-restore"] if args.warm_restore else []
     env = dict(env)
     if contender == "orbax":
         specs_file = os.path.join(tempfile.gettempdir(), f"xtc-orbax-specs-{workload}-{args.scale}.json")
@@ -196,6 +197,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="large,small,model")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
     parser.add_argument("--storage", choices=("local", "gcs"), default="local")
+    parser.add_argument("--warm-restore", action="store_true",
+                        help="each contender restores once, uncounted, before the timed restores (as for saves)")
     parser.add_argument("--output", default=None, help="default: benchmarks/results/<storage>.json (+ .png)")
     args = parser.parse_args()
     output = args.output or os.path.join(HERE, "results", f"{args.storage}.json")
