@@ -77,17 +77,29 @@ def main() -> None:
             xs.mark_sharding(t, mesh_b, restore_specs[name])
         return t
 
-    root = os.path.join(args.dir, "root")
-    if args.restore_only:
-        contender = contenders.CONTENDERS[args.contender](root)
-        result = {"contender": contender.name, "workload": args.workload, "devices": devices, "restore_s": []}
+    def timed_restores(contender: contenders.Contender) -> tuple[list[float], list[int], dict]:
+        """Restore the last saved step `args.repeats` times onto a fresh target each time (after one uncounted
+        restore with --warm-restore, like the first save: lazy initialisation, first-touch of fresh buffers);
+        the seconds, the peak extra RSS of each, and the last restored state."""
         restored = None
+        if args.warm_restore:
+            restored = contender.restore(args.repeats, workloads.build_target(args.workload, args.scale), place)
+        seconds, peaks = [], []
         for _ in range(args.repeats):
             target = workloads.build_target(args.workload, args.scale)
             del restored
             os.sync()
-            seconds, _, restored = memory.measure(lambda target=target: contender.restore(args.repeats, target, place))
-            result["restore_s"].append(seconds)
+            elapsed, peak, restored = memory.measure(lambda target=target: contender.restore(args.repeats, target,
+                                                                                             place))
+            seconds.append(elapsed)
+            peaks.append(peak)
+        return seconds, peaks, restored
+
+    root = os.path.join(args.dir, "root")
+    if args.restore_only:
+        contender = contenders.CONTENDERS[args.contender](root)
+        result = {"contender": contender.name, "workload": args.workload, "devices": devices, "restore_s": []}
+        result["restore_s"], _, _ = timed_restores(contender)
         contender.close()
         storage.delete_tree(storage.location(args.dir))
         print("RESULT " + json.dumps(result), flush=True)
@@ -124,17 +136,7 @@ def main() -> None:
         seconds, _, blocked = memory.measure(lambda step=step: save(step))
         result["save_s"].append(seconds)
         result["blocked_s"].append(blocked)
-    restored = None
-    if args.warm_restore:
-        # Like the first save: lazy initialisation and first-touch of fresh buffers, not counted.
-        restored = contender.restore(args.repeats, workloads.build_target(args.workload, args.scale), place)
-    for _ in range(args.repeats):
-        target = workloads.build_target(args.workload, args.scale)
-        del restored
-        os.sync()
-        seconds, peak, restored = memory.measure(lambda target=target: contender.restore(args.repeats, target, place))
-        result["restore_s"].append(seconds)
-        result["restore_peak_extra_bytes"].append(peak)
+    result["restore_s"], result["restore_peak_extra_bytes"], restored = timed_restores(contender)
     keys = list(state)[:: max(1, len(state) // 8)]
     result["restore_exact"] = all(torch.equal(restored[k].cpu(), state[k].cpu()) for k in keys)
     contender.close()

@@ -20,9 +20,10 @@ sys.path.insert(0, os.path.dirname(SCRIPT))
 from gcs_faults import state_for  # noqa: E402
 
 
-def test_saves_and_restores_survive_503s_and_dropped_connections(gcs_emulator_server):
-    proxy = FaultProxy(GCS_PORT, error_rate=0.10, drop_rate=0.05, seed=1).start()
-    root = f"gs://{GCS_BUCKET}/faults/run"
+def save_four_steps_through(proxy: FaultProxy, root: str) -> dict:
+    """Run the fault script (saves of steps 1-4, then restores) in a subprocess whose GCS clients go through
+    `proxy`; return what it reports: committed, restored and failed steps."""
+    proxy.start()
     try:
         env = dict(os.environ, **client_environment(proxy.url))
         env.pop("PJRT_DEVICE", None)
@@ -31,7 +32,13 @@ def test_saves_and_restores_survive_503s_and_dropped_connections(gcs_emulator_se
     finally:
         proxy.stop()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_saves_and_restores_survive_503s_and_dropped_connections(gcs_emulator_server):
+    proxy = FaultProxy(GCS_PORT, error_rate=0.10, drop_rate=0.05, seed=1)
+    root = f"gs://{GCS_BUCKET}/faults/run"
+    result = save_four_steps_through(proxy, root)
     assert proxy.counts["503"] >= 5 and proxy.counts["dropped"] >= 5, proxy.counts  # faults really happened
     assert result["committed"] == result["restored"]
     assert sorted(result["committed"] + [int(s) for s in result["failed"]]) == [1, 2, 3, 4]
@@ -50,17 +57,9 @@ def test_saves_and_restores_survive_503s_and_dropped_connections(gcs_emulator_se
 def test_a_write_that_keeps_failing_fails_cleanly_naming_the_object(gcs_emulator_server):
     # Every upload of step 3's commit marker fails: the retries give up, the save fails, step 3 is not committed,
     # the other steps are, and the error names the object.
-    proxy = FaultProxy(GCS_PORT, error_rate=0.0, drop_rate=0.0, always_fail="3%2F_CHECKPOINT_METADATA").start()
+    proxy = FaultProxy(GCS_PORT, error_rate=0.0, drop_rate=0.0, always_fail="3%2F_CHECKPOINT_METADATA")
     root = f"gs://{GCS_BUCKET}/faults/hard"
-    try:
-        env = dict(os.environ, **client_environment(proxy.url))
-        env.pop("PJRT_DEVICE", None)
-        proc = subprocess.run([sys.executable, SCRIPT, root, "4"], env=env, capture_output=True, text=True,
-                              timeout=600)
-    finally:
-        proxy.stop()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = save_four_steps_through(proxy, root)
     assert result["committed"] == [1, 2, 4] and list(result["failed"]) == ["3"]
     assert "step 3" in result["failed"]["3"] and "3/_CHECKPOINT_METADATA" in result["failed"]["3"]
     with xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(save_interval_steps=1)) as mgr:

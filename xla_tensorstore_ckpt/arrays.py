@@ -137,11 +137,11 @@ def write(store: ts.TensorStore, loc: storage.Location, chunks: Sequence[tuple[R
     # later (under the store's lock, needing the GIL) can deadlock against a thread holding the GIL.
     reference = loc.scheme != "memory"
     if not single_file:
-        shape = chunk_shape(store)
         pending = [Pending(store[region].write(data, can_reference_source_data_indefinitely=reference).commit,
                            f"cannot write region {_format_region(region)} of", loc, writing=True)
                    for region, data in chunks]
         if writeback:
+            shape = chunk_shape(store)
             for (region, _), item in zip(chunks, pending):
                 _on_done(item, loc, _chunk_key(tuple(r.start // c for r, c in zip(region, shape))))
         return pending
