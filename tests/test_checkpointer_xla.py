@@ -78,20 +78,30 @@ def test_replicas_are_written_once(tmp_path, mesh_4x2, monkeypatch):
 @pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "no-fsync"])
 def test_finished_chunk_files_are_handed_to_the_disk_during_a_fsync_save(tmp_path, mesh_4x2, monkeypatch, fsync):
     """A save that fsyncs starts the disk writes of each chunk file as soon as it is written (so the final
-    syncfs finds little left): every chunk file, and only real files, are named."""
+    syncfs finds little left): every chunk file, and only real files, are named, at every save (also when a
+    save overwrites the same paths)."""
     from xla_tensorstore_ckpt import arrays, storage
 
+    if storage._SYNC_FILE_RANGE is None:
+        pytest.skip("no sync_file_range on this platform")
     started = []
-    monkeypatch.setattr(storage, "start_writeback", lambda loc, name: started.append(os.path.join(loc.path, name)))
+
+    def recording_sync_file_range(fd, offset, nbytes, flags):
+        started.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return 0
+
+    monkeypatch.setattr(storage, "_SYNC_FILE_RANGE", recording_sync_file_range)
     state = {"big": sharded(torch.randn(4096, 512), mesh_4x2, ("x", "y")),  # one file per chunk
              "small": sharded(torch.randn(16, 8), mesh_4x2, ("x", "y")),  # one file for all chunks
              "scalar": torch.tensor(3.0)}
-    xtc.save(tmp_path / "ck", state, options=xtc.SaveOptions(fsync=fsync))
-    arrays._WRITEBACK.submit(lambda: None).result()  # the writeback thread has run every request
-    files = sorted(os.path.join(root, f) for name in state
-                   for root, _, fs in os.walk(tmp_path / "ck" / name) for f in fs if f != "zarr.json")
-    assert len(files) == 8 + 1 + 1
-    assert sorted(started) == (files if fsync else [])
+    for overwrite in (False, True):
+        started.clear()
+        xtc.save(tmp_path / "ck", state, options=xtc.SaveOptions(fsync=fsync), overwrite=overwrite)
+        arrays._WRITEBACK.submit(lambda: None).result()  # the writeback thread has run every request
+        files = sorted(os.path.join(root, f) for name in state
+                       for root, _, fs in os.walk(tmp_path / "ck" / name) for f in fs if f != "zarr.json")
+        assert len(files) == 8 + 1 + 1
+        assert sorted(started) == (files if fsync else [])
 
 
 def test_save_causes_no_compilation_or_execution(tmp_path, mesh_4x2, mesh_8):

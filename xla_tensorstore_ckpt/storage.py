@@ -138,7 +138,6 @@ def sync(loc: Location) -> None:
         os.close(fd)
 
 
-@cache
 def start_writeback(loc: Location, name: str) -> None:
     """Start writing file `name`'s dirty pages to disk without waiting for them (Linux ``sync_file_range``), so
     that disk writes overlap the rest of a save and the final `sync` finds little left. Called from a
@@ -156,6 +155,7 @@ def start_writeback(loc: Location, name: str) -> None:
         os.close(fd)
 
 
+@cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
