@@ -12,6 +12,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -28,17 +29,22 @@ import xla_tensorstore_ckpt as xtc  # noqa: E402
 from xla_tensorstore_ckpt import arrays, layout, saving, storage  # noqa: E402
 
 ITEM_WORK = [0.0]  # seconds the manager spends in the item-level work it shares with xtc.save
+_DEPTH = threading.local()  # timed calls nest (issue_writes waits with wait_all): count the outermost only
 
 
 def _timed(module, name):
     real = getattr(module, name)
 
     def wrapper(*args, **kwargs):
+        depth = getattr(_DEPTH, "value", 0)
+        _DEPTH.value = depth + 1
         start = time.perf_counter()
         try:
             return real(*args, **kwargs)
         finally:
-            ITEM_WORK[0] += time.perf_counter() - start
+            _DEPTH.value = depth
+            if depth == 0:
+                ITEM_WORK[0] += time.perf_counter() - start
 
     setattr(module, name, wrapper)
 
