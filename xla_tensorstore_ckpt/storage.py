@@ -101,10 +101,14 @@ def location(path: str | os.PathLike | Location) -> Location:
 def context() -> ts.Context:
     """The tensorstore context for array I/O (one per process, so ``memory://`` stores are shared). The file
     kvstore does not sync each file: `sync` makes a whole save durable at once, which is far cheaper than one
-    fsync per chunk file. GCS requests are retried with exponential backoff on transient errors (429, 5xx,
+    fsync per chunk file. Local chunk files are read through memory maps of the page cache rather than copied
+    into fresh buffers first (a restore from local disk took 1.2-1.9x as long that way); checkpoint files are
+    never truncated in place (tensorstore writes a new file and renames it), so a mapping cannot lose its pages
+    under a reader. GCS requests are retried with exponential backoff on transient errors (429, 5xx,
     dropped connections), a bounded number of times; the error that finally escapes names the object."""
     return ts.Context({
         "file_io_sync": False,
+        "file_io_mode": {"mode": "memmap"},
         "cache_pool": {"total_bytes_limit": 0},
         "gcs_request_retries": {"max_retries": GCS_MAX_RETRIES, "initial_delay": "50ms", "max_delay": "5s"},
     })
