@@ -197,6 +197,33 @@ def test_raw_state_trees_are_restored_in_place(tmp_path):
     assert target["w"] is w and torch.equal(w, torch.ones(3)) and torch.equal(target["b"], torch.zeros(2))
 
 
+def test_restore_in_place_swaps_batch_by_batch(tmp_path, mesh_4x2):
+    """Each batch is swapped in as soon as it is read (old device buffers freed as the restore goes): damaged
+    data in the last tensor raises after the earlier tensors are already restored, in place."""
+    import torch_xla.distributed.spmd as xs
+
+    def sharded(value):
+        t = value.to("xla")
+        xs.mark_sharding(t, mesh_4x2, ("x", "y"))
+        return t
+
+    saved = {f"t{i}": torch.randn(64, 64) for i in range(3)}
+    one_tensor_per_batch = xtc.RestoreOptions(read_batch_bytes=64 * 64 * 4)
+    with xtc.CheckpointManager(tmp_path, options(restore_options=one_tensor_per_batch)) as mgr:
+        mgr.save(1, model={k: sharded(v) for k, v in saved.items()})
+        chunk = next(p for p in (tmp_path).rglob("*") if p.is_file() and "t2" in p.parts and "c" in p.parts)
+        data = bytearray(chunk.read_bytes())
+        data[0] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+        target = {k: sharded(torch.zeros(64, 64)) for k in saved}
+        first = target["t0"]
+        with pytest.raises(xtc.CorruptCheckpointError, match="t2"):
+            mgr.restore("latest", model=target)
+    assert target["t0"] is first and spec(first) == spec(sharded(torch.zeros(64, 64)))
+    assert torch.equal(target["t0"].cpu(), saved["t0"]) and torch.equal(target["t1"].cpu(), saved["t1"])
+    assert torch.equal(target["t2"].cpu(), torch.zeros(64, 64))
+
+
 # ---------------------------------------------------------------------------------------- commit protocol
 
 

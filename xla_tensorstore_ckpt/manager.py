@@ -470,6 +470,10 @@ class CheckpointManager:
         ``load_state_dict``; a dict or list passed as `extra` is updated in place. Waits for pending saves
         first and raises their errors. Raises `KeyMismatchError`, `ShapeMismatchError` or `CheckpointError`
         (naming step, item and path) when the objects do not match the checkpoint.
+
+        Tensors are swapped in batch by batch (`RestoreOptions.read_batch_bytes`), so the restore needs about
+        one batch of device memory beyond the state. Mismatches are found before anything changes; damaged
+        data found part-way leaves the tensors of the batches before it restored.
         """
         self._check_open()
         self._committer.wait()
@@ -489,16 +493,14 @@ class CheckpointManager:
             item_loc = step_loc.child(name)
             if isinstance(obj, torch.nn.Module):
                 target = training_state.module_target(obj)
-                training_state.assign_in_place(target, restoring.read_item(
-                    item_loc, target, strict=strict, options=options))
+                _restore_in_place(item_loc, target, strict, options)
             elif isinstance(obj, torch.optim.Optimizer):
                 target = training_state.optimizer_target(obj, restoring.read_manifest(item_loc).tree, str(item_loc))
                 obj.load_state_dict(checkpointer.restore(item_loc, target, options=options))
             elif hasattr(obj, "load_state_dict") and callable(obj.load_state_dict):
                 obj.load_state_dict(checkpointer.restore(item_loc, options=options))
             else:
-                training_state.assign_in_place(obj, restoring.read_item(
-                    item_loc, obj, strict=strict, options=options))
+                _restore_in_place(item_loc, obj, strict, options)
         if restore_rng and self._options.save_rng and RNG_ITEM in marker.items:
             training_state.restore_rng(checkpointer.restore(step_loc.child(RNG_ITEM), options=options))
         return step
@@ -566,6 +568,14 @@ class CheckpointManager:
 
     def _not_committed(self, step: int) -> str:
         return f"step {step} is not committed under {self._root} (committed: {self.all_steps() or 'none'})"
+
+
+def _restore_in_place(item_loc: storage.Location, target: Any, strict: bool, options: RestoreOptions) -> None:
+    """Restore an item into `target`, swapping each batch of tensors in as soon as it is placed (the old
+    device buffers are freed as the restore goes)."""
+    rest = restoring.read_item(item_loc, target, strict=strict, options=options,
+                               take=lambda values: training_state.assign_in_place(target, values))
+    training_state.assign_in_place(target, rest)
 
 
 def _decode_lock(data: bytes) -> dict | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -104,10 +104,17 @@ class _ReadJob:
 
 
 def read_item(path: PathLike, target: Any = None, *, strict: bool = True, options: RestoreOptions | None = None,
-              manifest: ItemManifest | None = None) -> dict[layout.KeyPath, Any]:
+              manifest: ItemManifest | None = None,
+              take: Callable[[dict[layout.KeyPath, Any]], None] | None = None) -> dict[layout.KeyPath, Any]:
     """The restored value of every key path `restore` would fill: tensors placed like their target leaf
     (a tensor or a `RestoreAs`; CPU tensors for other leaves) and saved JSON values. Same errors as
-    `restore`; callers that restore in place (the manager) assign the values themselves."""
+    `restore`; callers that restore in place (the manager) assign the values themselves.
+
+    With `take`, each batch of restored tensors is handed to it as soon as it is placed, and not returned (the
+    result holds the JSON values only): a caller that swaps them into the target at once frees the target's
+    old device buffers batch by batch, so a restore in place needs the state plus about one batch of device
+    memory, not twice the state. Keys and shapes are checked before anything is read; if reading fails
+    later (damaged data), the batches already handed over stay restored."""
     options = options or RestoreOptions()
     loc = storage.location(path)
     manifest = manifest or read_manifest(loc)
@@ -116,7 +123,7 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
     saved = manifest.leaves()
     wanted = {p: None for p in saved} if target is None else _match(loc, saved, dict(tree.flatten(target)), strict)
     values = read_arrays(loc, _read_jobs(saved, wanted, MAX_READ_AMPLIFICATION if loc.cheap_refetch else 1.0),
-                         options)
+                         options, take)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 
@@ -176,9 +183,11 @@ def _read_jobs(saved: dict, wanted: dict, max_amplification: float) -> list[_Rea
     return jobs
 
 
-def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: RestoreOptions) -> dict:
+def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: RestoreOptions,
+                take: Callable[[dict], None] | None = None) -> dict:
     """Read every job's regions and build its tensor; the reads of the next batch overlap building this one.
-    On error, outstanding reads are waited for before the error propagates."""
+    The tensors are returned, or with `take` handed to it batch by batch (see `read_item`). On error,
+    outstanding reads are waited for before the error propagates."""
     limit = _memory_limit()
     for job in jobs:
         if job.read_bytes > limit:
@@ -194,8 +203,13 @@ def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: Restor
         current = _issue_reads(loc, groups[0], opened) if groups else []
         for k, group in enumerate(groups):
             following = _issue_reads(loc, groups[k + 1], opened) if k + 1 < len(groups) else []
-            for job, reads in zip(group, current):
-                results[job.key_path] = _build(job, {index: r.result() for index, r in reads.items()})
+            built = {job.key_path: _build(job, {index: r.result() for index, r in reads.items()})
+                     for job, reads in zip(group, current)}
+            if take is None:
+                results.update(built)
+            else:
+                take(built)
+            del built
             current, following = following, []
     except BaseException:
         drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
