@@ -224,3 +224,29 @@ def test_truncated_single_file_array_is_corrupt(tmp_path):
     open(chunk, "wb").write(data[: len(data) // 2])
     with pytest.raises(xtc.CorruptCheckpointError):
         xtc.restore(tmp_path / "ck")
+
+
+def test_restore_pauses_the_garbage_collector_and_restores_its_state(tmp_path, monkeypatch):
+    """Planning thousands of reads creates many small live records; the cyclic collector is paused meanwhile
+    (it would walk every object of the process again and again) and left as it was found."""
+    import gc
+
+    from xla_tensorstore_ckpt import arrays
+
+    xtc.save(tmp_path / "ck", {"a": torch.ones(4), "b": torch.zeros(3)})
+    seen = []
+    real_read = arrays.read
+    monkeypatch.setattr(arrays, "read", lambda *args: seen.append(gc.isenabled()) or real_read(*args))
+    assert gc.isenabled()
+    xtc.restore(tmp_path / "ck")
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        xtc.restore(tmp_path / "ck")
+        assert not gc.isenabled()  # a caller that had disabled it keeps it disabled
+    finally:
+        gc.enable()
+    monkeypatch.setattr(arrays, "read", lambda *args: (_ for _ in ()).throw(OSError("disk gone")))
+    with pytest.raises(OSError):
+        xtc.restore(tmp_path / "ck")
+    assert gc.isenabled()

@@ -224,6 +224,21 @@ def test_restore_in_place_swaps_batch_by_batch(tmp_path, mesh_4x2):
     assert torch.equal(target["t2"].cpu(), torch.zeros(64, 64))
 
 
+def test_save_plans_and_stages_with_the_garbage_collector_paused(tmp_path, monkeypatch):
+    import gc
+
+    from xla_tensorstore_ckpt import saving
+
+    seen = []
+    real_stage = saving.stage
+    monkeypatch.setattr(saving, "stage", lambda *a, **k: seen.append(gc.isenabled()) or real_stage(*a, **k))
+    for async_save in (True, False):
+        with xtc.CheckpointManager(tmp_path / str(async_save), options(async_save=async_save)) as mgr:
+            mgr.save(1, model={"w": torch.ones(3)})
+            assert gc.isenabled()
+    assert len(seen) >= 2 and not any(seen)  # every staging call of both saves ran with it paused
+
+
 # ---------------------------------------------------------------------------------------- commit protocol
 
 

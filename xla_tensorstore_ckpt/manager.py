@@ -42,6 +42,7 @@ from .errors import (
     StepNotFoundError,
     StorageError,
 )
+from .gc_pause import paused_gc
 from .metadata import StepMetadata
 from .options import RestoreOptions, SaveOptions
 from .policies import RetentionPolicy, SavePolicy
@@ -326,34 +327,36 @@ class CheckpointManager:
         step_loc = self._step_location(step)
         self._committer.reserve()
         try:
-            plans = {name: saving.plan_save(state, options, self._coordinator) for name, state in items.items()}
-            error = None
-            if self._coordinator.is_primary:
-                try:
-                    if committed:
-                        self._delete_step(step)
-                    if not storage.is_empty(step_loc):
-                        storage.delete_tree(step_loc)  # leftovers of a crashed save of this step
-                except StorageError as exc:
-                    error = exc
-            self._coordinator.raise_unless_ok(error, f"preparing step {step} at {step_loc}")
-            with self._lock:
-                self._steps.pop(step, None)
-            if self._options.async_save and self._options.max_host_bytes is None:
-                # Only the copy off the devices happens here; creating arrays and issuing writes (a fraction of
-                # a millisecond per chunk) is left to the background thread.
-                staged = {name: saving.stage_all(plan.arrays, options, copy_cpu=True) for name, plan in plans.items()}
+            with paused_gc():  # many small records live until the save is planned and staged
+                plans = {name: saving.plan_save(state, options, self._coordinator) for name, state in items.items()}
+                error = None
+                if self._coordinator.is_primary:
+                    try:
+                        if committed:
+                            self._delete_step(step)
+                        if not storage.is_empty(step_loc):
+                            storage.delete_tree(step_loc)  # leftovers of a crashed save of this step
+                    except StorageError as exc:
+                        error = exc
+                self._coordinator.raise_unless_ok(error, f"preparing step {step} at {step_loc}")
+                with self._lock:
+                    self._steps.pop(step, None)
+                if self._options.async_save and self._options.max_host_bytes is None:
+                    # Only the copy off the devices happens here; creating arrays and issuing writes (a fraction of
+                    # a millisecond per chunk) is left to the background thread.
+                    staged = {name: saving.stage_all(plan.arrays, options, copy_cpu=True)
+                              for name, plan in plans.items()}
 
-                def start() -> list:
-                    return [p for name, plan in plans.items()
-                            for p in saving.start_writes(step_loc.child(name), plan.arrays, staged.pop(name), options)]
-            else:
-                started = [p for name, plan in plans.items() for p in saving.issue_writes(
-                    step_loc.child(name), plan.arrays, options, copy_cpu=self._options.async_save,
-                    max_host_bytes=self._host_budget())]
+                    def start() -> list:
+                        return [p for name, plan in plans.items() for p in saving.start_writes(
+                            step_loc.child(name), plan.arrays, staged.pop(name), options)]
+                else:
+                    started = [p for name, plan in plans.items() for p in saving.issue_writes(
+                        step_loc.child(name), plan.arrays, options, copy_cpu=self._options.async_save,
+                        max_host_bytes=self._host_budget())]
 
-                def start() -> list:
-                    return started
+                    def start() -> list:
+                        return started
         except BaseException:
             self._committer.release()
             raise

@@ -25,6 +25,7 @@ from .errors import (
     ShapeMismatchError,
     UnsupportedValueError,
 )
+from .gc_pause import paused_gc
 from .metadata import ArrayMetadata, ItemManifest
 from .options import RestoreOptions
 from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
@@ -117,13 +118,15 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
     later (damaged data), the batches already handed over stay restored."""
     options = options or RestoreOptions()
     loc = storage.location(path)
-    manifest = manifest or read_manifest(loc)
     if isinstance(target, ShardedArray):
         raise UnsupportedValueError("the restore target must be a tree (dict, list or tuple), not a ShardedArray")
-    saved = manifest.leaves()
-    wanted = {p: None for p in saved} if target is None else _match(loc, saved, dict(tree.flatten(target)), strict)
-    values = read_arrays(loc, _read_jobs(saved, wanted, MAX_READ_AMPLIFICATION if loc.cheap_refetch else 1.0),
-                         options, take)
+    with paused_gc():  # many small records (layouts, read plans) live until the item is read
+        manifest = manifest or read_manifest(loc)
+        saved = manifest.leaves()
+        wanted = ({p: None for p in saved} if target is None
+                  else _match(loc, saved, dict(tree.flatten(target)), strict))
+        values = read_arrays(loc, _read_jobs(saved, wanted, MAX_READ_AMPLIFICATION if loc.cheap_refetch else 1.0),
+                             options, take)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 
