@@ -99,6 +99,10 @@ def main() -> None:
         except xtc.CheckpointError as exc:
             print(json.dumps({"rank": rank, "step2": type(exc).__name__, "error": str(exc)[:500]}), flush=True)
         print(json.dumps({"rank": rank, "steps": manager.all_steps()}), flush=True)
+        # Everything this test checks has happened. Interpreter teardown with a gloo peer gone occasionally
+        # aborts inside torch.distributed ("terminate called without an active exception"; seen once in about
+        # a dozen runs so far); it is not the library's behaviour under test, so the survivors leave without it.
+        os._exit(0)
 
 
 if __name__ == "__main__":
