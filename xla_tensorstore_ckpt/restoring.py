@@ -212,7 +212,6 @@ def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: Restor
                 results.update(built)
             else:
                 take(built)
-            del built
             current, following = following, []
     except BaseException:
         drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
