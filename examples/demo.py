@@ -33,11 +33,14 @@ def environment(devices: int) -> dict:
 
 
 def train(args, extra: list[str], devices: int = 8, kill_at: int | None = None) -> list[dict]:
-    """Run train.py, print its steps as they come, optionally SIGKILL it once it reports step `kill_at`."""
+    """Run train.py, print its steps as they come, optionally SIGKILL it once it has reached step `kill_at` and
+    reported at least one committed step (a commit lands in the background, after its step: how many steps
+    later depends on the machine, so the kill waits for the event rather than counting steps)."""
     cmd = [sys.executable, TRAIN, "--json", "--checkpoint-dir", args.checkpoint_dir, "--steps", str(args.steps),
            "--save-steps", str(args.save_steps), "--max-to-keep", str(args.max_to_keep), *args.model_args, *extra]
     proc = subprocess.Popen(cmd, env=environment(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     events = []
+    committed: list[int] = []
     for line in proc.stdout:
         if not line.startswith("{"):
             continue
@@ -47,18 +50,25 @@ def train(args, extra: list[str], devices: int = 8, kill_at: int | None = None) 
             print(f"  step {event['step']:3d}  loss {event['loss']:.4f}  step time {1000 * event['step_s']:5.0f} ms"
                   f"  checkpoint stall {1000 * event['stall_s']:4.0f} ms{'  (saved)' if event['saved'] else ''}",
                   flush=True)
+        elif "committed" in event:
+            committed.append(event["committed"])
+            print(f"  step {event['committed']} committed (reported by the manager's on_commit callback)", flush=True)
         elif "restored" in event:
             print(f"  restored step {event['restored']} in {event['seconds']:.2f} s", flush=True)
         elif "eval_loss" in event:
             print(f"  evaluation loss at step {event['step']} on {event['devices']} devices (mesh {event['mesh']}):"
                   f" {event['eval_loss']:.6f}", flush=True)
-        if kill_at is not None and event.get("step") == kill_at:
+        reached = max((e["step"] for e in events if "loss" in e), default=0)
+        if kill_at is not None and reached >= kill_at and committed:
             proc.send_signal(signal.SIGKILL)
-            print(f"  -- SIGKILL sent to the training process (pid {proc.pid}) after step {kill_at} --", flush=True)
+            print(f"  -- SIGKILL sent to the training process (pid {proc.pid}) after step {reached}; committed so "
+                  f"far: {committed} --", flush=True)
             break
     _, err = proc.communicate(timeout=600)
-    if kill_at is None and proc.returncode != 0:
+    if proc.returncode != 0 and proc.returncode != -signal.SIGKILL:
         raise SystemExit(f"training failed:\n{err[-3000:]}")
+    if kill_at is not None and proc.returncode == 0:
+        print(f"  the run finished before a commit was reported after step {kill_at}: nothing to kill", flush=True)
     return events
 
 
@@ -100,12 +110,15 @@ def main() -> None:
 
     section("3. resume from the latest step in a fresh process (resume_from_checkpoint=latest)")
     second = train(args, ["--resume-from-checkpoint", "latest"])
-    restored = next(e["restored"] for e in second if "restored" in e)
+    restored = next((e["restored"] for e in second if "restored" in e), None)
+    if restored is None:
+        print("  nothing was committed before the kill: the run started again from scratch")
     losses_after = {e["step"]: e["loss"] for e in second if "loss" in e}
     overlap = [s for s in losses_after if s in losses_before]
     exact = all(losses_after[s] == losses_before[s] for s in overlap)
-    print(f"  resumed at step {restored}; steps {overlap[0]}-{overlap[-1]} ran twice (before the kill and after "
-          f"the resume): losses identical to the last bit: {exact}")
+    ran_twice = f"steps {overlap[0]}-{overlap[-1]} ran twice" if overlap else "no step ran twice"
+    print(f"  resumed at step {restored or 0}; {ran_twice} (before the kill and after the resume): losses "
+          f"identical to the last bit: {exact}")
     if not exact:
         raise SystemExit("the resumed loss curve differs")
     eval_8 = next(e["eval_loss"] for e in second if "eval_loss" in e)

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -152,11 +153,17 @@ def main() -> None:
     chain = transition_matrix()
     data = {"position": 0}
 
+    printing = threading.Lock()  # commits are reported from the manager's background thread
+
     def emit(event: dict, text: str) -> None:
-        print(json.dumps(event) if args.json else text, flush=True)
+        with printing:
+            print(json.dumps(event) if args.json else text, flush=True)
+
+    def committed(step: int) -> None:
+        emit({"committed": step}, f"step {step} committed to {args.checkpoint_dir}")
 
     options = xtc.CheckpointManagerOptions(save_interval_steps=args.save_steps, max_to_keep=args.max_to_keep,
-                                           save_on_preemption=True)
+                                           save_on_preemption=True, on_commit=committed)
     with xtc.CheckpointManager(args.checkpoint_dir, options) as manager:
         start = time.perf_counter()
         resumed = manager.restore(parse_resume(args.resume_from_checkpoint), model=model, optimizer=optimizer,

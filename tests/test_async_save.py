@@ -81,8 +81,7 @@ def test_background_error_is_reraised_with_step_and_cause(tmp_path, monkeypatch,
     assert mgr.save(2, extra={"v": 2})  # returns: the failure happens in the background
     with pytest.raises(xtc.AsyncSaveError, match="step 2") as err:
         if where == "save":
-            time.sleep(0.5)
-            mgr.save(3, extra={"v": 3})
+            mgr.save(3, extra={"v": 3})  # waits for the slot of save 2, then reports its failure
         elif where == "restore":
             mgr.restore("latest", extra={"v": 0})
         else:
@@ -122,13 +121,14 @@ def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path, monke
 
 
 def test_max_pending_saves_allows_overlap(tmp_path, monkeypatch):
+    release = threading.Event()
     real_sync = storage.sync
-    monkeypatch.setattr(storage, "sync", lambda loc: (time.sleep(0.5), real_sync(loc)))
+    monkeypatch.setattr(storage, "sync", lambda loc: (release.wait(), real_sync(loc)))
     with xtc.CheckpointManager(tmp_path, async_options(max_pending_saves=2, save_rng=False)) as mgr:
-        start = time.perf_counter()
         mgr.save(1, extra={"t": torch.ones(4)})
-        mgr.save(2, extra={"t": torch.ones(4)})
-        assert time.perf_counter() - start < 0.5  # the second save did not wait for the first commit
+        mgr.save(2, extra={"t": torch.ones(4)})  # returns although save 1 cannot commit until released
+        assert mgr.all_steps() == []
+        release.set()
         mgr.wait_until_finished()
         assert mgr.all_steps() == [1, 2]
 
@@ -193,3 +193,28 @@ def test_sigterm_saves_commits_and_the_run_resumes(tmp_path):
     assert {"restored": preempted} in resumed_log
     assert [e["loss"] for e in resumed_log if "loss" in e] == straight_losses[preempted:]
     torch_xla.sync()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_on_commit_reports_each_committed_step_once(tmp_path, async_save):
+    reported = []
+
+    def on_commit(step):
+        reported.append((step, step in xtc.CheckpointManager(tmp_path, async_options()).all_steps()))
+
+    options = async_options(async_save=async_save, save_rng=False, max_to_keep=2, on_commit=on_commit)
+    with xtc.CheckpointManager(tmp_path, options) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, extra={"t": torch.full((4,), float(step))})
+    assert reported == [(1, True), (2, True), (3, True)]  # each step was on disk, committed, when reported
+
+
+def test_an_on_commit_error_is_reported_and_the_step_stays_committed(tmp_path):
+    def on_commit(step):
+        raise RuntimeError(f"callback failed for {step}")
+
+    with xtc.CheckpointManager(tmp_path, async_options(save_rng=False, on_commit=on_commit)) as mgr:
+        mgr.save(1, extra={"v": 1})
+        with pytest.raises(xtc.AsyncSaveError, match="callback failed for 1"):
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]

@@ -16,4 +16,5 @@ def test_demo_runs_end_to_end(tmp_path):
     out = proc.stdout
     assert "losses identical to the last bit: True" in out and "all checks passed" in out
     assert "on 4 devices (mesh 2x2)" in out and "loadable with safetensors.torch.load_file" in out
+    assert "SIGKILL sent" in out and "nothing was committed" not in out  # the kill waited for a commit
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["3", "6", "8"]  # max_to_keep=3

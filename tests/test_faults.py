@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -182,31 +181,45 @@ time.sleep(60)
 
 
 def test_restoring_while_another_process_saves(tmp_path):
+    # The saver keeps saving (async, retention on) until the reader has restored two steps while it runs: the
+    # overlap is guaranteed by the protocol, not by how fast either process happens to be.
     script = f"""
-import torch, xla_tensorstore_ckpt as xtc
-opts = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=3, save_rng=False)
+import sys, torch, xla_tensorstore_ckpt as xtc
+opts = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=3, save_rng=False,
+                                    on_commit=lambda step: print(step, flush=True))
 with xtc.CheckpointManager({str(tmp_path)!r}, opts) as mgr:
     for step in range(1, 41):
         mgr.save(step, model={{"w": torch.full((256, 256), float(step))}}, extra={{"step": step}})
+        if step == 30:
+            sys.stdin.readline()  # the reader says when it has restored twice
 """
     env = dict(os.environ)
     env.pop("PJRT_DEVICE", None)
-    saver = subprocess.Popen([sys.executable, "-c", script], env=env)
-    restored = set()
+    saver = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    restored: set[int] = set()
+    released = False
     try:
-        deadline = time.monotonic() + 120
-        while saver.poll() is None and time.monotonic() < deadline:
+        for line in saver.stdout:  # one line per commit; steps 28 and 29 outlive the saver's pause
+            step = int(line)
             with xtc.CheckpointManager(tmp_path, options()) as reader:
-                for step in reader.all_steps()[-1:]:
+                if step in reader.all_steps():
                     model, extra = {"w": torch.zeros(256, 256)}, {"step": 0}
                     try:
                         reader.restore(step, model=model, extra=extra)
+                        assert extra["step"] == step
+                        assert torch.equal(model["w"], torch.full((256, 256), float(step)))
+                        restored.add(step)
                     except (xtc.CheckpointNotFoundError, xtc.CorruptCheckpointError, xtc.StorageError):
-                        continue  # retention deleted it meanwhile: it is never read half-deleted as valid
-                    assert extra["step"] == step and torch.equal(model["w"], torch.full((256, 256), float(step)))
-                    restored.add(step)
+                        pass  # retention deleted it meanwhile: it is never read half-deleted as valid
+            if len(restored) >= 2 and not released:
+                saver.stdin.write("go\n")
+                saver.stdin.flush()
+                released = True
     finally:
-        saver.wait(timeout=120)
+        if not released:
+            saver.kill()
+        saver.wait(timeout=600)
     assert saver.returncode == 0 and len(restored) >= 2
 
 

@@ -128,19 +128,68 @@ def test_fresh_optimizer_restores_with_parameter_sharding(tmp_path, mesh_4x2, me
         torch.testing.assert_close(cpu_state(net2)[key], value, rtol=1e-5, atol=1e-6)
 
 
+def draws():
+    """One value of each generator the manager keeps; Python's and numpy's normal variates come in pairs, so the
+    saved states hold a cached one."""
+    import torch_xla.core.xla_model as xm
+
+    return (torch.rand(3), random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn(),
+            torch.rand(2, device="xla").cpu(), xm.get_rng_state())
+
+
+def seed_all(seed):
+    import torch_xla.core.xla_model as xm
+
+    torch.manual_seed(seed)
+    random.seed(seed + 1)
+    np.random.seed(seed + 2)
+    xm.set_rng_state((1 << 63) + seed)  # XLA seeds use all 64 bits
+    random.gauss(0, 1)
+    np.random.randn()  # leave a cached normal variate in both
+
+
 def test_rng_states_are_saved_and_restored(tmp_path):
     with xtc.CheckpointManager(tmp_path, options()) as mgr:
-        torch.manual_seed(3)
-        random.seed(4)
-        np.random.seed(5)
+        seed_all(3)
         mgr.save(1, extra={"x": 1})
-        expected = (torch.rand(3), random.random(), np.random.rand())
-        torch.manual_seed(99)
-        random.seed(99)
-        np.random.seed(99)
+        expected = draws()
+        seed_all(99)
         mgr.restore("latest", extra={"x": 0})
-        assert torch.equal(torch.rand(3), expected[0])
-        assert random.random() == expected[1] and np.random.rand() == expected[2]
+        got = draws()
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[5], expected[5])
+    assert got[1:5] == expected[1:5] and got[6] == expected[6]
+    info = xtc.metadata(tmp_path / "1" / "rng")
+    assert info["torch"].shape[0] == 1 and info["torch"].chunk_shape[0] == 1  # one row per process
+
+
+def read_back(*trees):
+    """What a restore without a target gives for the rng item saved by len(trees) processes."""
+    return {name: torch.cat([t[name].shards[0][1] for t in trees]) if isinstance(trees[0][name], xtc.ShardedArray)
+            else trees[0][name] for name in trees[0]}
+
+
+def test_rng_rows_go_to_the_process_of_the_same_index_and_new_processes_derive_theirs():
+    from xla_tensorstore_ckpt import rng_state
+
+    seed_all(10)
+    row0 = rng_state.capture(0, 2)
+    after0 = draws()
+    seed_all(20)
+    row1 = rng_state.capture(1, 2)
+    after1 = draws()
+    saved = read_back(row0, row1)
+    for index, expected in ((0, after0), (1, after1)):
+        rng_state.restore(saved, index, 2, where="test")
+        got = draws()
+        assert torch.equal(got[0], expected[0]) and got[1:5] == expected[1:5]
+    derived = {}
+    for index in (2, 3, 3):
+        with pytest.warns(UserWarning, match=f"process {index} of 4 takes those of process {index % 2}"):
+            rng_state.restore(saved, index, 4, where="test")
+        derived.setdefault(index, []).append(draws())
+    assert torch.equal(derived[3][0][0], derived[3][1][0]) and derived[3][0][1:5] == derived[3][1][1:5]  # same rule
+    assert not torch.equal(derived[2][0][0], derived[3][0][0])  # but a stream of its own
+    assert not torch.equal(derived[3][0][0], after1[0])
 
 
 def test_extra_dict_updated_in_place_keeping_tensor_sharding(tmp_path, mesh_4x2):

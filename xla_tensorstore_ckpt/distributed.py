@@ -9,12 +9,19 @@ naming the cause within `timeout` instead of hanging when a process dies.
 
 Collectives must be called by every process in the same order; each `Coordinator` has its own group, so the
 manager uses one on the caller's thread and another on its background thread.
+
+Groups are destroyed by `Coordinator.close` and, for those still open, at interpreter exit, together with the
+default group if this library created it. A gloo worker thread releases the tensors of its last collective
+after the caller has its result; if the interpreter is already finalizing then, that thread cannot take the GIL
+and the process aborts ("terminate called without an active exception"). Destroying a group joins its workers.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +49,8 @@ class Coordinator:
 
     def __init__(self, group: Any = None, index: int = 0, count: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S):
         self._group, self.index, self.count, self.timeout_s = group, index, count, timeout_s
+        if group is not None:
+            _track(self)
 
     @classmethod
     def single(cls) -> Coordinator:
@@ -59,6 +68,7 @@ class Coordinator:
             return cls.single()
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            _state.owns_default_group = True
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return cls.single()
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -67,6 +77,19 @@ class Coordinator:
     @property
     def is_primary(self) -> bool:
         return self.index == 0
+
+    def close(self) -> None:
+        """Destroy this coordinator's group (joining its gloo worker threads). Local, not collective; idempotent.
+        A closed coordinator of several processes must not be used again."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        with _state.lock:
+            _state.open.discard(self)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
 
     @property
     def distributed(self) -> bool:
@@ -135,6 +158,42 @@ def balance(holders: Sequence[tuple[Any, int, Sequence[int]]], count: int) -> di
         writer[chunk] = best
         load[best] += nbytes
     return writer
+
+
+class _State:
+    """Coordinators whose groups are still open, and whether this library created the default group."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: set[Coordinator] = set()
+        self.owns_default_group = False
+        self.registered = False
+
+
+_state = _State()
+
+
+def _track(coordinator: Coordinator) -> None:
+    with _state.lock:
+        _state.open.add(coordinator)
+        if not _state.registered:
+            _state.registered = True
+            atexit.register(close_all)
+
+
+def close_all() -> None:
+    """Destroy every group this library created, the default group included if the library created it. Runs at
+    interpreter exit (before finalization, while gloo's worker threads can still take the GIL)."""
+    with _state.lock:
+        coordinators = list(_state.open)
+    for coordinator in coordinators:
+        coordinator.close()
+    if _state.owns_default_group:
+        import torch.distributed as dist
+
+        _state.owns_default_group = False
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 _default: Coordinator | None = None

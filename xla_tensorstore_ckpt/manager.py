@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import arrays, checkpointer, layout, restoring, saving, storage, training_state
+from . import arrays, checkpointer, layout, restoring, rng_state, saving, storage, training_state
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator
 from .errors import (
@@ -80,6 +80,10 @@ class CheckpointManagerOptions:
     lock_timeout_s: a manager owns its root through ``<root>/_MANAGER_LOCK`` (refreshed at every commit). Another
         manager finding a live owner's lock only reads (restores, lists) and refuses to save. A lock is stale —
         taken over — when its process is gone (same host) or it has not been refreshed for this long (other hosts).
+    on_commit: called with the step number once a step is committed (its marker durable), on every process;
+        in async mode on the background thread. What it raises is reported like a failed background save (the
+        step stays committed). `all_steps()` and `latest_step()` show the same commits. A trainer that must
+        know what survives a kill waits for this, or calls `wait_until_finished()`, before it exits.
     save_options, restore_options: item-level I/O options.
     """
 
@@ -99,6 +103,7 @@ class CheckpointManagerOptions:
     save_on_preemption: bool = False
     coordination_timeout_s: float = 600.0
     lock_timeout_s: float = 1800.0
+    on_commit: Callable[[int], None] | None = None
     save_options: SaveOptions = field(default_factory=SaveOptions)
     restore_options: RestoreOptions = field(default_factory=RestoreOptions)
 
@@ -117,8 +122,9 @@ class CheckpointManagerOptions:
             raise ValueError(f"save_on_steps must be a frozenset of step numbers, got {self.save_on_steps!r}")
         if self.best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
-        if self.best_fn is not None and not callable(self.best_fn):
-            raise ValueError("best_fn must be callable")
+        for name in ("best_fn", "on_commit"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ValueError(f"{name} must be callable")
         if self.step_prefix is not None and (not self.step_prefix or "/" in self.step_prefix
                                              or not layout.is_safe_relative_path(self.step_prefix)):
             raise ValueError(f"step_prefix {self.step_prefix!r} is not a plain name")
@@ -246,7 +252,7 @@ class CheckpointManager:
         return marker
 
     def all_steps(self) -> list[int]:
-        """Committed steps, oldest first."""
+        """Committed steps, oldest first. An asynchronous save appears here once its commit has landed."""
         with self._lock:
             return sorted(self._steps)
 
@@ -320,13 +326,14 @@ class CheckpointManager:
         items = {name: training_state.state_of(obj) for name, obj in zip(
             _OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra, data_loader)) if obj is not None}
         if self._options.save_rng:
-            items[RNG_ITEM] = training_state.capture_rng()
+            items[RNG_ITEM] = rng_state.capture(self._coordinator.index, self._coordinator.count)
         metrics_json = training_state.metrics_json(dict(metrics) if metrics is not None else None)
         custom = dict(custom_metadata) if custom_metadata is not None else None
         options = self._options.save_options
         step_loc = self._step_location(step)
         self._committer.reserve()
         try:
+            self._committer.check()  # the save this one waited for may have failed meanwhile
             with paused_gc():  # many small records live until the save is planned and staged
                 plans = {name: saving.plan_save(state, options, self._coordinator) for name, state in items.items()}
                 error = None
@@ -427,6 +434,8 @@ class CheckpointManager:
             # Deleting is off the critical path: it never delays this save's return or the next staging.
             self._committer.defer(f"deleting steps {doomed} (retention after step {step})", step,
                                   lambda: [self._delete_step(old) for old in doomed])
+        if self._options.on_commit is not None:
+            self._options.on_commit(step)
 
     def _delete_step(self, step: int) -> None:
         """Uncommit (marker first), then delete. Retried; a step is never left committed but half deleted."""
@@ -505,7 +514,9 @@ class CheckpointManager:
             else:
                 _restore_in_place(item_loc, obj, strict, options)
         if restore_rng and self._options.save_rng and RNG_ITEM in marker.items:
-            training_state.restore_rng(checkpointer.restore(step_loc.child(RNG_ITEM), options=options))
+            rng_loc = step_loc.child(RNG_ITEM)
+            rng_state.restore(checkpointer.restore(rng_loc, options=options), self._coordinator.index,
+                              self._coordinator.count, where=str(rng_loc))
         return step
 
     def _resolve(self, resume_from: int | str | None) -> int | None:
@@ -542,9 +553,13 @@ class CheckpointManager:
         try:
             self._committer.close()
         finally:
-            if self._owns_lock:
-                self._owns_lock = False
-                storage.delete(self._root, layout.MANAGER_LOCK)
+            try:
+                if self._owns_lock:
+                    self._owns_lock = False
+                    storage.delete(self._root, layout.MANAGER_LOCK)
+            finally:
+                self._coordinator.close()
+                self._commit_coordinator.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -1,4 +1,4 @@
-"""Adapters between training objects (modules, optimizers, schedulers, data loaders, RNGs) and state trees,
+"""Adapters between training objects (modules, optimizers, schedulers, data loaders) and state trees,
 and in-place assignment of restored values. Called by the manager; blocks; not thread-safe.
 """
 
@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
-import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import tree
@@ -91,44 +88,6 @@ def _parent(root: Any, path: KeyPath) -> tuple[Any, Any]:
     for key in path[:-1]:
         node = node[key]
     return node, path[-1]
-
-
-def capture_rng() -> dict:
-    """The random number generator states a resumed run needs: torch (CPU), Python, numpy, and torch_xla's
-    seed when torch_xla is in use."""
-    numpy_state = np.random.get_state(legacy=False)
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": {"bit_generator": numpy_state["bit_generator"],
-                  "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.uint32).copy()),
-                  "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]),
-                  "gauss": float(numpy_state["gauss"])},
-    }
-    if "torch_xla" in sys.modules:
-        import torch_xla.core.xla_model as xm
-
-        state["xla_seed"] = int(xm.get_rng_state())
-    return state
-
-
-def restore_rng(state: Any) -> None:
-    """Set the generators from a `capture_rng` tree (as read back from a checkpoint)."""
-    try:
-        torch.set_rng_state(state["torch"].to(torch.uint8))
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-        numpy_state = state["numpy"]
-        np.random.set_state({"bit_generator": numpy_state["bit_generator"],
-                             "state": {"key": numpy_state["key"].numpy().astype(np.uint32),
-                                       "pos": numpy_state["pos"]},
-                             "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"]})
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"the saved RNG state is malformed: {exc}") from exc
-    if "xla_seed" in state and "torch_xla" in sys.modules:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(int(state["xla_seed"]))
 
 
 def metrics_json(metrics: dict | None) -> dict | None:

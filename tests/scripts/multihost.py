@@ -4,6 +4,8 @@ environment). Each process holds a disjoint part of the shards of global arrays,
 usage: multihost.py save ROOT            -> saves the item ROOT/item from this process's shards
        multihost.py restore ROOT OUT     -> restores its part of another shard split, writes it to OUT/rank<r>
        multihost.py manager ROOT KILL    -> manager saves steps 1 and 2; the process of rank KILL dies in step 2
+       multihost.py rng_save ROOT        -> seeds its generators by rank, saves step 1, prints the next draws
+       multihost.py rng_restore ROOT     -> restores step 1 (RNG states included), prints the next draws
 Prints one JSON line: {"rank": r, "bytes": bytes this process wrote, ...}.
 """
 
@@ -11,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
+import warnings
 
+import numpy as np
 import torch
 
 import xla_tensorstore_ckpt as xtc
@@ -84,6 +89,20 @@ def main() -> None:
                   for name in ARRAYS}
         xtc.save(f"{sys.argv[3]}/rank{rank}", {"shards": shards, "meta": out["meta"]}, coordinator=Coordinator.single())
         print(json.dumps({"rank": rank, "restored": {n: len(s) for n, s in shards.items()}}), flush=True)
+    elif mode in ("rng_save", "rng_restore"):
+        manager = xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if mode == "rng_save":
+                torch.manual_seed(100 + rank)
+                random.seed(200 + rank)
+                np.random.seed(300 + rank)
+                manager.save(1, extra={"step": 1})
+            else:
+                manager.restore("latest", extra={"step": 0})
+        manager.close()
+        draws = [torch.rand(3).tolist(), random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn()]
+        print(json.dumps({"rank": rank, "draws": draws, "warnings": [str(w.message) for w in caught]}), flush=True)
     else:
         kill_rank = int(sys.argv[3])
         manager_options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False,
@@ -99,12 +118,7 @@ def main() -> None:
         except xtc.CheckpointError as exc:
             print(json.dumps({"rank": rank, "step2": type(exc).__name__, "error": str(exc)[:500]}), flush=True)
         print(json.dumps({"rank": rank, "steps": manager.all_steps()}), flush=True)
-    # Everything the tests check has happened (output printed, files written). Interpreter teardown of these
-    # gloo processes occasionally aborts inside torch ("terminate called without an active exception": 2 of 6
-    # clean-clone runs of the suite, never in isolated runs); it is not the library's behaviour under test.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        manager.close()  # the other modes leave their groups to be destroyed at exit
 
 
 if __name__ == "__main__":
