@@ -5,6 +5,8 @@ the command line."""
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -73,3 +75,58 @@ def test_command_line(storage_root, capsys):
     assert "model/w" in capsys.readouterr().out
     assert cli.main(["verify", storage_root]) == 0
     assert "OK: " in capsys.readouterr().out
+
+
+def test_create_exclusive_has_one_winner(storage_root):
+    loc = storage.location(storage_root)
+    for attempt in range(10):
+        barrier = threading.Barrier(2)
+
+        def create(tag, name=f"lock{attempt}", barrier=barrier):
+            barrier.wait()
+            return storage.create_exclusive(loc, name, tag)
+
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(create, (b"a", b"b")))
+        assert sorted(results) == [False, True]
+        assert storage.read(loc, f"lock{attempt}") == (b"a" if results[0] else b"b")
+    assert not storage.create_exclusive(loc, "lock0", b"c") and storage.read(loc, "lock0") in (b"a", b"b")
+
+
+def race_two_managers(root) -> list[str]:
+    """Two managers on one root, each saving step 1 at the same instant: what each saw."""
+    barrier = threading.Barrier(2)
+
+    def run(value):
+        options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False)
+        try:
+            with xtc.CheckpointManager(root, options) as mgr:
+                barrier.wait()
+                try:
+                    mgr.save(1, model={"w": torch.full((4,), value)})
+                    outcome = "saved"
+                except xtc.CheckpointError as exc:
+                    outcome = "refused" if "owned by another checkpoint manager" in str(exc) else repr(exc)
+                barrier.wait()  # the winner keeps the lock until the loser has tried
+                return outcome
+        except BaseException:
+            barrier.abort()  # never leave the other thread waiting
+            raise
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(run, (1.0, 2.0)))
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["free-root", "stale-lock"])
+def test_two_managers_started_at_once_exactly_one_saves(storage_root, stale):
+    for attempt in range(20):
+        root = f"{storage_root}/race{attempt}"
+        if stale:  # a crashed manager's lock from another host, long expired
+            storage.write(storage.location(root), layout.MANAGER_LOCK, json.dumps(
+                {"host": "gone-host", "pid": 1, "token": f"dead{attempt}", "heartbeat": 0}).encode())
+        outcomes = race_two_managers(root)
+        assert sorted(outcomes) == ["refused", "saved"], (attempt, outcomes)
+        model = {"w": torch.zeros(4)}
+        with xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(save_interval_steps=1)) as mgr:
+            assert mgr.restore(1, model=model) == 1
+        assert torch.equal(model["w"], torch.full((4,), 1.0 if outcomes[0] == "saved" else 2.0))

@@ -15,6 +15,7 @@ training job; the public methods are not safe to call concurrently from several 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -48,6 +49,7 @@ from .options import RestoreOptions, SaveOptions
 from .policies import RetentionPolicy, SavePolicy
 
 RNG_ITEM = "rng"
+_TAKEOVER = f"{layout.MANAGER_LOCK}.takeover."
 _OBJECT_ITEMS = ("model", "optimizer", "lr_scheduler", "extra", "data_loader")
 
 
@@ -166,6 +168,7 @@ class CheckpointManager:
         self._owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
         self._lock_holder: dict | None = None  # another manager that owns the root, if any
         self._owns_lock = False  # taken at the first save: a manager that only restores never writes
+        self._takeover_marker: str | None = None  # the stale lock this manager took over, if any
         if self._coordinator.is_primary:
             self._lock_holder = self._live_holder()
         self.reload()
@@ -195,16 +198,37 @@ class CheckpointManager:
         return holder if holder is not None and self._is_live(holder) else None
 
     def _take_lock(self) -> bool:
-        """Own the root, unless a live manager does (then remember who, for error messages)."""
-        for _ in range(2):
-            if storage.read(self._root, layout.MANAGER_LOCK) is not None:
-                self._lock_holder = self._live_holder()
-                if self._lock_holder is not None:
-                    return False
-                storage.delete(self._root, layout.MANAGER_LOCK)  # stale: its owner is gone
-            if storage.create_exclusive(self._root, layout.MANAGER_LOCK, self._lock_record()):
+        """Own the root, unless a live manager does (then remember who, for error messages).
+
+        A free root is taken by an exclusive create (atomic on every backend). A stale lock is taken over
+        through an exclusive create of ``_MANAGER_LOCK.takeover.<stale token>``: of several managers that found
+        the same stale lock at once, exactly one creates it and overwrites the lock; the others then find a
+        live owner. The marker stays until this manager closes, so that a contender still holding the stale
+        record cannot create it again meanwhile."""
+        record = self._lock_record()
+        for _ in range(3):
+            if storage.create_exclusive(self._root, layout.MANAGER_LOCK, record):
                 self._lock_holder = None
                 return True
+            data = storage.read(self._root, layout.MANAGER_LOCK)
+            if data is None:
+                continue  # released meanwhile: try again
+            holder = _decode_lock(data)
+            if holder is not None and self._is_live(holder):
+                self._lock_holder = holder
+                return False
+            stale = holder.get("token") if holder is not None else None
+            if not isinstance(stale, str) or not stale.isalnum():
+                stale = hashlib.sha256(data).hexdigest()[:32]  # unreadable: named by its content
+            if storage.create_exclusive(self._root, f"{_TAKEOVER}{stale}", record):
+                storage.write(self._root, layout.MANAGER_LOCK, record, fsync=False)
+                self._takeover_marker = f"{_TAKEOVER}{stale}"
+                for name in storage.list_children(self._root):
+                    if name.startswith(_TAKEOVER) and name != self._takeover_marker:
+                        storage.delete(self._root, name)  # of earlier takeovers by owners that died since
+                self._lock_holder = None
+                return True
+        self._lock_holder = self._live_holder()
         return False
 
     def _lock_record(self) -> bytes:
@@ -557,6 +581,8 @@ class CheckpointManager:
                 if self._owns_lock:
                     self._owns_lock = False
                     storage.delete(self._root, layout.MANAGER_LOCK)
+                    if self._takeover_marker is not None:
+                        storage.delete(self._root, self._takeover_marker)
             finally:
                 self._coordinator.close()
                 self._commit_coordinator.close()

@@ -103,7 +103,7 @@ def main() -> None:
     expected = sorted({s for s in everything if s % KEEP_PERIOD == 0} | set(newest))
     names = sorted(os.listdir(args.root))
     leftovers = [os.path.join(r, n) for r, _, files in os.walk(args.root) for n in files
-                 if n.endswith(".tmp") or "__lock" in n or n == layout.MANAGER_LOCK]
+                 if n.endswith(".tmp") or "__lock" in n or n.startswith(layout.MANAGER_LOCK)]
     checked, problems = inspection.verify(args.root)
     summary = {"cycles": args.cycles, "crashes": crashes, "restarts": restarts, "steps_on_disk": on_disk,
                "expected_steps": expected, "kept_steps_verified": on_disk if not problems else [],
