@@ -49,7 +49,7 @@ def _timed(module, name):
     setattr(module, name, wrapper)
 
 
-for _module, _name in ((saving, "issue_writes"), (arrays, "wait_all"), (storage, "sync"),
+for _module, _name in ((saving, "issue_writes"), (arrays, "wait_all"), (storage, "sync_files"),
                        (saving, "write_manifest"), (saving, "plan_save")):
     _timed(_module, _name)
 

@@ -74,10 +74,10 @@ def test_background_error_is_reraised_with_step_and_cause(tmp_path, monkeypatch,
     mgr.save(1, extra={"v": 1})
     mgr.wait_until_finished()
 
-    def broken_sync(loc):
+    def broken_sync(loc, names):
         raise xtc.StorageError(f"disk full while syncing {loc}")
 
-    monkeypatch.setattr(storage, "sync", broken_sync)
+    monkeypatch.setattr(storage, "sync_files", broken_sync)
     assert mgr.save(2, extra={"v": 2})  # returns: the failure happens in the background
     with pytest.raises(xtc.AsyncSaveError, match="step 2") as err:
         if where == "save":
@@ -122,8 +122,8 @@ def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path, monke
 
 def test_max_pending_saves_allows_overlap(tmp_path, monkeypatch):
     release = threading.Event()
-    real_sync = storage.sync
-    monkeypatch.setattr(storage, "sync", lambda loc: (release.wait(), real_sync(loc)))
+    real_sync = storage.sync_files
+    monkeypatch.setattr(storage, "sync_files", lambda loc, names: (release.wait(), real_sync(loc, names)))
     with xtc.CheckpointManager(tmp_path, async_options(max_pending_saves=2, save_rng=False)) as mgr:
         mgr.save(1, extra={"t": torch.ones(4)})
         mgr.save(2, extra={"t": torch.ones(4)})  # returns although save 1 cannot commit until released
@@ -139,11 +139,11 @@ def test_max_host_bytes_streams_the_save(tmp_path, monkeypatch):
     real_write, real_wait_all = arrays.write, arrays.wait_all
 
     def tracking_write(store, loc, chunks, **kwargs):
-        pending = real_write(store, loc, chunks, **kwargs)
+        pending, files = real_write(store, loc, chunks, **kwargs)
         issued[id(pending[-1])] = sum(d.nbytes for _, d in chunks)
         outstanding = sum(issued.values()) - sum(waited)
         in_flight_peaks.append(outstanding)
-        return pending
+        return pending, files
 
     def tracking_wait_all(pending):
         result = real_wait_all(pending)

@@ -78,7 +78,7 @@ def test_replicas_are_written_once(tmp_path, mesh_4x2, monkeypatch):
 @pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "no-fsync"])
 def test_finished_chunk_files_are_handed_to_the_disk_during_a_fsync_save(tmp_path, mesh_4x2, monkeypatch, fsync):
     """A save that fsyncs starts the disk writes of each chunk file as soon as it is written (so the final
-    syncfs finds little left): every chunk file, and only real files, are named, at every save (also when a
+    sync finds little left): every chunk file, and only real files, are named, at every save (also when a
     save overwrites the same paths)."""
     from xla_tensorstore_ckpt import arrays, storage
 
@@ -102,6 +102,35 @@ def test_finished_chunk_files_are_handed_to_the_disk_during_a_fsync_save(tmp_pat
                        for root, _, fs in os.walk(tmp_path / "ck" / name) for f in fs if f != "zarr.json")
         assert len(files) == 8 + 1 + 1
         assert sorted(started) == (files if fsync else [])
+
+
+@pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "no-fsync"])
+def test_a_save_syncs_exactly_what_it_wrote(tmp_path, mesh_4x2, monkeypatch, fsync):
+    """Every file and directory of a committed step (and the root's entry for it) is fsync'ed, and nothing else
+    on the file system: a commit does not wait for other writers' dirty data (as syncfs made it)."""
+    synced = set()
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        info = os.fstat(fd)
+        synced.add((info.st_dev, info.st_ino))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    with open(tmp_path / "another-writer.log", "wb") as f:
+        f.write(b"dirty pages of someone else" * 1000)
+    state = {"big": sharded(torch.randn(4096, 512), mesh_4x2, ("x", "y")),
+             "small": sharded(torch.randn(16, 8), mesh_4x2, ("x", "y")), "scalar": torch.tensor(3.0), "n": 1}
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False,
+                                           save_options=xtc.SaveOptions(fsync=fsync))
+    with xtc.CheckpointManager(tmp_path / "root", options) as mgr:
+        mgr.save(1, model=state, extra={"position": 3})
+    step = tmp_path / "root" / "1"
+    paths = [step, tmp_path / "root"] + [os.path.join(r, n) for r, dirs, files in os.walk(step) for n in dirs + files]
+    unsynced = [str(p) for p in paths if (os.stat(p).st_dev, os.stat(p).st_ino) not in synced]
+    assert unsynced == [] if fsync else len(unsynced) > 10, unsynced
+    other = os.stat(tmp_path / "another-writer.log")
+    assert (other.st_dev, other.st_ino) not in synced
 
 
 def test_save_causes_no_compilation_or_execution(tmp_path, mesh_4x2, mesh_8):

@@ -81,10 +81,10 @@ def test_unwritable_item_directory_fails_cleanly(root_with_two_steps, monkeypatc
 
 
 def test_disk_full_during_sync_fails_cleanly(root_with_two_steps, monkeypatch):
-    def full(loc):
+    def full(loc, names):
         raise xtc.StorageError(f"cannot sync {loc}: [Errno 28] No space left on device")
 
-    monkeypatch.setattr(storage, "sync", full)
+    monkeypatch.setattr(storage, "sync_files", full)
     with xtc.CheckpointManager(root_with_two_steps, options()) as mgr:
         with pytest.raises(xtc.StorageError, match="No space left"):
             mgr.save(3, model=state_for(3))
@@ -99,7 +99,7 @@ def test_injected_chunk_write_error_names_the_array(root_with_two_steps, monkeyp
     def failing_write(store, loc, chunks, **kwargs):
         promise, future = ts.Promise.new()
         promise.set_exception(ValueError("RESOURCE_EXHAUSTED: No space left on device"))
-        return [arrays.Pending(future, "cannot write region of", loc)]
+        return [arrays.Pending(future, "cannot write region of", loc)], []
 
     monkeypatch.setattr(arrays, "write", failing_write)
     with xtc.CheckpointManager(root_with_two_steps, options()) as mgr:

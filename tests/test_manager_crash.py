@@ -30,8 +30,8 @@ POINTS = [
     *[(f"arrays.write:{n}", ["--async"], [1, 2]) for n in (1, 5)],
     ("arrays.wait_all:1", [], [1, 2]),  # waiting for the chunk writes
     ("arrays.wait_all:1", ["--async"], [1, 2]),
-    ("storage.sync:1", [], [1, 2]),  # chunks written, not yet durable
-    ("storage.sync:1", ["--async"], [1, 2]),
+    ("storage.sync_files:1", [], [1, 2]),  # chunks written, not yet durable
+    ("storage.sync_files:1", ["--async"], [1, 2]),
     ("saving.write_manifest:1", [], [1, 2]),  # before the item manifest
     ("saving.write_manifest:1", ["--async"], [1, 2]),
     ("os.replace:1", [], [1, 2]),  # the manifest's temporary file is written, not yet in place

@@ -131,32 +131,35 @@ def create(loc: storage.Location, shape: Sequence[int], dtype_name: str, chunk_s
 
 
 def write(store: ts.TensorStore, loc: storage.Location, chunks: Sequence[tuple[Region, np.ndarray]], *,
-          single_file: bool, writeback: bool = False) -> list[Pending]:
-    """Start writing whole chunks (region, data) of one array; the results are ready once the chunks are
-    stored. The data must stay unchanged until then: tensorstore references it without copying. With
-    `single_file` (see `zarr_metadata`) the chunks are written in one transaction, as one file. With
-    `writeback` (saves that end with `storage.sync`), each finished chunk file is handed to the disk at once."""
+          single_file: bool, writeback: bool = False) -> tuple[list[Pending], list[str]]:
+    """Start writing whole chunks (region, data) of one array; return the futures, ready once the chunks are
+    stored, and the files they go to (relative to `loc`). The data must stay unchanged until then: tensorstore
+    references it without copying. With `single_file` (see `zarr_metadata`) the chunks are written in one
+    transaction, as one file. With `writeback` (saves that end with `storage.sync_files`), each finished chunk
+    file is handed to the disk at once."""
     # Zero-copy everywhere but in memory://, whose store would keep referencing our numpy buffers: freeing them
     # later (under the store's lock, needing the GIL) can deadlock against a thread holding the GIL.
     reference = loc.scheme != "memory"
     if not single_file:
+        shape = chunk_shape(store)
+        keys = [_chunk_key(tuple(r.start // c for r, c in zip(region, shape))) for region, _ in chunks]
         pending = [Pending(store[region].write(data, can_reference_source_data_indefinitely=reference).commit,
                            f"cannot write region {_format_region(region)} of", loc, writing=True)
                    for region, data in chunks]
         if writeback:
-            shape = chunk_shape(store)
-            for (region, _), item in zip(chunks, pending):
-                _on_done(item, loc, _chunk_key(tuple(r.start // c for r, c in zip(region, shape))))
-        return pending
+            for key, item in zip(keys, pending):
+                _on_done(item, loc, key)
+        return pending, keys
     txn = ts.Transaction()
     view = store.with_transaction(txn)
     copies = [Pending(view[region].write(data, can_reference_source_data_indefinitely=reference).copy,
                       f"cannot write region {_format_region(region)} of", loc, writing=True)
               for region, data in chunks]
     commit = Pending(txn.commit_async(), "cannot write", loc, writing=True)
+    key = _chunk_key((0,) * store.rank)
     if writeback:
-        _on_done(commit, loc, _chunk_key((0,) * store.rank))
-    return [*copies, commit]
+        _on_done(commit, loc, key)
+    return [*copies, commit], [key]
 
 
 def _chunk_key(grid_index: tuple[int, ...]) -> str:

@@ -45,9 +45,10 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     coordinator.raise_unless_ok(error, f"preparing {loc}")
     try:
         # Nothing needs the staged data once written: hold at most the batch being written and the next.
-        arrays.wait_all(issue_writes(loc, plan.arrays, options, max_host_bytes=2 * options.host_batch_bytes))
+        writes = issue_writes(loc, plan.arrays, options, max_host_bytes=2 * options.host_batch_bytes)
+        arrays.wait_all(writes.pending)
         if options.fsync:
-            storage.sync(loc)
+            storage.sync_files(loc, writes.files)
     except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
         error = exc
     coordinator.raise_unless_ok(error, f"saving {loc}")

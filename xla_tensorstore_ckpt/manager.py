@@ -378,15 +378,15 @@ class CheckpointManager:
                     staged = {name: saving.stage_all(plan.arrays, options, copy_cpu=True)
                               for name, plan in plans.items()}
 
-                    def start() -> list:
-                        return [p for name, plan in plans.items() for p in saving.start_writes(
-                            step_loc.child(name), plan.arrays, staged.pop(name), options)]
+                    def start() -> dict[str, saving.Writes]:
+                        return {name: saving.start_writes(step_loc.child(name), plan.arrays, staged.pop(name), options)
+                                for name, plan in plans.items()}
                 else:
-                    started = [p for name, plan in plans.items() for p in saving.issue_writes(
+                    started = {name: saving.issue_writes(
                         step_loc.child(name), plan.arrays, options, copy_cpu=self._options.async_save,
-                        max_host_bytes=self._host_budget())]
+                        max_host_bytes=self._host_budget()) for name, plan in plans.items()}
 
-                    def start() -> list:
+                    def start() -> dict[str, saving.Writes]:
                         return started
         except BaseException:
             self._committer.release()
@@ -417,7 +417,7 @@ class CheckpointManager:
             return self._options.max_host_bytes
         return 2 * self._options.save_options.host_batch_bytes
 
-    def _finish(self, step: int, step_loc: storage.Location, plans: dict, start: Callable[[], list],
+    def _finish(self, step: int, step_loc: storage.Location, plans: dict, start: Callable[[], dict],
                 metrics: dict | None, custom: dict | None, created_at: float) -> None:
         """Start (if not started) and wait for this process's writes and make them durable; once every process
         has, the primary writes the manifests, then the commit marker; every process learns the outcome. Then
@@ -426,9 +426,10 @@ class CheckpointManager:
         options = self._options.save_options
         error = None
         try:
-            arrays.wait_all(start())
+            writes = start()
+            arrays.wait_all([p for w in writes.values() for p in w.pending])
             if options.fsync:
-                storage.sync(step_loc)
+                storage.sync_files(step_loc, [f"{name}/{f}" for name, w in writes.items() for f in w.files])
         except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
             error = exc
         coordinator.raise_unless_ok(error, f"writing step {step} to {step_loc}")

@@ -282,26 +282,34 @@ def stage_all(plans: Sequence[ArrayPlan], options: SaveOptions, *, copy_cpu: boo
             for group in batches([p for p in plans if p.writes], options.host_batch_bytes)]
 
 
+@dataclass
+class Writes:
+    """The writes a process started for one item: the futures to wait for, and the files they create
+    (relative to the item directory), which a save that syncs makes durable once they are done."""
+
+    pending: list[arrays.Pending]
+    files: list[str]
+
+
 def start_writes(loc: storage.Location, plans: Sequence[ArrayPlan], staged: Staged,
-                 options: SaveOptions) -> list[arrays.Pending]:
-    """Create the arrays this process creates and start writing staged chunks; return the futures."""
+                 options: SaveOptions) -> Writes:
+    """Create the arrays this process creates and start writing staged chunks."""
     writer = _Writer(loc, plans, writeback=options.fsync)
     try:
         for group, data in staged:
             writer.write(group, data)
     except BaseException:
-        drain(writer.pending)
+        drain(writer.writes.pending)
         raise
-    return writer.pending
+    return writer.writes
 
 
 def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: SaveOptions, *,
-                 copy_cpu: bool = False, max_host_bytes: int | None = None) -> list[arrays.Pending]:
-    """Stage and write, interleaved: the writes of one batch run while the next is fetched. Returns the futures
-    to wait for. Blocks while shards are fetched. With `max_host_bytes`, staged data not yet written never
-    exceeds it (plus one batch): the call waits for earlier writes instead of fetching more. `copy_cpu`
-    copies host tensors too (for callers that return before the writes finish). On error, every started
-    operation is waited for first."""
+                 copy_cpu: bool = False, max_host_bytes: int | None = None) -> Writes:
+    """Stage and write, interleaved: the writes of one batch run while the next is fetched. Blocks while shards
+    are fetched. With `max_host_bytes`, staged data not yet written never exceeds it (plus one batch): the call
+    waits for earlier writes instead of fetching more. `copy_cpu` copies host tensors too (for callers that
+    return before the writes finish). On error, every started operation is waited for first."""
     writer = _Writer(loc, plans, writeback=options.fsync)
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
@@ -315,35 +323,39 @@ def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: Sav
             in_flight.append((group_bytes, writer.write(group, stage(group, copy_cpu=copy_cpu))))
             in_flight_bytes += group_bytes
     except BaseException:
-        drain(writer.pending)
+        drain(writer.writes.pending)
         raise
-    return writer.pending
+    return writer.writes
 
 
 class _Writer:
-    """Creates arrays (on first use) and issues chunk writes; collects every future. With `writeback` (saves
-    that fsync), finished chunk files are handed to the disk while later ones are still being staged."""
+    """Creates arrays (on first use) and issues chunk writes; collects every future and file. With `writeback`
+    (saves that fsync), finished chunk files are handed to the disk while later ones are still being staged."""
 
     def __init__(self, loc: storage.Location, plans: Sequence[ArrayPlan], *, writeback: bool):
         self.writeback = writeback
         self.locations = {p.key_path: loc.child(p.meta.path) for p in plans}
-        self.pending: list[arrays.Pending] = []
+        self.writes = Writes([], [])
         self.created: dict[layout.KeyPath, arrays.Pending] = {}
         for p in plans:
             if p.writes or p.writes_metadata:
                 self.created[p.key_path] = arrays.create(
                     self.locations[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
                     single_file=p.single_file, write_metadata=p.writes_metadata)
-                self.pending.append(self.created[p.key_path])
+                self.writes.pending.append(self.created[p.key_path])
+                if p.writes_metadata:
+                    self.writes.files.append(f"{p.meta.path}/{layout.ZARR_METADATA}")
 
     def write(self, group: Sequence[ArrayPlan], data: Sequence[Sequence[torch.Tensor]]) -> list[arrays.Pending]:
         out: list[arrays.Pending] = []
         for p, chunk_data in zip(group, data):
             chunks = [(tuple(slice(a, b) for a, b in w.region), dtypes.tensor_to_numpy(d))
                       for w, d in zip(p.writes, chunk_data)]
-            out.extend(arrays.write(self.created[p.key_path].result(), self.locations[p.key_path], chunks,
-                                    single_file=p.single_file, writeback=self.writeback))
-        self.pending.extend(out)
+            pending, files = arrays.write(self.created[p.key_path].result(), self.locations[p.key_path], chunks,
+                                          single_file=p.single_file, writeback=self.writeback)
+            out.extend(pending)
+            self.writes.files.extend(f"{p.meta.path}/{f}" for f in files)
+        self.writes.pending.extend(out)
         return out
 
 
