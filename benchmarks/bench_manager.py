@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
-from xla_tensorstore_ckpt import arrays, layout, saving, storage  # noqa: E402
+from xla_tensorstore_ckpt import commit, formats, layout, saving  # noqa: E402
 
 ITEM_WORK = [0.0]  # seconds the manager spends in the item-level work it shares with xtc.save
 _DEPTH = threading.local()  # timed calls nest (issue_writes waits with wait_all): count the outermost only
@@ -49,8 +49,7 @@ def _timed(module, name):
     setattr(module, name, wrapper)
 
 
-for _module, _name in ((saving, "issue_writes"), (arrays, "wait_all"), (storage, "sync_files"),
-                       (saving, "write_manifest"), (saving, "plan_save")):
+for _module, _name in ((saving, "plan_save"), (saving, "issue_writes"), (commit, "finish_writes")):
     _timed(_module, _name)
 
 
@@ -97,7 +96,7 @@ def main() -> None:
             marker = xtc.StepMetadata(step=step, items=("model",), created_at=0.0, committed_at=0.0,
                                       metrics={"loss": 1.0 / (step + 1)})
             with open(os.path.join(root, str(step), layout.CHECKPOINT_METADATA), "wb") as f:
-                f.write(marker.to_bytes())
+                f.write(formats.encode_step(marker))
         start = time.perf_counter()
         many = xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(max_to_keep=None))
         opened = time.perf_counter() - start

@@ -40,7 +40,7 @@ class Contender:
 
     def delete(self, step: int) -> None:
         """Remove a saved step (outside any timing), on local disk or gs://."""
-        storage.delete_tree(storage.location(self.path(step)))
+        (storage.location(self.path(step))).delete_tree()
         if os.path.exists(self.path(step) + ".pt"):
             os.remove(self.path(step) + ".pt")
 

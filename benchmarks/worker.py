@@ -34,7 +34,7 @@ from xla_tensorstore_ckpt import sharding, storage  # noqa: E402
 
 def _disk_usage(path: str) -> tuple[int, int]:
     if path.startswith("gs://"):
-        from xla_tensorstore_ckpt.storage import _gcsfs
+        from xla_tensorstore_ckpt.storage.gcs import _gcsfs
 
         sizes = _gcsfs().du(path[len("gs://"):], total=False)
         return len(sizes), sum(sizes.values())
@@ -101,7 +101,7 @@ def main() -> None:
         result = {"contender": contender.name, "workload": args.workload, "devices": devices, "restore_s": []}
         result["restore_s"], _, _ = timed_restores(contender)
         contender.close()
-        storage.delete_tree(storage.location(args.dir))
+        storage.location(args.dir).delete_tree()
         print("RESULT " + json.dumps(result), flush=True)
         return
 
@@ -141,7 +141,7 @@ def main() -> None:
     result["restore_exact"] = all(torch.equal(restored[k].cpu(), state[k].cpu()) for k in keys)
     contender.close()
     if not args.keep:
-        storage.delete_tree(storage.location(args.dir))
+        storage.location(args.dir).delete_tree()
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -98,7 +98,7 @@ def main() -> None:
     sys.path.insert(0, os.path.join(HERE, ".."))
     from xla_tensorstore_ckpt import storage
 
-    storage.delete_tree(storage.location(args.checkpoint_dir))
+    storage.location(args.checkpoint_dir).delete_tree()
 
     section(f"1. training on 8 devices (mesh 4x2, FSDP-style 2D sharding), checkpoint every {args.save_steps} "
             "steps, async")

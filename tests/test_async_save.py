@@ -14,11 +14,12 @@ import time
 import pytest
 import torch
 import torch_xla
+from fault_backends import hooked, wait_for
 from test_checkpointer_cpu import assert_trees_equal
 from test_manager import cpu_state, train_steps, xla_net
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, saving, storage
+from xla_tensorstore_ckpt import arrays, layout, saving
 
 
 def async_options(**kw):
@@ -69,62 +70,62 @@ def test_written_values_are_those_at_save_time(tmp_path, mesh_4x2, monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["save", "wait_until_finished", "restore", "close"])
-def test_background_error_is_reraised_with_step_and_cause(tmp_path, monkeypatch, where):
-    mgr = xtc.CheckpointManager(tmp_path, async_options())
-    mgr.save(1, extra={"v": 1})
+def test_background_error_is_reraised_with_step_and_cause(tmp_path, where):
+    disk_full = threading.Event()
+
+    def hook(operation, path, count):
+        if operation == "sync_files" and disk_full.is_set():
+            raise xtc.StorageError(f"disk full while syncing {path}")
+
+    mgr = xtc.CheckpointManager(hooked(tmp_path, hook), async_options())
+    mgr.save(1, extra={"v": torch.ones(2)})
     mgr.wait_until_finished()
-
-    def broken_sync(loc, names):
-        raise xtc.StorageError(f"disk full while syncing {loc}")
-
-    monkeypatch.setattr(storage, "sync_files", broken_sync)
-    assert mgr.save(2, extra={"v": 2})  # returns: the failure happens in the background
+    disk_full.set()
+    assert mgr.save(2, extra={"v": torch.ones(2)})  # returns: the failure happens in the background
     with pytest.raises(xtc.AsyncSaveError, match="step 2") as err:
         if where == "save":
-            mgr.save(3, extra={"v": 3})  # waits for the slot of save 2, then reports its failure
+            mgr.save(3, extra={"v": torch.ones(2)})  # waits for the slot of save 2, then reports its failure
         elif where == "restore":
-            mgr.restore("latest", extra={"v": 0})
+            mgr.restore("latest", extra={"v": torch.zeros(2)})
         else:
             getattr(mgr, where)()
     assert isinstance(err.value.__cause__, xtc.StorageError) and "disk full" in str(err.value)
-    monkeypatch.undo()
+    assert err.value.step == 2
+    disk_full.clear()
     if where == "close":
         mgr = xtc.CheckpointManager(tmp_path, async_options())
     assert mgr.all_steps() == [1]  # the failed step is not committed; the earlier one is intact
-    extra = {"v": 0}
-    assert mgr.restore("latest", extra=extra) == 1 and extra["v"] == 1
-    assert mgr.save(4, extra={"v": 4})  # the error was reported once; saving works again
+    extra = {"v": torch.zeros(2)}
+    assert mgr.restore("latest", extra=extra) == 1 and torch.equal(extra["v"], torch.ones(2))
+    assert mgr.save(4, extra={"v": torch.ones(2)})  # the error was reported once; saving works again
     mgr.close()
     assert 2 not in xtc.CheckpointManager(tmp_path, async_options()).all_steps()
 
 
 def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path, monkeypatch):
     events = []
-    real_write_manifest = saving.write_manifest
     real_stage = saving.stage
 
-    def slow_manifest(loc, manifest, options):
-        time.sleep(0.3)
-        events.append(("committing", loc.parent.name))
-        return real_write_manifest(loc, manifest, options)
+    def commits(operation, path, count):
+        if operation == "write" and path.endswith(layout.CHECKPOINT_METADATA):
+            time.sleep(0.3)  # a slow commit: a save that did not wait for it would stage meanwhile
+            events.append(("committing", path.split("/")[-2]))
 
     def tracking_stage(batch, *, copy_cpu):
         events.append(("staging", None))
         return real_stage(batch, copy_cpu=copy_cpu)
 
-    monkeypatch.setattr(saving, "write_manifest", slow_manifest)
     monkeypatch.setattr(saving, "stage", tracking_stage)
-    with xtc.CheckpointManager(tmp_path, async_options(save_rng=False)) as mgr:
+    with xtc.CheckpointManager(hooked(tmp_path, commits), async_options(save_rng=False)) as mgr:
         mgr.save(1, extra={"t": torch.ones(4)})
         mgr.save(2, extra={"t": torch.ones(4)})
     assert events == [("staging", None), ("committing", "1"), ("staging", None), ("committing", "2")]
 
 
-def test_max_pending_saves_allows_overlap(tmp_path, monkeypatch):
+def test_max_pending_saves_allows_overlap(tmp_path):
     release = threading.Event()
-    real_sync = storage.sync_files
-    monkeypatch.setattr(storage, "sync_files", lambda loc, names: (release.wait(), real_sync(loc, names)))
-    with xtc.CheckpointManager(tmp_path, async_options(max_pending_saves=2, save_rng=False)) as mgr:
+    root = hooked(tmp_path, wait_for("sync_files", release))
+    with xtc.CheckpointManager(root, async_options(max_pending_saves=2, save_rng=False)) as mgr:
         mgr.save(1, extra={"t": torch.ones(4)})
         mgr.save(2, extra={"t": torch.ones(4)})  # returns although save 1 cannot commit until released
         assert mgr.all_steps() == []

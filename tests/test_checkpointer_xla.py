@@ -80,9 +80,10 @@ def test_finished_chunk_files_are_handed_to_the_disk_during_a_fsync_save(tmp_pat
     """A save that fsyncs starts the disk writes of each chunk file as soon as it is written (so the final
     sync finds little left): every chunk file, and only real files, are named, at every save (also when a
     save overwrites the same paths)."""
-    from xla_tensorstore_ckpt import arrays, storage
+    from xla_tensorstore_ckpt import arrays
+    from xla_tensorstore_ckpt.storage import local
 
-    if storage._SYNC_FILE_RANGE is None:
+    if local._SYNC_FILE_RANGE is None:
         pytest.skip("no sync_file_range on this platform")
     started = []
 
@@ -90,7 +91,7 @@ def test_finished_chunk_files_are_handed_to_the_disk_during_a_fsync_save(tmp_pat
         started.append(os.readlink(f"/proc/self/fd/{fd}"))
         return 0
 
-    monkeypatch.setattr(storage, "_SYNC_FILE_RANGE", recording_sync_file_range)
+    monkeypatch.setattr(local, "_SYNC_FILE_RANGE", recording_sync_file_range)
     state = {"big": sharded(torch.randn(4096, 512), mesh_4x2, ("x", "y")),  # one file per chunk
              "small": sharded(torch.randn(16, 8), mesh_4x2, ("x", "y")),  # one file for all chunks
              "scalar": torch.tensor(3.0)}
@@ -212,7 +213,7 @@ def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4, monkeypat
 
 def test_reads_cover_exactly_the_local_shards():
     """On a multi-host pod a process holds only some shards; it reads their regions and nothing else."""
-    from xla_tensorstore_ckpt.metadata import ArrayMetadata
+    from xla_tensorstore_ckpt.formats import ArrayMetadata
     from xla_tensorstore_ckpt.plan import LocalShard, Placement, TensorLayout
     from xla_tensorstore_ckpt.restoring import _ReadJob
 
@@ -234,7 +235,7 @@ def test_large_shards_are_read_into_their_own_buffers():
     """Shards of a large array are read one by one (each straight into the buffer that goes to its device)
     unless that would fetch a chunk more than twice; small arrays are read as one box."""
     from xla_tensorstore_ckpt import storage
-    from xla_tensorstore_ckpt.metadata import ArrayMetadata
+    from xla_tensorstore_ckpt.formats import ArrayMetadata
     from xla_tensorstore_ckpt.plan import LocalShard, Placement, TensorLayout
     from xla_tensorstore_ckpt.restoring import SMALL_READ_BYTES, _ReadJob
 
@@ -255,7 +256,8 @@ def test_large_shards_are_read_into_their_own_buffers():
     assert other_mesh.reads == tuple(indices)  # each chunk fetched twice: still shard by shard
     over_network, _ = job((rows // 4, 4096), (2, 4), max_amplification=1.0)
     assert over_network.reads == (((0, rows), (0, 8192)),)  # gs://: each chunk fetched once
-    assert not storage.location("gs://b/x").cheap_refetch and storage.location("/tmp/x").cheap_refetch
+    assert not storage.location("gs://b/x").capabilities.cheap_refetch
+    assert storage.location("/tmp/x").capabilities.cheap_refetch
     unsharded, _ = job((rows, 8192), (4, 2))
     assert unsharded.reads == (((0, rows), (0, 8192)),)  # one chunk feeding 8 shards: fetched once, as a box
     small, _ = job((4, 4), (2, 4), shape=(16, 8))

@@ -13,10 +13,11 @@ import sys
 
 import pytest
 import torch
+from fault_backends import fail_on, hooked
 from test_checkpointer_cpu import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, cli, layout, storage
+from xla_tensorstore_ckpt import cli, layout
 
 PACKAGE = os.path.join(os.path.dirname(__file__), "..", "xla_tensorstore_ckpt")
 
@@ -54,59 +55,47 @@ def assert_intact(root, steps):
 # ----------------------------------------------------------------------------------------------- storage
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_unwritable_item_directory_fails_cleanly(root_with_two_steps, monkeypatch, async_save):
-    # A file where the item directory must go: every write below it fails with a real OS error.
-    real = arrays.create
-
-    def blocked(loc, *args, **kw):
-        item = os.path.dirname(loc.path)
-        if not os.path.exists(item):
-            os.makedirs(os.path.dirname(item), exist_ok=True)
-            with open(item, "w") as f:
+def put_a_file_in_the_way(array: str, blocked: str):
+    """A hook that, when the array `array` is opened for writing, puts a regular file at `blocked` (relative to
+    the array directory) where a directory must go: every write below it then fails with a real OS error."""
+    def hook(operation, path, count):
+        target = os.path.normpath(os.path.join(path, blocked))
+        if operation == "open_array" and path.endswith(array) and not os.path.exists(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "w") as f:
                 f.write("in the way")
-        return real(loc, *args, **kw)
+    return hook
 
-    monkeypatch.setattr(arrays, "create", blocked)
-    mgr = xtc.CheckpointManager(root_with_two_steps, options(async_save=async_save))
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_unwritable_item_directory_fails_cleanly(root_with_two_steps, async_save):
+    root = hooked(root_with_two_steps, put_a_file_in_the_way("3/model/w", ".."))  # the item directory
+    mgr = xtc.CheckpointManager(root, options(async_save=async_save))
     with pytest.raises((xtc.StorageError, xtc.AsyncSaveError)) as err:
         mgr.save(3, model=state_for(3))
         mgr.wait_until_finished()
     message = str(err.value) + str(err.value.__cause__ or "")
     assert str(root_with_two_steps / "3" / "model") in message
-    monkeypatch.undo()
     assert mgr.all_steps() == [1, 2]
     mgr.close()
     assert_intact(root_with_two_steps, [1, 2])
 
 
-def test_disk_full_during_sync_fails_cleanly(root_with_two_steps, monkeypatch):
-    def full(loc, names):
-        raise xtc.StorageError(f"cannot sync {loc}: [Errno 28] No space left on device")
-
-    monkeypatch.setattr(storage, "sync_files", full)
-    with xtc.CheckpointManager(root_with_two_steps, options()) as mgr:
+def test_disk_full_during_sync_fails_cleanly(root_with_two_steps):
+    full = fail_on("sync_files", xtc.StorageError("cannot sync: [Errno 28] No space left on device"))
+    with xtc.CheckpointManager(hooked(root_with_two_steps, full), options()) as mgr:
         with pytest.raises(xtc.StorageError, match="No space left"):
             mgr.save(3, model=state_for(3))
         assert mgr.all_steps() == [1, 2]
-    monkeypatch.undo()
     assert_intact(root_with_two_steps, [1, 2])
 
 
-def test_injected_chunk_write_error_names_the_array(root_with_two_steps, monkeypatch):
-    import tensorstore as ts
-
-    def failing_write(store, loc, chunks, **kwargs):
-        promise, future = ts.Promise.new()
-        promise.set_exception(ValueError("RESOURCE_EXHAUSTED: No space left on device"))
-        return [arrays.Pending(future, "cannot write region of", loc)], []
-
-    monkeypatch.setattr(arrays, "write", failing_write)
-    with xtc.CheckpointManager(root_with_two_steps, options()) as mgr:
+def test_chunk_write_error_names_the_array(root_with_two_steps):
+    # The chunk directory of one array is a file: its chunk write fails inside tensorstore.
+    with xtc.CheckpointManager(hooked(root_with_two_steps, put_a_file_in_the_way("3/model/w", "c")), options()) as mgr:
         with pytest.raises(xtc.StorageError) as err:
             mgr.save(3, model=state_for(3))
-    assert "3/model/w" in str(err.value) and "No space left" in str(err.value)
-    monkeypatch.undo()
+    assert "3/model/w" in str(err.value) and "cannot write region" in str(err.value)
     assert_intact(root_with_two_steps, [1, 2])
 
 

@@ -13,7 +13,7 @@ import torch
 import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import layout
+from xla_tensorstore_ckpt import formats, layout
 
 
 def options(**kw):
@@ -179,13 +179,13 @@ def test_rng_rows_go_to_the_process_of_the_same_index_and_new_processes_derive_t
     after1 = draws()
     saved = read_back(row0, row1)
     for index, expected in ((0, after0), (1, after1)):
-        rng_state.restore(saved, index, 2, where="test")
+        rng_state.apply(saved, index, 2, where="test")
         got = draws()
         assert torch.equal(got[0], expected[0]) and got[1:5] == expected[1:5]
     derived = {}
     for index in (2, 3, 3):
         with pytest.warns(UserWarning, match=f"process {index} of 4 takes those of process {index % 2}"):
-            rng_state.restore(saved, index, 4, where="test")
+            rng_state.apply(saved, index, 4, where="test")
         derived.setdefault(index, []).append(draws())
     assert torch.equal(derived[3][0][0], derived[3][1][0]) and derived[3][0][1:5] == derived[3][1][1:5]  # same rule
     assert not torch.equal(derived[2][0][0], derived[3][0][0])  # but a stream of its own
@@ -467,6 +467,6 @@ def test_latest_step_with_many_steps_is_cached(tmp_path):
         for step in range(200):
             (tmp_path / str(step)).mkdir()
             marker = xtc.StepMetadata(step=step, items=(), created_at=0.0, committed_at=0.0)
-            (tmp_path / str(step) / layout.CHECKPOINT_METADATA).write_bytes(marker.to_bytes())
+            (tmp_path / str(step) / layout.CHECKPOINT_METADATA).write_bytes(formats.encode_step(marker))
         with xtc.CheckpointManager(tmp_path, options()) as mgr:
             assert mgr.latest_step() == 199 and len(mgr.all_steps()) == 200

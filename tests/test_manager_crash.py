@@ -18,33 +18,29 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "crash_save.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
 from crash_save import state_for  # noqa: E402
 
-# (kill point, extra arguments, steps committed afterwards). The state has 6 arrays, staged one batch each; the
-# last save's calls are counted, so e.g. arrays.write:4 is the fourth array's chunk writes.
+# (kill point, extra arguments, steps committed afterwards). Points are storage operations counted from the start of
+# the last save (tests/fault_backends.py): open_array:n creates the n-th of the state's 6 arrays (in sync mode
+# before its shards are staged, in async mode after), file_written:n follows the n-th finished chunk file (the
+# others still in flight), write:1 is the item manifest, write:2 the commit marker, write:3 the lock heartbeat.
 KEEP2 = ["--max-to-keep", "2"]
 POINTS = [
-    *[(f"saving.stage:{n}", [], [1, 2]) for n in (1, 3, 6)],  # copying shards to host
-    *[(f"saving.stage:{n}", ["--async"], [1, 2]) for n in (2, 5)],
-    *[(f"arrays.create:{n}", [], [1, 2]) for n in (1, 2, 4, 6)],  # array metadata (zarr.json)
-    *[(f"arrays.create:{n}", ["--async"], [1, 2]) for n in (3,)],
-    *[(f"arrays.write:{n}", [], [1, 2]) for n in (1, 2, 4, 6)],  # chunk writes (earlier ones in flight)
-    *[(f"arrays.write:{n}", ["--async"], [1, 2]) for n in (1, 5)],
-    ("arrays.wait_all:1", [], [1, 2]),  # waiting for the chunk writes
-    ("arrays.wait_all:1", ["--async"], [1, 2]),
-    ("storage.sync_files:1", [], [1, 2]),  # chunks written, not yet durable
-    ("storage.sync_files:1", ["--async"], [1, 2]),
-    ("saving.write_manifest:1", [], [1, 2]),  # before the item manifest
-    ("saving.write_manifest:1", ["--async"], [1, 2]),
-    ("os.replace:1", [], [1, 2]),  # the manifest's temporary file is written, not yet in place
-    ("storage.write:1", [], [1, 2]),  # the manifest
-    ("storage.write:2", [], [1, 2]),  # the commit marker
-    ("os.replace:2", [], [1, 2]),  # the marker's temporary file written, not yet in place
-    ("storage.write:2", ["--async"], [1, 2]),
-    ("os.replace:2", ["--async"], [1, 2]),
-    ("storage.write:3", KEEP2, [1, 2, 3]),  # committed; the lock heartbeat (retention not yet decided)
-    ("storage.delete:1", KEEP2, [1, 2, 3]),  # retention: before step 1's marker is removed
-    ("storage.delete_tree:1", KEEP2, [2, 3]),  # retention: step 1 uncommitted, its files not yet deleted
-    ("storage.delete:1", KEEP2 + ["--async"], [1, 2, 3]),
-    ("storage.delete_tree:1", KEEP2 + ["--async"], [2, 3]),
+    ("list_dir:1", [], [1, 2]),  # preparing the step directory
+    *[(f"open_array:{n}", [], [1, 2]) for n in (1, 2, 3, 4, 5, 6)],  # array metadata (zarr.json)
+    *[(f"open_array:{n}", ["--async"], [1, 2]) for n in (1, 3, 6)],
+    *[(f"file_written:{n}", [], [1, 2]) for n in (1, 2, 3, 4, 5, 6)],  # chunk files (later ones in flight)
+    *[(f"file_written:{n}", ["--async"], [1, 2]) for n in (1, 3, 5)],
+    ("sync_files:1", [], [1, 2]),  # chunks written, not yet durable
+    ("sync_files:1", ["--async"], [1, 2]),
+    ("write:1", [], [1, 2]),  # the item manifest
+    ("write:1", ["--async"], [1, 2]),
+    ("write:2", [], [1, 2]),  # the commit marker
+    ("write:2", ["--async"], [1, 2]),
+    ("write:3", KEEP2, [1, 2, 3]),  # committed; the lock heartbeat (retention not yet decided)
+    ("write:3", KEEP2 + ["--async"], [1, 2, 3]),
+    ("delete:1", KEEP2, [1, 2, 3]),  # retention: before step 1's marker is removed
+    ("delete_tree:1", KEEP2, [2, 3]),  # retention: step 1 uncommitted, its files not yet deleted
+    ("delete:1", KEEP2 + ["--async"], [1, 2, 3]),
+    ("delete_tree:1", KEEP2 + ["--async"], [2, 3]),
 ]
 
 

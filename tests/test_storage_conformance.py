@@ -1,6 +1,6 @@
-"""One conformance suite, run on every storage backend (local disk, memory, a real GCS emulator): storage
-operations, item save/restore with resharding, the manager's commit/retention/latest/cleanup, async saves and
-the command line."""
+"""The library on every storage backend (local disk, memory, a real GCS emulator): item save/restore with
+resharding, the manager's commit/retention/latest/cleanup and root lock, async saves and the command line. (The
+storage operations themselves: backend_contract.py, run by test_backends.py.)"""
 
 from __future__ import annotations
 
@@ -15,22 +15,6 @@ from test_checkpointer_cpu import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, layout, storage
-
-
-def test_small_file_operations(storage_root):
-    loc = storage.location(storage_root)
-    assert storage.is_empty(loc) and not storage.exists(loc) and storage.read(loc, "x") is None
-    storage.write(loc, "a/b.json", b"{}")
-    storage.write(loc, "c", b"123")
-    storage.write(loc, "c", b"456")  # replace
-    assert storage.read(loc, "c") == b"456" and storage.read(loc.child("a"), "b.json") == b"{}"
-    assert storage.list_children(loc) == ["a", "c"] and storage.exists(loc)
-    storage.delete(loc, "c")
-    storage.delete(loc, "c")  # absent: fine
-    assert storage.list_children(loc) == ["a"]
-    storage.delete_tree(loc)
-    assert storage.is_empty(loc)
-    storage.delete_tree(loc)  # absent: fine
 
 
 def test_item_round_trip_with_resharding(storage_root, mesh_4x2, mesh_2x4):
@@ -56,13 +40,13 @@ def test_manager_commit_retention_latest_and_cleanup(storage_root, async_save):
         mgr.wait_until_finished()
         assert mgr.all_steps() == [3, 4] and mgr.latest_step() == 4
     root = storage.location(storage_root)
-    assert sorted(storage.list_children(root)) == ["3", "4"]  # retention really deleted steps 1 and 2
-    storage.write(root.child("5", "model"), layout.ITEM_METADATA, b"{}")  # a save that never committed
+    assert sorted(root.list()) == ["3", "4"]  # retention really deleted steps 1 and 2
+    root.child("5", "model").write(layout.ITEM_METADATA, b"{}")  # a save that never committed
     with xtc.CheckpointManager(storage_root, options) as mgr:
         assert mgr.all_steps() == [3, 4]
         model = {"w": torch.zeros(4, 4)}
         assert mgr.restore("latest", model=model) == 4 and torch.equal(model["w"], torch.full((4, 4), 4.0))
-    assert sorted(storage.list_children(root)) == ["3", "4"]  # the partial step was removed
+    assert sorted(root.list()) == ["3", "4"]  # the partial step was removed
 
 
 def test_command_line(storage_root, capsys):
@@ -75,22 +59,6 @@ def test_command_line(storage_root, capsys):
     assert "model/w" in capsys.readouterr().out
     assert cli.main(["verify", storage_root]) == 0
     assert "OK: " in capsys.readouterr().out
-
-
-def test_create_exclusive_has_one_winner(storage_root):
-    loc = storage.location(storage_root)
-    for attempt in range(10):
-        barrier = threading.Barrier(2)
-
-        def create(tag, name=f"lock{attempt}", barrier=barrier):
-            barrier.wait()
-            return storage.create_exclusive(loc, name, tag)
-
-        with ThreadPoolExecutor(2) as pool:
-            results = list(pool.map(create, (b"a", b"b")))
-        assert sorted(results) == [False, True]
-        assert storage.read(loc, f"lock{attempt}") == (b"a" if results[0] else b"b")
-    assert not storage.create_exclusive(loc, "lock0", b"c") and storage.read(loc, "lock0") in (b"a", b"b")
 
 
 def race_two_managers(root) -> list[str]:
@@ -122,7 +90,7 @@ def test_two_managers_started_at_once_exactly_one_saves(storage_root, stale):
     for attempt in range(20):
         root = f"{storage_root}/race{attempt}"
         if stale:  # a crashed manager's lock from another host, long expired
-            storage.write(storage.location(root), layout.MANAGER_LOCK, json.dumps(
+            storage.location(root).write(layout.MANAGER_LOCK, json.dumps(
                 {"host": "gone-host", "pid": 1, "token": f"dead{attempt}", "heartbeat": 0}).encode())
         outcomes = race_two_managers(root)
         assert sorted(outcomes) == ["refused", "saved"], (attempt, outcomes)

@@ -7,12 +7,13 @@ does not import torch_xla.
 
 from . import zarr_dtypes as _zarr_dtypes
 from .checkpointer import metadata, restore, save
-from .distributed import CoordinationError, Coordinator
+from .distributed import Coordinator
 from .errors import (
     AsyncSaveError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CoordinationError,
     CorruptCheckpointError,
     FormatVersionError,
     KeyMismatchError,
@@ -20,10 +21,11 @@ from .errors import (
     StepNotFoundError,
     StorageError,
     UnsupportedValueError,
+    UsageError,
 )
+from .formats import ArrayMetadata, SavedSharding, StepMetadata
 from .inspection import open_array
 from .manager import CheckpointManager, CheckpointManagerOptions
-from .metadata import ArrayMetadata, SavedSharding, StepMetadata
 from .options import RestoreOptions, SaveOptions
 from .sharded_array import ShardedArray
 from .training_state import skip_batches
@@ -54,6 +56,7 @@ __all__ = [
     "StepNotFoundError",
     "StorageError",
     "UnsupportedValueError",
+    "UsageError",
     "metadata",
     "open_array",
     "restore",

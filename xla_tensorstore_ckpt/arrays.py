@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import tensorstore as ts
 
-from . import storage
+from . import layout, storage
 from .errors import CorruptCheckpointError, StorageError
 
 Region = tuple[slice, ...]
@@ -113,6 +113,15 @@ def wait_all(pending: Sequence[Pending]) -> list[object]:
     return results
 
 
+def drain(pending: Sequence[Pending]) -> None:
+    """Wait for futures whose results no longer matter (an error is already on its way)."""
+    for item in pending:
+        try:
+            item.result()
+        except (CorruptCheckpointError, StorageError):
+            pass
+
+
 def create(loc: storage.Location, shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int],
            *, single_file: bool = False, write_metadata: bool = True) -> Pending:
     """Start creating the array at `loc` (writing ``zarr.json`` unless `write_metadata` is False, when another
@@ -135,14 +144,12 @@ def write(store: ts.TensorStore, loc: storage.Location, chunks: Sequence[tuple[R
     """Start writing whole chunks (region, data) of one array; return the futures, ready once the chunks are
     stored, and the files they go to (relative to `loc`). The data must stay unchanged until then: tensorstore
     references it without copying. With `single_file` (see `zarr_metadata`) the chunks are written in one
-    transaction, as one file. With `writeback` (saves that end with `storage.sync_files`), each finished chunk
+    transaction, as one file. With `writeback` (saves that end with `Location.sync_files`), each finished chunk
     file is handed to the disk at once."""
-    # Zero-copy everywhere but in memory://, whose store would keep referencing our numpy buffers: freeing them
-    # later (under the store's lock, needing the GIL) can deadlock against a thread holding the GIL.
-    reference = loc.scheme != "memory"
+    reference = loc.capabilities.zero_copy_writes
     if not single_file:
         shape = chunk_shape(store)
-        keys = [_chunk_key(tuple(r.start // c for r, c in zip(region, shape))) for region, _ in chunks]
+        keys = [layout.chunk_key(tuple(r.start // c for r, c in zip(region, shape))) for region, _ in chunks]
         pending = [Pending(store[region].write(data, can_reference_source_data_indefinitely=reference).commit,
                            f"cannot write region {_format_region(region)} of", loc, writing=True)
                    for region, data in chunks]
@@ -156,15 +163,10 @@ def write(store: ts.TensorStore, loc: storage.Location, chunks: Sequence[tuple[R
                       f"cannot write region {_format_region(region)} of", loc, writing=True)
               for region, data in chunks]
     commit = Pending(txn.commit_async(), "cannot write", loc, writing=True)
-    key = _chunk_key((0,) * store.rank)
+    key = layout.chunk_key((0,) * store.rank)
     if writeback:
         _on_done(commit, loc, key)
     return [*copies, commit], [key]
-
-
-def _chunk_key(grid_index: tuple[int, ...]) -> str:
-    """The file of a chunk under zarr v3's default chunk key encoding."""
-    return "/".join(("c", *map(str, grid_index)))
 
 
 # One thread hands finished chunk files to the disk: off tensorstore's threads, and never on the caller's.
@@ -177,7 +179,7 @@ def _on_done(item: Pending, loc: storage.Location, key: str) -> None:
 
 def _hand_to_disk(loc: storage.Location, key: str) -> None:
     try:
-        _WRITEBACK.submit(storage.start_writeback, loc, key)
+        _WRITEBACK.submit(loc.file_written, key)
     except RuntimeError:
         pass  # the interpreter is shutting down; the save's final sync decides durability anyway
 
@@ -200,6 +202,13 @@ def read(store: ts.TensorStore, loc: storage.Location, region: Region) -> Pendin
     out = np.empty(view.shape, dtype=view.dtype.numpy_dtype)
     future = ts.array(out, copy=False, write=True).write(view).commit
     return Pending(future, f"cannot read region {_format_region(region)} of", loc, output=out)
+
+
+def read_index(store: ts.TensorStore, loc: storage.Location, index: tuple[slice | int, ...]) -> Pending:
+    """Start reading `index` of an array (normalized integers and slices, strides allowed; () is everything),
+    only the chunks it touches; the result is a numpy array."""
+    view = store[index] if index else store
+    return Pending(view.read(), "cannot read", loc)
 
 
 def chunk_shape(store: ts.TensorStore) -> tuple[int, ...]:

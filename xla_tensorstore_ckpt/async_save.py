@@ -53,9 +53,8 @@ class BackgroundCommitter:
             except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller's thread
                 with self._lock:
                     if self._error is None:
-                        error = AsyncSaveError(f"{what} failed: {exc}")
+                        error = AsyncSaveError(f"{what} failed: {exc}", step=step)
                         error.__cause__ = exc
-                        error.step = step  # type: ignore[attr-defined]
                         self._error = error
             finally:
                 if release:

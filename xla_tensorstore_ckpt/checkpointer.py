@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import arrays, storage, tree
+from . import commit, formats, layout, storage, tree
 from .distributed import Coordinator, default_coordinator
 from .options import RestoreOptions, SaveOptions
-from .restoring import PathLike, read_item, read_manifest
-from .saving import issue_writes, plan_save, prepare_directory, write_manifest
+from .restoring import PathLike, read_item
+from .saving import issue_writes, plan_save, prepare_directory
 
 
 def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOptions | None = None,
@@ -36,28 +36,12 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     coordinator = coordinator or default_coordinator()
     loc = storage.location(path)
     plan = plan_save(state, options, coordinator)
-    error: BaseException | None = None
-    if coordinator.is_primary:
-        try:
-            prepare_directory(loc, overwrite=overwrite)
-        except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
-            error = exc
-    coordinator.raise_unless_ok(error, f"preparing {loc}")
-    try:
-        # Nothing needs the staged data once written: hold at most the batch being written and the next.
-        writes = issue_writes(loc, plan.arrays, options, max_host_bytes=2 * options.host_batch_bytes)
-        arrays.wait_all(writes.pending)
-        if options.fsync:
-            storage.sync_files(loc, writes.files)
-    except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
-        error = exc
-    coordinator.raise_unless_ok(error, f"saving {loc}")
-    if coordinator.is_primary:
-        try:
-            write_manifest(loc, plan.manifest, options)
-        except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
-            error = exc
-    coordinator.raise_unless_ok(error, f"committing {loc}")
+    coordinator.on_primary(f"preparing {loc}", lambda: prepare_directory(loc, overwrite=overwrite))
+    # Nothing needs the staged data once written: hold at most the batch being written and the next.
+    commit.finish_writes(coordinator, loc, lambda: issue_writes(
+        loc, plan.arrays, options, max_host_bytes=2 * options.host_batch_bytes), fsync=options.fsync, what=str(loc))
+    commit.commit(coordinator, loc, [(layout.ITEM_METADATA, formats.encode_item(plan.manifest))],
+                  fsync=options.fsync, what=str(loc))
 
 
 def restore(path: PathLike, target: Any = None, *, strict: bool = True,
@@ -74,14 +58,13 @@ def restore(path: PathLike, target: Any = None, *, strict: bool = True,
     `ShapeMismatchError` naming key, both shapes and the path, `CorruptCheckpointError` for damaged data
     (naming array and chunk), `CheckpointNotFoundError` if `path` holds no item.
     """
-    manifest = read_manifest(path)
+    manifest = formats.read_item(storage.location(path))
     values = read_item(path, target, strict=strict, options=options, manifest=manifest)
     return tree.rebuild(manifest.tree if target is None else target, lambda p, v: values.get(p, v))
-
 
 
 
 def metadata(path: PathLike) -> Any:
     """The saved tree with an `ArrayMetadata` (shape, dtype, chunk shape, saved sharding) for each array and
     the values of JSON leaves. Reads only ``_METADATA``; never imports torch_xla."""
-    return read_manifest(path).tree
+    return formats.read_item(storage.location(path)).tree

@@ -19,9 +19,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from . import export, inspection
-from .errors import CheckpointError, CheckpointNotFoundError
-from .inspection import UsageError
+from . import export, inspection, scans
+from .errors import CheckpointError, CheckpointNotFoundError, UsageError
 
 EXIT_DATA, EXIT_USAGE = 1, 2
 
@@ -112,8 +111,7 @@ def cmd_steps(args: argparse.Namespace) -> int:
     if not steps:
         raise CheckpointNotFoundError(f"{args.root} holds no checkpoint steps")
     if args.json:
-        _print_json([{"step": s.step, "name": s.name, "status": s.status, "committed_at": s.committed_at,
-                      "bytes": s.nbytes, "metrics": s.metrics, "problem": s.problem} for s in steps])
+        _print_json([s.to_json() for s in steps])
         return 0
     rows = [(s.step, s.status, _time_text(s.committed_at), human_bytes(s.nbytes),
              _metrics_text(s.metrics) if s.status == "committed" else (s.problem or "no commit marker")[:80])
@@ -126,10 +124,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
     checkpoint = inspection.open_checkpoint(args.path)
     rows = inspection.tree_rows(checkpoint, args.item)
     if args.json:
-        _print_json([{"key": r.key, **({"shape": list(r.meta.shape), "dtype": r.meta.dtype,
-                                        "chunk_shape": list(r.meta.chunk_shape), "bytes": r.meta.nbytes,
-                                        "sharding": r.meta.sharding.to_json() if r.meta.sharding else None}
-                                       if r.meta else {"value": r.value})} for r in rows])
+        _print_json([r.to_json() for r in rows])
         return 0
     lines = []
     for r in rows:
@@ -174,15 +169,15 @@ def _to_json_values(values: np.ndarray) -> Any:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     checkpoint = inspection.open_checkpoint(args.path)
-    keys = args.keys or inspection.all_array_keys(checkpoint)
+    keys = args.keys or scans.all_array_keys(checkpoint)
     draw = progress_bar("stats")
     results = []
     for done, key in enumerate(keys, 1):
-        results.append(inspection.array_stats(checkpoint, key))
+        results.append(scans.array_stats(checkpoint, key))
         if draw:
             draw(done, len(keys))
     if args.json:
-        _print_json([vars(r) for r in results])
+        _print_json([r.to_json() for r in results])
         return 0
     rows = [(r.key, r.count, _fmt_number(r.min), _fmt_number(r.max), _fmt_number(r.mean), _fmt_number(r.std),
              r.nan, r.inf) for r in results]
@@ -192,9 +187,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     a, b = inspection.open_checkpoint(args.a), inspection.open_checkpoint(args.b)
-    entries = inspection.diff(a, b, progress_bar("diff"))
+    entries = scans.diff(a, b, progress_bar("diff"))
     if args.json:
-        _print_json([{"key": e.key, "change": e.change, **e.detail} for e in entries])
+        _print_json([e.to_json() for e in entries])
         return 0
     if not entries:
         print("no differences")
@@ -214,10 +209,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    checked, problems = inspection.verify(args.path, progress_bar("verify"))
+    checked, problems = scans.verify(args.path, progress_bar("verify"))
     if args.json:
         _print_json({"arrays": checked, "ok": not problems,
-                     "problems": [{"where": p.where, "message": p.message} for p in problems]})
+                     "problems": [p.to_json() for p in problems]})
     else:
         for p in problems:
             print(f"FAIL {p.where}: {p.message}")

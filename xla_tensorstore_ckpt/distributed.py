@@ -22,26 +22,13 @@ import atexit
 import datetime
 import os
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from .errors import CheckpointError
+from .errors import CoordinationError
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-class CoordinationError(CheckpointError, RuntimeError):
-    """Another process failed, died or did not answer in time; nothing was committed."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The result of `Coordinator.agree`: ok on every process, or the first failure (process and message)."""
-
-    ok: bool
-    process: int | None = None
-    message: str | None = None
+T = TypeVar("T")
 
 
 class Coordinator:
@@ -124,22 +111,37 @@ class Coordinator:
                                     f"(it died or timed out after {self.timeout_s:g} s): {exc}") from exc
         return box[0]
 
-    def agree(self, error: BaseException | None) -> Outcome:
-        """Tell every process whether this one succeeded; return the common outcome (the first failure)."""
-        statuses = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-        for process, status in enumerate(statuses):
-            if status is not None:
-                return Outcome(False, process, status)
-        return Outcome(True)
+    def on_primary(self, what: str, action: Callable[[], T], *, share: bool = False) -> T | None:
+        """The primary runs `action`; then every process learns whether it succeeded and raises if not (the
+        primary its own error, the others `CoordinationError` naming `what`). Returns the action's result on the
+        primary, and with `share` on every process; otherwise None elsewhere. Collective."""
+        result, error = None, None
+        if self.is_primary:
+            try:
+                result = action()
+            except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
+                error = exc
+        self._raise_unless_ok(error, what)
+        return self.broadcast(result) if share else result
 
-    def raise_unless_ok(self, error: BaseException | None, what: str) -> None:
-        """`agree`, then raise (on every process) if any process failed; re-raise this one's own error."""
-        outcome = self.agree(error)
-        if outcome.ok:
-            return
+    def everywhere(self, what: str, action: Callable[[], T]) -> T:
+        """Every process runs `action`; if any failed, every process raises (a failed one its own error, the
+        others `CoordinationError` naming `what` and the failed process). Collective."""
+        result, error = None, None
+        try:
+            result = action()
+        except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
+            error = exc
+        self._raise_unless_ok(error, what)
+        return result  # type: ignore[return-value]
+
+    def _raise_unless_ok(self, error: BaseException | None, what: str) -> None:
+        statuses = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
-        raise CoordinationError(f"{what} failed on process {outcome.process}: {outcome.message}")
+        for process, status in enumerate(statuses):
+            if status is not None:
+                raise CoordinationError(f"{what} failed on process {process}: {status}", process=process)
 
 
 def balance(holders: Sequence[tuple[Any, int, Sequence[int]]], count: int) -> dict[Any, int]:

@@ -22,6 +22,10 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 class StepNotFoundError(CheckpointNotFoundError):
     """A requested step is not committed under the checkpoint root."""
 
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step
+
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A save would overwrite an existing checkpoint and overwriting was not requested."""
@@ -53,6 +57,10 @@ class KeyMismatchError(CheckpointError, KeyError):
 class ShapeMismatchError(CheckpointError, ValueError):
     """A stored array and its restore target have different shapes."""
 
+    def __init__(self, message: str, *, key: str, saved_shape: tuple[int, ...], target_shape: tuple[int, ...]):
+        super().__init__(message)
+        self.key, self.saved_shape, self.target_shape = key, saved_shape, target_shape
+
 
 class UnsupportedValueError(CheckpointError, TypeError):
     """A tree holds a value the checkpoint format cannot store (not a tensor, not a JSON scalar)."""
@@ -67,3 +75,20 @@ class StorageError(CheckpointError, OSError):
 
 class AsyncSaveError(CheckpointError, RuntimeError):
     """A background save failed; raised at the next call into the manager. `__cause__` holds the original."""
+
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class CoordinationError(CheckpointError, RuntimeError):
+    """Another process failed, died or did not answer in time; nothing was committed. `process` is the index
+    of the process that failed, when known."""
+
+    def __init__(self, message: str, *, process: int | None = None):
+        super().__init__(message)
+        self.process = process
+
+
+class UsageError(CheckpointError, ValueError):
+    """A request is malformed (unknown item or key, bad slice); distinct from damaged data."""

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from . import arrays, dtypes, tree
-from .errors import UnsupportedValueError
-from .inspection import Checkpoint, UsageError
-from .metadata import ArrayMetadata
+from .errors import UnsupportedValueError, UsageError
+from .formats import ArrayMetadata
+from .inspection import Checkpoint
 
 _SAFETENSORS_DTYPES = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32", "uint32": "U32",

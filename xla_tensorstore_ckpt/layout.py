@@ -90,12 +90,21 @@ def step_name(step: int, prefix: str | None) -> str:
     return f"{prefix}_{step}" if prefix else str(step)
 
 
-def parse_step_name(name: str, prefix: str | None) -> int | None:
-    """The step a directory name denotes, or None if it is not a step directory of this prefix."""
-    if prefix:
+def parse_step_name(name: str, prefix: str | None, *, any_prefix: bool = False) -> int | None:
+    """The step a directory name denotes, or None if it is not a step directory of this prefix. With
+    `any_prefix`, ``<anything>_<step>`` and ``<step>`` both are (for tools that do not know the prefix)."""
+    if any_prefix:
+        name = name.rsplit("_", 1)[-1]
+    elif prefix:
         if not name.startswith(prefix + "_"):
             return None
         name = name[len(prefix) + 1:]
     if not _STEP.fullmatch(name):
         return None
     return int(name)
+
+
+def chunk_key(position: tuple[int, ...]) -> str:
+    """The file of the chunk at a grid position, under zarr v3's default chunk key encoding (``c/0/1``; ``c``
+    for a 0-d array)."""
+    return "/".join(("c", *map(str, position)))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import layout
 
 _MiB = 1 << 20
 
@@ -54,3 +58,85 @@ class RestoreOptions:
 
     def __post_init__(self) -> None:
         _check_int("read_batch_bytes", self.read_batch_bytes)
+
+
+def _optional_int(name: str, value: object, minimum: int) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{name} must be None or an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointManagerOptions:
+    """How a `CheckpointManager` decides, keeps and writes steps.
+
+    save_interval_steps: `should_save(step)` is true every N steps (what a trainer's `save_steps` maps to);
+        None saves only on `save_on_steps`, on `force=True` or on preemption.
+    save_on_steps: further steps to save at.
+    max_to_keep, keep_period, best_fn, best_mode, keep_checkpoints_without_metrics: retention (see
+        `RetentionPolicy`); the newest committed step is never deleted.
+    step_prefix: step directories are named ``<prefix>_<step>`` instead of ``<step>``.
+    create: create the root on the first save; if False the root must exist.
+    async_save: `save` returns once shards are copied off the devices; the rest runs in the background.
+    max_pending_saves: saves in flight at once; a new save waits for the oldest before staging.
+    max_host_bytes: cap on staged host memory per save; a larger state is streamed (the save blocks longer).
+    save_rng: save the torch, Python, numpy and XLA RNG states with each step (restored by `restore`).
+    save_on_preemption: install a SIGTERM handler (the manager must be created on the main thread); after a
+        SIGTERM the next `save` call saves whatever the interval says and waits for the commit, and
+        `reached_preemption(step)` tells the training loop to exit.
+    coordination_timeout_s: in a job of several processes, how long a process waits for the others at a
+        synchronization point before failing the save with `CoordinationError` (a dead process is usually
+        detected at once, through its closed connection).
+    lock_timeout_s: a manager owns its root through ``<root>/_MANAGER_LOCK`` (refreshed at every commit). Another
+        manager finding a live owner's lock only reads (restores, lists) and refuses to save. A lock is stale —
+        taken over — when its process is gone (same host) or it has not been refreshed for this long (other hosts).
+    on_commit: called with the step number once a step is committed (its marker durable), on every process;
+        in async mode on the background thread. What it raises is reported like a failed background save (the
+        step stays committed). `all_steps()` and `latest_step()` show the same commits. A trainer that must
+        know what survives a kill waits for this, or calls `wait_until_finished()`, before it exits.
+    save_options, restore_options: item-level I/O options.
+    """
+
+    save_interval_steps: int | None = 100
+    save_on_steps: frozenset[int] = field(default_factory=frozenset)
+    max_to_keep: int | None = 3
+    keep_period: int | None = None
+    best_fn: Callable[[Mapping[str, Any]], float] | None = None
+    best_mode: str = "min"
+    keep_checkpoints_without_metrics: bool = True
+    step_prefix: str | None = None
+    create: bool = True
+    async_save: bool = True
+    max_pending_saves: int = 1
+    max_host_bytes: int | None = None
+    save_rng: bool = True
+    save_on_preemption: bool = False
+    coordination_timeout_s: float = 600.0
+    lock_timeout_s: float = 1800.0
+    on_commit: Callable[[int], None] | None = None
+    save_options: SaveOptions = field(default_factory=SaveOptions)
+    restore_options: RestoreOptions = field(default_factory=RestoreOptions)
+
+    def __post_init__(self) -> None:
+        _optional_int("save_interval_steps", self.save_interval_steps, 1)
+        _optional_int("max_to_keep", self.max_to_keep, 1)
+        _optional_int("keep_period", self.keep_period, 1)
+        _optional_int("max_host_bytes", self.max_host_bytes, 1)
+        _optional_int("max_pending_saves", self.max_pending_saves, 1)
+        for name in ("coordination_timeout_s", "lock_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.save_on_steps, frozenset) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.save_on_steps):
+            raise ValueError(f"save_on_steps must be a frozenset of step numbers, got {self.save_on_steps!r}")
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+        for name in ("best_fn", "on_commit"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ValueError(f"{name} must be callable")
+        if self.step_prefix is not None and (not self.step_prefix or "/" in self.step_prefix
+                                             or not layout.is_safe_relative_path(self.step_prefix)):
+            raise ValueError(f"step_prefix {self.step_prefix!r} is not a plain name")
+        for name in ("create", "async_save", "save_rng", "save_on_preemption", "keep_checkpoints_without_metrics"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from .metadata import SavedSharding
+from .formats.records import SavedSharding
 from .sharded_array import ShardedArray
 
 Index = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in global coordinates, without padding

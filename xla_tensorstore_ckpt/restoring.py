@@ -17,19 +17,17 @@ from typing import Any
 
 import torch
 
-from . import arrays, dtypes, layout, storage, tree
+from . import arrays, dtypes, formats, grid, layout, storage, tree
 from .errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     KeyMismatchError,
     ShapeMismatchError,
     UnsupportedValueError,
 )
+from .formats import ArrayMetadata, ItemManifest
 from .gc_pause import paused_gc
-from .metadata import ArrayMetadata, ItemManifest
 from .options import RestoreOptions
 from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
-from .saving import drain
 from .sharded_array import ShardedArray
 
 PathLike = str | storage.Location
@@ -39,16 +37,6 @@ PathLike = str | storage.Location
 # less than that, up to about this factor. Over a network, each chunk is fetched once.
 MAX_READ_AMPLIFICATION = 2.0
 SMALL_READ_BYTES = 4 << 20
-
-
-def read_manifest(path: PathLike) -> ItemManifest:
-    """Read and validate ``<path>/_METADATA``. Raises `CheckpointNotFoundError` if absent,
-    `CorruptCheckpointError` if malformed, `FormatVersionError` if newer than this reader."""
-    loc = storage.location(path)
-    data = storage.read(loc, layout.ITEM_METADATA)
-    if data is None:
-        raise CheckpointNotFoundError(f"{loc} holds no checkpoint item ({layout.ITEM_METADATA} is missing)")
-    return ItemManifest.from_bytes(data, where=str(loc.child(layout.ITEM_METADATA)))
 
 
 @dataclass(frozen=True)
@@ -121,12 +109,12 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
     if isinstance(target, ShardedArray):
         raise UnsupportedValueError("the restore target must be a tree (dict, list or tuple), not a ShardedArray")
     with paused_gc():  # many small records (layouts, read plans) live until the item is read
-        manifest = manifest or read_manifest(loc)
+        manifest = manifest or formats.read_item(loc)
         saved = manifest.leaves()
         wanted = ({p: None for p in saved} if target is None
                   else _match(loc, saved, dict(tree.flatten(target)), strict))
-        values = read_arrays(loc, _read_jobs(saved, wanted, MAX_READ_AMPLIFICATION if loc.cheap_refetch else 1.0),
-                             options, take)
+        amplification = MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0
+        values = read_arrays(loc, _read_jobs(saved, wanted, amplification), options, take)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 
@@ -158,7 +146,8 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
             if tuple(reference.shape) != stored.shape:
                 raise ShapeMismatchError(
                     f"cannot restore {tree.format_key_path(path)}: checkpoint shape {stored.shape} at "
-                    f"{loc.child(stored.path)} does not match target shape {tuple(reference.shape)}")
+                    f"{loc.child(stored.path)} does not match target shape {tuple(reference.shape)}",
+                    key=tree.format_key_path(path), saved_shape=stored.shape, target_shape=tuple(reference.shape))
         wanted[path] = value if isinstance(value, (torch.Tensor, RestoreAs, ShardedArray)) else None
     return wanted
 
@@ -198,7 +187,7 @@ def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: Restor
                 f"restoring {tree.format_key_path(job.key_path)} from {loc.child(job.meta.path)} would read "
                 f"{job.read_bytes / 2**30:.1f} GiB at once, more than this machine's memory; a damaged checkpoint?")
     opened = {job.key_path: arrays.open_existing(loc.child(job.meta.path)) for job in jobs}
-    groups = _read_batches(jobs, options.read_batch_bytes)
+    groups = list(grid.batches(jobs, lambda job: job.read_bytes, options.read_batch_bytes))
     results: dict[layout.KeyPath, torch.Tensor] = {}
     current: list[dict] = []
     following: list[dict] = []
@@ -214,21 +203,9 @@ def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: Restor
                 take(built)
             current, following = following, []
     except BaseException:
-        drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
+        arrays.drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
         raise
     return results
-
-
-def _read_batches(jobs: Sequence[_ReadJob], limit: int) -> list[list[_ReadJob]]:
-    groups: list[list[_ReadJob]] = []
-    size = 0
-    for job in jobs:
-        if not groups or (size + job.read_bytes > limit and groups[-1]):
-            groups.append([])
-            size = 0
-        groups[-1].append(job)
-        size += job.read_bytes
-    return groups
 
 
 def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict) -> list[dict]:

@@ -23,8 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import checkpointer
 from .errors import CheckpointError
+from .options import RestoreOptions
 from .sharded_array import ShardedArray
+from .storage import Location
 
 _LAYOUT = "rows per process"
 
@@ -51,7 +54,12 @@ def capture(index: int, count: int) -> dict:
     return tree
 
 
-def restore(saved: Any, index: int, count: int, *, where: str) -> None:
+def restore(loc: Location, index: int, count: int, *, options: RestoreOptions) -> None:
+    """Set this process's generators from the item at `loc` (written by `capture`, or by format version 1)."""
+    apply(checkpointer.restore(loc, options=options), index, count, where=str(loc))
+
+
+def apply(saved: Any, index: int, count: int, *, where: str) -> None:
     """Set this process's generators from a tree read back from `capture` (CPU tensors of every row), or from
     a version-1 state. Raises `CheckpointError` naming `where` if the tree is malformed."""
     try:
@@ -64,7 +72,7 @@ def restore(saved: Any, index: int, count: int, *, where: str) -> None:
                 seed = _derived_seed(row["torch"], index)
                 warnings.warn(f"{where} holds the random generator states of {saved_count} processes; process "
                               f"{index} of {count} takes those of process {index % saved_count}, re-seeded with "
-                              f"{seed} (derived from them and its index)", stacklevel=3)
+                              f"{seed} (derived from them and its index)", stacklevel=4)
                 _reseed(seed)
         else:
             _set_version_1(saved)

@@ -13,16 +13,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import arrays, dtypes, layout, storage, tree
+from . import arrays, dtypes, formats, grid, layout, storage, tree
 from .distributed import Coordinator, balance
-from .errors import CheckpointExistsError, CorruptCheckpointError, UnsupportedValueError
-from .metadata import ArrayMetadata, ItemManifest
+from .errors import CheckpointExistsError, UnsupportedValueError
+from .formats import ArrayMetadata, ItemManifest
 from .options import SaveOptions
 from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
 from .sharded_array import ShardedArray
@@ -119,7 +119,7 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     plans = []
     for position, (path, value, lay, meta) in enumerate(local):
         meta = dataclasses.replace(meta, chunk_shape=chunk_shapes[meta.path])
-        owner = {region: writers[(meta.path, region)] for region in _grid(meta)}
+        owner = {region: writers[(meta.path, region)] for region in grid.regions(meta.shape, meta.chunk_shape)}
         writes = tuple(ChunkWrite(region, source) for region, source in _local_chunks(lay, meta.chunk_shape).items()
                        if owner[region] == coordinator.index)
         sole = set(owner.values())
@@ -127,7 +127,7 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
         metadata_writer = next(iter(sole)) if single_file else position % coordinator.count
         plans.append(ArrayPlan(path, meta, value, lay, writes, single_file, metadata_writer == coordinator.index))
     by_path = {p.key_path: p.meta for p in plans}
-    manifest = ItemManifest(tree.rebuild(state, lambda p, v: by_path.get(p, v)))
+    manifest = ItemManifest(tree.rebuild(state, lambda p, v: by_path.get(p, v)), formats.WRITE_VERSION)
     return SavePlan(manifest, tuple(plans))
 
 
@@ -162,22 +162,12 @@ def _layouts(values: Sequence[ArrayLike]) -> list[TensorLayout]:
     return out  # type: ignore[return-value]
 
 
-def _grid(meta: ArrayMetadata) -> list[Index]:
-    """Every chunk region of an array (none if it has a zero-length dimension)."""
-    if 0 in meta.shape:
-        return []
-    regions: list[Index] = [()]
-    for n, c in zip(meta.shape, meta.chunk_shape):
-        regions = [r + ((k * c, min((k + 1) * c, n)),) for r in regions for k in range(-(-n // c))]
-    return regions
-
-
 def _local_chunks(lay: TensorLayout, chunk_shape: tuple[int, ...]) -> dict[Index, LocalShard]:
     """The chunks whose data this process holds, each with the local shard (lowest replica) holding it."""
     if chunk_shape == lay.chunk_shape:  # chunks are the shards themselves
         return {shard.index: shard for shard in lay.distinct_shards()}
     out: dict[Index, LocalShard] = {}
-    meta_grid = _grid(ArrayMetadata("", lay.shape, "uint8", chunk_shape))
+    meta_grid = grid.regions(lay.shape, chunk_shape)
     for shard in lay.distinct_shards():
         for region in meta_grid:
             if all(sa <= a and b <= sb for (a, b), (sa, sb) in zip(region, shard.index)) and region not in out:
@@ -208,18 +198,18 @@ def _assign_writers(local: list[tuple[ArrayMetadata, TensorLayout]], options: Sa
     chunk_shapes: dict[str, tuple[int, ...]] = {}
     chunks: list[tuple[tuple[str, Index], int, list[int]]] = []
     for meta, _ in local:
-        grid = _grid(meta)
-        for region in grid:
+        regions = grid.regions(meta.shape, meta.chunk_shape)
+        for region in regions:
             if (meta.path, region) not in holders:
                 raise UnsupportedValueError(f"chunk {region} of {meta.path} is held by no process")
-        everywhere = len(grid) == 1 and len(holders[(meta.path, grid[0])]) == coordinator.count
+        everywhere = len(regions) == 1 and len(holders[(meta.path, regions[0])]) == coordinator.count
         if (coordinator.count > 1 and everywhere and meta.shape and meta.shape[0] >= coordinator.count
                 and meta.nbytes >= options.split_bytes):
             meta = dataclasses.replace(meta, chunk_shape=(-(-meta.shape[0] // coordinator.count),
                                                           *meta.chunk_shape[1:]))
-            held = {region: list(range(coordinator.count)) for region in _grid(meta)}
+            held = {region: list(range(coordinator.count)) for region in grid.regions(meta.shape, meta.chunk_shape)}
         else:
-            held = {region: holders[(meta.path, region)] for region in grid}
+            held = {region: holders[(meta.path, region)] for region in regions}
         chunk_shapes[meta.path] = meta.chunk_shape
         itemsize = dtypes.by_name(meta.dtype).itemsize
         chunks.extend(((meta.path, region), math.prod(b - a for a, b in region) * itemsize, procs)
@@ -257,20 +247,6 @@ def _cut(data: torch.Tensor, write: ChunkWrite) -> torch.Tensor:
     return data[tuple(slice(a - sa, b - sa) for (a, b), (sa, _) in zip(write.region, write.source.index))]
 
 
-def batches(plans: Sequence[ArrayPlan], limit: int) -> Iterator[list[ArrayPlan]]:
-    """Consecutive groups of plans whose fetches stay within `limit` bytes (a larger plan is alone)."""
-    group: list[ArrayPlan] = []
-    size = 0
-    for p in plans:
-        if group and size + p.host_bytes > limit:
-            yield group
-            group, size = [], 0
-        group.append(p)
-        size += p.host_bytes
-    if group:
-        yield group
-
-
 Staged = list[tuple[list[ArrayPlan], list[list[torch.Tensor]]]]
 
 
@@ -279,7 +255,7 @@ def stage_all(plans: Sequence[ArrayPlan], options: SaveOptions, *, copy_cpu: boo
     within `options.host_batch_bytes`). Blocks. For asynchronous saves: once this returns, training may change
     the tensors; `start_writes` then writes from the copies."""
     return [(group, stage(group, copy_cpu=copy_cpu))
-            for group in batches([p for p in plans if p.writes], options.host_batch_bytes)]
+            for group in grid.batches([p for p in plans if p.writes], lambda p: p.host_bytes, options.host_batch_bytes)]
 
 
 @dataclass
@@ -290,6 +266,12 @@ class Writes:
     pending: list[arrays.Pending]
     files: list[str]
 
+    @staticmethod
+    def combined(by_item: Mapping[str, Writes]) -> Writes:
+        """The writes of several items as one, file names relative to their parent (``<item>/...``)."""
+        return Writes([p for w in by_item.values() for p in w.pending],
+                      [f"{item}/{f}" for item, w in by_item.items() for f in w.files])
+
 
 def start_writes(loc: storage.Location, plans: Sequence[ArrayPlan], staged: Staged,
                  options: SaveOptions) -> Writes:
@@ -299,7 +281,7 @@ def start_writes(loc: storage.Location, plans: Sequence[ArrayPlan], staged: Stag
         for group, data in staged:
             writer.write(group, data)
     except BaseException:
-        drain(writer.writes.pending)
+        arrays.drain(writer.writes.pending)
         raise
     return writer.writes
 
@@ -314,7 +296,7 @@ def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: Sav
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
     try:
-        for group in batches([p for p in plans if p.writes], options.host_batch_bytes):
+        for group in grid.batches([p for p in plans if p.writes], lambda p: p.host_bytes, options.host_batch_bytes):
             group_bytes = sum(p.staged_bytes for p in group)
             while max_host_bytes is not None and in_flight and in_flight_bytes + group_bytes > max_host_bytes:
                 done_bytes, done = in_flight.popleft()
@@ -323,9 +305,33 @@ def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: Sav
             in_flight.append((group_bytes, writer.write(group, stage(group, copy_cpu=copy_cpu))))
             in_flight_bytes += group_bytes
     except BaseException:
-        drain(writer.writes.pending)
+        arrays.drain(writer.writes.pending)
         raise
     return writer.writes
+
+
+def begin_writes(loc: storage.Location, plans: Mapping[str, SavePlan], options: SaveOptions, *, background: bool,
+                 max_host_bytes: int | None) -> Callable[[], Writes]:
+    """Begin saving items (name -> plan) under `loc`; return `start`, which starts the writes not started yet
+    and returns all of them. With `background` (an asynchronous save), every shard is on the host when this
+    returns and training may change the tensors: without `max_host_bytes` only the copies happen here and
+    `start` (called on a background thread) issues the writes; with it, staging and writing interleave here
+    within the cap. Without `background`, nothing happens here: `start` stages and writes, holding at most two
+    batches of host memory. Blocks while shards are copied."""
+    if not background:
+        return lambda: Writes.combined({name: issue_writes(loc.child(name), plan.arrays, options,
+                                                           max_host_bytes=2 * options.host_batch_bytes)
+                                        for name, plan in plans.items()})
+    if max_host_bytes is not None:
+        started = Writes.combined({name: issue_writes(loc.child(name), plan.arrays, options, copy_cpu=True,
+                                                      max_host_bytes=max_host_bytes)
+                                   for name, plan in plans.items()})
+        return lambda: started
+    # Only the copy off the devices happens here; creating arrays and issuing writes (a fraction of a millisecond
+    # per chunk) is left to the caller of `start`.
+    staged = {name: stage_all(plan.arrays, options, copy_cpu=True) for name, plan in plans.items()}
+    return lambda: Writes.combined({name: start_writes(loc.child(name), plan.arrays, staged.pop(name), options)
+                                    for name, plan in plans.items()})
 
 
 class _Writer:
@@ -359,26 +365,12 @@ class _Writer:
         return out
 
 
-def drain(pending: Sequence[arrays.Pending]) -> None:
-    """Wait for futures whose results no longer matter (an error is already on its way)."""
-    for item in pending:
-        try:
-            item.result()
-        except (CorruptCheckpointError, OSError):
-            pass
-
-
 def prepare_directory(loc: storage.Location, *, overwrite: bool) -> None:
     """Make sure `loc` is empty: delete it if `overwrite`, else raise `CheckpointExistsError` if it holds
     anything."""
-    if storage.is_empty(loc):
+    if loc.is_empty():
         return
     if not overwrite:
-        what = "a checkpoint" if storage.read(loc, layout.ITEM_METADATA) is not None else "other files"
+        what = "a checkpoint" if loc.read(layout.ITEM_METADATA) is not None else "other files"
         raise CheckpointExistsError(f"{loc} already holds {what}; pass overwrite=True to replace it")
-    storage.delete_tree(loc)
-
-
-def write_manifest(loc: storage.Location, manifest: ItemManifest, options: SaveOptions) -> None:
-    """Write ``_METADATA``, the last file of an item: its presence marks the item complete."""
-    storage.write(loc, layout.ITEM_METADATA, manifest.to_bytes(), fsync=options.fsync)
+    loc.delete_tree()

@@ -21,7 +21,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
-from .metadata import SavedSharding
+from .formats.records import SavedSharding
 from .plan import LocalShard, Placement, TensorLayout, full_index
 
 _X = torch_xla._XLAC

@@ -1,5 +1,5 @@
-"""Adapters between training objects (modules, optimizers, schedulers, data loaders) and state trees,
-and in-place assignment of restored values. Called by the manager; blocks; not thread-safe.
+"""Adapters between training objects (modules, optimizers, schedulers, data loaders) and state trees: what to
+save for an object, and how to restore it in place. Called by the manager; blocks; not thread-safe.
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from typing import Any
 
 import torch
 
-from . import tree
+from . import checkpointer, formats, restoring, tree
 from .errors import CheckpointError, UnsupportedValueError
+from .formats import ArrayMetadata
 from .layout import KeyPath
-from .metadata import ArrayMetadata
+from .options import RestoreOptions
 from .restoring import RestoreAs
+from .storage import Location
 
 
 def state_of(obj: Any) -> Any:
@@ -88,6 +90,29 @@ def _parent(root: Any, path: KeyPath) -> tuple[Any, Any]:
     for key in path[:-1]:
         node = node[key]
     return node, path[-1]
+
+
+def restore_object(item_loc: Location, obj: Any, *, strict: bool, options: RestoreOptions) -> None:
+    """Restore a training object in place from the item at `item_loc`: a module's parameters and buffers keep
+    their identity, device and sharding (swapped in batch by batch, so the old device buffers are freed as the
+    restore goes); an optimizer (a fresh one too) is rebuilt with each state tensor on its parameter's
+    sharding, then ``load_state_dict``; other objects with ``load_state_dict`` get the saved tree; a dict or
+    list is updated in place. Raises what `checkpointer.restore` raises."""
+    if isinstance(obj, torch.nn.Module):
+        _restore_in_place(item_loc, module_target(obj), strict, options)
+    elif isinstance(obj, torch.optim.Optimizer):
+        target = optimizer_target(obj, formats.read_item(item_loc).tree, str(item_loc))
+        obj.load_state_dict(checkpointer.restore(item_loc, target, options=options))
+    elif hasattr(obj, "load_state_dict") and callable(obj.load_state_dict):
+        obj.load_state_dict(checkpointer.restore(item_loc, options=options))
+    else:
+        _restore_in_place(item_loc, obj, strict, options)
+
+
+def _restore_in_place(item_loc: Location, target: Any, strict: bool, options: RestoreOptions) -> None:
+    rest = restoring.read_item(item_loc, target, strict=strict, options=options,
+                               take=lambda values: assign_in_place(target, values))
+    assign_in_place(target, rest)
 
 
 def metrics_json(metrics: dict | None) -> dict | None:

@@ -1,9 +1,10 @@
 """A saving process that kills itself (SIGKILL, like kill -9) at a chosen point of a save.
 
-usage: crash_save.py ROOT --kill-at MODULE.FUNCTION:N [--steps 1,2,3] [--async] [--max-to-keep K]
-Saves the given steps of a deterministic CPU state with a CheckpointManager; the N-th call of MODULE.FUNCTION
-(a module of xla_tensorstore_ckpt, or os) counted from the start of the last step's save kills the process
-before the call runs. Exits 0 if the point was never reached.
+usage: crash_save.py ROOT --kill-at OPERATION:N [--steps 1,2,3] [--async] [--max-to-keep K]
+Saves the given steps of a deterministic CPU state with a CheckpointManager on ROOT seen through a hooked storage
+backend (tests/fault_backends.py); the N-th storage operation OPERATION (write, delete, open_array, file_written,
+sync_files, ...) counted from the start of the last step's save kills the process before it runs. Exits 0 if the
+point was never reached.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
+from collections import Counter
 
 import torch
 
-import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, saving, storage  # noqa: F401 - patched by name
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fault_backends import hooked  # noqa: E402
+
+import xla_tensorstore_ckpt as xtc  # noqa: E402
 
 
 def state_for(step: int) -> dict:
@@ -24,20 +29,21 @@ def state_for(step: int) -> dict:
             "layers": [{"k": torch.randn(32, 32, generator=g)} for _ in range(4)], "step": step}
 
 
-def install(target: str) -> None:
-    name, count = target.rsplit(":", 1)
-    module_name, function_name = name.rsplit(".", 1)
-    module = globals()[module_name]
-    real = getattr(module, function_name)
-    calls = {"n": 0}
+class KillSwitch:
+    """Kills the process at the N-th call of an operation, counting only once armed."""
 
-    def wrapper(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == int(count):
+    def __init__(self, point: str):
+        self.operation, count = point.rsplit(":", 1)
+        self.count = int(count)
+        self.armed = False
+        self.calls: Counter = Counter()
+
+    def __call__(self, operation: str, path: str, count: int) -> None:
+        if not self.armed:
+            return
+        self.calls[operation] += 1
+        if operation == self.operation and self.calls[operation] == self.count:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(*args, **kwargs)
-
-    setattr(module, function_name, wrapper)
 
 
 def main() -> None:
@@ -51,12 +57,13 @@ def main() -> None:
     steps = [int(s) for s in args.steps.split(",")]
     options = xtc.CheckpointManagerOptions(
         save_interval_steps=1, max_to_keep=args.max_to_keep, async_save=args.async_save, save_rng=False,
-        save_options=xtc.SaveOptions(host_batch_bytes=4096))  # one small batch per array: many staging points
-    manager = xtc.CheckpointManager(args.root, options)
+        save_options=xtc.SaveOptions(host_batch_bytes=4096))  # one small batch per array: staging interleaves
+    switch = KillSwitch(args.kill_at)
+    manager = xtc.CheckpointManager(hooked(args.root, switch), options)
     for step in steps:
         if step == steps[-1]:
-            manager.wait_until_finished()  # count calls of the last save only
-            install(args.kill_at)
+            manager.wait_until_finished()  # count operations of the last save only
+            switch.armed = True
         manager.save(step, model=state_for(step))
     manager.close()
 

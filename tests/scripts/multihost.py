@@ -14,15 +14,17 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import sys
 import warnings
 
 import numpy as np
 import torch
 
-import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, storage
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fault_backends import hooked, kill_at  # noqa: E402
+
+import xla_tensorstore_ckpt as xtc  # noqa: E402
+from xla_tensorstore_ckpt import arrays
 from xla_tensorstore_ckpt.distributed import Coordinator
 
 # name -> (shape, dtype, save shard shape, restore shard shape)
@@ -107,10 +109,10 @@ def main() -> None:
         kill_rank = int(sys.argv[3])
         manager_options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False,
                                                        coordination_timeout_s=60, save_options=options)
-        manager = xtc.CheckpointManager(root, manager_options)
+        # The process of rank KILL dies when step 2's chunks are written, before they are synced.
+        hook = kill_at("sync_files:2") if rank == kill_rank else (lambda *_: None)
+        manager = xtc.CheckpointManager(hooked(root, hook), manager_options)
         manager.save(1, model=state(rank, world))
-        if rank == kill_rank:
-            storage.sync_files = lambda loc, names: os.kill(os.getpid(), signal.SIGKILL)
         try:
             manager.save(2, model=state(rank, world))
             print(json.dumps({"rank": rank, "step2": "committed"}), flush=True)

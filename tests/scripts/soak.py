@@ -21,7 +21,7 @@ import time
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import inspection, layout
+from xla_tensorstore_ckpt import layout, scans
 
 MAX_TO_KEEP, KEEP_PERIOD = 3, 10
 
@@ -104,7 +104,7 @@ def main() -> None:
     names = sorted(os.listdir(args.root))
     leftovers = [os.path.join(r, n) for r, _, files in os.walk(args.root) for n in files
                  if n.endswith(".tmp") or "__lock" in n or n.startswith(layout.MANAGER_LOCK)]
-    checked, problems = inspection.verify(args.root)
+    checked, problems = scans.verify(args.root)
     summary = {"cycles": args.cycles, "crashes": crashes, "restarts": restarts, "steps_on_disk": on_disk,
                "expected_steps": expected, "kept_steps_verified": on_disk if not problems else [],
                "arrays_verified": checked, "problems": [p.message for p in problems], "leftovers": leftovers}

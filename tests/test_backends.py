@@ -1,0 +1,77 @@
+"""The backend contract (backend_contract.py) on every backend: local disk, memory, and a real GCS emulator. The
+raw hooks go around the backend: plain file I/O, tensorstore's memory kvstore, the emulator's JSON API."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+import tensorstore as ts
+from backend_contract import BackendContract
+from conftest import GCS_BUCKET
+
+from xla_tensorstore_ckpt import storage
+
+_unique = itertools.count()
+
+
+class TestLocal(BackendContract):
+    @pytest.fixture
+    def location(self, tmp_path):
+        return storage.location(tmp_path / "root")
+
+    def raw_put(self, loc, name, data):
+        path = os.path.join(loc.path, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def raw_get(self, loc, name):
+        try:
+            with open(os.path.join(loc.path, name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+
+class TestMemory(BackendContract):
+    @pytest.fixture
+    def location(self):
+        return storage.location(f"memory://contract/{next(_unique)}")
+
+    def _kv(self):
+        return ts.KvStore.open({"driver": "memory"}, context=storage.context()).result()
+
+    def raw_put(self, loc, name, data):
+        self._kv().write(f"{loc.path}/{name}", data).result()
+
+    def raw_get(self, loc, name):
+        result = self._kv().read(f"{loc.path}/{name}").result()
+        return result.value if result.state == "value" else None
+
+
+class TestGcs(BackendContract):
+    @pytest.fixture
+    def location(self, gcs_emulator_server):
+        self.url = gcs_emulator_server.url
+        return storage.location(f"gs://{GCS_BUCKET}/contract/{next(_unique)}")
+
+    def raw_put(self, loc, name, data):
+        query = urllib.parse.urlencode({"uploadType": "media", "name": f"{loc.path}/{name}"})
+        request = urllib.request.Request(f"{self.url}/upload/storage/v1/b/{GCS_BUCKET}/o?{query}", data=data,
+                                         method="POST", headers={"Content-Type": "application/octet-stream"})
+        urllib.request.urlopen(request, timeout=30).read()
+
+    def raw_get(self, loc, name):
+        quoted = urllib.parse.quote(f"{loc.path}/{name}", safe="")
+        try:
+            return urllib.request.urlopen(f"{self.url}/storage/v1/b/{GCS_BUCKET}/o/{quoted}?alt=media",
+                                          timeout=30).read()
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise

@@ -1,0 +1,78 @@
+"""Checkpoints of format version 1 keep restoring bit for bit: a root written by the version-1 writer is committed
+under tests/golden/v1 (by golden/make_v1.py), and read here by today's readers."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_mesh, sharded
+from test_checkpointer_cpu import assert_trees_equal
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import cli
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v1")
+sys.path.insert(0, os.path.dirname(GOLDEN))
+import make_v1  # noqa: E402
+
+
+@pytest.fixture
+def root(tmp_path):
+    shutil.copytree(GOLDEN, tmp_path / "root")  # a manager may clean up: never touch the fixture itself
+    return tmp_path / "root"
+
+
+def test_items_restore_bit_for_bit_without_a_target():
+    assert_trees_equal(xtc.restore(os.path.join(GOLDEN, "1", "model")), make_v1.model_state())
+    assert_trees_equal(xtc.restore(os.path.join(GOLDEN, "1", "optimizer")), make_v1.optimizer_state())
+    extra = xtc.restore(os.path.join(GOLDEN, "1", "extra"))
+    expected = make_v1.extra_state()
+    assert math.isnan(extra.pop("nan")) and math.isnan(expected.pop("nan"))
+    assert_trees_equal(extra, expected)
+    assert isinstance(extra["pair"], tuple) and extra["inf"] == -math.inf and extra[7] == "integer key"
+
+
+def test_arrays_restore_onto_another_mesh_with_their_saved_metadata():
+    path = os.path.join(GOLDEN, "2", "model")
+    info = xtc.metadata(path)
+    assert info["w"].chunk_shape == (2, 3) and info["w"].sharding.mesh_shape == (4, 2)
+    assert info["w"].sharding.partition_spec == ("x", "y") and info["b"].dtype == "bfloat16"
+    expected = make_v1.model_state()
+    target = dict(expected, w=sharded(torch.zeros(8, 6), make_mesh((2, 4), ("a", "b")), ("b", "a")))
+    out = xtc.restore(path, target)
+    assert torch.equal(out["w"].cpu(), expected["w"])
+    assert_trees_equal({k: v for k, v in out.items() if k != "w"}, {k: v for k, v in expected.items() if k != "w"})
+
+
+def test_the_manager_lists_and_resumes_them_rng_included(root):
+    with xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(save_interval_steps=1)) as manager:
+        assert manager.all_steps() == [1, 2] and manager.metadata(1).metrics == {"loss": 0.25}
+        assert manager.metadata(1).items == ("model", "optimizer", "extra", "rng")
+        make_v1.legacy_rng()
+        expected = (torch.rand(3), np.random.rand(), random.random())
+        torch.manual_seed(0)
+        extra = {k: v for k, v in make_v1.extra_state().items() if k != "nan"}
+        extra["t"] = torch.zeros(2, 3)
+        with pytest.warns(UserWarning, match="not in the target: nan"):
+            assert manager.restore(1, extra=extra, strict=False) == 1  # the legacy single-state RNG layout
+        assert torch.equal(torch.rand(3), expected[0]) and (np.random.rand(), random.random()) == expected[1:]
+        assert torch.equal(extra["t"], torch.ones(2, 3)) and extra["position"] == 17
+        model = {k: torch.zeros_like(v) for k, v in make_v1.model_state().items()}
+        torch.manual_seed(21)
+        after_save = torch.rand(2)
+        torch.manual_seed(0)
+        assert manager.restore("latest", model=model) == 2  # per-process RNG rows
+        assert torch.equal(torch.rand(2), after_save)
+        assert_trees_equal(model, make_v1.model_state())
+
+
+def test_the_command_line_verifies_them(root, capsys):
+    assert cli.main(["verify", str(root)]) == 0
+    assert "OK: " in capsys.readouterr().out

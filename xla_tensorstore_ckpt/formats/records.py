@@ -1,0 +1,90 @@
+"""The neutral records every format reader returns and every writer takes: what an item holds (`ItemManifest`:
+the tree with an `ArrayMetadata` per array and JSON leaves inline) and what a step holds (`StepMetadata`, its
+commit marker). Immutable, independent of the on-disk encoding; no torch_xla, no tensorstore."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import dtypes, layout, tree
+
+
+@dataclass(frozen=True)
+class SavedSharding:
+    """How a tensor was sharded when saved: its HLO sharding, the number of tiles per dimension, the
+    replication factor, and when they could be recovered the mesh and partition spec."""
+
+    hlo: str
+    tiles: tuple[int, ...]
+    replicas: int
+    num_devices: int
+    mesh_shape: tuple[int, ...] | None = None
+    axis_names: tuple[str, ...] | None = None
+    partition_spec: tuple[Any, ...] | None = None
+
+    def describe(self) -> str:
+        """Short text for listings: ``mesh (4, 2) ('x', 'y') spec ('x', None)`` or the tile layout."""
+        if self.mesh_shape is not None and self.partition_spec is not None:
+            names = f" {self.axis_names}" if self.axis_names else ""
+            return f"mesh {self.mesh_shape}{names} spec {self.partition_spec}"
+        return f"tiles {self.tiles} x{self.replicas} replicas"
+
+
+@dataclass(frozen=True)
+class ArrayMetadata:
+    """One stored tensor: its zarr array directory (relative to the item), shape, zarr dtype name, chunk
+    shape and the sharding it was saved with (None for CPU or unsharded tensors)."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]
+    sharding: SavedSharding | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtypes.by_name(self.dtype).torch
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.by_name(self.dtype).itemsize
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks holding data (none for an array with a zero-length dimension)."""
+        return math.prod(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
+
+
+@dataclass(frozen=True)
+class ItemManifest:
+    """What one item holds: `tree` has `ArrayMetadata` leaves for arrays and the values themselves for JSON
+    leaves. `format_version` is that of the checkpoint it was read from (or will be written in)."""
+
+    tree: Any
+    format_version: int
+
+    def arrays(self) -> list[tuple[layout.KeyPath, ArrayMetadata]]:
+        return [(p, v) for p, v in tree.flatten(self.tree) if isinstance(v, ArrayMetadata)]
+
+    def leaves(self) -> dict[layout.KeyPath, Any]:
+        return dict(tree.flatten(self.tree))
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """The commit marker of a step, written last: a step is committed iff it exists and decodes. Holds what the
+    step contains and how it came to be."""
+
+    step: int
+    items: tuple[str, ...]
+    created_at: float
+    committed_at: float
+    metrics: dict[str, Any] | None = None
+    custom: dict[str, Any] | None = None
+    versions: dict[str, str] | None = None
+    process_count: int = 1
+    format_version: int = 1

@@ -1,0 +1,181 @@
+"""Format version 1, frozen: the item manifest (``<item>/_METADATA``) and the step marker
+(``<step>/_CHECKPOINT_METADATA``) as this library wrote them before Orbax compatibility.
+
+Item: ``{"format_version": 1, "tree": <tree.encode of the structure>}`` with ``{"array": {path, shape, dtype,
+chunk_shape, sharding}}`` leaves for arrays and ``{"value": ...}`` / ``{"float": "nan"}`` for JSON leaves. Step:
+``{"format_version": 1, "step", "items", "created_at", "committed_at", "metrics", "custom", "versions",
+"process_count"}``. Arrays are zarr v3 directories with a crc32c codec, one per array, at ``path``.
+
+Decoding validates everything read from disk (types, ranges, paths that stay inside the item) so that a hostile
+or damaged file is a `CorruptCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from .. import dtypes, layout, tree
+from ..errors import CorruptCheckpointError, UnsupportedValueError
+from .records import ArrayMetadata, ItemManifest, SavedSharding, StepMetadata
+
+VERSION = 1
+MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: anything larger is a damaged or hostile manifest.
+MAX_RANK = 32
+
+
+def is_item(doc: dict) -> bool:
+    """True if a decoded ``_METADATA`` document is in this format."""
+    return doc.get("format_version") == VERSION and "tree" in doc
+
+
+def is_step(doc: dict) -> bool:
+    """True if a decoded ``_CHECKPOINT_METADATA`` document is in this format."""
+    return doc.get("format_version") == VERSION and "items" in doc
+
+
+# ------------------------------------------------------------------------------------------------- items
+
+
+def encode_item(manifest: ItemManifest) -> bytes:
+    def leaf(_path: layout.KeyPath, value: Any) -> dict:
+        if isinstance(value, ArrayMetadata):
+            return {"array": _array_json(value)}
+        return tree.encode_value(value)
+
+    doc = {"format_version": VERSION, "tree": tree.encode(manifest.tree, leaf)}
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def decode_item(doc: dict, *, where: str) -> ItemManifest:
+    def leaf(path: layout.KeyPath, node: dict) -> Any:
+        if "array" in node:
+            return _array(node["array"], where=f"{where} ({tree.format_key_path(path)})")
+        return tree.decode_value(node, where=where)
+
+    structure = tree.decode(doc.get("tree"), leaf, where=where)
+    if not tree.is_container(structure):
+        raise CorruptCheckpointError(f"{where}: the tree root is not a container")
+    manifest = ItemManifest(structure, VERSION)
+    seen: set[str] = set()
+    for _path, meta in manifest.arrays():
+        if meta.path in seen:
+            raise CorruptCheckpointError(f"{where}: two arrays share the directory {meta.path!r}")
+        seen.add(meta.path)
+    return manifest
+
+
+def _array_json(meta: ArrayMetadata) -> dict:
+    return {"path": meta.path, "shape": list(meta.shape), "dtype": meta.dtype, "chunk_shape": list(meta.chunk_shape),
+            "sharding": None if meta.sharding is None else _sharding_json(meta.sharding)}
+
+
+def _array(data: Any, *, where: str) -> ArrayMetadata:
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{where}: array entry is not an object")
+    path = string(data.get("path"), where)
+    if not layout.is_safe_relative_path(path):
+        raise CorruptCheckpointError(f"{where}: array path {path!r} escapes the item directory")
+    shape = integers(data.get("shape"), where, minimum=0)
+    chunk_shape = integers(data.get("chunk_shape"), where, minimum=1)
+    dtype = string(data.get("dtype"), where)
+    check_array(path, shape, dtype, chunk_shape, where)
+    sharding = data.get("sharding")
+    return ArrayMetadata(path, shape, dtype, chunk_shape, None if sharding is None else _sharding(sharding, where))
+
+
+def check_array(path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], where: str) -> None:
+    """Reject array metadata that no real checkpoint has: an unknown dtype, chunks that do not fit the shape, an
+    absurd size (which a reader would otherwise try to allocate)."""
+    try:
+        itemsize = dtypes.by_name(dtype).itemsize
+    except UnsupportedValueError:
+        raise CorruptCheckpointError(f"{where}: unknown dtype {dtype!r} for {path}") from None
+    if len(shape) > MAX_RANK or len(chunk_shape) != len(shape) or any(
+            c > max(1, n) for c, n in zip(chunk_shape, shape)):
+        raise CorruptCheckpointError(f"{where}: array {path} has shape {shape} and chunk shape {chunk_shape}")
+    if math.prod(shape) * itemsize > MAX_ARRAY_BYTES:
+        raise CorruptCheckpointError(f"{where}: array {path} claims an absurd shape {shape}")
+
+
+def _sharding_json(sharding: SavedSharding) -> dict:
+    return {
+        "hlo": sharding.hlo, "tiles": list(sharding.tiles), "replicas": sharding.replicas,
+        "num_devices": sharding.num_devices,
+        "mesh_shape": None if sharding.mesh_shape is None else list(sharding.mesh_shape),
+        "axis_names": None if sharding.axis_names is None else list(sharding.axis_names),
+        "partition_spec": None if sharding.partition_spec is None else [
+            list(p) if isinstance(p, tuple) else p for p in sharding.partition_spec],
+    }
+
+
+def _sharding(data: Any, where: str) -> SavedSharding:
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{where}: sharding is not an object")
+    spec = data.get("partition_spec")
+    return SavedSharding(
+        hlo=string(data.get("hlo"), where),
+        tiles=integers(data.get("tiles"), where, minimum=1),
+        replicas=integer(data.get("replicas"), where, minimum=1),
+        num_devices=integer(data.get("num_devices"), where, minimum=1),
+        mesh_shape=None if data.get("mesh_shape") is None else integers(data["mesh_shape"], where, minimum=1),
+        axis_names=None if data.get("axis_names") is None else tuple(
+            string(a, where) for a in listing(data["axis_names"], where)),
+        partition_spec=None if spec is None else tuple(
+            tuple(p) if isinstance(p, list) else p for p in listing(spec, where)),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- steps
+
+
+def encode_step(marker: StepMetadata) -> bytes:
+    doc = {"format_version": VERSION, "step": marker.step, "items": list(marker.items),
+           "created_at": marker.created_at, "committed_at": marker.committed_at, "metrics": marker.metrics,
+           "custom": marker.custom, "versions": marker.versions, "process_count": marker.process_count}
+    return json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
+
+
+def decode_step(doc: dict, *, where: str) -> StepMetadata:
+    items = listing(doc.get("items"), where)
+    if not all(isinstance(i, str) and layout.is_safe_relative_path(i) and "/" not in i for i in items):
+        raise CorruptCheckpointError(f"{where}: malformed item list {items!r}"[:300])
+    for name in ("metrics", "custom", "versions"):
+        if doc.get(name) is not None and not isinstance(doc[name], dict):
+            raise CorruptCheckpointError(f"{where}: {name} is not an object")
+    for name in ("created_at", "committed_at"):
+        if isinstance(doc.get(name), bool) or not isinstance(doc.get(name), (int, float)):
+            raise CorruptCheckpointError(f"{where}: {name} is not a number")
+    return StepMetadata(step=integer(doc.get("step"), where, minimum=0), items=tuple(items),
+                        created_at=float(doc["created_at"]), committed_at=float(doc["committed_at"]),
+                        metrics=doc.get("metrics"), custom=doc.get("custom"), versions=doc.get("versions"),
+                        process_count=integer(doc.get("process_count", 1), where, minimum=1), format_version=VERSION)
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def listing(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise CorruptCheckpointError(f"{where}: expected a list, got {value!r}"[:300])
+    return value
+
+
+def integer(value: Any, where: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < (1 << 62):
+        raise CorruptCheckpointError(f"{where}: expected an integer >= {minimum}, got {value!r}"[:300])
+    return value
+
+
+def integers(value: Any, where: str, *, minimum: int) -> tuple[int, ...]:
+    items = listing(value, where)
+    if len(items) > MAX_RANK:
+        raise CorruptCheckpointError(f"{where}: rank {len(items)} exceeds {MAX_RANK}")
+    return tuple(integer(v, where, minimum=minimum) for v in items)
+
+
+def string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise CorruptCheckpointError(f"{where}: expected a string, got {value!r}"[:300])
+    return value

@@ -1,0 +1,240 @@
+"""Whole-array passes over checkpoints, chunk by chunk: statistics, diffs and verification. Memory stays near a
+few chunks; every chunk's checksum is verified as it is read. Used by the command line; blocks; no torch_xla."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import arrays, grid, layout, storage
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from .formats import ArrayMetadata
+from .inspection import (
+    Checkpoint,
+    Progress,
+    TreeRow,
+    array_metadata,
+    full_key,
+    list_steps,
+    open_checkpoint,
+    split_key,
+    tree_rows,
+)
+
+Cell = tuple[int, ...]
+
+
+def chunk_regions(meta: ArrayMetadata) -> list[tuple[Cell, tuple[slice, ...]]]:
+    """(chunk grid position, region) of every chunk of an array, in C order."""
+    return [(position, tuple(slice(a, b) for a, b in region))
+            for position, region in grid.chunks(meta.shape, meta.chunk_shape)]
+
+
+def iter_chunks(loc: storage.Location, meta: ArrayMetadata, *, regions: list | None = None, window: int = 8
+                ) -> Iterator[tuple[Cell, np.ndarray | Exception]]:
+    """Every chunk's data, or with `regions` ((position, region) pairs) those regions' data, or the error
+    reading it; a few reads in flight at a time."""
+    try:
+        store = arrays.open_existing(loc).result()
+    except (CorruptCheckpointError, OSError) as exc:
+        yield (), exc
+        return
+    if tuple(store.shape) != meta.shape or arrays.stored_dtype_name(store) != meta.dtype:
+        yield (), CorruptCheckpointError(
+            f"{loc}/{layout.ZARR_METADATA} describes {arrays.stored_dtype_name(store)}{list(store.shape)} but "
+            f"{layout.ITEM_METADATA} records {meta.dtype}{list(meta.shape)}")
+        return
+    cells = chunk_regions(meta) if regions is None else regions
+    queue: list[tuple[tuple[int, ...], arrays.Pending]] = []
+    for cell, region in cells:
+        queue.append((cell, arrays.read(store, loc, region)))
+        if len(queue) >= window:
+            yield _take(queue.pop(0))
+    while queue:
+        yield _take(queue.pop(0))
+
+
+def _take(entry: tuple[Cell, arrays.Pending]) -> tuple[Cell, np.ndarray | Exception]:
+    cell, pending = entry
+    try:
+        return cell, pending.result()
+    except (CorruptCheckpointError, OSError) as exc:
+        return cell, exc
+
+
+
+# ------------------------------------------------------------------------------------------------- stats
+
+
+@dataclass(frozen=True)
+class ArrayStats:
+    key: str
+    count: int
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    nan: int
+    inf: int
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def array_stats(checkpoint: Checkpoint, key: str) -> ArrayStats:
+    """Min, max, mean, std (over finite values), NaN and Inf counts, streaming chunk by chunk. Raises
+    `CorruptCheckpointError` naming the chunk for damaged data."""
+    item, meta = array_metadata(checkpoint, key)
+    loc = checkpoint.item_location(item).child(meta.path)
+    count = nan = inf = 0
+    total = total_sq = 0.0
+    low, high = math.inf, -math.inf
+    for cell, data in iter_chunks(loc, meta):
+        if isinstance(data, Exception):
+            raise CorruptCheckpointError(f"{key} chunk {layout.chunk_key(cell)}: {data}") from data
+        values = data.astype(np.float64) if data.dtype.kind != "c" else np.abs(data).astype(np.float64)
+        finite = values[np.isfinite(values)]
+        nan += int(np.isnan(values).sum())
+        inf += int(np.isinf(values).sum())
+        if finite.size:
+            count += finite.size
+            total += float(finite.sum())
+            total_sq += float(np.square(finite).sum())
+            low, high = min(low, float(finite.min())), max(high, float(finite.max()))
+    if not count:
+        return ArrayStats(key, 0, None, None, None, None, nan, inf)
+    mean = total / count
+    return ArrayStats(key, count, low, high, mean, math.sqrt(max(0.0, total_sq / count - mean * mean)), nan, inf)
+
+
+def all_array_keys(checkpoint: Checkpoint) -> list[str]:
+    return [row.key for row in tree_rows(checkpoint) if row.meta is not None]
+
+
+# -------------------------------------------------------------------------------------------------- diff
+
+
+@dataclass(frozen=True)
+class DiffEntry:
+    key: str
+    change: str  # "added", "removed", "shape", "dtype", "values", "value"
+    detail: dict
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "change": self.change, **self.detail}
+
+
+def diff(a: Checkpoint, b: Checkpoint, progress: Progress | None = None) -> list[DiffEntry]:
+    """Differences from `a` to `b`: keys added and removed, shape and dtype changes, and for arrays whose
+    values differ the max absolute difference and relative L2 distance ``|b - a| / |a|``. Streams chunk by
+    chunk. Equal arrays and values are not listed."""
+    rows_a = {r.key: r for r in tree_rows(a)}
+    rows_b = {r.key: r for r in tree_rows(b)}
+    out = [DiffEntry(k, "removed", {}) for k in rows_a if k not in rows_b]
+    out += [DiffEntry(k, "added", {}) for k in rows_b if k not in rows_a]
+    common = [k for k in rows_a if k in rows_b]
+    for done, key in enumerate(common, 1):
+        ra, rb = rows_a[key], rows_b[key]
+        if ra.meta is None or rb.meta is None:
+            if ra.meta is not None or rb.meta is not None or ra.value != rb.value:
+                out.append(DiffEntry(key, "value", {"a": _describe(ra), "b": _describe(rb)}))
+        elif ra.meta.shape != rb.meta.shape:
+            out.append(DiffEntry(key, "shape", {"a": list(ra.meta.shape), "b": list(rb.meta.shape)}))
+        elif ra.meta.dtype != rb.meta.dtype:
+            out.append(DiffEntry(key, "dtype", {"a": ra.meta.dtype, "b": rb.meta.dtype}))
+        else:
+            entry = _array_diff(a, b, key, ra.meta, rb.meta)
+            if entry is not None:
+                out.append(entry)
+        if progress:
+            progress(done, len(common))
+    return out
+
+
+def _describe(row: TreeRow) -> Any:
+    return f"array {row.meta.dtype}{list(row.meta.shape)}" if row.meta is not None else row.value
+
+
+def _array_diff(a: Checkpoint, b: Checkpoint, key: str, ma: ArrayMetadata, mb: ArrayMetadata
+                ) -> DiffEntry | None:
+    cells = chunk_regions(ma)  # b may be chunked otherwise: it is read by a's chunks
+    chunks_a = iter_chunks(a.item_location(split_key(key, a)[0]).child(ma.path), ma, regions=cells)
+    chunks_b = iter_chunks(b.item_location(split_key(key, b)[0]).child(mb.path), mb, regions=cells)
+    max_abs = 0.0
+    diff_sq = ref_sq = 0.0
+    differs = False
+    for (cell, data_a), (_, data_b) in zip(chunks_a, chunks_b):
+        for data in (data_a, data_b):
+            if isinstance(data, Exception):
+                raise CorruptCheckpointError(f"{key} chunk {layout.chunk_key(cell)}: {data}") from data
+        va, vb = data_a.astype(np.float64), data_b.astype(np.float64)
+        ref_sq += float(np.square(np.nan_to_num(va)).sum())
+        if np.array_equal(va, vb, equal_nan=True):
+            continue
+        differs = True
+        delta = np.abs(vb - va)
+        max_abs = max(max_abs, float(np.nanmax(delta)) if delta.size else 0.0)
+        diff_sq += float(np.nansum(np.square(vb - va)))
+    if not differs:
+        return None
+    relative = math.sqrt(diff_sq) / math.sqrt(ref_sq) if ref_sq else math.inf
+    return DiffEntry(key, "values", {"max_abs_diff": max_abs, "relative_l2": relative})
+
+
+# ------------------------------------------------------------------------------------------------ verify
+
+
+@dataclass(frozen=True)
+class Problem:
+    where: str  # step / key / chunk
+    message: str
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def verify(path: str, progress: Progress | None = None) -> tuple[int, list[Problem]]:
+    """Check every chunk of every array of a step, an item, or every step under a root: present, checksum
+    valid, metadata consistent (steps with an invalid commit marker are problems; uncommitted ones are not
+    checkpoints and are skipped). Returns (arrays checked,
+    problems). Raises `CheckpointNotFoundError` if `path` is none of these."""
+    try:
+        return _verify_all([open_checkpoint(path)], progress)
+    except CheckpointNotFoundError:
+        steps = list_steps(path)
+        if not steps:
+            raise
+    loc = storage.location(path)
+    problems = [Problem(f"step {s.step}", s.problem or "invalid commit marker")
+                for s in steps if s.status == "invalid"]  # partial steps are not checkpoints: skipped
+    checked, more = _verify_all([open_checkpoint(loc.child(s.name)) for s in steps if s.status == "committed"],
+                                progress)
+    return checked, problems + more
+
+
+def _verify_all(targets: list[Checkpoint], progress: Progress | None) -> tuple[int, list[Problem]]:
+    problems: list[Problem] = []
+    work = []
+    for checkpoint in targets:
+        prefix = f"step {checkpoint.marker.step}: " if checkpoint.marker else ""
+        for item in checkpoint.items:
+            try:
+                manifest = checkpoint.manifest(item)
+            except (CorruptCheckpointError, FormatVersionError, CheckpointNotFoundError) as exc:
+                problems.append(Problem(prefix + (item or "item"), str(exc)))
+                continue
+            work.extend((checkpoint, prefix, item, meta) for _, meta in manifest.arrays())
+    for done, (checkpoint, prefix, item, meta) in enumerate(work, 1):
+        loc = checkpoint.item_location(item).child(meta.path)
+        key = full_key(item, meta.path)
+        for cell, data in iter_chunks(loc, meta):
+            if isinstance(data, Exception):
+                problems.append(Problem(f"{prefix}{key} {layout.chunk_key(cell)}", str(data)))
+        if progress:
+            progress(done, len(work))
+    return len(work), problems

@@ -1,0 +1,45 @@
+"""Where checkpoints live. `location(url)` turns a user path into a `Location`: a directory on a `Backend`.
+
+Backends: local file systems (``/path``, ``file:///path``), ``gs://bucket/prefix`` and ``memory://name``. Array
+data never passes through Python here: arrays are opened by tensorstore on `Location.kvstore_spec()` with the
+shared `context()`. See `base` for the protocol and how to add a backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .base import Backend, Capabilities, Location
+from .gcs import GcsBackend
+from .kvstore import context
+from .local import LocalBackend, absolute
+from .memory import MemoryBackend
+
+__all__ = ["Backend", "Capabilities", "Location", "context", "location", "register_backend"]
+
+_BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(backend: type[Backend]) -> None:
+    """Make URLs of `backend.scheme` resolve to `backend` (replacing an earlier registration)."""
+    _BACKENDS[backend.scheme] = backend
+
+
+for _backend in (LocalBackend, MemoryBackend, GcsBackend):
+    register_backend(_backend)
+
+
+def location(path: str | os.PathLike | Location) -> Location:
+    """Parse a user path: a local path, or ``<scheme>://...`` of a registered backend. `ValueError` for an
+    unknown scheme or a malformed URL."""
+    if isinstance(path, Location):
+        return path
+    text = os.fspath(path)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return Location(LocalBackend(), absolute(text))
+    backend = _BACKENDS.get(scheme)
+    if backend is None:
+        known = ", ".join(f"{s}://" for s in sorted(_BACKENDS) if s != "file")
+        raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path or {known}")
+    return Location(*backend.parse(rest))

@@ -1,0 +1,176 @@
+"""The storage protocol: a `Backend` holds files under string paths; a `Location` is a directory of one backend.
+
+Every backend offers the same small-file operations (read, write, exclusive create, delete, list) and a
+tensorstore kvstore spec for array data, which never passes through Python. What differs between backends is
+said by their `Capabilities`, and the callers (the root lock, the commit protocol, the readers) act on those
+flags, never on scheme names. Adding a backend is one module with one `Backend` subclass, one line in the
+registry (`storage.register_backend`) and one subclass of the contract tests (tests/backend_contract.py).
+
+Paths are backend-relative, ``/``-separated, without a trailing slash. Every operation blocks until done, is
+thread-safe and raises `StorageError` naming the object.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a backend guarantees.
+
+    atomic_create: `create_exclusive` has exactly one winner among concurrent creators (the root lock relies
+        on it; without it the lock is best effort).
+    durable_writes: a completed write is durable; nothing is left to sync (object stores, memory).
+    cheap_refetch: reading the same bytes again costs about a memory copy (page cache, memory), so a restore may
+        fetch a chunk once per shard it feeds instead of once overall.
+    zero_copy_writes: tensorstore may write straight from the caller's buffers (memory stores must copy: they
+        would keep referencing the buffers).
+    """
+
+    atomic_create: bool
+    durable_writes: bool
+    cheap_refetch: bool
+    zero_copy_writes: bool
+
+
+class Backend(ABC):
+    """One storage system (a local file system, a bucket, a memory namespace). Instances are immutable and
+    compare equal when they address the same storage."""
+
+    scheme: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    @classmethod
+    @abstractmethod
+    def parse(cls, rest: str) -> tuple[Backend, str]:
+        """(backend, path) of a URL of this scheme without its ``scheme://``; `ValueError` if malformed."""
+
+    @abstractmethod
+    def url(self, path: str) -> str:
+        """The user-facing URL of `path`."""
+
+    @abstractmethod
+    def kvstore_spec(self, path: str) -> dict:
+        """A tensorstore kvstore spec of the directory `path` (trailing slash included)."""
+
+    @abstractmethod
+    def read(self, path: str) -> bytes | None:
+        """The bytes of file `path`, or None if it does not exist."""
+
+    @abstractmethod
+    def write(self, path: str, data: bytes, *, fsync: bool) -> None:
+        """Replace file `path` atomically: readers see the old content or the new, never a part. With `fsync`
+        (where writes are not durable anyway) the file is durable on return, with its directory's entries (its
+        own, and the directory's in its parent)."""
+
+    @abstractmethod
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create file `path` with `data` unless it exists; True if this call created it. Never visible without
+        its content."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Delete file `path`; nothing happens if it is absent."""
+
+    @abstractmethod
+    def delete_tree(self, path: str) -> None:
+        """Delete the directory `path` and everything below it; nothing happens if it is absent."""
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[str]:
+        """Sorted names of the files and directories directly inside `path` (empty if it does not exist)."""
+
+    def exists_dir(self, path: str) -> bool:
+        """True if the directory `path` exists (on object stores: if anything is stored below it)."""
+        return bool(self.list_dir(path))
+
+    def sync_files(self, directory: str, names: Iterable[str]) -> None:  # noqa: B027 - optional, no-op by default
+        """Make the files `names` (relative to `directory`) durable with every directory entry leading to them,
+        up to `directory` and its parent. Nothing to do where writes are durable."""
+
+    def file_written(self, path: str) -> None:  # noqa: B027 - optional, no-op by default
+        """A hint that a large file at `path` is complete and will be synced: start writing it to stable
+        storage now. Best effort, silent; called from a background thread."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """A directory in some storage: a backend and a path on it. Small-file operations take names relative
+    to it (which may contain ``/``)."""
+
+    backend: Backend
+    path: str
+
+    def child(self, *names: str) -> Location:
+        """The location of a sub-directory (names may contain ``/``)."""
+        path = self.path
+        for name in names:
+            path = _join(path, name)
+        return Location(self.backend, path)
+
+    def _file(self, name: str) -> str:
+        return _join(self.path, name)
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> Location:
+        head = self.path.rsplit("/", 1)[0] if "/" in self.path.strip("/") else ""
+        if self.path.startswith("/") and not head:
+            head = "/"
+        return Location(self.backend, head)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.backend.capabilities
+
+    def kvstore_spec(self) -> dict:
+        return self.backend.kvstore_spec(self.path)
+
+    def read(self, name: str) -> bytes | None:
+        return self.backend.read(self._file(name))
+
+    def write(self, name: str, data: bytes, *, fsync: bool = True) -> None:
+        self.backend.write(self._file(name), data, fsync=fsync)
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        return self.backend.create_exclusive(self._file(name), data)
+
+    def delete(self, name: str) -> None:
+        self.backend.delete(self._file(name))
+
+    def delete_tree(self) -> None:
+        self.backend.delete_tree(self.path)
+
+    def list(self) -> list[str]:
+        return self.backend.list_dir(self.path)
+
+    def exists(self) -> bool:
+        return self.backend.exists_dir(self.path)
+
+    def is_empty(self) -> bool:
+        return not self.backend.list_dir(self.path)
+
+    def sync_files(self, names: Iterable[str]) -> None:
+        self.backend.sync_files(self.path, names)
+
+    def file_written(self, name: str) -> None:
+        self.backend.file_written(self._file(name))
+
+    def __str__(self) -> str:
+        return self.backend.url(self.path)
+
+
+def _join(path: str, name: str) -> str:
+    """`name` (which may contain ``/``) below `path`; an absolute path stays absolute."""
+    name = name.strip("/")
+    if not name:
+        return path
+    head = path.rstrip("/")
+    return f"{head}/{name}" if head or path.startswith("/") else name

@@ -1,0 +1,130 @@
+"""One place where a manager keeps steps: a root with its step index, its lock, its retention policy, and the
+steps committed there as this process knows them. The manager composes tiers; a tier knows nothing of devices,
+training objects or background threads.
+
+Methods that take a `Coordinator` are collective when it spans several processes (the primary acts, every
+process learns the outcome). `committed()` and friends are thread-safe: a background commit updates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from . import commit, formats, layout, saving
+from .distributed import Coordinator
+from .errors import StepNotFoundError
+from .formats import StepMetadata
+from .policies import RetentionPolicy
+from .root_lock import RootLock
+from .steps import StepIndex
+from .storage import Location
+
+
+@dataclass(frozen=True)
+class PendingSave:
+    """A save between staging and commit: where it goes, what it holds, and how to start its writes."""
+
+    step: int
+    location: Location
+    plans: Mapping[str, saving.SavePlan]
+    start: Callable[[], saving.Writes]
+    marker: StepMetadata  # committed_at is set at commit time
+
+
+class Tier:
+    """The steps under one root."""
+
+    def __init__(self, root: Location, *, step_prefix: str | None, retention: RetentionPolicy, lock_timeout_s: float):
+        self.root = root
+        self.index = StepIndex(root, step_prefix)
+        self.retention = retention
+        self.lock = RootLock(root, lock_timeout_s)
+        self._guard = threading.Lock()
+        self._steps: dict[int, StepMetadata] = {}
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def committed(self) -> dict[int, StepMetadata]:
+        """The committed steps and their markers (a copy)."""
+        with self._guard:
+            return dict(self._steps)
+
+    def marker(self, step: int) -> StepMetadata:
+        """The marker of a committed step; `StepNotFoundError` naming the root if it is not committed."""
+        with self._guard:
+            marker = self._steps.get(step)
+        if marker is None:
+            raise StepNotFoundError(f"step {step} is not committed under {self.root} (committed: "
+                                    f"{sorted(self.committed()) or 'none'})", step=step)
+        return marker
+
+    def forget(self, step: int) -> None:
+        with self._guard:
+            self._steps.pop(step, None)
+
+    # ----------------------------------------------------------------------------------- collectives
+
+    def reload(self, coordinator: Coordinator) -> None:
+        """Re-read the committed steps; unless another live manager owns the root, remove partial steps."""
+        def scan() -> dict[int, StepMetadata]:
+            entries = self.index.scan()
+            for entry in entries:
+                if entry.status == "invalid":
+                    warnings.warn(f"ignoring step {entry.step}: {entry.problem}", stacklevel=5)
+            if self.lock.holder is None:
+                self.index.remove_partial(entries)
+            return {e.step: e.marker for e in entries if e.marker is not None}
+
+        if coordinator.is_primary:
+            self.lock.holder = self.lock.live_holder()
+        steps = coordinator.on_primary(f"listing the steps of {self.root}", scan, share=True)
+        with self._guard:
+            self._steps = steps
+
+    def prepare(self, coordinator: Coordinator, step: int) -> Location:
+        """Clear the directory of `step` (a committed one being replaced, or a crashed save's leftovers)."""
+        location = self.index.location(step)
+
+        def clear() -> None:
+            if step in self.committed():
+                self.index.delete(step)
+            if not location.is_empty():
+                location.delete_tree()
+
+        self.forget(step)
+        coordinator.on_primary(f"preparing step {step} at {location}", clear)
+        return location
+
+    def commit(self, coordinator: Coordinator, save: PendingSave, *, fsync: bool, committed_at: float) -> list[int]:
+        """Finish the writes of `save`, write its manifests and marker, refresh the lock; return the steps
+        retention lets go (not deleted yet: see `delete`)."""
+        what = f"step {save.step} at {save.location}"
+        commit.finish_writes(coordinator, save.location, save.start, fsync=fsync, what=what)
+        marker = dataclasses.replace(save.marker, committed_at=committed_at)
+        files = [(f"{name}/{layout.ITEM_METADATA}", formats.encode_item(plan.manifest))
+                 for name, plan in save.plans.items()]
+        commit.commit(coordinator, save.location, [*files, (layout.CHECKPOINT_METADATA, formats.encode_step(marker))],
+                      fsync=fsync, what=what)
+
+        def retain() -> list[int]:
+            self.lock.heartbeat()
+            metrics = {s: m.metrics for s, m in self.committed().items()}
+            metrics[save.step] = marker.metrics
+            return self.retention.steps_to_delete(list(metrics), metrics)
+
+        doomed = coordinator.on_primary(f"retention after step {save.step}", retain, share=True)
+        with self._guard:
+            self._steps[save.step] = marker
+            for old in doomed:
+                self._steps.pop(old, None)
+        return doomed
+
+    def delete(self, step: int) -> None:
+        """Delete a step's files (marker first). Primary only; not collective."""
+        self.forget(step)
+        self.index.delete(step)
+
