@@ -78,13 +78,17 @@ class HookedBackend(Backend):
         self._before("exists_dir", path)
         return self.inner.exists_dir(path)
 
-    def sync_files(self, directory, names: Iterable[str]):
+    def sync_files(self, directory, names: Iterable[str], trees: Iterable[str] = ()):
         self._before("sync_files", directory)
-        self.inner.sync_files(directory, names)
+        self.inner.sync_files(directory, names, trees)
 
     def file_written(self, path):
         self._before("file_written", path)
         self.inner.file_written(path)
+
+    def rename_dir(self, source, target):
+        self._before("rename_dir", source)
+        self.inner.rename_dir(source, target)
 
 
 def hooked(path, hook: Hook) -> storage.Location:

@@ -109,7 +109,7 @@ def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path, monke
     def commits(operation, path, count):
         if operation == "write" and path.endswith(layout.CHECKPOINT_METADATA):
             time.sleep(0.3)  # a slow commit: a save that did not wait for it would stage meanwhile
-            events.append(("committing", path.split("/")[-2]))
+            events.append(("committing", path.split("/")[-2].split(".")[0]))
 
     def tracking_stage(batch, *, copy_cpu):
         events.append(("staging", None))

@@ -73,16 +73,19 @@ def test_json_leaves_and_structure(tmp_path):
     assert_trees_equal(xtc.restore(tmp_path / "ck"), state)
 
 
-def test_hostile_keys_are_stored_inside_the_item_and_round_trip(tmp_path):
-    keys = ["..", "../escape", "/abs/path", "a/b", "nul\x00", "ünï", "x" * 600, "_METADATA", "0", ""]
+@pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "directories"])
+def test_hostile_keys_are_stored_inside_the_item_and_round_trip(tmp_path, use_ocdbt):
+    keys = ["..", "../escape", "/abs/path", "a/b", "nul\x00", "ünï", "x" * 600, "_METADATA", "0", "", "d",
+            "manifest.ocdbt", "ocdbt.process_0"]
     state = {k: torch.full((2,), float(i)) for i, k in enumerate(keys)}
-    xtc.save(tmp_path / "ck", state)
+    xtc.save(tmp_path / "ck", state, options=xtc.SaveOptions(use_ocdbt=use_ocdbt))
     assert_trees_equal(xtc.restore(tmp_path / "ck"), state)
     item = os.path.realpath(tmp_path / "ck")
     for root, _dirs, _files in os.walk(item):
         assert os.path.realpath(root).startswith(item)
     assert sorted(os.listdir(tmp_path)) == ["ck"] and not os.path.exists("/abs")
-    assert len(os.listdir(item)) == len(keys) + 1  # one directory per key, plus _METADATA
+    if not use_ocdbt:  # one directory per key, each one path segment, plus _METADATA and commit_success.txt
+        assert len(os.listdir(item)) == len(keys) + 2
 
 
 def test_metadata_describes_arrays_and_values(tmp_path):
@@ -143,14 +146,22 @@ def test_existing_checkpoint_is_not_overwritten_without_consent(tmp_path):
     assert not (tmp_path / "ck" / "a").exists()
 
 
+PLAIN = xtc.SaveOptions(use_ocdbt=False)
+
+
 def _chunk_file(item, array):
     chunk_dir = item / array / "c"
     files = [os.path.join(r, f) for r, _, fs in os.walk(chunk_dir) for f in fs]
     return sorted(files)[0]
 
 
+def _largest_data_file(item):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(item / "ocdbt.process_0" / "d") for f in fs]
+    return max(files, key=os.path.getsize)
+
+
 def test_flipped_byte_is_detected_naming_array_and_chunk(tmp_path):
-    xtc.save(tmp_path / "ck", {"w": torch.randn(8, 8)})
+    xtc.save(tmp_path / "ck", {"w": torch.randn(8, 8)}, options=PLAIN)
     chunk = _chunk_file(tmp_path / "ck", "w")
     data = bytearray(open(chunk, "rb").read())
     data[10] ^= 0x01
@@ -160,20 +171,43 @@ def test_flipped_byte_is_detected_naming_array_and_chunk(tmp_path):
     assert "w" in str(err.value) and chunk in str(err.value)
 
 
+def test_flipped_byte_in_an_ocdbt_store_is_detected_naming_the_array(tmp_path):
+    xtc.save(tmp_path / "ck", {"w": torch.randn(64, 64)})  # 16 KiB: stored in a data file, not inline
+    data_file = _largest_data_file(tmp_path / "ck")
+    data = bytearray(open(data_file, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(data_file, "wb").write(data)
+    with pytest.raises(xtc.CorruptCheckpointError) as err:
+        xtc.restore(tmp_path / "ck")
+    assert str(tmp_path / "ck" / "w") in str(err.value)
+
+
 def test_missing_chunk_is_an_error_not_zeros(tmp_path):
-    xtc.save(tmp_path / "ck", {"w": torch.zeros(8, 8)})
+    xtc.save(tmp_path / "ck", {"w": torch.zeros(8, 8)}, options=PLAIN)
     chunk = _chunk_file(tmp_path / "ck", "w")
     os.remove(chunk)
     with pytest.raises(xtc.CorruptCheckpointError, match="missing"):
         xtc.restore(tmp_path / "ck")
 
 
+def test_missing_ocdbt_data_is_an_error_not_zeros(tmp_path):
+    xtc.save(tmp_path / "ck", {"w": torch.zeros(64, 64)})
+    os.remove(_largest_data_file(tmp_path / "ck"))
+    with pytest.raises(xtc.CheckpointError):
+        xtc.restore(tmp_path / "ck")
+
+
+def _edit_ours(item, edit):
+    """Change this library's part of an item's _METADATA."""
+    meta = item / layout.ITEM_METADATA
+    doc = json.loads(meta.read_text())
+    edit(doc["xla_tensorstore_ckpt"])
+    meta.write_text(json.dumps(doc))
+
+
 def test_newer_format_version_is_refused(tmp_path):
     xtc.save(tmp_path / "ck", {"w": torch.zeros(2)})
-    meta = tmp_path / "ck" / layout.ITEM_METADATA
-    doc = json.loads(meta.read_text())
-    doc["format_version"] = 99
-    meta.write_text(json.dumps(doc))
+    _edit_ours(tmp_path / "ck", lambda ours: ours.update(format_version=99))
     with pytest.raises(xtc.FormatVersionError, match="99"):
         xtc.restore(tmp_path / "ck")
 
@@ -187,10 +221,7 @@ def test_not_a_checkpoint(tmp_path):
 
 def test_manifest_disagreeing_with_zarr_json_is_corrupt(tmp_path):
     xtc.save(tmp_path / "ck", {"w": torch.zeros(4)})
-    meta = tmp_path / "ck" / layout.ITEM_METADATA
-    doc = json.loads(meta.read_text())
-    doc["tree"]["dict"][0][1]["array"]["shape"] = [5]
-    meta.write_text(json.dumps(doc))
+    _edit_ours(tmp_path / "ck", lambda ours: ours["tree"]["dict"][0][1]["array"].update(shape=[5]))
     with pytest.raises(xtc.CorruptCheckpointError, match="records"):
         xtc.restore(tmp_path / "ck")
 
@@ -205,7 +236,8 @@ def test_flipped_byte_in_a_single_file_array_names_the_chunk(tmp_path):
     pytest.importorskip("torch_xla")
     from conftest import make_mesh, sharded
 
-    xtc.save(tmp_path / "ck", {"w": sharded(torch.randn(16, 8), make_mesh((4, 2), ("x", "y")), ("x", "y"))})
+    xtc.save(tmp_path / "ck", {"w": sharded(torch.randn(16, 8), make_mesh((4, 2), ("x", "y")), ("x", "y"))},
+             options=PLAIN)
     chunk = _chunk_file(tmp_path / "ck", "w")
     data = bytearray(open(chunk, "rb").read())
     data[200] ^= 0x01  # inside the second inner chunk
@@ -218,7 +250,8 @@ def test_flipped_byte_in_a_single_file_array_names_the_chunk(tmp_path):
 def test_truncated_single_file_array_is_corrupt(tmp_path):
     from conftest import make_mesh, sharded
 
-    xtc.save(tmp_path / "ck", {"w": sharded(torch.randn(16, 8), make_mesh((4, 2), ("x", "y")), ("x", "y"))})
+    xtc.save(tmp_path / "ck", {"w": sharded(torch.randn(16, 8), make_mesh((4, 2), ("x", "y")), ("x", "y"))},
+             options=PLAIN)
     chunk = _chunk_file(tmp_path / "ck", "w")
     data = open(chunk, "rb").read()
     open(chunk, "wb").write(data[: len(data) // 2])

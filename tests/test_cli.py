@@ -34,7 +34,7 @@ def root(tmp_path_factory):
     xs.set_global_mesh(mesh)
     try:
         options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None, async_save=False,
-                                               save_rng=False)
+                                               save_rng=False, save_options=xtc.SaveOptions(use_ocdbt=False))
         with xtc.CheckpointManager(root, options) as mgr:
             for step in (1, 2):
                 w = weights(step)
@@ -47,7 +47,7 @@ def root(tmp_path_factory):
     for step in (1, 2):  # fixed commit times for golden output
         marker = root / str(step) / layout.CHECKPOINT_METADATA
         doc = json.loads(marker.read_text())
-        doc["committed_at"] = 1_790_000_000.0 + step
+        doc["commit_timestamp_nsecs"] = (1_790_000_000 + step) * 10**9
         marker.write_text(json.dumps(doc))
     (root / "3" / "model").mkdir(parents=True)  # a partial step
     return root
@@ -185,6 +185,19 @@ def test_verify_catches_damage(root, tmp_path, capsys, how):
     assert all(("Digest mismatch" if how == "flip" else "missing") in p for p in problems)
     status, out, err = run("show", copy / "2", "model/emb", capsys=capsys)
     assert status == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_verify_catches_damage_in_an_ocdbt_store(tmp_path, capsys):
+    with xtc.CheckpointManager(tmp_path / "root", xtc.CheckpointManagerOptions(save_interval_steps=1)) as mgr:
+        mgr.save(1, model={"w": torch.randn(64, 64), "b": torch.ones(3)})
+    assert run("verify", tmp_path / "root", capsys=capsys)[0] == 0
+    data_dir = tmp_path / "root" / "1" / "model" / "ocdbt.process_0" / "d"
+    largest = max(data_dir.iterdir(), key=lambda f: f.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    largest.write_bytes(bytes(data))
+    status, out, _ = run("verify", tmp_path / "root", capsys=capsys)
+    assert status == 1 and "FAIL step 1: model/w" in out and "model/b" not in out
 
 
 @pytest.mark.parametrize("argv,status,message", [

@@ -1,5 +1,6 @@
-"""Every array is an ordinary zarr v3 array: plain zarr-python (with the registered extra dtypes) and plain
-tensorstore read it, and each chunk carries a CRC32C checksum."""
+"""Every array is an ordinary zarr v3 array with a CRC32C checksum per chunk: in an item of plain directories,
+plain zarr-python (with the registered extra dtypes) and plain tensorstore read it; in an OCDBT store (the
+default), plain tensorstore does, through its ``ocdbt`` kvstore."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from test_checkpointer_cpu import DTYPES, random_tensor
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import dtypes
 
+PLAIN = xtc.SaveOptions(use_ocdbt=False)
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_plain_zarr_and_tensorstore_read_every_dtype(tmp_path, dtype):
     src = random_tensor((6, 4), dtype)
-    xtc.save(tmp_path / "ck", {"w": src})
+    xtc.save(tmp_path / "ck", {"w": src}, options=PLAIN)
     array_dir = tmp_path / "ck" / "w"
     z = zarr.open_array(str(array_dir), mode="r")
     assert z.shape == (6, 4)
@@ -29,8 +32,19 @@ def test_plain_zarr_and_tensorstore_read_every_dtype(tmp_path, dtype):
     assert torch.equal(dtypes.numpy_to_tensor(store.read().result()), src)
 
 
+def test_plain_tensorstore_reads_an_ocdbt_item_as_docs_format_md_shows(tmp_path):
+    src = torch.arange(24.0).reshape(6, 4).to(torch.bfloat16)
+    xtc.save(tmp_path / "ck", {"layers": [{"w": src}]})
+    spec = {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{tmp_path / 'ck'}",
+                                           "path": "layers.0.w/"}}
+    store = ts.open(spec).result()
+    assert torch.equal(dtypes.numpy_to_tensor(store.read().result()), src)
+    codecs = [c["name"] for c in store.spec().to_json()["metadata"]["codecs"]]
+    assert codecs == ["bytes", "crc32c"]
+
+
 def test_zarr_json_declares_crc32c_and_the_shard_grid(tmp_path):
-    xtc.save(tmp_path / "ck", {"w": torch.zeros(4, 4)})
+    xtc.save(tmp_path / "ck", {"w": torch.zeros(4, 4)}, options=PLAIN)
     doc = json.loads((tmp_path / "ck" / "w" / "zarr.json").read_text())
     assert [c["name"] for c in doc["codecs"]] == ["bytes", "crc32c"]
     assert doc["chunk_grid"]["configuration"]["chunk_shape"] == [4, 4]
@@ -38,7 +52,7 @@ def test_zarr_json_declares_crc32c_and_the_shard_grid(tmp_path):
 
 
 def test_zarr_python_verifies_checksums(tmp_path):
-    xtc.save(tmp_path / "ck", {"w": torch.ones(4, 4)})
+    xtc.save(tmp_path / "ck", {"w": torch.ones(4, 4)}, options=PLAIN)
     chunk = tmp_path / "ck" / "w" / "c" / "0" / "0"
     data = bytearray(chunk.read_bytes())
     data[0] ^= 0xFF
@@ -54,7 +68,7 @@ def test_the_documented_zarr_registration_works_without_this_package(tmp_path):
 
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "format.md")).read()
     snippet = next(block for block in re.findall(r"```python\n(.*?)```", doc, re.S) if "data_type_registry" in block)
-    xtc.save(tmp_path / "ck", {"w": torch.arange(12.0).reshape(3, 4).to(torch.bfloat16)})
+    xtc.save(tmp_path / "ck", {"w": torch.arange(12.0).reshape(3, 4).to(torch.bfloat16)}, options=PLAIN)
     snippet = snippet.replace("/ckpt/step_100/model/0.weight", str(tmp_path / "ck" / "w"))
     snippet += ("\nimport sys\nassert 'xla_tensorstore_ckpt' not in sys.modules\n"
                 "print(z[:].astype('float32').tolist())\n")

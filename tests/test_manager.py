@@ -258,7 +258,8 @@ def test_restore_in_place_swaps_batch_by_batch(tmp_path, mesh_4x2):
 
     saved = {f"t{i}": torch.randn(64, 64) for i in range(3)}
     one_tensor_per_batch = xtc.RestoreOptions(read_batch_bytes=64 * 64 * 4)
-    with xtc.CheckpointManager(tmp_path, options(restore_options=one_tensor_per_batch)) as mgr:
+    plain = xtc.SaveOptions(use_ocdbt=False)
+    with xtc.CheckpointManager(tmp_path, options(restore_options=one_tensor_per_batch, save_options=plain)) as mgr:
         mgr.save(1, model={k: sharded(v) for k, v in saved.items()})
         chunk = next(p for p in (tmp_path).rglob("*") if p.is_file() and "t2" in p.parts and "c" in p.parts)
         data = bytearray(chunk.read_bytes())
@@ -295,12 +296,16 @@ def test_step_layout_and_marker(tmp_path):
     with xtc.CheckpointManager(tmp_path, options()) as mgr:
         mgr.save(5, model={"w": torch.ones(2)}, metrics={"loss": torch.tensor(0.5)}, custom_metadata={"run": "a"})
         meta = mgr.metadata(5)
-    assert sorted(os.listdir(tmp_path / "5")) == sorted([layout.CHECKPOINT_METADATA, "model", "rng"])
+    assert sorted(os.listdir(tmp_path / "5")) == sorted([layout.CHECKPOINT_METADATA, layout.COMMIT_SUCCESS,
+                                                         "model", "rng"])
     assert meta.step == 5 and meta.items == ("model", "rng") and meta.metrics == {"loss": 0.5}
     assert meta.custom == {"run": "a"} and meta.versions["torch"] == torch.__version__
-    assert meta.committed_at >= meta.created_at
-    doc = json.loads((tmp_path / "5" / layout.CHECKPOINT_METADATA).read_text())
-    assert doc["format_version"] == 1 and doc["step"] == 5
+    assert meta.committed_at >= meta.created_at and meta.format_version == 2
+    doc = json.loads((tmp_path / "5" / layout.CHECKPOINT_METADATA).read_text())  # Orbax's schema, ours inside
+    assert set(doc["item_handlers"]) == {"model", "rng"} and doc["metrics"] == {"loss": 0.5}
+    assert doc["custom_metadata"]["run"] == "a"
+    assert doc["custom_metadata"]["xla_tensorstore_ckpt"]["format_version"] == 2
+    assert doc["custom_metadata"]["xla_tensorstore_ckpt"]["step"] == 5
 
 
 def test_uncommitted_steps_are_ignored_and_removed_on_start(tmp_path):
@@ -413,7 +418,7 @@ def test_corrupt_or_newer_marker_is_not_committed_and_not_deleted(tmp_path):
             mgr.save(step, extra={"v": step})
     (tmp_path / "3" / layout.CHECKPOINT_METADATA).write_text("{not json")
     doc = json.loads((tmp_path / "2" / layout.CHECKPOINT_METADATA).read_text())
-    doc["format_version"] = 7
+    doc["custom_metadata"]["xla_tensorstore_ckpt"]["format_version"] = 7
     (tmp_path / "2" / layout.CHECKPOINT_METADATA).write_text(json.dumps(doc))
     with pytest.warns(UserWarning) as record:
         mgr = xtc.CheckpointManager(tmp_path, options())

@@ -19,28 +19,43 @@ sys.path.insert(0, os.path.dirname(SCRIPT))
 from crash_save import state_for  # noqa: E402
 
 # (kill point, extra arguments, steps committed afterwards). Points are storage operations counted from the start of
-# the last save (tests/fault_backends.py): open_array:n creates the n-th of the state's 6 arrays (in sync mode
-# before its shards are staged, in async mode after), file_written:n follows the n-th finished chunk file (the
-# others still in flight), write:1 is the item manifest, write:2 the commit marker, write:3 the lock heartbeat.
+# the last save (tests/fault_backends.py). With arrays in an OCDBT store (the default), for the 7 arrays of the
+# state (6 tensors and a scalar): open_array:1-7 create their metadata in one transaction, open_array:8-14 open
+# them for the chunk writes (one transaction per batch), sync_files:1 makes this process's store durable,
+# list_dir:2 and open_array:15-16 merge the stores, sync_files:2 makes the merge durable; write:1 is the item
+# manifest, write:2 its commit_success.txt, write:3 the step's marker, write:4 its commit_success.txt,
+# rename_dir:1 puts the step in place (the commit), write:5 refreshes the lock. Retention (step 1, with
+# --max-to-keep 2): rename_dir:2 renames it away (uncommitted from then on), then delete and delete_tree.
+# With --plain (a directory per array), file_written:n follows the n-th finished chunk file, the others in flight.
 KEEP2 = ["--max-to-keep", "2"]
+PLAIN = ["--plain"]
 POINTS = [
     ("list_dir:1", [], [1, 2]),  # preparing the step directory
-    *[(f"open_array:{n}", [], [1, 2]) for n in (1, 2, 3, 4, 5, 6)],  # array metadata (zarr.json)
-    *[(f"open_array:{n}", ["--async"], [1, 2]) for n in (1, 3, 6)],
-    *[(f"file_written:{n}", [], [1, 2]) for n in (1, 2, 3, 4, 5, 6)],  # chunk files (later ones in flight)
-    *[(f"file_written:{n}", ["--async"], [1, 2]) for n in (1, 3, 5)],
+    *[(f"open_array:{n}", [], [1, 2]) for n in (1, 4, 7, 8, 11, 14)],
+    *[(f"open_array:{n}", ["--async"], [1, 2]) for n in (1, 9)],
     ("sync_files:1", [], [1, 2]),  # chunks written, not yet durable
     ("sync_files:1", ["--async"], [1, 2]),
+    ("list_dir:2", [], [1, 2]),  # about to merge the per-process stores
+    ("open_array:16", [], [1, 2]),  # merging
+    ("sync_files:2", [], [1, 2]),  # merged, not yet durable
     ("write:1", [], [1, 2]),  # the item manifest
-    ("write:1", ["--async"], [1, 2]),
-    ("write:2", [], [1, 2]),  # the commit marker
     ("write:2", ["--async"], [1, 2]),
-    ("write:3", KEEP2, [1, 2, 3]),  # committed; the lock heartbeat (retention not yet decided)
-    ("write:3", KEEP2 + ["--async"], [1, 2, 3]),
-    ("delete:1", KEEP2, [1, 2, 3]),  # retention: before step 1's marker is removed
-    ("delete_tree:1", KEEP2, [2, 3]),  # retention: step 1 uncommitted, its files not yet deleted
-    ("delete:1", KEEP2 + ["--async"], [1, 2, 3]),
+    ("write:3", [], [1, 2]),  # the step marker, in the temporary directory
+    ("write:4", [], [1, 2]),
+    ("rename_dir:1", [], [1, 2]),  # everything written, not yet in place
+    ("rename_dir:1", ["--async"], [1, 2]),
+    ("write:5", KEEP2, [1, 2, 3]),  # committed; the lock heartbeat (retention not yet decided)
+    ("write:5", KEEP2 + ["--async"], [1, 2, 3]),
+    ("rename_dir:2", KEEP2, [1, 2, 3]),  # retention: step 1 about to be renamed away
+    ("delete:1", KEEP2, [2, 3]),  # retention: step 1 renamed away, its files not yet deleted
     ("delete_tree:1", KEEP2 + ["--async"], [2, 3]),
+    *[(f"file_written:{n}", PLAIN, [1, 2]) for n in (1, 3, 6)],  # chunk files (later ones in flight)
+    ("file_written:2", PLAIN + ["--async"], [1, 2]),
+    ("open_array:3", PLAIN, [1, 2]),
+    ("sync_files:1", PLAIN, [1, 2]),
+    ("write:3", PLAIN, [1, 2]),
+    ("rename_dir:1", PLAIN + KEEP2, [1, 2]),
+    ("delete:1", PLAIN + KEEP2, [2, 3]),
 ]
 
 

@@ -63,7 +63,7 @@ def test_replicated_chunks_are_written_once_and_spread(saved):
     per_process = [line["bytes"] for line in sorted(lines, key=lambda x: x["rank"])]
     total = sum(multihost.global_value(n).numel() * multihost.global_value(n).element_size()
                 for n in multihost.ARRAYS)
-    assert sum(per_process) == total  # every chunk written exactly once
+    assert sum(per_process) == total + 8  # every chunk written exactly once; meta.step: a 0-d int64 for Orbax
     assert max(per_process) <= 1.25 * (total / 4), per_process  # no process writes much more than its share
 
 

@@ -1,5 +1,5 @@
-"""The item-level API: one state tree to and from one directory (``<dir>/_METADATA`` plus one zarr array per
-array leaf). `save` plans, stages and writes (`saving`), `restore` matches and reads (`restoring`).
+"""The item-level API: one state tree to and from one directory (``<dir>/_METADATA`` and the arrays, an Orbax
+PyTree checkpoint). `save` plans, stages and writes (`saving`), `restore` matches and reads (`restoring`).
 
 An item counts as written only once its ``_METADATA`` exists, so a crashed save leaves a directory that `restore`
 refuses. With several processes (torch.distributed), `save` must be called by every process with its own shards;
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import commit, formats, layout, storage, tree
+from . import commit, formats, storage, tree
 from .distributed import Coordinator, default_coordinator
 from .options import RestoreOptions, SaveOptions
 from .restoring import PathLike, read_item
@@ -39,9 +39,9 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     coordinator.on_primary(f"preparing {loc}", lambda: prepare_directory(loc, overwrite=overwrite))
     # Nothing needs the staged data once written: hold at most the batch being written and the next.
     commit.finish_writes(coordinator, loc, lambda: issue_writes(
-        loc, plan.arrays, options, max_host_bytes=2 * options.host_batch_bytes), fsync=options.fsync, what=str(loc))
-    commit.commit(coordinator, loc, [(layout.ITEM_METADATA, formats.encode_item(plan.manifest))],
-                  fsync=options.fsync, what=str(loc))
+        loc, plan, options, writer=coordinator.index, max_host_bytes=2 * options.host_batch_bytes),
+        fsync=options.fsync, what=str(loc))
+    commit.commit(coordinator, loc, {"": plan}, [], fsync=options.fsync, what=str(loc))
 
 
 def restore(path: PathLike, target: Any = None, *, strict: bool = True,

@@ -2,21 +2,27 @@
 
 1. Every process finishes the writes it started and makes them durable (`finish_writes`); if any process
    fails, every process raises and nothing is committed.
-2. The primary writes the final files in order, the last being the commit point (`commit`): an item's
-   ``_METADATA``, or a step's item manifests and then its marker. Every process learns the outcome.
+2. The primary finishes each item (`commit`): merges its processes' OCDBT stores into the item's root store,
+   writes ``_strings.json``, the item's ``_METADATA`` and Orbax's ``commit_success.txt``; then the final files
+   in order (a step's marker), the last being the commit point; then publishes (a step written under a
+   temporary name is renamed into place, where the storage renames). Every process learns the outcome.
 
-Commits never rely on rename, so the same protocol holds on object stores and a copied directory stays valid.
-Both functions are collective with several processes and block.
+A step or item copied elsewhere stays valid: nothing refers to absolute paths, and on storage that cannot rename
+(object stores) the commit point is a file written last. Both functions are collective with several processes
+and block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 
-from . import arrays
+from . import arrays, formats, layout
 from .distributed import Coordinator
-from .saving import Writes
+from .saving import SavePlan, Writes
 from .storage import Location
+
+COMMITTED = b"Checkpoint commit was successful (xla_tensorstore_ckpt)"  # content of commit_success.txt
 
 
 def finish_writes(coordinator: Coordinator, loc: Location, start: Callable[[], Writes], *, fsync: bool,
@@ -27,17 +33,36 @@ def finish_writes(coordinator: Coordinator, loc: Location, start: Callable[[], W
         writes = start()
         arrays.wait_all(writes.pending)
         if fsync:
-            loc.sync_files(writes.files)
+            loc.sync_files(writes.files, writes.trees)
 
     coordinator.everywhere(f"writing {what}", finish)
 
 
-def commit(coordinator: Coordinator, loc: Location, files: Sequence[tuple[str, bytes]], *, fsync: bool,
-           what: str) -> None:
-    """The primary writes `files` (name relative to `loc`, content) in order; the last one is the commit
-    point. Raises on every process if the primary failed."""
+def commit(coordinator: Coordinator, loc: Location, items: Mapping[str, SavePlan], final: Sequence[tuple[str, bytes]],
+           *, fsync: bool, what: str, publish: Callable[[], None] | None = None) -> None:
+    """The primary finishes each item of `items` (name relative to `loc`; "" for `loc` itself), writes `final`
+    (name relative to `loc`, content) in order, then calls `publish`. Raises on every process if it failed."""
     def write() -> None:
-        for name, data in files:
+        for name, plan in items.items():
+            finish_item(loc.child(name) if name else loc, plan, fsync=fsync)
+        for name, data in final:
             loc.write(name, data, fsync=fsync)
+        if publish is not None:
+            publish()
 
     coordinator.on_primary(f"committing {what}", write)
+
+
+def finish_item(item: Location, plan: SavePlan, *, fsync: bool) -> None:
+    """Merge the item's OCDBT stores, then write its string leaves, its manifest and Orbax's completion mark."""
+    if plan.store.kind == "ocdbt":
+        writers = sorted(int(n[len(layout.OCDBT_PROCESS_PREFIX):]) for n in item.list()
+                         if n.startswith(layout.OCDBT_PROCESS_PREFIX))
+        if writers:
+            arrays.merge_ocdbt(item, writers)
+            if fsync:
+                item.sync_files([layout.OCDBT_MANIFEST], trees=["d"])
+    if plan.strings:
+        item.write(layout.STRINGS, json.dumps(plan.strings).encode("utf-8"), fsync=fsync)
+    item.write(layout.ITEM_METADATA, formats.encode_item(plan.manifest), fsync=fsync)
+    item.write(layout.COMMIT_SUCCESS, COMMITTED, fsync=fsync)

@@ -55,9 +55,9 @@ def tensors_of(checkpoint: Checkpoint, items: tuple[str, ...]) -> list[Tensor]:
 
 
 def _read(checkpoint: Checkpoint, tensor: Tensor) -> np.ndarray:
-    loc = checkpoint.item_location(tensor.item).child(tensor.meta.path)
-    store = arrays.open_existing(loc).result()
-    return arrays.read(store, loc, tuple(slice(0, n) for n in tensor.meta.shape)).result()
+    ref = checkpoint.array_ref(tensor.item, tensor.meta)
+    store = arrays.open_existing(ref).result()
+    return arrays.read(store, ref.location, tuple(slice(0, n) for n in tensor.meta.shape)).result()
 
 
 def export_safetensors(checkpoint: Checkpoint, items: tuple[str, ...], out_dir: str, *,

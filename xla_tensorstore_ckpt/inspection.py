@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,12 +34,20 @@ class Checkpoint:
     location: storage.Location
     marker: StepMetadata | None
     items: tuple[str, ...]
+    _manifests: dict = field(default_factory=dict, compare=False, repr=False)  # read once: Orbax's are costly
+    _context: Any = field(default_factory=arrays.operation_context, compare=False, repr=False)
 
     def item_location(self, item: str) -> storage.Location:
         return self.location.child(item) if item else self.location
 
     def manifest(self, item: str) -> ItemManifest:
-        return formats.read_item(self.item_location(item))
+        if item not in self._manifests:
+            self._manifests[item] = formats.read_item(self.item_location(item))
+        return self._manifests[item]
+
+    def array_ref(self, item: str, meta: ArrayMetadata) -> arrays.ArrayRef:
+        """Where the array `meta` of `item` is stored."""
+        return arrays.ArrayRef(self.item_location(item), meta.path, self.manifest(item).store, self._context)
 
 
 def open_checkpoint(path: str | storage.Location) -> Checkpoint:
@@ -88,7 +96,7 @@ def open_array(step_path: str, key: str) -> tensorstore.TensorStore:
     Reads only the chunks indexed; every chunk's checksum is verified."""
     checkpoint = open_checkpoint(step_path)
     item, meta = array_metadata(checkpoint, key)
-    return arrays.open_existing(checkpoint.item_location(item).child(meta.path)).result()
+    return arrays.open_existing(checkpoint.array_ref(item, meta)).result()
 
 
 # ------------------------------------------------------------------------------------------------- steps
@@ -205,10 +213,10 @@ def read_slice(checkpoint: Checkpoint, key: str, index: tuple[slice | int, ...])
     for dim, (i, n) in enumerate(zip(index, meta.shape)):
         if isinstance(i, int) and not -n <= i < n:
             raise UsageError(f"index {i} is out of range for dimension {dim} of {key} (size {n})")
-    loc = checkpoint.item_location(item).child(meta.path)
-    store = arrays.open_existing(loc).result()
+    ref = checkpoint.array_ref(item, meta)
+    store = arrays.open_existing(ref).result()
     normalized = tuple(_normalize(i, n) for i, n in zip(index, meta.shape))
-    return arrays.read_index(store, loc, normalized).result()
+    return arrays.read_index(store, ref.location, normalized).result()
 
 
 def _normalize(index: slice | int, size: int) -> slice | int:

@@ -1,10 +1,15 @@
-"""Names on disk: item metadata files, commit marker, and the escaping of key paths into array directories.
+"""Names on disk: metadata files, commit markers, step directories, chunk keys, and array names.
 
-A key path such as ``("state", 0, "exp_avg")`` becomes the relative directory ``state/0/exp_avg``. Each
-component is escaped so that it is one safe path segment: bytes outside ``[A-Za-z0-9._-]`` are percent-encoded,
-``.``/``..`` and the empty string cannot occur, and a string that looks like an integer is distinguished from an
-integer key. The escaping is reversible (``unescape_component``) except for components longer than
-`MAX_COMPONENT_LENGTH`, which are shortened with a hash; the item's ``_METADATA`` always stores the true key path.
+Format 2 names an array as Orbax does: the key path's components joined by ``.`` (``("state", 0, "exp_avg")`` ->
+``state.0.exp_avg``), so that Orbax finds it. Where that name would be unsafe (a ``/``, a NUL, an empty or
+over-long component, a reserved file name) or taken by an earlier key path (``{"a.b": x, "a": {"b": y}}``), the
+array gets an escaped name instead, which Orbax never produces: ``%`` followed by its components escaped as
+below (``.`` percent-encoded too) and joined by ``.``. The item's ``_METADATA`` always stores the true key path.
+
+Format 1 made each component one directory (``state/0/exp_avg``), escaped so that it is one safe path segment:
+bytes outside ``[A-Za-z0-9._-]`` are percent-encoded, ``.``/``..`` and the empty string cannot occur, and a string
+that looks like an integer is distinguished from an integer key; components longer than `MAX_COMPONENT_LENGTH`
+are shortened with a hash.
 """
 
 from __future__ import annotations
@@ -16,6 +21,16 @@ ITEM_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 ZARR_METADATA = "zarr.json"
 MANAGER_LOCK = "_MANAGER_LOCK"
+COMMIT_SUCCESS = "commit_success.txt"  # Orbax's finalization mark on object stores
+STRINGS = "_strings.json"  # Orbax's file of string leaves
+OCDBT_MANIFEST = "manifest.ocdbt"
+OCDBT_PROCESS_PREFIX = "ocdbt.process_"
+TMP_STEP_SUFFIX = ".orbax-checkpoint-tmp-"  # a step being written on a file system that renames
+_TMP_STEP = re.compile(r"(.+)\.orbax-checkpoint-tmp-[0-9]+")
+# Files of an Orbax item directory: no array may be named like them.
+_ITEM_FILES = frozenset({ITEM_METADATA, CHECKPOINT_METADATA, ZARR_METADATA, COMMIT_SUCCESS, STRINGS, OCDBT_MANIFEST,
+                         "_sharding", "array_metadatas", "d", ".", ".."})
+_UNSAFE_IN_NAME = re.compile(r"[/\\\x00%]")
 
 MAX_COMPONENT_LENGTH = 200
 _SAFE_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -108,3 +123,35 @@ def chunk_key(position: tuple[int, ...]) -> str:
     """The file of the chunk at a grid position, under zarr v3's default chunk key encoding (``c/0/1``; ``c``
     for a 0-d array)."""
     return "/".join(("c", *map(str, position)))
+
+
+def array_names(paths: list[KeyPath]) -> list[str]:
+    """The format-2 array name of each key path (see the module docstring). Deterministic: every process
+    computes the same names from the same paths in the same order."""
+    taken: set[str] = set()
+    names = []
+    for path in paths:
+        name = ".".join(str(k) for k in path)
+        if (not path or any(str(k) == "" for k in path) or _UNSAFE_IN_NAME.search(name) or name in _ITEM_FILES
+                or name.startswith(OCDBT_PROCESS_PREFIX) or len(name) > MAX_COMPONENT_LENGTH or name in taken):
+            name = "%" + ".".join(escape_component(k).replace(".", "%2E") for k in path)
+            if len(name) > MAX_COMPONENT_LENGTH:
+                digest = hashlib.sha256(repr(path).encode("utf-8")).hexdigest()[:16]
+                name = f"{name[: MAX_COMPONENT_LENGTH - 40]}%~{digest}"
+        taken.add(name)
+        names.append(name)
+    return names
+
+
+def key_name(path: KeyPath) -> str:
+    """A key path as one dotted name, as Orbax and a torch ``state_dict`` spell it: ``layers.0.weight``."""
+    return ".".join(str(k) for k in path)
+
+
+def tmp_step_name(name: str, stamp: int) -> str:
+    """Where step directory `name` is written before it is renamed into place (Orbax's temporary name)."""
+    return f"{name}{TMP_STEP_SUFFIX}{stamp}"
+
+
+def is_tmp_step_name(name: str) -> bool:
+    return _TMP_STEP.fullmatch(name) is not None

@@ -172,7 +172,7 @@ class CheckpointManager:
         if self._preemption.pending:
             self._committer.wait()  # the process is about to be killed: the commit must land first
             self._preemption.saved_on_notice(step)
-            warnings.warn(f"SIGTERM received: step {step} is committed at {pending.location}; the trainer should "
+            warnings.warn(f"SIGTERM received: step {step} is committed at {pending.final}; the trainer should "
                           "exit", stacklevel=2)
         return True
 
@@ -181,11 +181,11 @@ class CheckpointManager:
         options = self._options.save_options
         with paused_gc():  # many small records live until the save is planned and staged
             plans = {name: saving.plan_save(state, options, self._coordinator) for name, state in items.items()}
-            location = self._tier.prepare(self._coordinator, step)
+            location, final = self._tier.prepare(self._coordinator, step)
             start = self._coordinator.everywhere(f"staging step {step}", lambda: saving.begin_writes(
-                location, plans, options, background=self._options.async_save,
+                location, plans, options, writer=self._coordinator.index, background=self._options.async_save,
                 max_host_bytes=self._options.max_host_bytes))
-        return PendingSave(step, location, plans, start, dataclasses.replace(marker, items=tuple(plans)))
+        return PendingSave(step, location, final, plans, start, dataclasses.replace(marker, items=tuple(plans)))
 
     def _finish(self, save: PendingSave) -> None:
         """Commit on every process, then retention (deletes deferred to the background thread), then

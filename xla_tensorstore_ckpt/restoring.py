@@ -24,7 +24,7 @@ from .errors import (
     ShapeMismatchError,
     UnsupportedValueError,
 )
-from .formats import ArrayMetadata, ItemManifest
+from .formats import ArrayMetadata, ArrayStore, ItemManifest
 from .gc_pause import paused_gc
 from .options import RestoreOptions
 from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
@@ -114,7 +114,7 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
         wanted = ({p: None for p in saved} if target is None
                   else _match(loc, saved, dict(tree.flatten(target)), strict))
         amplification = MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0
-        values = read_arrays(loc, _read_jobs(saved, wanted, amplification), options, take)
+        values = read_arrays(loc, manifest.store, _read_jobs(saved, wanted, amplification), options, take)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 
@@ -175,7 +175,7 @@ def _read_jobs(saved: dict, wanted: dict, max_amplification: float) -> list[_Rea
     return jobs
 
 
-def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: RestoreOptions,
+def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJob], options: RestoreOptions,
                 take: Callable[[dict], None] | None = None) -> dict:
     """Read every job's regions and build its tensor; the reads of the next batch overlap building this one.
     The tensors are returned, or with `take` handed to it batch by batch (see `read_item`). On error,
@@ -186,7 +186,9 @@ def read_arrays(loc: storage.Location, jobs: Sequence[_ReadJob], options: Restor
             raise CorruptCheckpointError(
                 f"restoring {tree.format_key_path(job.key_path)} from {loc.child(job.meta.path)} would read "
                 f"{job.read_bytes / 2**30:.1f} GiB at once, more than this machine's memory; a damaged checkpoint?")
-    opened = {job.key_path: arrays.open_existing(loc.child(job.meta.path)) for job in jobs}
+    context = arrays.operation_context()
+    opened = {job.key_path: arrays.open_existing(arrays.ArrayRef(loc, job.meta.path, store, context))
+              for job in jobs}
     groups = list(grid.batches(jobs, lambda job: job.read_bytes, options.read_batch_bytes))
     results: dict[layout.KeyPath, torch.Tensor] = {}
     current: list[dict] = []

@@ -22,7 +22,7 @@ import torch
 from . import arrays, dtypes, formats, grid, layout, storage, tree
 from .distributed import Coordinator, balance
 from .errors import CheckpointExistsError, UnsupportedValueError
-from .formats import ArrayMetadata, ItemManifest
+from .formats import ArrayMetadata, ArrayStore, ItemManifest, orbax
 from .options import SaveOptions
 from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
 from .sharded_array import ShardedArray
@@ -79,42 +79,52 @@ class ArrayPlan:
 
 @dataclass(frozen=True)
 class SavePlan:
+    """An item to save: its manifest (the primary's values for JSON leaves), the arrays (scalar leaves among
+    them, as the 0-d arrays Orbax reads, written by the primary), and its string leaves by array name."""
+
     manifest: ItemManifest
     arrays: tuple[ArrayPlan, ...]
+    strings: dict[str, str]
+
+    @property
+    def store(self) -> ArrayStore:
+        return self.manifest.store
 
 
 def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coordinator | None = None) -> SavePlan:
     """Validate `state` and decide what every process writes. Collective when `coordinator` spans several
     processes. Raises `UnsupportedValueError` (naming the key) for a leaf that is neither an array nor a JSON
-    scalar, an unsupported dtype, two keys that map to one directory, or processes that disagree on the
-    arrays. Materializes pending XLA computations; runs no other device work."""
+    scalar, an unsupported dtype, or processes that disagree on the arrays. Materializes pending XLA
+    computations; runs no other device work."""
     options = options or SaveOptions()
     coordinator = coordinator or Coordinator.single()
+    leaves = tree.flatten(state)
+    names = dict(zip((p for p, _ in leaves), layout.array_names([p for p, _ in leaves])))
     values: list[tuple[layout.KeyPath, ArrayLike]] = []
-    for path, leaf in tree.flatten(state):
+    scalars: list[tuple[layout.KeyPath, torch.Tensor]] = []
+    strings: dict[str, str] = {}
+    for path, leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             _check_tensor(path, leaf)
             values.append((path, leaf))
         elif isinstance(leaf, ShardedArray):
             _check_dtype(path, leaf.dtype)
             values.append((path, leaf))
+        elif isinstance(leaf, str):
+            strings[names[path]] = leaf
         elif not isinstance(leaf, tree.JSON_SCALARS):
             raise UnsupportedValueError(
                 f"cannot save {tree.format_key_path(path)}: {type(leaf).__name__} is neither a tensor nor a "
                 "JSON value (int, float, str, bool, None)")
-    layouts = _layouts([v for _, v in values])
-    seen_dirs: dict[str, layout.KeyPath] = {}
+        elif orbax.scalar_dtype(leaf) is not None:
+            scalars.append((path, torch.tensor(leaf, dtype=dtypes.by_name(orbax.scalar_dtype(leaf)).torch)))
     local = []
-    for (path, value), lay in zip(values, layouts):
-        directory = layout.array_path(path)
-        if directory in seen_dirs:
-            raise UnsupportedValueError(
-                f"keys {tree.format_key_path(seen_dirs[directory])!r} and {tree.format_key_path(path)!r} "
-                f"would both be stored in {directory!r}")
-        seen_dirs[directory] = path
-        meta = ArrayMetadata(directory, lay.shape, dtypes.by_torch(value.dtype).name, lay.chunk_shape,
-                             lay.sharding)
-        local.append((path, value, lay, meta))
+    for (path, value), lay in zip(values, _layouts([v for _, v in values])):
+        local.append((path, value, lay, ArrayMetadata(names[path], lay.shape, dtypes.by_torch(value.dtype).name,
+                                                      lay.chunk_shape, lay.sharding)))
+    for path, value in scalars:  # the primary's value, as in the manifest
+        lay = cpu_layout(()) if coordinator.is_primary else TensorLayout((), Placement.CPU, (), ())
+        local.append((path, value, lay, ArrayMetadata(names[path], (), dtypes.by_torch(value.dtype).name, ())))
     chunk_shapes, writers = _assign_writers([(meta, lay) for _, _, lay, meta in local], options, coordinator)
     plans = []
     for position, (path, value, lay, meta) in enumerate(local):
@@ -123,12 +133,14 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
         writes = tuple(ChunkWrite(region, source) for region, source in _local_chunks(lay, meta.chunk_shape).items()
                        if owner[region] == coordinator.index)
         sole = set(owner.values())
-        single_file = len(owner) > 1 and len(sole) == 1 and meta.nbytes <= options.single_file_max_bytes
-        metadata_writer = next(iter(sole)) if single_file else position % coordinator.count
+        single_file = (not options.use_ocdbt and len(owner) > 1 and len(sole) == 1
+                       and meta.nbytes <= options.single_file_max_bytes)
+        metadata_writer = next(iter(sole)) if single_file or not meta.shape else position % coordinator.count
         plans.append(ArrayPlan(path, meta, value, lay, writes, single_file, metadata_writer == coordinator.index))
-    by_path = {p.key_path: p.meta for p in plans}
-    manifest = ItemManifest(tree.rebuild(state, lambda p, v: by_path.get(p, v)), formats.WRITE_VERSION)
-    return SavePlan(manifest, tuple(plans))
+    tensors = {p.key_path: p.meta for p in plans[:len(values)]}
+    store = ArrayStore(kind="ocdbt" if options.use_ocdbt else "directories")
+    manifest = ItemManifest(tree.rebuild(state, lambda p, v: tensors.get(p, v)), formats.WRITE_VERSION, store)
+    return SavePlan(manifest, tuple(plans), strings)
 
 
 def _check_tensor(path: layout.KeyPath, tensor: torch.Tensor) -> None:
@@ -255,63 +267,69 @@ def stage_all(plans: Sequence[ArrayPlan], options: SaveOptions, *, copy_cpu: boo
     within `options.host_batch_bytes`). Blocks. For asynchronous saves: once this returns, training may change
     the tensors; `start_writes` then writes from the copies."""
     return [(group, stage(group, copy_cpu=copy_cpu))
-            for group in grid.batches([p for p in plans if p.writes], lambda p: p.host_bytes, options.host_batch_bytes)]
+            for group in grid.batches([p for p in plans if p.writes], lambda p: p.host_bytes,
+                                      options.host_batch_bytes)]
 
 
 @dataclass
 class Writes:
-    """The writes a process started for one item: the futures to wait for, and the files they create
-    (relative to the item directory), which a save that syncs makes durable once they are done."""
+    """The writes a process started for one item: the futures to wait for, and what they create (relative to
+    the item directory), which a save that syncs makes durable once they are done: `files`, and `trees`
+    (directories whose every file is this process's, such as its OCDBT store)."""
 
     pending: list[arrays.Pending]
     files: list[str]
+    trees: list[str]
 
     @staticmethod
     def combined(by_item: Mapping[str, Writes]) -> Writes:
-        """The writes of several items as one, file names relative to their parent (``<item>/...``)."""
+        """The writes of several items as one, names relative to their parent (``<item>/...``)."""
         return Writes([p for w in by_item.values() for p in w.pending],
-                      [f"{item}/{f}" for item, w in by_item.items() for f in w.files])
+                      [f"{item}/{f}" for item, w in by_item.items() for f in w.files],
+                      [f"{item}/{t}" for item, w in by_item.items() for t in w.trees])
 
 
-def start_writes(loc: storage.Location, plans: Sequence[ArrayPlan], staged: Staged,
-                 options: SaveOptions) -> Writes:
-    """Create the arrays this process creates and start writing staged chunks."""
-    writer = _Writer(loc, plans, writeback=options.fsync)
+def start_writes(loc: storage.Location, plan: SavePlan, staged: Staged, options: SaveOptions, *,
+                 writer: int) -> Writes:
+    """Create the arrays this process creates and start writing staged chunks (`writer`: this process's
+    index)."""
+    out = _Writer(loc, plan, writer=writer, writeback=options.fsync)
     try:
         for group, data in staged:
-            writer.write(group, data)
+            out.write(group, data)
     except BaseException:
-        arrays.drain(writer.writes.pending)
+        arrays.drain(out.writes.pending)
         raise
-    return writer.writes
+    return out.writes
 
 
-def issue_writes(loc: storage.Location, plans: Sequence[ArrayPlan], options: SaveOptions, *,
+def issue_writes(loc: storage.Location, plan: SavePlan, options: SaveOptions, *, writer: int,
                  copy_cpu: bool = False, max_host_bytes: int | None = None) -> Writes:
     """Stage and write, interleaved: the writes of one batch run while the next is fetched. Blocks while shards
     are fetched. With `max_host_bytes`, staged data not yet written never exceeds it (plus one batch): the call
     waits for earlier writes instead of fetching more. `copy_cpu` copies host tensors too (for callers that
     return before the writes finish). On error, every started operation is waited for first."""
-    writer = _Writer(loc, plans, writeback=options.fsync)
+    out = _Writer(loc, plan, writer=writer, writeback=options.fsync)
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
     try:
-        for group in grid.batches([p for p in plans if p.writes], lambda p: p.host_bytes, options.host_batch_bytes):
+        for group in grid.batches([p for p in plan.arrays if p.writes], lambda p: p.host_bytes,
+                                  options.host_batch_bytes):
             group_bytes = sum(p.staged_bytes for p in group)
             while max_host_bytes is not None and in_flight and in_flight_bytes + group_bytes > max_host_bytes:
                 done_bytes, done = in_flight.popleft()
                 arrays.wait_all(done)
                 in_flight_bytes -= done_bytes
-            in_flight.append((group_bytes, writer.write(group, stage(group, copy_cpu=copy_cpu))))
+            in_flight.append((group_bytes, out.write(group, stage(group, copy_cpu=copy_cpu))))
             in_flight_bytes += group_bytes
     except BaseException:
-        arrays.drain(writer.writes.pending)
+        arrays.drain(out.writes.pending)
         raise
-    return writer.writes
+    return out.writes
 
 
-def begin_writes(loc: storage.Location, plans: Mapping[str, SavePlan], options: SaveOptions, *, background: bool,
-                 max_host_bytes: int | None) -> Callable[[], Writes]:
+def begin_writes(loc: storage.Location, plans: Mapping[str, SavePlan], options: SaveOptions, *, writer: int,
+                 background: bool, max_host_bytes: int | None) -> Callable[[], Writes]:
     """Begin saving items (name -> plan) under `loc`; return `start`, which starts the writes not started yet
     and returns all of them. With `background` (an asynchronous save), every shard is on the host when this
     returns and training may change the tensors: without `max_host_bytes` only the copies happen here and
@@ -319,48 +337,66 @@ def begin_writes(loc: storage.Location, plans: Mapping[str, SavePlan], options: 
     within the cap. Without `background`, nothing happens here: `start` stages and writes, holding at most two
     batches of host memory. Blocks while shards are copied."""
     if not background:
-        return lambda: Writes.combined({name: issue_writes(loc.child(name), plan.arrays, options,
+        return lambda: Writes.combined({name: issue_writes(loc.child(name), plan, options, writer=writer,
                                                            max_host_bytes=2 * options.host_batch_bytes)
                                         for name, plan in plans.items()})
     if max_host_bytes is not None:
-        started = Writes.combined({name: issue_writes(loc.child(name), plan.arrays, options, copy_cpu=True,
+        started = Writes.combined({name: issue_writes(loc.child(name), plan, options, writer=writer, copy_cpu=True,
                                                       max_host_bytes=max_host_bytes)
                                    for name, plan in plans.items()})
         return lambda: started
     # Only the copy off the devices happens here; creating arrays and issuing writes (a fraction of a millisecond
     # per chunk) is left to the caller of `start`.
     staged = {name: stage_all(plan.arrays, options, copy_cpu=True) for name, plan in plans.items()}
-    return lambda: Writes.combined({name: start_writes(loc.child(name), plan.arrays, staged.pop(name), options)
+    return lambda: Writes.combined({name: start_writes(loc.child(name), plan, staged.pop(name), options,
+                                                       writer=writer)
                                     for name, plan in plans.items()})
 
 
 class _Writer:
-    """Creates arrays (on first use) and issues chunk writes; collects every future and file. With `writeback`
-    (saves that fsync), finished chunk files are handed to the disk while later ones are still being staged."""
+    """Creates the arrays this process creates and issues its chunk writes; collects every future and what
+    they create. In a store of directories, with `writeback` (saves that fsync), finished chunk files are
+    handed to the disk while later ones are still being staged. In an OCDBT store, every array's metadata is
+    created in one transaction, then each batch of chunks is one transaction: the store's B-tree grows by a
+    few nodes per batch, not per chunk, and host memory holds at most a batch of encoded chunks."""
 
-    def __init__(self, loc: storage.Location, plans: Sequence[ArrayPlan], *, writeback: bool):
-        self.writeback = writeback
-        self.locations = {p.key_path: loc.child(p.meta.path) for p in plans}
-        self.writes = Writes([], [])
-        self.created: dict[layout.KeyPath, arrays.Pending] = {}
-        for p in plans:
-            if p.writes or p.writes_metadata:
-                self.created[p.key_path] = arrays.create(
-                    self.locations[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
-                    single_file=p.single_file, write_metadata=p.writes_metadata)
-                self.writes.pending.append(self.created[p.key_path])
-                if p.writes_metadata:
-                    self.writes.files.append(f"{p.meta.path}/{layout.ZARR_METADATA}")
+    def __init__(self, loc: storage.Location, plan: SavePlan, *, writer: int, writeback: bool):
+        self.item, self.writer, self.store = loc, writer, plan.store
+        self.ocdbt = plan.store.kind == "ocdbt"
+        self.writeback = writeback and not self.ocdbt
+        context = arrays.operation_context()
+        self.refs = {p.key_path: arrays.ArrayRef(loc, p.meta.path, plan.store, context) for p in plan.arrays}
+        self.writes = Writes([], [], [])
+        mine = [p for p in plan.arrays if p.writes or p.writes_metadata]
+        if self.ocdbt and mine:
+            self.writes.trees.append(f"{layout.OCDBT_PROCESS_PREFIX}{writer}")
+            created = arrays.new_transaction()
+            arrays.wait_all([self._create(p, transaction=created) for p in mine if p.writes_metadata])
+            arrays.wait_all([arrays.commit(created, loc)])
+        self.opened = {p.key_path: self._create(p, metadata=not self.ocdbt and p.writes_metadata) for p in mine}
+        self.writes.pending.extend(self.opened.values())
+        if not self.ocdbt:
+            self.writes.files.extend(f"{p.meta.path}/{layout.ZARR_METADATA}" for p in mine if p.writes_metadata)
+
+    def _create(self, p: ArrayPlan, *, metadata: bool = True, transaction: object = None) -> arrays.Pending:
+        return arrays.create(self.refs[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
+                             writer=self.writer, single_file=p.single_file, write_metadata=metadata,
+                             transaction=transaction)
 
     def write(self, group: Sequence[ArrayPlan], data: Sequence[Sequence[torch.Tensor]]) -> list[arrays.Pending]:
         out: list[arrays.Pending] = []
+        transaction = arrays.new_transaction() if self.ocdbt else None
         for p, chunk_data in zip(group, data):
             chunks = [(tuple(slice(a, b) for a, b in w.region), dtypes.tensor_to_numpy(d))
                       for w, d in zip(p.writes, chunk_data)]
-            pending, files = arrays.write(self.created[p.key_path].result(), self.locations[p.key_path], chunks,
-                                          single_file=p.single_file, writeback=self.writeback)
+            pending, files = arrays.write(self.opened[p.key_path].result(), self.refs[p.key_path], chunks,
+                                          single_file=p.single_file, writeback=self.writeback,
+                                          transaction=transaction)
             out.extend(pending)
             self.writes.files.extend(f"{p.meta.path}/{f}" for f in files)
+        if transaction is not None:
+            arrays.wait_all(out)  # every chunk is in the transaction (copied, or referenced) before it commits
+            out.append(arrays.commit(transaction, self.item))
         self.writes.pending.extend(out)
         return out
 

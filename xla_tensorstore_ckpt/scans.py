@@ -35,12 +35,13 @@ def chunk_regions(meta: ArrayMetadata) -> list[tuple[Cell, tuple[slice, ...]]]:
             for position, region in grid.chunks(meta.shape, meta.chunk_shape)]
 
 
-def iter_chunks(loc: storage.Location, meta: ArrayMetadata, *, regions: list | None = None, window: int = 8
+def iter_chunks(ref: arrays.ArrayRef, meta: ArrayMetadata, *, regions: list | None = None, window: int = 8
                 ) -> Iterator[tuple[Cell, np.ndarray | Exception]]:
     """Every chunk's data, or with `regions` ((position, region) pairs) those regions' data, or the error
     reading it; a few reads in flight at a time."""
+    loc = ref.location
     try:
-        store = arrays.open_existing(loc).result()
+        store = arrays.open_existing(ref).result()
     except (CorruptCheckpointError, OSError) as exc:
         yield (), exc
         return
@@ -90,11 +91,11 @@ def array_stats(checkpoint: Checkpoint, key: str) -> ArrayStats:
     """Min, max, mean, std (over finite values), NaN and Inf counts, streaming chunk by chunk. Raises
     `CorruptCheckpointError` naming the chunk for damaged data."""
     item, meta = array_metadata(checkpoint, key)
-    loc = checkpoint.item_location(item).child(meta.path)
+    ref = checkpoint.array_ref(item, meta)
     count = nan = inf = 0
     total = total_sq = 0.0
     low, high = math.inf, -math.inf
-    for cell, data in iter_chunks(loc, meta):
+    for cell, data in iter_chunks(ref, meta):
         if isinstance(data, Exception):
             raise CorruptCheckpointError(f"{key} chunk {layout.chunk_key(cell)}: {data}") from data
         values = data.astype(np.float64) if data.dtype.kind != "c" else np.abs(data).astype(np.float64)
@@ -163,8 +164,8 @@ def _describe(row: TreeRow) -> Any:
 def _array_diff(a: Checkpoint, b: Checkpoint, key: str, ma: ArrayMetadata, mb: ArrayMetadata
                 ) -> DiffEntry | None:
     cells = chunk_regions(ma)  # b may be chunked otherwise: it is read by a's chunks
-    chunks_a = iter_chunks(a.item_location(split_key(key, a)[0]).child(ma.path), ma, regions=cells)
-    chunks_b = iter_chunks(b.item_location(split_key(key, b)[0]).child(mb.path), mb, regions=cells)
+    chunks_a = iter_chunks(a.array_ref(split_key(key, a)[0], ma), ma, regions=cells)
+    chunks_b = iter_chunks(b.array_ref(split_key(key, b)[0], mb), mb, regions=cells)
     max_abs = 0.0
     diff_sq = ref_sq = 0.0
     differs = False
@@ -230,9 +231,8 @@ def _verify_all(targets: list[Checkpoint], progress: Progress | None) -> tuple[i
                 continue
             work.extend((checkpoint, prefix, item, meta) for _, meta in manifest.arrays())
     for done, (checkpoint, prefix, item, meta) in enumerate(work, 1):
-        loc = checkpoint.item_location(item).child(meta.path)
         key = full_key(item, meta.path)
-        for cell, data in iter_chunks(loc, meta):
+        for cell, data in iter_chunks(checkpoint.array_ref(item, meta), meta):
             if isinstance(data, Exception):
                 problems.append(Problem(f"{prefix}{key} {layout.chunk_key(cell)}", str(data)))
         if progress:

@@ -1,9 +1,13 @@
 """The steps under a checkpoint root: what a step directory is called, which are committed, partial or invalid,
 and how a step is deleted. The manager and the command line both use `StepIndex`, so they agree on what a step is.
 
-A step ``<root>/<name>`` is committed iff its marker (``_CHECKPOINT_METADATA``) exists, decodes and names the same
-step; a step directory without a marker is partial (a save that never committed); one whose marker does not
-decode, or names another step, is invalid. Everything blocks; the index holds no state beyond its root.
+A step ``<root>/<name>`` written by this library is committed iff its marker (``_CHECKPOINT_METADATA``) exists,
+decodes and names the same step; a step directory without one is partial (a save that never committed), and so is
+a step still under its temporary name (``<name>.orbax-checkpoint-tmp-<n>``, where the storage renames); one whose
+marker does not decode, or names another step, is invalid. A step Orbax wrote is committed by Orbax's rule: its
+directory has its final name (storage that renames) or holds ``commit_success.txt`` (object stores); partial
+steps that hold Orbax's items are never deleted (they may be another program's). Everything blocks; the index
+holds no state beyond its root.
 """
 
 from __future__ import annotations
@@ -48,38 +52,56 @@ class StepIndex:
         """Every step directory with its status, oldest step first."""
         entries = []
         for name in self.root.list():
-            step = layout.parse_step_name(name, None if self.prefix == ANY_PREFIX else self.prefix,
-                                          any_prefix=self.prefix == ANY_PREFIX)
+            step = self._step_of(name)
             if step is not None:
                 entries.append(self._entry(step, name))
         return sorted(entries, key=lambda e: (e.step, e.name))
 
+    def _step_of(self, name: str) -> int | None:
+        final = name.split(layout.TMP_STEP_SUFFIX, 1)[0] if layout.is_tmp_step_name(name) else name
+        return layout.parse_step_name(final, None if self.prefix == ANY_PREFIX else self.prefix,
+                                      any_prefix=self.prefix == ANY_PREFIX)
+
     def _entry(self, step: int, name: str) -> StepEntry:
         loc = self.root.child(name)
+        if layout.is_tmp_step_name(name):
+            return StepEntry(step, name, "partial")
         try:
-            marker = formats.read_step(loc)
+            marker = formats.read_step(loc, step)
         except (CorruptCheckpointError, FormatVersionError) as exc:
             return StepEntry(step, name, "invalid", problem=str(exc))
         if marker is None:
             return StepEntry(step, name, "partial")
         if marker.step != step:
             return StepEntry(step, name, "invalid", problem=f"its marker in {loc} names step {marker.step}")
+        if marker.format_version == 0 and not self.root.capabilities.renames and \
+                loc.read(layout.COMMIT_SUCCESS) is None:
+            return StepEntry(step, name, "partial")  # Orbax's, not finalized
         return StepEntry(step, name, "committed", marker)
 
     def remove_partial(self, entries: list[StepEntry]) -> None:
         """Delete the partial steps among `entries` (saves that crashed before their commit), unless a marker
-        has appeared meanwhile."""
+        has appeared meanwhile or they hold items Orbax wrote."""
         for entry in entries:
             loc = self.root.child(entry.name)
-            if entry.status == "partial" and loc.read(layout.CHECKPOINT_METADATA) is None:
+            if entry.status != "partial" or _holds_orbax_items(loc):
+                continue
+            if layout.is_tmp_step_name(entry.name) or loc.read(layout.CHECKPOINT_METADATA) is None:
                 loc.delete_tree()
 
     def delete(self, step: int) -> None:
-        """Uncommit `step` (its marker first), then delete its files. Retried; a step is never left committed but
-        half deleted. Raises `StorageError` if it cannot be deleted."""
+        """Uncommit `step`, then delete its files: where the storage renames, by renaming the step to a
+        temporary name first (no reader, Orbax included, sees it committed after that); elsewhere by deleting
+        Orbax's completion mark and the marker first. Retried; a step is never left committed but half deleted.
+        Raises `StorageError` if it cannot be deleted."""
         loc = self.location(step)
         for attempt in range(3):
             try:
+                if self.root.capabilities.renames and loc.exists():
+                    doomed = self.root.child(layout.tmp_step_name(loc.name, time.time_ns()))
+                    loc.rename_to(doomed)
+                    loc = doomed
+                loc.delete(layout.COMMIT_SUCCESS)
                 loc.delete(layout.CHECKPOINT_METADATA)
                 loc.delete_tree()
                 return
@@ -87,3 +109,18 @@ class StepIndex:
                 if attempt == 2:
                     raise
                 time.sleep(0.1 * 2**attempt)
+
+
+def _holds_orbax_items(loc: Location) -> bool:
+    """True if any item below `loc` has an Orbax ``_METADATA`` that this library did not write."""
+    for name in loc.list():
+        data = loc.child(name).read(layout.ITEM_METADATA)
+        if data is None:
+            continue
+        try:
+            doc = formats.load_json(data, where=str(loc.child(name, layout.ITEM_METADATA)))
+        except CorruptCheckpointError:
+            continue
+        if "tree_metadata" in doc and formats.v2.KEY not in doc:
+            return True
+    return False

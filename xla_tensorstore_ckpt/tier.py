@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,10 +27,12 @@ from .storage import Location
 
 @dataclass(frozen=True)
 class PendingSave:
-    """A save between staging and commit: where it goes, what it holds, and how to start its writes."""
+    """A save between staging and commit: where it is written (`location`; a temporary name where the storage
+    renames) and where it ends (`final`), what it holds, and how to start its writes."""
 
     step: int
     location: Location
+    final: Location
     plans: Mapping[str, saving.SavePlan]
     start: Callable[[], saving.Writes]
     marker: StepMetadata  # committed_at is set at commit time
@@ -85,30 +88,33 @@ class Tier:
         with self._guard:
             self._steps = steps
 
-    def prepare(self, coordinator: Coordinator, step: int) -> Location:
-        """Clear the directory of `step` (a committed one being replaced, or a crashed save's leftovers)."""
-        location = self.index.location(step)
+    def prepare(self, coordinator: Coordinator, step: int) -> tuple[Location, Location]:
+        """Clear the way for `step` (a committed one being replaced, a crashed save's leftovers); return where
+        to write it and where it ends: a temporary directory renamed into place at the commit where the storage
+        renames (so that no reader, Orbax included, ever sees a partial step under its name), else the step
+        directory itself, whose marker is written last."""
+        final = self.index.location(step)
 
-        def clear() -> None:
+        def clear() -> str | None:
             if step in self.committed():
                 self.index.delete(step)
-            if not location.is_empty():
-                location.delete_tree()
+            if not final.is_empty():
+                final.delete_tree()
+            return layout.tmp_step_name(final.name, time.time_ns()) if self.root.capabilities.renames else None
 
         self.forget(step)
-        coordinator.on_primary(f"preparing step {step} at {location}", clear)
-        return location
+        temporary = coordinator.on_primary(f"preparing step {step} at {final}", clear, share=True)
+        return (self.root.child(temporary) if temporary else final), final
 
     def commit(self, coordinator: Coordinator, save: PendingSave, *, fsync: bool, committed_at: float) -> list[int]:
-        """Finish the writes of `save`, write its manifests and marker, refresh the lock; return the steps
-        retention lets go (not deleted yet: see `delete`)."""
-        what = f"step {save.step} at {save.location}"
+        """Finish the writes of `save`, write its manifests and marker, put it in place, refresh the lock;
+        return the steps retention lets go (not deleted yet: see `delete`)."""
+        what = f"step {save.step} at {save.final}"
         commit.finish_writes(coordinator, save.location, save.start, fsync=fsync, what=what)
         marker = dataclasses.replace(save.marker, committed_at=committed_at)
-        files = [(f"{name}/{layout.ITEM_METADATA}", formats.encode_item(plan.manifest))
-                 for name, plan in save.plans.items()]
-        commit.commit(coordinator, save.location, [*files, (layout.CHECKPOINT_METADATA, formats.encode_step(marker))],
-                      fsync=fsync, what=what)
+        final = [(layout.CHECKPOINT_METADATA, formats.encode_step(marker)), (layout.COMMIT_SUCCESS, commit.COMMITTED)]
+        publish = None if save.location == save.final else lambda: save.location.rename_to(save.final)
+        commit.commit(coordinator, save.location, save.plans, final, fsync=fsync, what=what, publish=publish)
 
         def retain() -> list[int]:
             self.lock.heartbeat()

@@ -1,10 +1,10 @@
 """A saving process that kills itself (SIGKILL, like kill -9) at a chosen point of a save.
 
-usage: crash_save.py ROOT --kill-at OPERATION:N [--steps 1,2,3] [--async] [--max-to-keep K]
+usage: crash_save.py ROOT --kill-at OPERATION:N [--steps 1,2,3] [--async] [--max-to-keep K] [--plain]
 Saves the given steps of a deterministic CPU state with a CheckpointManager on ROOT seen through a hooked storage
 backend (tests/fault_backends.py); the N-th storage operation OPERATION (write, delete, open_array, file_written,
 sync_files, ...) counted from the start of the last step's save kills the process before it runs. Exits 0 if the
-point was never reached.
+point was never reached. Arrays go to an OCDBT store, or with --plain to one directory each.
 """
 
 from __future__ import annotations
@@ -53,11 +53,13 @@ def main() -> None:
     parser.add_argument("--steps", default="1,2,3")
     parser.add_argument("--async", dest="async_save", action="store_true")
     parser.add_argument("--max-to-keep", type=int, default=None)
+    parser.add_argument("--plain", action="store_true")
     args = parser.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
     options = xtc.CheckpointManagerOptions(
         save_interval_steps=1, max_to_keep=args.max_to_keep, async_save=args.async_save, save_rng=False,
-        save_options=xtc.SaveOptions(host_batch_bytes=4096))  # one small batch per array: staging interleaves
+        save_options=xtc.SaveOptions(host_batch_bytes=4096,  # one small batch per array: staging interleaves
+                                     use_ocdbt=not args.plain))
     switch = KillSwitch(args.kill_at)
     manager = xtc.CheckpointManager(hooked(args.root, switch), options)
     for step in steps:

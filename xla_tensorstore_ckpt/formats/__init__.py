@@ -2,9 +2,10 @@
 inspection, export) gets an item's `ItemManifest` or a step's `StepMetadata`, and through which writers encode
 them.
 
-Each format version lives in its own module (`v1`, ...) and is recognised by the content of the file, never by
-its name alone: the names ``_METADATA`` and ``_CHECKPOINT_METADATA`` are shared with Orbax, whose contents differ.
-A version newer than this reader knows is a `FormatVersionError`; a file no version recognises is a
+Each format version lives in its own module (`v1`, `v2`) and is recognised by the content of the file, never by
+its name alone: the names ``_METADATA`` and ``_CHECKPOINT_METADATA`` are shared with Orbax, and version 1 used
+them with other contents. Checkpoints Orbax wrote itself are read too (`orbax`; format version 0 in the
+records). A version newer than this reader knows is a `FormatVersionError`; a file no version recognises is a
 `CorruptCheckpointError` naming it.
 """
 
@@ -15,14 +16,14 @@ import json
 from .. import layout
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 from ..storage import Location
-from . import v1
-from .records import ArrayMetadata, ItemManifest, SavedSharding, StepMetadata
+from . import orbax, v1, v2
+from .records import ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
 
-__all__ = ["ArrayMetadata", "ItemManifest", "SavedSharding", "StepMetadata", "WRITE_VERSION", "decode_item",
-           "decode_step", "encode_item", "encode_step", "load_json", "read_item", "read_step"]
+__all__ = ["ArrayMetadata", "ArrayStore", "ItemManifest", "SavedSharding", "StepMetadata", "WRITE_VERSION",
+           "encode_item", "encode_step", "load_json", "read_item", "read_step"]
 
-WRITE_VERSION = v1.VERSION
-NEWEST_VERSION = v1.VERSION
+WRITE_VERSION = v2.VERSION
+NEWEST_VERSION = v2.VERSION
 
 
 def load_json(data: bytes, *, where: str) -> dict:
@@ -37,33 +38,40 @@ def load_json(data: bytes, *, where: str) -> dict:
 
 
 def read_item(loc: Location) -> ItemManifest:
-    """The manifest of the item at `loc`. Raises `CheckpointNotFoundError` if there is none,
-    `CorruptCheckpointError` if it is malformed, `FormatVersionError` if it is newer than this reader."""
+    """The manifest of the item at `loc` (ours of any version, or Orbax's). Raises `CheckpointNotFoundError` if
+    there is none, `CorruptCheckpointError` if it is malformed, `FormatVersionError` if it is newer than this
+    reader. An Orbax item's arrays are opened to learn their shapes (blocks on that I/O)."""
     data = loc.read(layout.ITEM_METADATA)
     if data is None:
         raise CheckpointNotFoundError(f"{loc} holds no checkpoint item ({layout.ITEM_METADATA} is missing)")
     where = str(loc.child(layout.ITEM_METADATA))
-    return decode_item(load_json(data, where=where), where=where)
-
-
-def decode_item(doc: dict, *, where: str) -> ItemManifest:
+    doc = load_json(data, where=where)
+    if orbax.is_item(doc):
+        if v2.KEY not in doc:
+            return orbax.decode_item(doc, loc, where=where)
+        _check_version(v2.ours(doc), where)
+        return v2.decode_item(doc, where=where)
     _check_version(doc, where)
     if v1.is_item(doc):
         return v1.decode_item(doc, where=where)
     raise CorruptCheckpointError(f"{where}: not an item manifest of any known format")
 
 
-def read_step(loc: Location) -> StepMetadata | None:
-    """The commit marker of the step at `loc`, or None if it has none (not committed). Raises
-    `CorruptCheckpointError` or `FormatVersionError` for a marker that does not decode."""
+def read_step(loc: Location, step: int | None = None) -> StepMetadata | None:
+    """The commit marker of the step at `loc` (number `step`, or read from its name), or None if it has none.
+    Raises `CorruptCheckpointError` or `FormatVersionError` for a marker that does not decode. Whether a step
+    with a marker is committed is the step index's decision (`steps`): for Orbax's own steps it depends on
+    more than the marker."""
     data = loc.read(layout.CHECKPOINT_METADATA)
     if data is None:
         return None
     where = str(loc.child(layout.CHECKPOINT_METADATA))
-    return decode_step(load_json(data, where=where), where=where)
-
-
-def decode_step(doc: dict, *, where: str) -> StepMetadata:
+    doc = load_json(data, where=where)
+    if v2.is_step(doc):
+        _check_version(v2.ours(doc), where)
+        return v2.decode_step(doc, where=where)
+    if orbax.is_step(doc):
+        return orbax.decode_step(doc, loc, step, where=where)
     _check_version(doc, where)
     if v1.is_step(doc):
         return v1.decode_step(doc, where=where)
@@ -72,12 +80,12 @@ def decode_step(doc: dict, *, where: str) -> StepMetadata:
 
 def encode_item(manifest: ItemManifest) -> bytes:
     """``_METADATA`` of an item in the format this library writes."""
-    return v1.encode_item(manifest)
+    return v2.encode_item(manifest)
 
 
 def encode_step(marker: StepMetadata) -> bytes:
     """``_CHECKPOINT_METADATA`` of a step in the format this library writes."""
-    return v1.encode_step(marker)
+    return v2.encode_step(marker)
 
 
 def _check_version(doc: dict, where: str) -> None:

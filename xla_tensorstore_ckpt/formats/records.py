@@ -60,12 +60,32 @@ class ArrayMetadata:
 
 
 @dataclass(frozen=True)
+class ArrayStore:
+    """Where and how an item's arrays are stored.
+
+    kind: "directories" (one zarr directory per array, named by `ArrayMetadata.path`) or "ocdbt" (one OCDBT
+        key-value store at the item directory, arrays under the key prefix `ArrayMetadata.path`).
+    zarr_format: 3, or 2 for Orbax checkpoints written with ``use_zarr3=False``.
+    checksums: every chunk carries a crc32c (this library's arrays; Orbax's do not).
+    fill_missing: a missing chunk reads as the fill value (Orbax checkpoints written without
+        ``store_array_data_equal_to_fill_value``) instead of being an error.
+    """
+
+    kind: str = "directories"
+    zarr_format: int = 3
+    checksums: bool = True
+    fill_missing: bool = False
+
+
+@dataclass(frozen=True)
 class ItemManifest:
     """What one item holds: `tree` has `ArrayMetadata` leaves for arrays and the values themselves for JSON
-    leaves. `format_version` is that of the checkpoint it was read from (or will be written in)."""
+    leaves; `store` says where the arrays are. `format_version` is that of the checkpoint it was read from (or
+    will be written in); 0 for a checkpoint written by Orbax itself."""
 
     tree: Any
     format_version: int
+    store: ArrayStore = ArrayStore()
 
     def arrays(self) -> list[tuple[layout.KeyPath, ArrayMetadata]]:
         return [(p, v) for p, v in tree.flatten(self.tree) if isinstance(v, ArrayMetadata)]
@@ -87,4 +107,4 @@ class StepMetadata:
     custom: dict[str, Any] | None = None
     versions: dict[str, str] | None = None
     process_count: int = 1
-    format_version: int = 1
+    format_version: int = 1  # 0: a step written by Orbax itself

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import dtypes, layout, tree
 from ..errors import CorruptCheckpointError, UnsupportedValueError
-from .records import ArrayMetadata, ItemManifest, SavedSharding, StepMetadata
+from .records import ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
 
 VERSION = 1
 MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: anything larger is a damaged or hostile manifest.
@@ -39,25 +39,36 @@ def is_step(doc: dict) -> bool:
 
 
 def encode_item(manifest: ItemManifest) -> bytes:
+    doc = {"format_version": VERSION, "tree": encode_tree(manifest.tree)}
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def decode_item(doc: dict, *, where: str) -> ItemManifest:
+    return decode_tree(doc.get("tree"), where=where, version=VERSION, store=ArrayStore())
+
+
+def encode_tree(structure: Any) -> dict:
+    """The structure and leaves of an item tree as JSON (also the core of format 2)."""
     def leaf(_path: layout.KeyPath, value: Any) -> dict:
         if isinstance(value, ArrayMetadata):
             return {"array": _array_json(value)}
         return tree.encode_value(value)
 
-    doc = {"format_version": VERSION, "tree": tree.encode(manifest.tree, leaf)}
-    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    return tree.encode(structure, leaf)
 
 
-def decode_item(doc: dict, *, where: str) -> ItemManifest:
-    def leaf(path: layout.KeyPath, node: dict) -> Any:
-        if "array" in node:
-            return _array(node["array"], where=f"{where} ({tree.format_key_path(path)})")
-        return tree.decode_value(node, where=where)
+def decode_tree(node: Any, *, where: str, version: int, store: ArrayStore) -> ItemManifest:
+    """Inverse of `encode_tree`, validated: the manifest of an item of `version` keeping its arrays in
+    `store`."""
+    def leaf(path: layout.KeyPath, value: dict) -> Any:
+        if "array" in value:
+            return _array(value["array"], where=f"{where} ({tree.format_key_path(path)})")
+        return tree.decode_value(value, where=where)
 
-    structure = tree.decode(doc.get("tree"), leaf, where=where)
+    structure = tree.decode(node, leaf, where=where)
     if not tree.is_container(structure):
         raise CorruptCheckpointError(f"{where}: the tree root is not a container")
-    manifest = ItemManifest(structure, VERSION)
+    manifest = ItemManifest(structure, version, store)
     seen: set[str] = set()
     for _path, meta in manifest.arrays():
         if meta.path in seen:

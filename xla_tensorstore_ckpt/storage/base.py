@@ -29,12 +29,15 @@ class Capabilities:
         fetch a chunk once per shard it feeds instead of once overall.
     zero_copy_writes: tensorstore may write straight from the caller's buffers (memory stores must copy: they
         would keep referencing the buffers).
+    renames: a directory can be renamed atomically (local file systems), so a step can be written under a
+        temporary name and renamed into place; elsewhere its commit marker is written last.
     """
 
     atomic_create: bool
     durable_writes: bool
     cheap_refetch: bool
     zero_copy_writes: bool
+    renames: bool
 
 
 class Backend(ABC):
@@ -88,13 +91,20 @@ class Backend(ABC):
         """True if the directory `path` exists (on object stores: if anything is stored below it)."""
         return bool(self.list_dir(path))
 
-    def sync_files(self, directory: str, names: Iterable[str]) -> None:  # noqa: B027 - optional, no-op by default
-        """Make the files `names` (relative to `directory`) durable with every directory entry leading to them,
-        up to `directory` and its parent. Nothing to do where writes are durable."""
+    def sync_files(self, directory: str, names: Iterable[str],  # noqa: B027 - optional, no-op by default
+                   trees: Iterable[str] = ()) -> None:
+        """Make the files `names` and every file below the directories `trees` (all relative to `directory`)
+        durable, with every directory entry leading to them, up to `directory` and its parent. Nothing to do
+        where writes are durable."""
 
     def file_written(self, path: str) -> None:  # noqa: B027 - optional, no-op by default
         """A hint that a large file at `path` is complete and will be synced: start writing it to stable
         storage now. Best effort, silent; called from a background thread."""
+
+    def rename_dir(self, source: str, target: str) -> None:
+        """Rename directory `source` to `target` (which must not exist), durably. Only where
+        `capabilities.renames`."""
+        raise NotImplementedError(f"{self.scheme} storage cannot rename directories")
 
 
 @dataclass(frozen=True)
@@ -157,11 +167,14 @@ class Location:
     def is_empty(self) -> bool:
         return not self.backend.list_dir(self.path)
 
-    def sync_files(self, names: Iterable[str]) -> None:
-        self.backend.sync_files(self.path, names)
+    def sync_files(self, names: Iterable[str], trees: Iterable[str] = ()) -> None:
+        self.backend.sync_files(self.path, names, trees)
 
     def file_written(self, name: str) -> None:
         self.backend.file_written(self._file(name))
+
+    def rename_to(self, target: Location) -> None:
+        self.backend.rename_dir(self.path, target.path)
 
     def __str__(self) -> str:
         return self.backend.url(self.path)

@@ -26,7 +26,7 @@ class GcsBackend(KvstoreBackend):
     bucket: str
     scheme = "gs"
     capabilities = Capabilities(atomic_create=True, durable_writes=True, cheap_refetch=False,
-                                zero_copy_writes=True)
+                                zero_copy_writes=True, renames=False)
 
     @classmethod
     def parse(cls, rest: str) -> tuple[Backend, str]:

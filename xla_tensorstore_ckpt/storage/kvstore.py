@@ -32,6 +32,7 @@ def context() -> ts.Context:
         "file_io_sync": False,
         "file_io_mode": {"mode": "memmap"},
         "cache_pool": {"total_bytes_limit": 0},
+        "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},  # OCDBT B-tree nodes, shared by every array
         "gcs_request_retries": {"max_retries": GCS_MAX_RETRIES, "initial_delay": "50ms", "max_delay": "5s"},
     })
 

@@ -17,7 +17,7 @@ class MemoryBackend(KvstoreBackend):
     # Tensorstore's memory store would keep referencing the buffers of zero-copy writes: freeing them later
     # (under the store's lock, needing the GIL) can deadlock against a thread holding the GIL.
     capabilities = Capabilities(atomic_create=True, durable_writes=True, cheap_refetch=True,
-                                zero_copy_writes=False)
+                                zero_copy_writes=False, renames=False)
 
     @classmethod
     def parse(cls, rest: str) -> tuple[Backend, str]:

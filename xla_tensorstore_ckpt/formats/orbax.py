@@ -1,0 +1,232 @@
+"""Orbax's PyTree checkpoint schema (orbax-checkpoint 0.11 / 0.12), both ways: the documents Orbax needs in the
+checkpoints this library writes (`tree_metadata`, `step_document`), and the reading of checkpoints Orbax wrote
+itself (`decode_item`, `decode_step`; format version 0 in our records).
+
+An Orbax item: ``_METADATA`` = ``{"tree_metadata": {"('a', 'b')": {"key_metadata": [{"key": "a", "key_type": 2},
+...], "value_metadata": {"value_type": ..., "skip_deserialize": ..., "write_shape": [...]}}}, "use_ocdbt",
+"use_zarr3", "store_array_data_equal_to_fill_value", "custom_metadata"}``; arrays named by their key path joined
+with ``.``, in one OCDBT store or one directory each, zarr3 or zarr2; scalars as 0-d arrays, strings in
+``_strings.json``; ``None`` and empty containers as metadata entries only. Unknown top-level keys are ignored by
+Orbax, which is where this library keeps what Orbax's schema cannot say (see `v2`).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .. import layout, tree
+from ..errors import CorruptCheckpointError
+from ..storage import Location
+from .records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
+
+STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+SEQUENCE, MAPPING = 1, 2  # key_type
+ARRAY, SCALAR, STRING = "jax.Array", "scalar", "string"
+_EMPTY = {"None": None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": tuple}
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def scalar_dtype(value: Any) -> str | None:
+    """The zarr dtype Orbax stores a Python scalar leaf as (a 0-d array), or None if it cannot be one (a str,
+    None, or an int beyond int64)."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int64" if _INT64[0] <= value <= _INT64[1] else None
+    if isinstance(value, float):
+        return "float64"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def tree_metadata(structure: Any) -> dict:
+    """``tree_metadata`` for a tree whose leaves are `ArrayMetadata` (arrays) and JSON values, empty containers
+    included, as Orbax would have written it for the same tree."""
+    entries: dict[str, dict] = {}
+    for path, value in _leaves_and_empty_nodes(structure, ()):
+        keys = [{"key": str(k), "key_type": SEQUENCE if isinstance(k, int) and _in_sequence(structure, path, i)
+                 else MAPPING} for i, k in enumerate(path)]
+        entries[str(tuple(str(k) for k in path))] = {"key_metadata": keys, "value_metadata": _value_metadata(value)}
+    return entries
+
+
+def _leaves_and_empty_nodes(node: Any, path: layout.KeyPath):
+    if isinstance(node, dict) and node:
+        for key, child in node.items():
+            yield from _leaves_and_empty_nodes(child, (*path, key))
+    elif isinstance(node, (list, tuple)) and node:
+        for index, child in enumerate(node):
+            yield from _leaves_and_empty_nodes(child, (*path, index))
+    elif path:
+        yield path, node
+
+
+def _in_sequence(root: Any, path: layout.KeyPath, depth: int) -> bool:
+    node = root
+    for key in path[:depth]:
+        node = node[key]
+    return isinstance(node, (list, tuple))
+
+
+def _value_metadata(value: Any) -> dict:
+    if isinstance(value, ArrayMetadata):
+        return {"value_type": ARRAY, "skip_deserialize": False, "write_shape": list(value.chunk_shape)}
+    if isinstance(value, str):
+        return {"value_type": STRING, "skip_deserialize": False}
+    if scalar_dtype(value) is not None:
+        return {"value_type": SCALAR, "skip_deserialize": False}
+    empty = {dict: "Dict", list: "List", tuple: "Tuple"}.get(type(value), "None")  # beyond int64: None to Orbax
+    return {"value_type": empty, "skip_deserialize": True}
+
+
+def step_document(marker: StepMetadata, ours: dict) -> dict:
+    """``_CHECKPOINT_METADATA`` in Orbax's schema; what Orbax has no field for goes into `custom_metadata`
+    under the key `v2.KEY`, beside the user's own custom metadata."""
+    custom = dict(marker.custom or {})
+    custom.update(ours)
+    return {"item_handlers": {item: STANDARD_HANDLER for item in marker.items}, "metrics": marker.metrics or {},
+            "performance_metrics": {}, "init_timestamp_nsecs": int(marker.created_at * 1e9),
+            "commit_timestamp_nsecs": int(marker.committed_at * 1e9), "custom_metadata": custom}
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def is_item(doc: dict) -> bool:
+    return isinstance(doc.get("tree_metadata"), dict)
+
+
+def is_step(doc: dict) -> bool:
+    return "item_handlers" in doc or "commit_timestamp_nsecs" in doc
+
+
+def decode_item(doc: dict, loc: Location, *, where: str) -> ItemManifest:
+    """An item Orbax wrote: the tree rebuilt from ``key_metadata`` (sequences become lists, dict keys strings),
+    arrays opened for their shape, dtype and chunks, scalars and strings read. Blocks."""
+    from .. import arrays
+
+    use_ocdbt = doc.get("use_ocdbt")
+    if use_ocdbt is None:  # written before Orbax recorded it
+        use_ocdbt = loc.read(layout.OCDBT_MANIFEST) is not None
+    store = ArrayStore(kind="ocdbt" if use_ocdbt else "directories", zarr_format=3 if doc.get("use_zarr3") else 2,
+                       checksums=False, fill_missing=not doc.get("store_array_data_equal_to_fill_value", False))
+    entries = _entries(doc["tree_metadata"], where)
+    names = {path: ".".join(str(k) for k in path) for path, _ in entries}
+    strings = _strings(loc, where) if any(v.get("value_type") == STRING for _, v in entries) else {}
+    to_open = [path for path, v in entries if v.get("value_type") not in (STRING, *_EMPTY) and
+               not v.get("skip_deserialize")]
+    context = arrays.operation_context()
+    with ThreadPoolExecutor(16) as pool:
+        opened = dict(zip(to_open, pool.map(
+            lambda p: arrays.open_existing(arrays.ArrayRef(loc, names[p], store, context)).result(), to_open)))
+    leaves: list[tuple[layout.KeyPath, Any]] = []
+    for path, value in entries:
+        kind = value.get("value_type")
+        if path in opened:
+            stored = opened[path]
+            if kind == SCALAR:
+                leaves.append((path, arrays.read_index(stored, arrays.ArrayRef(loc, names[path], store).location,
+                                                       ()).result().item()))
+            else:
+                leaves.append((path, ArrayMetadata(names[path], tuple(stored.shape),
+                                                   arrays.stored_dtype_name(stored), arrays.chunk_shape(stored))))
+        elif kind == STRING:
+            if names[path] not in strings:
+                raise CorruptCheckpointError(f"{where}: string {names[path]!r} is missing from {layout.STRINGS}")
+            leaves.append((path, strings[names[path]]))
+        else:
+            empty = _EMPTY.get(kind)
+            leaves.append((path, empty() if empty is not None else None))
+    return ItemManifest(_build(leaves, where), 0, store)
+
+
+def _entries(tree_doc: dict, where: str) -> list[tuple[layout.KeyPath, dict]]:
+    out = []
+    for entry in tree_doc.values():
+        if not isinstance(entry, dict) or not isinstance(entry.get("key_metadata"), list) or not isinstance(
+                entry.get("value_metadata"), dict):
+            raise CorruptCheckpointError(f"{where}: malformed tree_metadata entry {str(entry)[:200]}")
+        path: list[layout.KeyEntry] = []
+        for key in entry["key_metadata"]:
+            if not isinstance(key, dict) or not isinstance(key.get("key"), str):
+                raise CorruptCheckpointError(f"{where}: malformed key {str(key)[:200]}")
+            if key.get("key_type") == SEQUENCE:
+                if not key["key"].isdigit():
+                    raise CorruptCheckpointError(f"{where}: sequence index {key['key']!r} is not a number")
+                path.append(int(key["key"]))
+            else:
+                path.append(key["key"])
+        out.append((tuple(path), entry["value_metadata"]))
+    return out
+
+
+def _strings(loc: Location, where: str) -> dict:
+    data = loc.read(layout.STRINGS)
+    if data is None:
+        raise CorruptCheckpointError(f"{where}: string leaves, but no {layout.STRINGS}")
+    try:
+        strings = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{loc.child(layout.STRINGS)}: not valid JSON ({exc})") from None
+    if not isinstance(strings, dict):
+        raise CorruptCheckpointError(f"{loc.child(layout.STRINGS)}: not a JSON object")
+    return strings
+
+
+def _build(leaves: list[tuple[layout.KeyPath, Any]], where: str) -> Any:
+    """Nested dicts and lists from (path, value) pairs; list indices must run 0..n-1."""
+    root: dict = {}
+    for path, value in leaves:
+        if not path:
+            raise CorruptCheckpointError(f"{where}: a leaf with an empty key path")
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise CorruptCheckpointError(f"{where}: key path {path} runs through a leaf")
+        if path[-1] in node:
+            raise CorruptCheckpointError(f"{where}: key path {path} appears twice")
+        node[path[-1]] = value
+
+    def listify(node: Any) -> Any:
+        if not isinstance(node, dict) or not node:
+            return node
+        items = {k: listify(v) for k, v in node.items()}
+        if all(isinstance(k, int) for k in items):
+            if sorted(items) != list(range(len(items))):
+                raise CorruptCheckpointError(f"{where}: sequence indices {sorted(items)} are not 0..{len(items) - 1}")
+            return [items[i] for i in range(len(items))]
+        return items
+
+    out = listify(root)
+    if not tree.is_container(out):
+        raise CorruptCheckpointError(f"{where}: the tree root is not a container")
+    return out
+
+
+def decode_step(doc: dict, loc: Location, step: int | None, *, where: str) -> StepMetadata:
+    """A step Orbax's CheckpointManager wrote; its number comes from the directory name."""
+    if step is None:
+        step = layout.parse_step_name(loc.name, None, any_prefix=True)
+        if step is None:
+            raise CorruptCheckpointError(f"{where}: not in a step directory")
+    handlers = doc.get("item_handlers")
+    if isinstance(handlers, dict):
+        items = tuple(name for name in handlers if layout.is_safe_relative_path(name) and "/" not in name)
+    else:
+        items = tuple(name for name in loc.list() if loc.child(name).read(layout.ITEM_METADATA) is not None)
+    metrics = doc.get("metrics")
+    custom = doc.get("custom_metadata")
+    return StepMetadata(step=step, items=items, created_at=_seconds(doc.get("init_timestamp_nsecs")),
+                        committed_at=_seconds(doc.get("commit_timestamp_nsecs")),
+                        metrics=metrics if isinstance(metrics, dict) else None,
+                        custom=custom if isinstance(custom, dict) else None, format_version=0)
+
+
+def _seconds(nanoseconds: Any) -> float:
+    return nanoseconds / 1e9 if isinstance(nanoseconds, int) and not isinstance(nanoseconds, bool) else 0.0
+

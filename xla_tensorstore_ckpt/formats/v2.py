@@ -1,0 +1,94 @@
+"""Format version 2: every item is also an Orbax PyTree checkpoint and every step an Orbax step.
+
+Item ``_METADATA``: Orbax's document (`orbax.tree_metadata`, ``use_ocdbt``, ``use_zarr3: true``,
+``store_array_data_equal_to_fill_value: true``, ``custom_metadata: null``) plus, under the top-level key
+``"xla_tensorstore_ckpt"`` that Orbax ignores, what its schema cannot say: ``{"format_version": 2, "tree":
+<the structure as in version 1: tuples, integer dict keys, JSON leaves with non-finite floats, and for each
+array its name, shape, dtype, chunk shape and saved sharding>}``. Arrays are named as Orbax names them
+(`layout.array_names`), in one OCDBT store or one directory each, with a crc32c per chunk; scalar leaves are
+also 0-d arrays and string leaves also in ``_strings.json``, so that Orbax restores them to the same values.
+
+Step ``_CHECKPOINT_METADATA``: Orbax's document (`orbax.step_document`) with ``{"format_version": 2, "step",
+"items", "versions", "process_count"}`` under ``custom_metadata["xla_tensorstore_ckpt"]``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .. import layout, tree
+from ..errors import CorruptCheckpointError
+from . import orbax, v1
+from .records import ArrayStore, ItemManifest, StepMetadata
+
+VERSION = 2
+KEY = "xla_tensorstore_ckpt"
+
+
+def is_item(doc: dict) -> bool:
+    ours = doc.get(KEY)
+    return orbax.is_item(doc) and isinstance(ours, dict) and "format_version" in ours
+
+
+def is_step(doc: dict) -> bool:
+    custom = doc.get("custom_metadata")
+    return isinstance(custom, dict) and isinstance(custom.get(KEY), dict)
+
+
+def ours(doc: dict) -> dict:
+    """The part of a version-2 document that is this library's (the one with ``format_version``)."""
+    return doc[KEY] if KEY in doc else doc["custom_metadata"][KEY]
+
+
+def encode_item(manifest: ItemManifest) -> bytes:
+    doc = {"tree_metadata": orbax.tree_metadata(manifest.tree), "use_ocdbt": manifest.store.kind == "ocdbt",
+           "use_zarr3": True, "store_array_data_equal_to_fill_value": True, "custom_metadata": None,
+           KEY: {"format_version": VERSION, "tree": v1.encode_tree(manifest.tree)}}
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def decode_item(doc: dict, *, where: str) -> ItemManifest:
+    kind = "ocdbt" if doc.get("use_ocdbt") else "directories"
+    manifest = v1.decode_tree(ours(doc).get("tree"), where=where, version=VERSION, store=ArrayStore(kind=kind))
+    for _, meta in manifest.arrays():
+        if "/" in meta.path:
+            raise CorruptCheckpointError(f"{where}: array name {meta.path!r} is not one path segment")
+    return manifest
+
+
+def encode_step(marker: StepMetadata) -> bytes:
+    doc = orbax.step_document(marker, {KEY: {"format_version": VERSION, "step": marker.step,
+                                             "items": list(marker.items), "versions": marker.versions,
+                                             "process_count": marker.process_count}})
+    return json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
+
+
+def decode_step(doc: dict, *, where: str) -> StepMetadata:
+    mine = ours(doc)
+    custom = {k: v for k, v in doc["custom_metadata"].items() if k != KEY}
+    metrics = doc.get("metrics")
+    if metrics is not None and not isinstance(metrics, dict):
+        raise CorruptCheckpointError(f"{where}: metrics is not an object")
+    items = v1.listing(mine.get("items"), where)
+    if not all(isinstance(i, str) and layout.is_safe_relative_path(i) and "/" not in i for i in items):
+        raise CorruptCheckpointError(f"{where}: malformed item list {items!r}"[:300])
+    versions = mine.get("versions")
+    return StepMetadata(step=v1.integer(mine.get("step"), where, minimum=0), items=tuple(items),
+                        created_at=_seconds(doc.get("init_timestamp_nsecs"), where),
+                        committed_at=_seconds(doc.get("commit_timestamp_nsecs"), where),
+                        metrics=metrics or None, custom=custom or None,
+                        versions=versions if isinstance(versions, dict) else None,
+                        process_count=v1.integer(mine.get("process_count", 1), where, minimum=1),
+                        format_version=VERSION)
+
+
+def _seconds(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CorruptCheckpointError(f"{where}: a timestamp is not an integer")
+    return value / 1e9
+
+
+def leaf_names(structure: object) -> dict:
+    """The array name of every leaf of a tree (what `layout.array_names` gives, keyed by key path)."""
+    paths = [p for p, _ in tree.flatten(structure)]
+    return dict(zip(paths, layout.array_names(paths)))
