@@ -1,5 +1,5 @@
 """kill -9 at points of a save: every earlier committed step stays restorable bit for bit, the partial step is
-never listed, and the next manager start removes it and saves again."""
+never listed (by our manager, nor by Orbax's), and the next manager start removes it and saves again."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from test_checkpointer_cpu import assert_trees_equal
+from test_orbax_interop import orbax
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import layout
@@ -71,17 +72,21 @@ def crashed(tmp_path_factory):
     base = tmp_path_factory.mktemp("crash")
     with ThreadPoolExecutor(3) as pool:
         procs = list(pool.map(lambda args: run(base / str(args[0]), args[1][0], args[1][1]), enumerate(POINTS)))
-    return base, procs
+    # What Orbax's own CheckpointManager sees of each crashed root, before any manager of ours has cleaned up.
+    seen_by_orbax = orbax("steps", *[base / str(index) for index in range(len(POINTS))])
+    return base, procs, seen_by_orbax
 
 
 @pytest.mark.parametrize("index", range(len(POINTS)), ids=[p[0] for p in POINTS])
 def test_kill_mid_save_loses_nothing_committed(crashed, index):
-    base, procs = crashed
+    base, procs, seen_by_orbax = crashed
     point, _, expected = POINTS[index]
     assert procs[index].returncode == -9, f"{point} was never reached:\n{procs[index].stderr[-2000:]}"
     root = base / str(index)
     options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None, async_save=False,
                                            save_rng=False)
+    # Orbax sees the same committed steps: a step that is not committed never looks finalized to it
+    assert seen_by_orbax[str(root)] == {"all_steps": expected, "latest": expected[-1]}
     with xtc.CheckpointManager(root, options) as mgr:
         assert mgr.all_steps() == expected and mgr.latest_step() == expected[-1]
         for step in expected:

@@ -13,7 +13,7 @@ from typing import Any
 from . import commit, formats, storage, tree
 from .distributed import Coordinator, default_coordinator
 from .options import RestoreOptions, SaveOptions
-from .restoring import PathLike, read_item
+from .restoring import KeyMap, PathLike, read_item
 from .saving import issue_writes, plan_save, prepare_directory
 
 
@@ -44,14 +44,20 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     commit.commit(coordinator, loc, {"": plan}, [], fsync=options.fsync, what=str(loc))
 
 
-def restore(path: PathLike, target: Any = None, *, strict: bool = True,
+def restore(path: PathLike, target: Any = None, *, strict: bool = True, key_map: KeyMap | None = None,
             options: RestoreOptions | None = None) -> Any:
-    """Read the item at `path`. Blocks until every tensor is in place.
+    """Read the item at `path`: one of ours (any format version) or one Orbax wrote. Blocks until every
+    tensor is in place.
 
     With `target` None: the saved tree with CPU tensors of the saved dtypes. With a `target` tree: a new tree
     of the target's structure in which each tensor has the target's sharding, device and dtype (values are
     cast when the dtype differs), reading for each local shard exactly its region. Non-tensor target leaves
     take the saved value. The target is not modified.
+
+    `key_map` renames the checkpoint's keys before they are matched with the target's: a dict or a function
+    from the checkpoint's dotted names (``params.decoder.layers.0.w``) to the target's (``layers.0.weight``,
+    as a ``state_dict`` names it), None dropping a key. Without a target, the result is then a flat dict by
+    new name.
 
     Raises `KeyMismatchError` listing keys missing from the checkpoint or not in the target (with
     `strict=False` these are skipped with a warning and missing ones keep the target's leaf),
@@ -59,9 +65,10 @@ def restore(path: PathLike, target: Any = None, *, strict: bool = True,
     (naming array and chunk), `CheckpointNotFoundError` if `path` holds no item.
     """
     manifest = formats.read_item(storage.location(path))
-    values = read_item(path, target, strict=strict, options=options, manifest=manifest)
+    values = read_item(path, target, strict=strict, options=options, manifest=manifest, key_map=key_map)
+    if target is None and key_map is not None:
+        return {path[0]: value for path, value in values.items()}
     return tree.rebuild(manifest.tree if target is None else target, lambda p, v: values.get(p, v))
-
 
 
 def metadata(path: PathLike) -> Any:

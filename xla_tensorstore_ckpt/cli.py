@@ -209,15 +209,17 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    checked, problems = scans.verify(args.path, progress_bar("verify"))
+    report = scans.verify(args.path, progress_bar("verify"))
     if args.json:
-        _print_json({"arrays": checked, "ok": not problems,
-                     "problems": [p.to_json() for p in problems]})
+        _print_json(report.to_json())
     else:
-        for p in problems:
+        for p in report.problems:
             print(f"FAIL {p.where}: {p.message}")
-        print(f"{'OK' if not problems else 'FAILED'}: {checked} arrays checked, {len(problems)} problems")
-    return EXIT_DATA if problems else 0
+        for note in report.notes:
+            print(f"note: {note}")
+        print(f"{'OK' if not report.problems else 'FAILED'}: {report.arrays} arrays checked, "
+              f"{len(report.problems)} problems")
+    return EXIT_DATA if report.problems else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ ZARR_METADATA = "zarr.json"
 MANAGER_LOCK = "_MANAGER_LOCK"
 COMMIT_SUCCESS = "commit_success.txt"  # Orbax's finalization mark on object stores
 STRINGS = "_strings.json"  # Orbax's file of string leaves
+ORBAX_JSON_ITEM = "metadata"  # the file of an item Orbax's JsonCheckpointHandler wrote
 OCDBT_MANIFEST = "manifest.ocdbt"
 OCDBT_PROCESS_PREFIX = "ocdbt.process_"
 TMP_STEP_SUFFIX = ".orbax-checkpoint-tmp-"  # a step being written on a file system that renames

@@ -33,6 +33,7 @@ from .gc_pause import paused_gc
 from .options import CheckpointManagerOptions
 from .policies import RetentionPolicy, SavePolicy
 from .preemption import PreemptionWatch
+from .restoring import KeyMap
 from .tier import PendingSave, Tier
 
 RNG_ITEM = "rng"
@@ -213,14 +214,16 @@ class CheckpointManager:
 
     def restore(self, resume_from: int | str | None = "latest", *, model: Any = None, optimizer: Any = None,
                 lr_scheduler: Any = None, extra: Any = None, data_loader: Any = None, restore_rng: bool = True,
-                strict: bool = True) -> int | None:
+                strict: bool = True, key_map: KeyMap | None = None) -> int | None:
         """Restore the given objects in place from a step chosen by `resume_from`; return that step.
 
         `resume_from`: None → restore nothing, return None; an int → that step, or, if it is not committed, a
         warning and the newest committed step; "latest" → the newest committed step. With nothing committed,
         returns None and leaves the objects untouched. Modules' parameters and buffers keep their identity,
         device and sharding; optimizers (fresh ones too) and schedulers are restored with
-        ``load_state_dict``; a dict or list passed as `extra` is updated in place. Each process gets back the
+        ``load_state_dict``; a dict or list passed as `extra` is updated in place. `key_map` renames the
+        checkpoint's keys of every item before they are matched (`xtc.restore`): for steps Orbax wrote, whose
+        names differ from torch's. Steps of an Orbax root restore like ours. Each process gets back the
         RNG states it saved (`rng_state`). Waits for pending saves first and raises their errors. Raises
         `KeyMismatchError`, `ShapeMismatchError` or `CheckpointError` (naming step, item and path) when the
         objects do not match the checkpoint.
@@ -244,7 +247,8 @@ class CheckpointManager:
                     f"step {step} at {location} has no {name!r} item (it holds {', '.join(marker.items)})")
         options = self._options.restore_options
         for name, obj in requested.items():
-            training_state.restore_object(location.child(name), obj, strict=strict, options=options)
+            training_state.restore_object(location.child(name), obj, strict=strict, options=options,
+                                          key_map=key_map)
         if restore_rng and self._options.save_rng and RNG_ITEM in marker.items:
             rng_state.restore(location.child(RNG_ITEM), self._coordinator.index, self._coordinator.count,
                               options=options)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -23,6 +23,7 @@ from .errors import (
     KeyMismatchError,
     ShapeMismatchError,
     UnsupportedValueError,
+    UsageError,
 )
 from .formats import ArrayMetadata, ArrayStore, ItemManifest
 from .gc_pause import paused_gc
@@ -92,12 +93,17 @@ class _ReadJob:
         return sum(math.prod(b - a for a, b in r) for r in self.reads) * itemsize
 
 
+KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
+
+
 def read_item(path: PathLike, target: Any = None, *, strict: bool = True, options: RestoreOptions | None = None,
-              manifest: ItemManifest | None = None,
+              manifest: ItemManifest | None = None, key_map: KeyMap | None = None,
               take: Callable[[dict[layout.KeyPath, Any]], None] | None = None) -> dict[layout.KeyPath, Any]:
     """The restored value of every key path `restore` would fill: tensors placed like their target leaf
     (a tensor or a `RestoreAs`; CPU tensors for other leaves) and saved JSON values. Same errors as
-    `restore`; callers that restore in place (the manager) assign the values themselves.
+    `restore`; callers that restore in place (the manager) assign the values themselves. With `key_map`, the
+    checkpoint's keys are renamed first (see `renamed`); without a target the result is then keyed by
+    1-tuples of the new names.
 
     With `take`, each batch of restored tensors is handed to it as soon as it is placed, and not returned (the
     result holds the JSON values only): a caller that swaps them into the target at once frees the target's
@@ -111,12 +117,36 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
     with paused_gc():  # many small records (layouts, read plans) live until the item is read
         manifest = manifest or formats.read_item(loc)
         saved = manifest.leaves()
+        if key_map is not None:
+            saved = renamed(saved, key_map, dict(tree.flatten(target)) if target is not None else {}, loc)
         wanted = ({p: None for p in saved} if target is None
                   else _match(loc, saved, dict(tree.flatten(target)), strict))
         amplification = MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0
         values = read_arrays(loc, manifest.store, _read_jobs(saved, wanted, amplification), options, take)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
+
+
+def renamed(saved: dict, key_map: KeyMap, target: dict, loc: storage.Location) -> dict:
+    """The checkpoint's leaves under the names `key_map` gives them, keyed by the target's key path of that name
+    (a 1-tuple of the name where the target has none). Names are key paths joined by ``.`` (``layers.0.w``), as
+    Orbax and torch ``state_dict`` keys spell them; `key_map` is a dict (names it lacks stay as they are) or a
+    function; None drops a leaf. Raises `UsageError` if two checkpoint keys get the same name."""
+    by_name = {layout.key_name(p): p for p in target}
+    out: dict[layout.KeyPath, Any] = {}
+    origin: dict[layout.KeyPath, str] = {}
+    for path, leaf in saved.items():
+        name = layout.key_name(path)
+        new = key_map(name) if callable(key_map) else key_map.get(name, name)
+        if new is None:
+            continue
+        if not isinstance(new, str):
+            raise UsageError(f"key_map gave {new!r} for {name!r}: not a name (str) or None")
+        key = by_name.get(new, (new,))
+        if key in out:
+            raise UsageError(f"key_map gives {origin[key]!r} and {name!r} of {loc} the same name {new!r}")
+        out[key], origin[key] = leaf, name
+    return out
 
 
 def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> dict:

@@ -199,13 +199,26 @@ class Problem:
         return dataclasses.asdict(self)
 
 
-def verify(path: str, progress: Progress | None = None) -> tuple[int, list[Problem]]:
+@dataclass(frozen=True)
+class Verification:
+    """What `verify` found: arrays checked, problems, and notes on what could not be checked."""
+
+    arrays: int
+    problems: list[Problem]
+    notes: list[str]
+
+    def to_json(self) -> dict:
+        return {"arrays": self.arrays, "ok": not self.problems, "problems": [p.to_json() for p in self.problems],
+                "notes": self.notes}
+
+
+def verify(path: str, progress: Progress | None = None) -> Verification:
     """Check every chunk of every array of a step, an item, or every step under a root: present, checksum
     valid, metadata consistent (steps with an invalid commit marker are problems; uncommitted ones are not
-    checkpoints and are skipped). Returns (arrays checked,
-    problems). Raises `CheckpointNotFoundError` if `path` is none of these."""
+    checkpoints and are skipped). Items Orbax wrote carry no per-chunk checksums: their chunks are checked to be
+    present and to decode, and a note says so. Raises `CheckpointNotFoundError` if `path` is none of these."""
     try:
-        return _verify_all([open_checkpoint(path)], progress)
+        return _verify_all([open_checkpoint(path)], [], progress)
     except CheckpointNotFoundError:
         steps = list_steps(path)
         if not steps:
@@ -213,14 +226,13 @@ def verify(path: str, progress: Progress | None = None) -> tuple[int, list[Probl
     loc = storage.location(path)
     problems = [Problem(f"step {s.step}", s.problem or "invalid commit marker")
                 for s in steps if s.status == "invalid"]  # partial steps are not checkpoints: skipped
-    checked, more = _verify_all([open_checkpoint(loc.child(s.name)) for s in steps if s.status == "committed"],
-                                progress)
-    return checked, problems + more
+    return _verify_all([open_checkpoint(loc.child(s.name)) for s in steps if s.status == "committed"], problems,
+                       progress)
 
 
-def _verify_all(targets: list[Checkpoint], progress: Progress | None) -> tuple[int, list[Problem]]:
-    problems: list[Problem] = []
+def _verify_all(targets: list[Checkpoint], problems: list[Problem], progress: Progress | None) -> Verification:
     work = []
+    notes = []
     for checkpoint in targets:
         prefix = f"step {checkpoint.marker.step}: " if checkpoint.marker else ""
         for item in checkpoint.items:
@@ -229,6 +241,9 @@ def _verify_all(targets: list[Checkpoint], progress: Progress | None) -> tuple[i
             except (CorruptCheckpointError, FormatVersionError, CheckpointNotFoundError) as exc:
                 problems.append(Problem(prefix + (item or "item"), str(exc)))
                 continue
+            if not manifest.store.checksums and manifest.arrays():
+                notes.append(f"{prefix}{item or 'item'}: written by Orbax, whose chunks carry no checksums: checked "
+                             "that every chunk is present and decodes")
             work.extend((checkpoint, prefix, item, meta) for _, meta in manifest.arrays())
     for done, (checkpoint, prefix, item, meta) in enumerate(work, 1):
         key = full_key(item, meta.path)
@@ -237,4 +252,4 @@ def _verify_all(targets: list[Checkpoint], progress: Progress | None) -> tuple[i
                 problems.append(Problem(f"{prefix}{key} {layout.chunk_key(cell)}", str(data)))
         if progress:
             progress(done, len(work))
-    return len(work), problems
+    return Verification(len(work), problems, notes)

@@ -16,7 +16,7 @@ from .errors import CheckpointError, UnsupportedValueError
 from .formats import ArrayMetadata
 from .layout import KeyPath
 from .options import RestoreOptions
-from .restoring import RestoreAs
+from .restoring import KeyMap, RestoreAs
 from .storage import Location
 
 
@@ -92,25 +92,28 @@ def _parent(root: Any, path: KeyPath) -> tuple[Any, Any]:
     return node, path[-1]
 
 
-def restore_object(item_loc: Location, obj: Any, *, strict: bool, options: RestoreOptions) -> None:
+def restore_object(item_loc: Location, obj: Any, *, strict: bool, options: RestoreOptions,
+                   key_map: KeyMap | None = None) -> None:
     """Restore a training object in place from the item at `item_loc`: a module's parameters and buffers keep
     their identity, device and sharding (swapped in batch by batch, so the old device buffers are freed as the
     restore goes); an optimizer (a fresh one too) is rebuilt with each state tensor on its parameter's
     sharding, then ``load_state_dict``; other objects with ``load_state_dict`` get the saved tree; a dict or
-    list is updated in place. Raises what `checkpointer.restore` raises."""
+    list is updated in place. `key_map` renames the checkpoint's keys (see `checkpointer.restore`). Raises
+    what `checkpointer.restore` raises."""
     if isinstance(obj, torch.nn.Module):
-        _restore_in_place(item_loc, module_target(obj), strict, options)
+        _restore_in_place(item_loc, module_target(obj), strict, options, key_map)
     elif isinstance(obj, torch.optim.Optimizer):
         target = optimizer_target(obj, formats.read_item(item_loc).tree, str(item_loc))
-        obj.load_state_dict(checkpointer.restore(item_loc, target, options=options))
+        obj.load_state_dict(checkpointer.restore(item_loc, target, options=options, key_map=key_map))
     elif hasattr(obj, "load_state_dict") and callable(obj.load_state_dict):
         obj.load_state_dict(checkpointer.restore(item_loc, options=options))
     else:
-        _restore_in_place(item_loc, obj, strict, options)
+        _restore_in_place(item_loc, obj, strict, options, key_map)
 
 
-def _restore_in_place(item_loc: Location, target: Any, strict: bool, options: RestoreOptions) -> None:
-    rest = restoring.read_item(item_loc, target, strict=strict, options=options,
+def _restore_in_place(item_loc: Location, target: Any, strict: bool, options: RestoreOptions,
+                      key_map: KeyMap | None) -> None:
+    rest = restoring.read_item(item_loc, target, strict=strict, options=options, key_map=key_map,
                                take=lambda values: assign_in_place(target, values))
     assign_in_place(target, rest)
 

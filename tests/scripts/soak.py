@@ -104,7 +104,8 @@ def main() -> None:
     names = sorted(os.listdir(args.root))
     leftovers = [os.path.join(r, n) for r, _, files in os.walk(args.root) for n in files
                  if n.endswith(".tmp") or "__lock" in n or n.startswith(layout.MANAGER_LOCK)]
-    checked, problems = scans.verify(args.root)
+    report = scans.verify(args.root)
+    checked, problems = report.arrays, report.problems
     summary = {"cycles": args.cycles, "crashes": crashes, "restarts": restarts, "steps_on_disk": on_disk,
                "expected_steps": expected, "kept_steps_verified": on_disk if not problems else [],
                "arrays_verified": checked, "problems": [p.message for p in problems], "leftovers": leftovers}

@@ -43,6 +43,14 @@ def read_item(loc: Location) -> ItemManifest:
     reader. An Orbax item's arrays are opened to learn their shapes (blocks on that I/O)."""
     data = loc.read(layout.ITEM_METADATA)
     if data is None:
+        json_item = loc.read(layout.ORBAX_JSON_ITEM)
+        if json_item is not None:  # Orbax's JsonCheckpointHandler: the item is one JSON document
+            where = str(loc.child(layout.ORBAX_JSON_ITEM))
+            try:
+                doc = json.loads(json_item.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+                raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from None
+            return orbax.decode_json_item(doc, where=where)
         raise CheckpointNotFoundError(f"{loc} holds no checkpoint item ({layout.ITEM_METADATA} is missing)")
     where = str(loc.child(layout.ITEM_METADATA))
     doc = load_json(data, where=where)
@@ -58,7 +66,8 @@ def read_item(loc: Location) -> ItemManifest:
 
 
 def read_step(loc: Location, step: int | None = None) -> StepMetadata | None:
-    """The commit marker of the step at `loc` (number `step`, or read from its name), or None if it has none.
+    """The commit marker of the step at `loc` (number `step`, or read from its name), or None if it has none
+    (or `loc` is a lone Orbax item, whose ``_CHECKPOINT_METADATA`` describes the item).
     Raises `CorruptCheckpointError` or `FormatVersionError` for a marker that does not decode. Whether a step
     with a marker is committed is the step index's decision (`steps`): for Orbax's own steps it depends on
     more than the marker."""
@@ -71,6 +80,8 @@ def read_step(loc: Location, step: int | None = None) -> StepMetadata | None:
         _check_version(v2.ours(doc), where)
         return v2.decode_step(doc, where=where)
     if orbax.is_step(doc):
+        if orbax.is_single_item(doc):
+            return None  # an item's own metadata: not a step
         return orbax.decode_step(doc, loc, step, where=where)
     _check_version(doc, where)
     if v1.is_step(doc):

@@ -104,6 +104,12 @@ def is_step(doc: dict) -> bool:
     return "item_handlers" in doc or "commit_timestamp_nsecs" in doc
 
 
+def is_single_item(doc: dict) -> bool:
+    """An Orbax ``_CHECKPOINT_METADATA`` of a lone item (a Checkpointer's, not a manager's step): its handler is
+    named directly rather than per item."""
+    return isinstance(doc.get("item_handlers"), str)
+
+
 def decode_item(doc: dict, loc: Location, *, where: str) -> ItemManifest:
     """An item Orbax wrote: the tree rebuilt from ``key_metadata`` (sequences become lists, dict keys strings),
     arrays opened for their shape, dtype and chunks, scalars and strings read. Blocks."""
@@ -142,6 +148,13 @@ def decode_item(doc: dict, loc: Location, *, where: str) -> ItemManifest:
             empty = _EMPTY.get(kind)
             leaves.append((path, empty() if empty is not None else None))
     return ItemManifest(_build(leaves, where), 0, store)
+
+
+def decode_json_item(doc: Any, *, where: str) -> ItemManifest:
+    """An item Orbax's JsonCheckpointHandler wrote: one JSON container, its values the leaves."""
+    if not tree.is_container(doc):
+        raise CorruptCheckpointError(f"{where}: not a JSON object or array")
+    return ItemManifest(doc, 0, ArrayStore(checksums=False))
 
 
 def _entries(tree_doc: dict, where: str) -> list[tuple[layout.KeyPath, dict]]:

@@ -1,0 +1,130 @@
+"""Real Orbax, in its own process (JAX on 8 CPU devices; never beside torch_xla): writes Orbax checkpoints and
+reads ours, for the interop tests. Prints one JSON document on stdout.
+
+usage: orbax_tool.py write ITEM --ocdbt 0|1 --zarr3 0|1     an item of `tree()` (2D-sharded arrays, every leaf kind)
+       orbax_tool.py manager ROOT [--prefix P]               a CheckpointManager root: steps 1 and 2, items
+                                                             "model" and "extra" (Composite), the default options
+       orbax_tool.py large ROOT GIB                          a manager step of float32 arrays (the benchmark)
+       orbax_tool.py restore ITEM                            StandardCheckpointer().restore(ITEM), no target
+       orbax_tool.py restore_sharded ITEM                    PyTreeCheckpointer, onto NamedShardings on a 2x4 mesh
+       orbax_tool.py steps ROOT...                           CheckpointManager(ROOT).all_steps() / latest_step()
+       orbax_tool.py manager_restore ROOT ITEM               CheckpointManager(ROOT).restore(latest, Composite(ITEM))
+Leaves are dumped as {"dtype", "shape", "data": base64 of the little-endian bytes} or {"value": ...}.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import orbax_trees  # noqa: E402
+
+
+def mesh(shape=(4, 2), names=("x", "y")) -> Mesh:
+    return Mesh(np.array(jax.devices()).reshape(shape), names)
+
+
+def placed(tree, specs, on: Mesh):
+    """numpy leaves -> jax.Arrays sharded by `specs` (same structure; None: replicated)."""
+    return jax.tree_util.tree_map(
+        lambda value, spec: jax.device_put(jnp.asarray(value), NamedSharding(on, P(*spec) if spec else P()))
+        if isinstance(value, np.ndarray) else value, tree, specs, is_leaf=lambda x: x is None)
+
+
+def dump(tree) -> dict:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
+        key = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+        if isinstance(leaf, (jax.Array, np.ndarray)) and np.ndim(leaf) > 0 or isinstance(leaf, jax.Array):
+            array = np.asarray(leaf)
+            out[key] = {"dtype": str(array.dtype), "shape": list(array.shape),
+                        "data": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode(),
+                        "sharding": str(getattr(leaf, "sharding", ""))}
+        else:
+            out[key] = {"value": leaf.item() if isinstance(leaf, np.generic) else leaf}
+    return out
+
+
+def main() -> None:
+    command, target = sys.argv[1], sys.argv[2]
+    flags = dict(zip(sys.argv[3::2], sys.argv[4::2]))
+    if command == "write":
+        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=flags["--ocdbt"] == "1", use_zarr3=flags["--zarr3"] == "1")
+        with ocp.Checkpointer(handler) as checkpointer:
+            checkpointer.save(target, args=ocp.args.PyTreeSave(placed(orbax_trees.tree(), orbax_trees.specs(), mesh())))
+        result = {"written": target}
+    elif command == "manager":
+        options = ocp.CheckpointManagerOptions(step_prefix=flags.get("--prefix"))
+        with ocp.CheckpointManager(target, options=options) as manager:
+            for step in (1, 2):
+                manager.save(step, args=ocp.args.Composite(
+                    model=ocp.args.StandardSave(placed(orbax_trees.model(step), orbax_trees.model_specs(), mesh())),
+                    extra=ocp.args.JsonSave({"position": 10 * step, "epoch": "one"})))
+        result = {"written": target}
+    elif command == "large":
+        gib = float(sys.argv[3])
+        tree = placed(orbax_trees.large(gib), orbax_trees.large_specs(gib), mesh())
+        with ocp.CheckpointManager(target) as manager:
+            manager.save(1, args=ocp.args.Composite(model=ocp.args.StandardSave(tree)))
+        result = {"written": target}
+    elif command == "restore":
+        with ocp.StandardCheckpointer() as checkpointer:
+            result = dump(checkpointer.restore(target))
+    elif command == "restore_sharded":
+        with ocp.StandardCheckpointer() as checkpointer:
+            metadata = checkpointer.metadata(target)
+        tree_meta = getattr(metadata, "item_metadata", metadata)
+        on = mesh((2, 4), ("a", "b"))
+
+        def abstract(meta):
+            kind = type(meta).__name__
+            if kind == "StringMetadata":
+                return ""
+            if kind == "ScalarMetadata":
+                return np.zeros((), meta.dtype).item()
+            shape = getattr(meta, "shape", None)
+            if shape is None:
+                return meta
+            axes = [("b", 4), ("a", 2)][:len(shape)]  # dims split over the mesh where they divide evenly
+            spec = P(*[name if n % size == 0 else None for (name, size), n in zip(axes, shape)])
+            return jax.ShapeDtypeStruct(shape, meta.dtype, sharding=NamedSharding(on, spec))
+
+        started = time.perf_counter()
+        item = jax.tree_util.tree_map(abstract, tree_meta)
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(target, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
+            jax.block_until_ready(restored)
+        result = {"seconds": time.perf_counter() - started, "tree": dump(restored)}
+    elif command == "steps":
+        result = {}
+        for root in sys.argv[2:]:
+            with ocp.CheckpointManager(root) as manager:
+                result[root] = {"all_steps": sorted(manager.all_steps()), "latest": manager.latest_step()}
+    elif command == "manager_restore":
+        item = sys.argv[3]
+        with ocp.CheckpointManager(target) as manager:
+            step = manager.latest_step()
+            restored = manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore()}))
+        result = {"step": step, "tree": dump(restored[item])}
+    else:
+        raise SystemExit(f"unknown command {command}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Orbax interop both ways, with real Orbax and real JAX (in subprocesses, never beside torch_xla): checkpoints
+Orbax writes restore onto torch_xla meshes bit for bit, and the checkpoints this library writes are Orbax
+checkpoints that Orbax's StandardCheckpointer and CheckpointManager restore."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from conftest import make_mesh, sharded
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import dtypes
+
+TOOL = os.path.join(os.path.dirname(__file__), "scripts", "orbax_tool.py")
+sys.path.insert(0, os.path.dirname(__file__))
+import orbax_trees  # noqa: E402
+
+
+def orbax(*args) -> dict:
+    """Run the Orbax tool in a JAX process of its own; its JSON answer."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
+    proc = subprocess.run([sys.executable, TOOL, *map(str, args)], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def leaf(entry: dict):
+    """A leaf of the tool's dump: a CPU tensor, or the Python value."""
+    if "value" in entry:
+        return entry["value"]
+    dtype = np.dtype(getattr(ml_dtypes, entry["dtype"])) if hasattr(ml_dtypes, entry["dtype"]) else \
+        np.dtype(entry["dtype"])
+    array = np.frombuffer(base64.b64decode(entry["data"]), dtype=dtype).reshape(entry["shape"])
+    return dtypes.numpy_to_tensor(array.copy())
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a, b = (torch.as_tensor(x) if not isinstance(x, torch.Tensor) else x for x in (a, b))
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+def as_torch(tree):
+    """orbax_trees' numpy values as torch tensors (Python scalars and strings unchanged)."""
+    if isinstance(tree, dict):
+        return {k: as_torch(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [as_torch(v) for v in tree]
+    if isinstance(tree, np.ndarray):
+        return dtypes.numpy_to_tensor(tree.copy())
+    return tree
+
+
+def flat(tree, prefix=()):
+    if isinstance(tree, dict) and tree:
+        for k, v in tree.items():
+            yield from flat(v, (*prefix, str(k)))
+    elif isinstance(tree, (list, tuple)) and tree:
+        for i, v in enumerate(tree):
+            yield from flat(v, (*prefix, str(i)))
+    else:
+        yield ".".join(prefix), tree
+
+
+# ------------------------------------------------------------------------------------------- JAX -> us
+
+VARIANTS = {"ocdbt-zarr3": (1, 1), "dirs-zarr3": (0, 1), "ocdbt-zarr2": (1, 0), "dirs-zarr2": (0, 0)}
+
+
+@pytest.fixture(scope="module")
+def written_by_orbax(tmp_path_factory):
+    base = tmp_path_factory.mktemp("orbax-items")
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda kv: orbax("write", base / kv[0], "--ocdbt", kv[1][0], "--zarr3", kv[1][1]),
+                      VARIANTS.items()))
+    return base
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_orbax_items_restore_bit_for_bit_onto_another_mesh(written_by_orbax, variant):
+    item = written_by_orbax / variant
+    expected = as_torch(orbax_trees.tree())
+    restored = xtc.restore(item)
+    assert dict(flat(restored)).keys() == dict(flat(expected)).keys()
+    for key, value in flat(expected):
+        assert same(dict(flat(restored))[key], value), key
+    info = xtc.metadata(item)
+    assert info["params"]["w"].shape == (16, 8) and info["params"]["b"].dtype == "bfloat16"
+    mesh = make_mesh((2, 4), ("a", "b"))
+    target = {"params": {"w": sharded(torch.zeros(16, 8), mesh, ("b", "a")),
+                         "b": sharded(torch.zeros(8, dtype=torch.bfloat16), mesh, ("b",)),
+                         "layers": [{"k": sharded(torch.zeros(4, 3, dtype=torch.int32), mesh, (None, "a"))},
+                                    {"k": torch.zeros(4, 3, dtype=torch.int32)}]},
+              "step": 0, "lr": 0.0, "flag": False, "name": "", "nothing": None, "empty": {}}
+    out = xtc.restore(item, target)
+    assert torch.equal(out["params"]["w"].cpu(), expected["params"]["w"])
+    assert torch.equal(out["params"]["b"].cpu(), expected["params"]["b"])
+    assert torch.equal(out["params"]["layers"][0]["k"].cpu(), expected["params"]["layers"][0]["k"])
+    assert torch.equal(out["params"]["layers"][1]["k"], expected["params"]["layers"][1]["k"])
+    assert (out["step"], out["lr"], out["flag"], out["name"]) == (7, 0.25, True, "run-a")
+
+
+def test_torch_names_through_key_map(written_by_orbax):
+    item = written_by_orbax / "ocdbt-zarr3"
+    renames = {"params.w": "decoder.weight", "params.b": "decoder.bias"}
+    target = {"decoder.weight": torch.zeros(16, 8), "decoder.bias": torch.zeros(8, dtype=torch.float32)}
+    with pytest.warns(UserWarning, match="not in the target: .*params.layers.0.k"):
+        out = xtc.restore(item, target, key_map=renames, strict=False)
+    expected = as_torch(orbax_trees.tree())["params"]
+    assert torch.equal(out["decoder.weight"], expected["w"])
+    assert torch.equal(out["decoder.bias"], expected["b"].to(torch.float32))  # cast on restore
+    drop_the_rest = lambda name: renames.get(name, name) if name.startswith("params.") else None  # noqa: E731
+    with pytest.raises(xtc.KeyMismatchError) as err:
+        xtc.restore(item, dict(target, extra=torch.zeros(1)), key_map=drop_the_rest)
+    assert err.value.missing == ("extra",) and err.value.unexpected == ("params.layers.0.k", "params.layers.1.k")
+    flat_named = xtc.restore(item, key_map=drop_the_rest)
+    assert set(flat_named) == {"decoder.weight", "decoder.bias", "params.layers.0.k", "params.layers.1.k"}
+
+
+@pytest.fixture(scope="module")
+def orbax_roots(tmp_path_factory):
+    base = tmp_path_factory.mktemp("orbax-roots")
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda args: orbax(*args), [("manager", base / "plain"),
+                                                  ("manager", base / "prefixed", "--prefix", "checkpoint")]))
+    return base
+
+
+@pytest.mark.parametrize("prefix", [None, "checkpoint"], ids=["plain", "prefixed"])
+def test_an_orbax_root_is_resumed_by_our_manager_and_orbax_sees_our_step(orbax_roots, prefix):
+    root = orbax_roots / ("plain" if prefix is None else "prefixed")
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, step_prefix=prefix, save_rng=False)
+    with xtc.CheckpointManager(root, options) as manager:
+        assert manager.all_steps() == [1, 2] and manager.latest_step() == 2
+        assert manager.metadata(2).items == ("extra", "model") and manager.metadata(2).format_version == 0
+        model = {"embed": torch.zeros(32, 16), "head": torch.zeros(16, 4, dtype=torch.bfloat16)}
+        extra = {"position": 0, "epoch": ""}
+        assert manager.restore("latest", model=model, extra=extra) == 2
+        assert_model(model, 2) and extra == {"position": 20, "epoch": "one"}
+        model = {name: value * 0 + 3 for name, value in model.items()}
+        manager.save(3, model=model, extra={"position": 30, "epoch": "two"})
+    steps = orbax("steps", root)[str(root)]
+    if prefix is None:  # Orbax's manager default knows no prefix
+        assert steps == {"all_steps": [1, 2, 3], "latest": 3}
+        restored = orbax("manager_restore", root, "model")
+        assert restored["step"] == 3
+        assert all(torch.equal(leaf(restored["tree"][k]), v) for k, v in model.items())
+
+
+def assert_model(model, step) -> bool:
+    expected = as_torch(orbax_trees.model(step))
+    return all(torch.equal(model[k], v) for k, v in expected.items())
+
+
+# ------------------------------------------------------------------------------------------- us -> JAX
+
+
+def our_state():
+    mesh = make_mesh((4, 2), ("x", "y"))
+    return {"params": {"w": sharded(torch.arange(128.0).reshape(16, 8) / 7, mesh, ("x", "y")),
+                       "b": (torch.arange(8.0) - 4).to(torch.bfloat16),
+                       "layers": [{"k": torch.arange(12, dtype=torch.int32).reshape(4, 3)}]},
+            "step": 7, "lr": 0.5, "flag": True, "name": "run", "nothing": None, "empty": {}, "big": 2**70,
+            "nan": float("nan"), "pair": (1, 2)}
+
+
+@pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "directories"])
+def test_our_items_restore_in_orbax_with_and_without_a_target(tmp_path, use_ocdbt):
+    state = our_state()
+    xtc.save(tmp_path / "item", state, options=xtc.SaveOptions(use_ocdbt=use_ocdbt))
+    plain = orbax("restore", tmp_path / "item")
+    expected = {"params.w": state["params"]["w"].cpu(), "params.b": state["params"]["b"],
+                "params.layers.0.k": state["params"]["layers"][0]["k"], "step": 7, "lr": 0.5, "flag": True,
+                "name": "run", "nothing": None, "big": None, "nan": float("nan"), "pair.0": 1, "pair.1": 2}
+    assert set(plain) == set(expected)
+    for key, value in expected.items():
+        assert same(leaf(plain[key]), value), key
+    onto_mesh = orbax("restore_sharded", tmp_path / "item")["tree"]
+    for key in ("params.w", "params.b", "params.layers.0.k"):
+        assert same(leaf(onto_mesh[key]), expected[key]), key
+    assert "NamedSharding" in onto_mesh["params.w"]["sharding"] and "'b', 'a'" in onto_mesh["params.w"]["sharding"]
+
+
+def test_orbax_manager_lists_only_our_committed_steps_and_restores_them(tmp_path):
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None)
+    with xtc.CheckpointManager(tmp_path / "root", options) as manager:
+        for step in (1, 2):
+            manager.save(step, model={"w": torch.full((4, 4), float(step))}, extra={"position": step})
+    (tmp_path / "root" / "3.orbax-checkpoint-tmp-1234" / "model").mkdir(parents=True)  # a save that crashed
+    assert orbax("steps", tmp_path / "root")[str(tmp_path / "root")] == {"all_steps": [1, 2], "latest": 2}
+    restored = orbax("manager_restore", tmp_path / "root", "model")
+    assert restored["step"] == 2 and torch.equal(leaf(restored["tree"]["w"]), torch.full((4, 4), 2.0))
+
+
+# ------------------------------------------------------------------------------- the other Orbax minor version
+
+GOLDEN_0_11 = os.path.join(os.path.dirname(__file__), "golden", "orbax-0.11")  # golden/make_orbax_0_11.sh
+
+
+def test_a_checkpoint_of_orbax_0_11_restores_bit_for_bit(tmp_path):
+    restored = xtc.restore(os.path.join(GOLDEN_0_11, "item"))  # no use_ocdbt in its _METADATA: found by content
+    for key, value in flat(as_torch(orbax_trees.tree())):
+        assert same(dict(flat(restored))[key], value), key
+    import shutil
+
+    shutil.copytree(os.path.join(GOLDEN_0_11, "root"), tmp_path / "root")
+    with xtc.CheckpointManager(tmp_path / "root", xtc.CheckpointManagerOptions(save_rng=False)) as manager:
+        assert manager.all_steps() == [1, 2]
+        model = {"embed": torch.zeros(32, 16), "head": torch.zeros(16, 4, dtype=torch.bfloat16)}
+        assert manager.restore("latest", model=model) == 2 and assert_model(model, 2)
+
+
+def test_the_command_line_reads_orbax_checkpoints(written_by_orbax, orbax_roots, tmp_path, capsys):
+    from xla_tensorstore_ckpt import cli
+
+    item = written_by_orbax / "ocdbt-zarr3"
+    assert cli.main(["verify", str(item)]) == 0
+    out = capsys.readouterr().out
+    assert "no checksums" in out and "OK: 4 arrays checked, 0 problems" in out
+    assert cli.main(["tree", str(item)]) == 0
+    assert re.search(r"params\.w +\[16, 8\] +float32", capsys.readouterr().out)
+    assert cli.main(["show", str(item), "params.layers.1.k[1]", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["values"] == [15, 20, 25]
+    assert cli.main(["stats", str(item), "params.w", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["max"] == pytest.approx(127 / 3)
+    assert cli.main(["steps", str(orbax_roots / "plain"), "--json"]) == 0
+    assert {1, 2} <= {s["step"] for s in json.loads(capsys.readouterr().out) if s["status"] == "committed"}
+    assert cli.main(["export", str(item), str(tmp_path / "st"), "--format", "safetensors"]) == 0
+    from safetensors.torch import load_file
+
+    exported = load_file(capsys.readouterr().out.split()[0])
+    assert torch.equal(exported["params.w"], as_torch(orbax_trees.tree())["params"]["w"])
