@@ -69,7 +69,7 @@ def test_the_documented_zarr_registration_works_without_this_package(tmp_path):
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "format.md")).read()
     snippet = next(block for block in re.findall(r"```python\n(.*?)```", doc, re.S) if "data_type_registry" in block)
     xtc.save(tmp_path / "ck", {"w": torch.arange(12.0).reshape(3, 4).to(torch.bfloat16)}, options=PLAIN)
-    snippet = snippet.replace("/ckpt/step_100/model/0.weight", str(tmp_path / "ck" / "w"))
+    snippet = snippet.replace("/ckpt/100/model/layers.0.weight", str(tmp_path / "ck" / "w"))
     snippet += ("\nimport sys\nassert 'xla_tensorstore_ckpt' not in sys.modules\n"
                 "print(z[:].astype('float32').tolist())\n")
     proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120)

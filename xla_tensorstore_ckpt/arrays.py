@@ -6,9 +6,9 @@ refuse missing chunks (``fill_missing_data_reads: false``, unless the item says 
 chunk, even all-zero ones, so a lost chunk is an error and never silent zeros.
 
 An item keeps its arrays either as one directory each or in one OCDBT key-value store (`ArrayStore`), as Orbax
-does: each process writes its chunks into its own store (``ocdbt.process_<i>``), in one transaction per batch,
-and once every process is done the primary merges them into the item's root store (`merge_ocdbt`), which
-references their data files rather than copying them.
+does: each process writes its chunks into stores of its own (``ocdbt.process_<i>``, and ``ocdbt.process_<i>x<k>``
+for its other lanes), one transaction per batch, and once every process is done the primary merges them into
+the item's root store (`merge_ocdbt`), which references their data files rather than copying them.
 
 Functions start I/O and return at once with a `Pending` future; callers start many and then wait, so I/O
 runs concurrently on tensorstore's threads. Errors are translated to `CorruptCheckpointError` (checksum,
@@ -36,6 +36,9 @@ _CORRUPTION_CODES = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_A
 # has one writer). Data files of at most 256 MiB, written in parallel (one 2 GiB file took 1.6x as long).
 _OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000, "manifest_kind": "single"}
 OCDBT_DATA_FILE_BYTES = 256 << 20
+# Commits to one OCDBT store are serialized, and each writes its data file sequentially: a process writes its
+# batches round robin into this many stores of its own, so that large chunks are written in parallel.
+OCDBT_LANES = 4
 
 
 def operation_context() -> ts.Context:
@@ -64,35 +67,36 @@ class ArrayRef:
         """The array's directory (for a store of directories; for OCDBT, the name messages show)."""
         return self.item.child(self.name)
 
-    def kvstore_spec(self, *, writer: int | None = None) -> dict:
-        """The array's kvstore: its directory, or its key prefix in the item's OCDBT store (the per-process
-        store of `writer` when writing, the merged root store otherwise)."""
+    def kvstore_spec(self, *, store: str | None = None) -> dict:
+        """The array's kvstore: its directory, or its key prefix in one of the item's OCDBT stores (`store`, a
+        process's own, when writing; the merged root store otherwise)."""
         if self.store.kind == "directories":
             return self.location.kvstore_spec()
-        return {**ocdbt_spec(self.item, writer), "path": f"{self.name}/"}
+        return {**ocdbt_spec(self.item, store), "path": f"{self.name}/"}
 
 
-def ocdbt_spec(item: storage.Location, writer: int | None) -> dict:
-    """The OCDBT kvstore of an item: process `writer`'s own store, or (None) the merged root store."""
-    loc = item if writer is None else item.child(f"{layout.OCDBT_PROCESS_PREFIX}{writer}")
+def ocdbt_spec(item: storage.Location, store: str | None) -> dict:
+    """The OCDBT kvstore of an item: the per-process store in directory `store`, or (None) the merged root."""
+    loc = item if store is None else item.child(store)
     base = loc.kvstore_spec()
     spec = {"driver": "ocdbt", "base": base, "config": _OCDBT_CONFIG, "cache_pool": "cache_pool#ocdbt"}
     if base["driver"] == "file":  # data files need no atomic rename: only the manifest is ever replaced
         spec.update(base={**base, "file_io_locking": {"mode": "non_atomic"}}, manifest=base)
-    if writer is not None:
+    if store is not None:
         spec["target_data_file_size"] = OCDBT_DATA_FILE_BYTES
     return spec
 
 
-def merge_ocdbt(item: storage.Location, writers: Sequence[int]) -> None:
-    """Merge the per-process OCDBT stores of `writers` into the item's root store, in one atomic transaction
-    that references their data files. Called by the primary once every process's writes are durable; blocks."""
+def merge_ocdbt(item: storage.Location, stores: Sequence[str]) -> None:
+    """Merge the per-process OCDBT stores in the directories `stores` into the item's root store, in one atomic
+    transaction that references their data files. Called by the primary once every process's writes are
+    durable; blocks."""
     context = operation_context()
     try:
         root = ts.KvStore.open(ocdbt_spec(item, None), context=context).result()
         txn = ts.Transaction(atomic=True)
-        for writer in writers:
-            child = ts.KvStore.open(ocdbt_spec(item, writer), context=context).result()
+        for store in stores:
+            child = ts.KvStore.open(ocdbt_spec(item, store), context=context).result()
             child.experimental_copy_range_to(root.with_transaction(txn)).result()
         txn.commit_async().result()
     except ValueError as exc:
@@ -194,15 +198,15 @@ def drain(pending: Sequence[Pending]) -> None:
             pass
 
 
-def create(ref: ArrayRef, shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int], *, writer: int,
-           single_file: bool = False, write_metadata: bool = True, transaction: ts.Transaction | None = None
-           ) -> Pending:
+def create(ref: ArrayRef, shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int], *,
+           store: str | None = None, single_file: bool = False, write_metadata: bool = True,
+           transaction: ts.Transaction | None = None) -> Pending:
     """Start creating the array `ref` (writing its ``zarr.json`` unless `write_metadata` is False, when another
-    process writes it) in the store of process `writer`; the result is the array open for chunk writes. With
-    `transaction`, the metadata write is part of it."""
+    process writes it, or another of this process's OCDBT stores) in OCDBT store `store`; the result is the
+    array open for chunk writes. With `transaction`, the metadata write is part of it."""
     spec = {
         "driver": "zarr3",
-        "kvstore": ref.kvstore_spec(writer=writer if ref.store.kind == "ocdbt" else None),
+        "kvstore": ref.kvstore_spec(store=store),
         "metadata": zarr_metadata(shape, dtype_name, chunk_shape, single_file=single_file),
         "store_data_equal_to_fill_value": True,
     }
@@ -252,9 +256,14 @@ def write(store: ts.TensorStore, ref: ArrayRef, chunks: Sequence[tuple[Region, n
     return [*copies, commit], [key]
 
 
-def commit(transaction: ts.Transaction, item: storage.Location) -> Pending:
-    """Start committing an OCDBT batch transaction of `item`."""
-    return Pending(transaction.commit_async(), "cannot write the arrays of", item, writing=True)
+def commit(transaction: ts.Transaction, item: storage.Location, store: str, *, writeback: bool = False) -> Pending:
+    """Start committing a batch transaction of `item`'s OCDBT store `store`. With `writeback` (saves that end
+    with `Location.sync_files`), the store's data files are handed to the disk once it is done."""
+    pending = Pending(transaction.commit_async(), "cannot write the arrays of", item, writing=True)
+    if writeback:
+        data = item.child(store, "d")
+        pending.future.add_done_callback(lambda _: _submit(lambda: [data.file_written(f) for f in data.list()]))
+    return pending
 
 
 def new_transaction() -> ts.Transaction:
@@ -266,12 +275,12 @@ _WRITEBACK = ThreadPoolExecutor(1, thread_name_prefix="xtc-writeback")
 
 
 def _on_done(item: Pending, loc: storage.Location, key: str) -> None:
-    item.future.add_done_callback(lambda _: _hand_to_disk(loc, key))
+    item.future.add_done_callback(lambda _: _submit(lambda: loc.file_written(key)))
 
 
-def _hand_to_disk(loc: storage.Location, key: str) -> None:
+def _submit(work) -> None:  # noqa: ANN001 - a callable of no arguments
     try:
-        _WRITEBACK.submit(loc.file_written, key)
+        _WRITEBACK.submit(work)
     except RuntimeError:
         pass  # the interpreter is shutting down; the save's final sync decides durability anyway
 

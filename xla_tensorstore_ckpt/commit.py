@@ -56,10 +56,9 @@ def commit(coordinator: Coordinator, loc: Location, items: Mapping[str, SavePlan
 def finish_item(item: Location, plan: SavePlan, *, fsync: bool) -> None:
     """Merge the item's OCDBT stores, then write its string leaves, its manifest and Orbax's completion mark."""
     if plan.store.kind == "ocdbt":
-        writers = sorted(int(n[len(layout.OCDBT_PROCESS_PREFIX):]) for n in item.list()
-                         if n.startswith(layout.OCDBT_PROCESS_PREFIX))
-        if writers:
-            arrays.merge_ocdbt(item, writers)
+        stores = [n for n in item.list() if n.startswith(layout.OCDBT_PROCESS_PREFIX)]
+        if stores:
+            arrays.merge_ocdbt(item, stores)
             if fsync:
                 item.sync_files([layout.OCDBT_MANIFEST], trees=["d"])
     if plan.strings:

@@ -144,6 +144,11 @@ def array_names(paths: list[KeyPath]) -> list[str]:
     return names
 
 
+def ocdbt_store(process: int, lane: int) -> str:
+    """The directory of one of process `process`'s own OCDBT stores in an item (Orbax's name for lane 0)."""
+    return f"{OCDBT_PROCESS_PREFIX}{process}" + (f"x{lane}" if lane else "")
+
+
 def key_name(path: KeyPath) -> str:
     """A key path as one dotted name, as Orbax and a torch ``state_dict`` spell it: ``layers.0.weight``."""
     return ".".join(str(k) for k in path)

@@ -363,40 +363,53 @@ class _Writer:
     def __init__(self, loc: storage.Location, plan: SavePlan, *, writer: int, writeback: bool):
         self.item, self.writer, self.store = loc, writer, plan.store
         self.ocdbt = plan.store.kind == "ocdbt"
-        self.writeback = writeback and not self.ocdbt
+        self.writeback = writeback and not loc.capabilities.durable_writes
         context = arrays.operation_context()
         self.refs = {p.key_path: arrays.ArrayRef(loc, p.meta.path, plan.store, context) for p in plan.arrays}
+        self.plans = {p.key_path: p for p in plan.arrays}
         self.writes = Writes([], [], [])
+        self.batches = 0
         mine = [p for p in plan.arrays if p.writes or p.writes_metadata]
         if self.ocdbt and mine:
-            self.writes.trees.append(f"{layout.OCDBT_PROCESS_PREFIX}{writer}")
             created = arrays.new_transaction()
-            arrays.wait_all([self._create(p, transaction=created) for p in mine if p.writes_metadata])
-            arrays.wait_all([arrays.commit(created, loc)])
-        self.opened = {p.key_path: self._create(p, metadata=not self.ocdbt and p.writes_metadata) for p in mine}
+            arrays.wait_all([self._open(p, lane=0, metadata=True, transaction=created)
+                             for p in mine if p.writes_metadata])
+            arrays.wait_all([arrays.commit(created, loc, layout.ocdbt_store(writer, 0))])
+            self.writes.trees.append(layout.ocdbt_store(writer, 0))
+        self.opened: dict[tuple[layout.KeyPath, int], arrays.Pending] = {
+            (p.key_path, 0): self._open(p, lane=0, metadata=not self.ocdbt and p.writes_metadata) for p in mine}
         self.writes.pending.extend(self.opened.values())
         if not self.ocdbt:
             self.writes.files.extend(f"{p.meta.path}/{layout.ZARR_METADATA}" for p in mine if p.writes_metadata)
 
-    def _create(self, p: ArrayPlan, *, metadata: bool = True, transaction: object = None) -> arrays.Pending:
+    def _open(self, p: ArrayPlan, *, lane: int, metadata: bool, transaction: object = None) -> arrays.Pending:
         return arrays.create(self.refs[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
-                             writer=self.writer, single_file=p.single_file, write_metadata=metadata,
-                             transaction=transaction)
+                             store=layout.ocdbt_store(self.writer, lane) if self.ocdbt else None,
+                             single_file=p.single_file, write_metadata=metadata, transaction=transaction)
+
+    def _handle(self, p: ArrayPlan, lane: int) -> object:
+        if (p.key_path, lane) not in self.opened:  # another lane of an OCDBT store: no I/O, the metadata is known
+            self.opened[(p.key_path, lane)] = self._open(p, lane=lane, metadata=False)
+            if layout.ocdbt_store(self.writer, lane) not in self.writes.trees:
+                self.writes.trees.append(layout.ocdbt_store(self.writer, lane))
+        return self.opened[(p.key_path, lane)].result()
 
     def write(self, group: Sequence[ArrayPlan], data: Sequence[Sequence[torch.Tensor]]) -> list[arrays.Pending]:
         out: list[arrays.Pending] = []
+        lane = self.batches % arrays.OCDBT_LANES if self.ocdbt else 0
+        self.batches += 1
         transaction = arrays.new_transaction() if self.ocdbt else None
         for p, chunk_data in zip(group, data):
             chunks = [(tuple(slice(a, b) for a, b in w.region), dtypes.tensor_to_numpy(d))
                       for w, d in zip(p.writes, chunk_data)]
-            pending, files = arrays.write(self.opened[p.key_path].result(), self.refs[p.key_path], chunks,
-                                          single_file=p.single_file, writeback=self.writeback,
+            pending, files = arrays.write(self._handle(p, lane), self.refs[p.key_path], chunks,
+                                          single_file=p.single_file, writeback=self.writeback and not self.ocdbt,
                                           transaction=transaction)
             out.extend(pending)
             self.writes.files.extend(f"{p.meta.path}/{f}" for f in files)
         if transaction is not None:
-            arrays.wait_all(out)  # every chunk is in the transaction (copied, or referenced) before it commits
-            out.append(arrays.commit(transaction, self.item))
+            out.append(arrays.commit(transaction, self.item, layout.ocdbt_store(self.writer, lane),
+                                     writeback=self.writeback))
         self.writes.pending.extend(out)
         return out
 
