@@ -2,15 +2,17 @@
 in one run, with the machine's floors measured in the same run. Prints an aligned table with ratios against
 torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/results/.
 
-usage: python benchmarks/run.py [--scale 1.0] [--repeats 3] [--workloads large,small,model]
+usage: python benchmarks/run.py [--scale 1.0] [--repeats 3] [--workloads large,small,model,orbax-interop]
                                 [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
                                 [--storage local|gcs] [--warm-restore]
 
 Workloads (benchmarks/workloads.py): `large` 1 GiB of 2D-sharded float32 + bfloat16; `small` 2,000 tensors of
 4 KiB-256 KiB; `model` a ~200M-parameter decoder with AdamW moments (~2.4 GiB), FSDP-sharded, also restored onto
-4 devices. `--scale 0.1` shrinks them for a quick run. Orbax runs with JAX on 8 CPU devices in its own virtual
-environment (benchmarks/.venv-orbax, created on first use from the package registry). With --storage gcs every
-contender writes to a fake-gcs-server started on 127.0.0.1; torch_xla's manager reaches it through gcsfs.
+4 devices; `orbax-interop` a 1 GiB step Orbax writes, restored by this library onto torch_xla and by Orbax in
+JAX (benchmarks/bench_orbax_interop.py). `--scale 0.1` shrinks them for a quick run. The Orbax contender runs
+with JAX on 8 CPU devices in its own virtual environment (benchmarks/.venv-orbax, created on first use from the
+package registry); the interop workload with the Orbax of the test extra. With --storage gcs every contender
+writes to a fake-gcs-server started on 127.0.0.1; torch_xla's manager reaches it through gcsfs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import bench_orbax_interop  # noqa: E402
 import workloads  # noqa: E402
 
 DEFAULT_CONTENDERS = ("xtc", "xtc-nofsync", "xtc-async", "torch_xla", "torch_xla-async", "torch.save", "orbax")
@@ -194,7 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", default="large,small,model")
+    parser.add_argument("--workloads", default="large,small,model,orbax-interop")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
     parser.add_argument("--storage", choices=("local", "gcs"), default="local")
     parser.add_argument("--warm-restore", action="store_true",
@@ -214,11 +217,16 @@ def main() -> None:
         env.update(gcs_emulator.client_environment(emulator.url))
         os.environ.update(gcs_emulator.client_environment(emulator.url))  # for the object store floor
         contenders = [c for c in contenders if c not in ("torch.save", "orbax")]  # local files only
-    results, floor = [], {}
+    results, floor, interop = [], {}, None
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
             base = "gs://bench" if emulator else workdir
             for workload in args.workloads.split(","):
+                if workload == "orbax-interop":
+                    if not emulator:  # Orbax writes local files here
+                        print("running the Orbax interop restore ...", file=sys.stderr, flush=True)
+                        interop = bench_orbax_interop.measure(args.scale, args.repeats, workdir)
+                    continue
                 nbytes = workloads.spec_bytes(workload, args.scale)
                 floor[workload] = floors(nbytes, workdir, args.repeats)
                 if emulator:
@@ -235,11 +243,17 @@ def main() -> None:
         if emulator:
             emulator.stop()
     text = table(results, floor)
+    if interop is not None:
+        text += (f"\n\norbax-interop: a {interop['gib']:.2f} GiB step Orbax wrote (OCDBT), restored onto a (2, 4) mesh "
+                 f"in a fresh process, page cache evicted\n"
+                 f"  Orbax in JAX {median(interop['orbax_restore_s']):.3f} s, this library onto torch_xla "
+                 f"{median(interop['xtc_restore_s']):.3f} s: {interop['orbax_over_xtc']:.2f}x Orbax's speed")
     print(text)
     os.makedirs(os.path.dirname(output), exist_ok=True)
     with open(output, "w") as f:
         json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "scale": args.scale, "repeats": args.repeats,
-                   "storage": args.storage, "floors": floor, "results": results}, f, indent=1)
+                   "storage": args.storage, "floors": floor, "results": results, "orbax_interop": interop}, f,
+                  indent=1)
     with open(os.path.splitext(output)[0] + ".txt", "w") as f:
         f.write(text + "\n")
     try:

@@ -1,0 +1,98 @@
+"""Restoring a checkpoint Orbax wrote: this library onto torch_xla against Orbax itself in JAX, same checkpoint,
+same run.
+
+Orbax (in a JAX process, 8 CPU devices) saves a manager step of float32 arrays (OCDBT, its default), then each
+contender restores it `--repeats` times onto a (2, 4) mesh with the axes' roles changed: Orbax with
+StandardCheckpointer and NamedShardings, this library with `xtc.restore` onto torch_xla SPMD tensors on 8
+devices. Each restore runs in a fresh process, after the checkpoint's files have been evicted from the page
+cache (a resume); the reported figure is the time of the restore call alone. Prints one JSON line.
+
+    python benchmarks/bench_orbax_interop.py [--gib 1.0] [--repeats 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOL = os.path.join(HERE, "..", "tests", "scripts", "orbax_tool.py")
+
+_OURS = r"""
+import json, os, sys, time
+sys.path.insert(0, os.path.join({tests!r}))
+import numpy as np, torch, torch_xla, torch_xla.distributed.spmd as xs, torch_xla.runtime as xr
+xr.use_spmd()
+import orbax_trees
+import xla_tensorstore_ckpt as xtc
+mesh = xs.Mesh(np.arange(8), (2, 4), ("a", "b"))
+target = {{}}
+for name, shape in orbax_trees.large_shapes({gib}).items():
+    t = torch.empty(shape, dtype=torch.float32, device="xla")
+    xs.mark_sharding(t, mesh, ("b", "a"))
+    target[name] = t
+torch_xla.sync()
+start = time.perf_counter()
+out = xtc.restore({item!r}, target)
+torch_xla.sync()
+xs.wrap_if_sharded(next(iter(out.values()))).local_shards  # the data is on the devices
+seconds = time.perf_counter() - start
+for name in out:  # orbax_trees.large: row r of array i holds i + arange(columns)
+    assert torch.equal(out[name][:2, :4].cpu(), int(name[1:]) + torch.arange(4.0).expand(2, 4))
+print(json.dumps({{"seconds": seconds}}))
+"""
+
+
+def evict(directory: str) -> None:
+    """Drop a checkpoint's files from the page cache (no root needed): sync, then POSIX_FADV_DONTNEED."""
+    os.sync()
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def run(cmd: list[str], env: dict) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[1]} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(gib: float, repeats: int, directory: str) -> dict:
+    jax_env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
+    xla_env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3")
+    root = os.path.join(directory, "orbax-root")
+    run([sys.executable, TOOL, "large", root, str(gib)], jax_env)
+    item = os.path.join(root, "1", "model")
+    ours_script = _OURS.format(tests=os.path.join(HERE, "..", "tests"), gib=gib, item=item)
+    orbax_s, ours_s = [], []
+    for _ in range(repeats):  # alternated, so that both see the same machine
+        evict(root)
+        orbax_s.append(run([sys.executable, TOOL, "restore_sharded", item], jax_env)["seconds"])
+        evict(root)
+        ours_s.append(run([sys.executable, "-c", ours_script], xla_env)["seconds"])
+    return {"gib": gib, "orbax_restore_s": orbax_s, "xtc_restore_s": ours_s,
+            "orbax_over_xtc": statistics.median(orbax_s) / statistics.median(ours_s)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="xtc-orbax-interop-", dir=args.dir) as directory:
+        print(json.dumps(measure(args.gib, args.repeats, directory)))
+
+
+if __name__ == "__main__":
+    main()
