@@ -48,8 +48,17 @@ def large_shapes(gib: float) -> dict:
 
 
 def large(gib: float) -> dict:
-    return {name: np.full(shape, int(name[1:]), dtype=np.float32) + np.arange(shape[1], dtype=np.float32)
-            for name, shape in large_shapes(gib).items()}
+    """Values that do not compress (as trained weights do not): random mantissas, exponents of [1, 2)."""
+    return {name: large_block(int(name[1:]), shape, shape) for name, shape in large_shapes(gib).items()}
+
+
+def large_block(index: int, shape: tuple, block: tuple) -> np.ndarray:
+    """The top-left `block` of array `index` of `large`: a hash of the element's position."""
+    rows, cols = np.meshgrid(np.arange(block[0], dtype=np.uint64), np.arange(block[1], dtype=np.uint64),
+                             indexing="ij")
+    position = rows * np.uint64(shape[1]) + cols + np.uint64(index) * np.uint64(1 << 40)
+    bits = (position * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(41)  # 23 well-mixed bits
+    return (bits.astype(np.uint32) | np.uint32(0x3F800000)).view(np.float32)
 
 
 def large_specs(gib: float) -> dict:

@@ -55,10 +55,11 @@ class RestoreOptions:
     """How an item is read.
 
     read_batch_bytes: bytes read per batch; the reads of one batch overlap placing the previous one on the
-        devices, so host memory holds about two batches beyond the restored tensors.
+        devices, so host memory holds about two batches beyond the restored tensors. Smaller batches overlap
+        better (a 1 GiB resume: 1.11-1.25 s with 256 MiB, 1.03 s with 64 MiB, on 2 cores).
     """
 
-    read_batch_bytes: int = 256 * _MiB
+    read_batch_bytes: int = 64 * _MiB
 
     def __post_init__(self) -> None:
         _check_int("read_batch_bytes", self.read_batch_bytes)
