@@ -39,7 +39,7 @@ class Contender:
         return os.path.join(self.root, str(step))
 
     def delete(self, step: int) -> None:
-        """Remove a saved step (outside any timing), on local disk or gs://."""
+        """Remove a saved step (outside any timing), on local disk or an object store."""
         (storage.location(self.path(step))).delete_tree()
         if os.path.exists(self.path(step) + ".pt"):
             os.remove(self.path(step) + ".pt")

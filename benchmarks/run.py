@@ -4,7 +4,7 @@ torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/
 
 usage: python benchmarks/run.py [--scale 1.0] [--repeats 3] [--workloads large,small,model,orbax-interop]
                                 [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
-                                [--storage local|gcs] [--warm-restore]
+                                [--storage local|gcs|s3] [--warm-restore]
 
 Workloads (benchmarks/workloads.py): `large` 1 GiB of 2D-sharded float32 + bfloat16; `small` 2,000 tensors of
 4 KiB-256 KiB; `model` a ~200M-parameter decoder with AdamW moments (~2.4 GiB), FSDP-sharded, also restored onto
@@ -12,7 +12,8 @@ Workloads (benchmarks/workloads.py): `large` 1 GiB of 2D-sharded float32 + bfloa
 JAX (benchmarks/bench_orbax_interop.py). `--scale 0.1` shrinks them for a quick run. The Orbax contender runs
 with JAX on 8 CPU devices in its own virtual environment (benchmarks/.venv-orbax, created on first use from the
 package registry); the interop workload with the Orbax of the test extra. With --storage gcs every contender
-writes to a fake-gcs-server started on 127.0.0.1; torch_xla's manager reaches it through gcsfs.
+writes to a fake-gcs-server started on 127.0.0.1, with --storage s3 to moto's S3 server; torch_xla's manager
+reaches them through fsspec (gcsfs, s3fs). Object stores add a floor: the same bytes uploaded and downloaded alone.
 """
 
 from __future__ import annotations
@@ -103,16 +104,18 @@ def floors(nbytes: int, workdir: str, repeats: int) -> dict:
     return {"write_fsync_s": writes, "read_s": reads, "memcpy_s": copies}
 
 
-def object_store_floors(nbytes: int, bucket: str, repeats: int) -> dict:
+def object_store_floors(nbytes: int, base: str, repeats: int) -> dict:
     """The object store's own ceiling for `nbytes`: plain writes and reads of 16 MiB objects, all in flight at
-    once, through tensorstore's gcs kvstore (no zarr, no checksums), against the same emulator."""
+    once, through tensorstore's kvstore for `base` (no zarr, no checksums), against the same server."""
     import tensorstore as ts
+
+    from xla_tensorstore_ckpt import storage
 
     block = np.random.default_rng(0).integers(0, 255, size=min(nbytes, 16 << 20), dtype=np.uint8).tobytes()
     sizes = [min(len(block), nbytes - offset) for offset in range(0, nbytes, len(block))]
     writes, reads = [], []
     for run in range(repeats):
-        store = ts.KvStore.open({"driver": "gcs", "bucket": bucket, "path": f"floor-{run}/"}).result()
+        store = ts.KvStore.open(storage.location(f"{base}/floor-{run}").kvstore_spec()).result()
         start = time.perf_counter()
         for future in [store.write(f"{i}", block[:size]) for i, size in enumerate(sizes)]:
             future.result()
@@ -123,6 +126,35 @@ def object_store_floors(nbytes: int, bucket: str, repeats: int) -> dict:
         reads.append(time.perf_counter() - start)
         store.delete_range(ts.KvStore.KeyRange()).result()
     return {"object_write_s": writes, "object_read_s": reads}
+
+
+class _Server:
+    """A local object store server for the run, and the client environment that points at it."""
+
+    def __init__(self, process, environment: dict[str, str]):
+        self.process, self.environment = process, environment
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def start_object_store(kind: str) -> tuple[_Server | None, str | None]:
+    """Start fake-gcs-server or moto's S3 server (the test suite's own launchers) with a bucket "bench"; the
+    server and the root every contender writes under (None, None for local files)."""
+    if kind == "local":
+        return None, None
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    if kind == "gcs":
+        import gcs_emulator
+
+        process = gcs_emulator.Emulator().start()
+        process.create_bucket("bench")
+        return _Server(process, gcs_emulator.client_environment(process.url)), "gs://bench"
+    import s3_server
+
+    process = s3_server.S3Server().start()
+    process.create_bucket("bench")
+    return _Server(process, s3_server.client_environment(process.url)), "s3://bench"
 
 
 def median(values):
@@ -144,7 +176,7 @@ def table(results: list[dict], floor: dict[str, dict]) -> str:
                      f"{median(f['write_fsync_s']):.3f} s, read back {median(f['read_s']):.3f} s, "
                      f"memcpy {median(f['memcpy_s']):.3f} s")
         if "object_write_s" in f:
-            lines.append(f"object store alone (16 MiB objects through tensorstore's gcs kvstore): write "
+            lines.append(f"object store alone (16 MiB objects through tensorstore's kvstore): write "
                          f"{median(f['object_write_s']):.3f} s, read {median(f['object_read_s']):.3f} s")
         header = (f"{'contender':16} {'fsync':5} {'save s':>13} {'x base':>6} {'blocked s':>13} {'restore s':>13} "
                   f"{'x base':>6} {'4 dev s':>7} {'GiB/s':>6} {'peak+':>6} {'files':>6} {'MiB':>7} {'exact':>5}")
@@ -199,7 +231,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", default="large,small,model,orbax-interop")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
-    parser.add_argument("--storage", choices=("local", "gcs"), default="local")
+    parser.add_argument("--storage", choices=("local", "gcs", "s3"), default="local")
     parser.add_argument("--warm-restore", action="store_true",
                         help="each contender restores once, uncounted, before the timed restores (as for saves)")
     parser.add_argument("--output", default=None, help="default: benchmarks/results/<storage>.json (+ .png)")
@@ -207,30 +239,25 @@ def main() -> None:
     output = args.output or os.path.join(HERE, "results", f"{args.storage}.json")
     contenders = args.contenders.split(",")
     env = dict(os.environ)
-    emulator = None
-    if args.storage == "gcs":
-        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-        import gcs_emulator
-
-        emulator = gcs_emulator.Emulator().start()
-        emulator.create_bucket("bench")
-        env.update(gcs_emulator.client_environment(emulator.url))
-        os.environ.update(gcs_emulator.client_environment(emulator.url))  # for the object store floor
+    server, base = start_object_store(args.storage)
+    if server is not None:
+        env.update(server.environment)
+        os.environ.update(server.environment)  # for the object store floor
         contenders = [c for c in contenders if c not in ("torch.save", "orbax")]  # local files only
     results, floor, interop = [], {}, None
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
-            base = "gs://bench" if emulator else workdir
+            base = base or workdir
             for workload in args.workloads.split(","):
                 if workload == "orbax-interop":
-                    if not emulator:  # Orbax writes local files here
+                    if server is None:  # Orbax writes local files here
                         print("running the Orbax interop restore ...", file=sys.stderr, flush=True)
                         interop = bench_orbax_interop.measure(args.scale, args.repeats, workdir)
                     continue
                 nbytes = workloads.spec_bytes(workload, args.scale)
                 floor[workload] = floors(nbytes, workdir, args.repeats)
-                if emulator:
-                    floor[workload].update(object_store_floors(nbytes, "bench", args.repeats))
+                if server is not None:
+                    floor[workload].update(object_store_floors(nbytes, base, args.repeats))
                 for contender in contenders:
                     print(f"running {contender} on {workload} ({args.storage}) ...", file=sys.stderr, flush=True)
                     on4 = workload == "model" and contender in RESTORE_ON_4
@@ -240,8 +267,8 @@ def main() -> None:
                                                               restore_only=True)["restore_s"]
                     results.append(result)
     finally:
-        if emulator:
-            emulator.stop()
+        if server is not None:
+            server.stop()
     text = table(results, floor)
     if interop is not None:
         text += (f"\n\norbax-interop: a {interop['gib']:.2f} GiB step Orbax wrote (OCDBT), restored onto a (2, 4) mesh "

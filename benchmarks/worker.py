@@ -38,6 +38,11 @@ def _disk_usage(path: str) -> tuple[int, int]:
 
         sizes = _gcsfs().du(path[len("gs://"):], total=False)
         return len(sizes), sum(sizes.values())
+    if path.startswith("s3://"):
+        import s3fs  # the bench extra's, which also carries torch_xla's manager to s3://
+
+        sizes = s3fs.S3FileSystem().du(path[len("s3://"):], total=False)
+        return len(sizes), sum(sizes.values())
     files = size = 0
     for root, _, names in os.walk(path):
         for n in names:
@@ -59,7 +64,7 @@ def main() -> None:
     parser.add_argument("workload", choices=workloads.WORKLOADS)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", required=True, help="a local directory, or gs://bucket/prefix")
+    parser.add_argument("--dir", required=True, help="a local directory, gs:// or s3://bucket/prefix")
     parser.add_argument("--keep", action="store_true", help="keep the last step for a --restore-only run")
     parser.add_argument("--warm-restore", action="store_true", help="one uncounted restore before the timed ones")
     parser.add_argument("--restore-only", action="store_true",
@@ -105,7 +110,7 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
 
-    if not args.dir.startswith("gs://"):
+    if "://" not in args.dir:
         shutil.rmtree(args.dir, ignore_errors=True)
         os.makedirs(args.dir)
     state = workloads.build_state(args.workload, args.scale)

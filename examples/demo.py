@@ -5,7 +5,7 @@ same evaluation loss, inspect it with `xtckpt`, and export it to safetensors.
 
     python examples/demo.py [--checkpoint-dir ./checkpoints] [--steps 40] [--save-steps 10] [--kill-at 27]
 
-`--checkpoint-dir gs://bucket/prefix` works as well. The directory is cleared first.
+`--checkpoint-dir gs://bucket/prefix` or `s3://bucket/prefix` works as well. The directory is cleared first.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def main() -> None:
 
     section("6. export to safetensors (Hugging Face layout), streaming tensor by tensor")
     export_dir = args.export_dir or (args.checkpoint_dir.rstrip("/") + "-export")
-    if not export_dir.startswith("gs://"):
+    if "://" not in export_dir:
         for line in run_cli("export", f"{args.checkpoint_dir.rstrip('/')}/{latest}", export_dir, "--format",
                             "safetensors", "--max-file-size", "4MB").splitlines():
             print(f"  {line}  ({os.path.getsize(line) / 2**20:.1f} MiB)")

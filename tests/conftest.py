@@ -64,16 +64,35 @@ def gcs_emulator_server():
     server.stop()
 
 
-@pytest.fixture(params=["file", "memory", "gcs"])
+# s3:// goes to moto's S3 server, started on first use; the clients read the standard AWS variables.
+import s3_server  # noqa: E402
+
+S3_PORT = gcs_emulator.free_port()
+s3_server.configure_clients(f"http://127.0.0.1:{S3_PORT}")
+S3_BUCKET = "xtc-test"
+
+
+@pytest.fixture(scope="session")
+def s3_server_process():
+    server = s3_server.S3Server(S3_PORT).start()
+    server.create_bucket(S3_BUCKET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["file", "memory", "gcs", "s3"])
 def storage_root(request, tmp_path) -> str:
-    """A fresh, empty root on each storage backend: the conformance suite runs every test on all three."""
+    """A fresh, empty root on each storage backend: the conformance suite runs every test on all of them."""
     n = next(_unique)
     if request.param == "file":
         return str(tmp_path / "root")
     if request.param == "memory":
         return f"memory://conformance/{n}"
-    request.getfixturevalue("gcs_emulator_server")
-    return f"gs://{GCS_BUCKET}/conformance/{n}"
+    if request.param == "gcs":
+        request.getfixturevalue("gcs_emulator_server")
+        return f"gs://{GCS_BUCKET}/conformance/{n}"
+    request.getfixturevalue("s3_server_process")
+    return f"s3://{S3_BUCKET}/conformance/{n}"
 
 
 @pytest.fixture

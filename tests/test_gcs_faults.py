@@ -15,17 +15,18 @@ from gcs_emulator import FaultProxy, client_environment
 
 import xla_tensorstore_ckpt as xtc
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "gcs_faults.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "store_faults.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
-from gcs_faults import state_for  # noqa: E402
+from store_faults import state_for  # noqa: E402
 
 
-def save_four_steps_through(proxy: FaultProxy, root: str) -> dict:
-    """Run the fault script (saves of steps 1-4, then restores) in a subprocess whose GCS clients go through
-    `proxy`; return what it reports: committed, restored and failed steps."""
+def save_four_steps_through(proxy: FaultProxy, root: str, clients=client_environment) -> dict:
+    """Run the fault script (saves of steps 1-4, then restores) in a subprocess whose object-store clients go
+    through `proxy` (`clients` gives their environment); return what it reports: committed, restored and failed
+    steps."""
     proxy.start()
     try:
-        env = dict(os.environ, **client_environment(proxy.url))
+        env = dict(os.environ, **clients(proxy.url))
         env.pop("PJRT_DEVICE", None)
         proc = subprocess.run([sys.executable, SCRIPT, root, "4"], env=env, capture_output=True, text=True,
                               timeout=600)

@@ -36,6 +36,14 @@ _CORRUPTION_CODES = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_A
 # has one writer). Data files of at most 256 MiB, written in parallel (one 2 GiB file took 1.6x as long).
 _OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000, "manifest_kind": "single"}
 OCDBT_DATA_FILE_BYTES = 256 << 20
+# An object store takes each object over one connection: smaller data files are uploaded many at once (S3's own
+# advice is parallel requests of 8-16 MiB; measured: 1 GiB to a local S3 server in 2.7 s vs 6.2 s with 256 MiB).
+OCDBT_REMOTE_DATA_FILE_BYTES = 16 << 20
+# On object stores, reads of chunks that lie close together in one data file are merged into one ranged request
+# (Orbax does the same there): requests, not bytes, are what remote reads of many chunks pay for.
+_REMOTE_READ_COALESCING = {"experimental_read_coalescing_threshold_bytes": 1 << 20,
+                           "experimental_read_coalescing_merged_bytes": 1 << 40,
+                           "experimental_read_coalescing_interval": "1ms"}
 # Commits to one OCDBT store are serialized, and each writes its data file sequentially: a process writes its
 # batches round robin into this many stores of its own, so that large chunks are written in parallel.
 OCDBT_LANES = 4
@@ -82,8 +90,11 @@ def ocdbt_spec(item: storage.Location, store: str | None) -> dict:
     spec = {"driver": "ocdbt", "base": base, "config": _OCDBT_CONFIG, "cache_pool": "cache_pool#ocdbt"}
     if base["driver"] == "file":  # data files need no atomic rename: only the manifest is ever replaced
         spec.update(base={**base, "file_io_locking": {"mode": "non_atomic"}}, manifest=base)
+    remote = not loc.capabilities.cheap_refetch
+    if remote:
+        spec.update(_REMOTE_READ_COALESCING)
     if store is not None:
-        spec["target_data_file_size"] = OCDBT_DATA_FILE_BYTES
+        spec["target_data_file_size"] = OCDBT_REMOTE_DATA_FILE_BYTES if remote else OCDBT_DATA_FILE_BYTES
     return spec
 
 

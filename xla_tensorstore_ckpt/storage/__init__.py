@@ -1,6 +1,7 @@
 """Where checkpoints live. `location(url)` turns a user path into a `Location`: a directory on a `Backend`.
 
-Backends: local file systems (``/path``, ``file:///path``), ``gs://bucket/prefix`` and ``memory://name``. Array
+Backends: local file systems (``/path``, ``file:///path``), ``gs://bucket/prefix``, ``s3://bucket/prefix`` and
+``memory://name``. Array
 data never passes through Python here: arrays are opened by tensorstore on `Location.kvstore_spec()` with the
 shared `context()`. See `base` for the protocol and how to add a backend.
 """
@@ -14,6 +15,7 @@ from .gcs import GcsBackend
 from .kvstore import context
 from .local import LocalBackend, absolute
 from .memory import MemoryBackend
+from .s3 import S3Backend
 
 __all__ = ["Backend", "Capabilities", "Location", "context", "location", "register_backend"]
 
@@ -25,7 +27,7 @@ def register_backend(backend: type[Backend]) -> None:
     _BACKENDS[backend.scheme] = backend
 
 
-for _backend in (LocalBackend, MemoryBackend, GcsBackend):
+for _backend in (LocalBackend, MemoryBackend, GcsBackend, S3Backend):
     register_backend(_backend)
 
 

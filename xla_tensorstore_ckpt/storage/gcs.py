@@ -5,7 +5,7 @@ precondition the emulator honours too.
 Credentials are the standard ones (application default credentials on TPU VMs); against an emulator
 (STORAGE_EMULATOR_HOST / TENSORSTORE_GCS_HTTP_URL) anonymous access. Requests are retried with backoff on
 transient errors (429, 5xx, dropped connections) a bounded number of times: tensorstore's own retries
-(`kvstore.GCS_MAX_RETRIES`) and gcsfs's (6 attempts).
+(`kvstore.OBJECT_STORE_MAX_RETRIES`) and gcsfs's (6 attempts).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import tensorstore as ts
 from ..errors import StorageError
 from .base import Backend
 
-GCS_MAX_RETRIES = 10
+OBJECT_STORE_MAX_RETRIES = 10
 
 
 @cache
@@ -25,15 +25,16 @@ def context() -> ts.Context:
     together at its end, many at a time, while chunk files are already being written back. Local chunk files
     are read through memory maps of the page cache rather than copied into fresh buffers first (a restore from
     local disk took 1.2-1.9x as long that way); checkpoint files are never truncated in place (tensorstore
-    writes a new file and renames it), so a mapping cannot lose its pages under a reader. GCS requests are
-    retried with exponential backoff on transient errors (429, 5xx, dropped connections), a bounded number of
-    times; the error that finally escapes names the object."""
+    writes a new file and renames it), so a mapping cannot lose its pages under a reader. GCS and S3 requests
+    are retried with exponential backoff on transient errors (429, 503 SlowDown, 5xx, dropped connections), a
+    bounded number of times; the error that finally escapes names the object."""
     return ts.Context({
         "file_io_sync": False,
         "file_io_mode": {"mode": "memmap"},
         "cache_pool": {"total_bytes_limit": 0},
         "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},  # OCDBT B-tree nodes, shared by every array
-        "gcs_request_retries": {"max_retries": GCS_MAX_RETRIES, "initial_delay": "50ms", "max_delay": "5s"},
+        "gcs_request_retries": {"max_retries": OBJECT_STORE_MAX_RETRIES, "initial_delay": "50ms", "max_delay": "5s"},
+        "s3_request_retries": {"max_retries": OBJECT_STORE_MAX_RETRIES, "initial_delay": "50ms", "max_delay": "5s"},
     })
 
 

@@ -1,6 +1,7 @@
-"""Saves and restores through a flaky network (the parent points the GCS clients at a fault-injecting proxy).
+"""Saves and restores through a flaky network (the parent points the object store's clients, GCS or S3, at a
+fault-injecting proxy).
 
-usage: gcs_faults.py ROOT STEPS  -> one JSON line: {"committed": [...], "failed": {step: error}, "restored": [...]}
+usage: store_faults.py ROOT STEPS -> one JSON line: {"committed": [...], "failed": {step: error}, "restored": [...]}
 """
 
 from __future__ import annotations
