@@ -37,6 +37,20 @@ class BackendContract:
         assert location.read("x/data.bin") == b"\x00\x01stored"
         assert location.child("x").read("data.bin") == b"\x00\x01stored"
 
+    def test_ranged_reads_return_exactly_the_range(self, location):
+        self.raw_put(location, "blob.bin", bytes(range(256)) * 4)
+        reads = [location.read_range("blob.bin", a, b) for a, b in ((0, 8), (250, 260), (1020, 1024), (5, 5))]
+        assert [r.result() for r in reads] == [bytes(range(8)), bytes(range(250, 256)) + bytes(range(4)),
+                                               bytes(range(252, 256)), b""]
+        assert location.read_range("missing.bin", 0, 4).result() is None
+        with pytest.raises(storage.RangeNotSatisfiableError) as info:
+            location.read_range("blob.bin", 1000, 1100).result()
+        assert "blob.bin" in str(info.value) and info.value.size in (1024, None)
+        local = location.local_file("blob.bin")
+        if local is not None:  # where there is one, it is the very file
+            with open(local, "rb") as f:
+                assert f.read() == bytes(range(256)) * 4
+
     def test_write_stores_and_overwrites(self, location):
         location.write("deep/er/file.json", b"{}")
         assert self.raw_get(location, "deep/er/file.json") == b"{}"

@@ -54,6 +54,13 @@ class HookedBackend(Backend):
         self._before("read", path)
         return self.inner.read(path)
 
+    def read_range(self, path, start, stop):
+        self._before("read_range", path)
+        return self.inner.read_range(path, start, stop)
+
+    def local_file(self, path):
+        return self.inner.local_file(path)
+
     def write(self, path, data, *, fsync):
         self._before("write", path)
         self.inner.write(path, data, fsync=fsync)

@@ -10,6 +10,9 @@ does: each process writes its chunks into stores of its own (``ocdbt.process_<i>
 for its other lanes), one transaction per batch, and once every process is done the primary merges them into
 the item's root store (`merge_ocdbt`), which references their data files rather than copying them.
 
+Arrays of Hugging Face safetensors files (store kind "safetensors") are raw byte ranges, read by `raw_arrays`;
+`open_existing` and the read functions dispatch to it, so every reader handles both alike.
+
 Functions start I/O and return at once with a `Pending` future; callers start many and then wait, so I/O
 runs concurrently on tensorstore's threads. Errors are translated to `CorruptCheckpointError` (checksum,
 missing data) or `StorageError` (the rest), with the array's location in the message.
@@ -25,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import tensorstore as ts
 
-from . import layout, storage
+from . import layout, raw_arrays, storage
 from .errors import CorruptCheckpointError, StorageError
-from .formats.records import ArrayStore
+from .formats.records import ArrayMetadata, ArrayStore
 
 Region = tuple[slice, ...]
 
@@ -296,16 +299,34 @@ def _submit(work) -> None:  # noqa: ANN001 - a callable of no arguments
         pass  # the interpreter is shutting down; the save's final sync decides durability anyway
 
 
-def open_existing(ref: ArrayRef) -> Pending:
-    """Start opening a stored array for reading; reading a missing chunk will be an error (or the fill value,
-    where the item's store says chunks equal to it were not stored)."""
+def open_existing(ref: ArrayRef, meta: ArrayMetadata | None = None) -> Pending | Ready:
+    """Start opening the stored array of `ref` for reading; reading a missing chunk will be an error (or the
+    fill value, where the item's store says chunks equal to it were not stored). `meta` is the array's entry in
+    its manifest: raw arrays (safetensors) are known only from it; zarr arrays carry their own metadata."""
+    if ref.store.kind == "safetensors":
+        if meta is None:
+            raise TypeError("a safetensors tensor is opened from its manifest entry")
+        return Ready(raw_arrays.RawArray(ref.item, meta))
     driver = "zarr3" if ref.store.zarr_format == 3 else "zarr"
     spec = {"driver": driver, "kvstore": ref.kvstore_spec(), "open": True,
             "fill_missing_data_reads": ref.store.fill_missing}
     return Pending(ts.open(spec, context=ref.context_or_default, read=True), "cannot open array", ref.location)
 
 
-def read(store: ts.TensorStore, loc: storage.Location, region: Region) -> Pending:
+class Ready:
+    """An operation that finished at once, shaped like `Pending`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object):
+        self.value = value
+
+    def result(self) -> object:
+        return self.value
+
+
+def read(store: ts.TensorStore | raw_arrays.RawArray, loc: storage.Location, region: Region
+         ) -> Pending | raw_arrays.RawRead:
     """Start reading `region` (only the chunks it touches, each checksum verified); the result is a numpy
     array.
 
@@ -313,27 +334,36 @@ def read(store: ts.TensorStore, loc: storage.Location, region: Region) -> Pendin
     allocates itself come from its worker threads' heaps, which gave every restore fresh memory from the OS:
     1-2 GiB of page faults per GiB restored, measured, the largest cost of a restore on the benchmark VM. Memory
     allocated here is recycled from one batch (and one restore) to the next."""
+    if isinstance(store, raw_arrays.RawArray):
+        return store.read(region)
     view = store[region]
     out = np.empty(view.shape, dtype=view.dtype.numpy_dtype)
     future = ts.array(out, copy=False, write=True).write(view).commit
     return Pending(future, f"cannot read region {_format_region(region)} of array", loc, output=out)
 
 
-def read_index(store: ts.TensorStore, loc: storage.Location, index: tuple[slice | int, ...]) -> Pending:
+def read_index(store: ts.TensorStore | raw_arrays.RawArray, loc: storage.Location, index: tuple[slice | int, ...]
+               ) -> Pending | raw_arrays.RawRead:
     """Start reading `index` of an array (normalized integers and slices, strides allowed; () is everything),
     only the chunks it touches; the result is a numpy array."""
+    if isinstance(store, raw_arrays.RawArray):
+        return store.read_index(index)
     view = store[index] if index else store
     return Pending(view.read(), "cannot read array", loc)
 
 
-def chunk_shape(store: ts.TensorStore) -> tuple[int, ...]:
+def chunk_shape(store: ts.TensorStore | raw_arrays.RawArray) -> tuple[int, ...]:
     """The chunk shape of an open array (the inner chunks of a single-file array); () for a 0-d array."""
+    if isinstance(store, raw_arrays.RawArray):
+        return store.chunk_shape
     shape = store.chunk_layout.read_chunk.shape
     return tuple(shape) if shape is not None else ()
 
 
-def stored_dtype_name(store: ts.TensorStore) -> str:
+def stored_dtype_name(store: ts.TensorStore | raw_arrays.RawArray) -> str:
     """The zarr data type name of an open array (e.g. ``bfloat16``)."""
+    if isinstance(store, raw_arrays.RawArray):
+        return store.dtype_name
     return store.dtype.name
 
 

@@ -9,6 +9,8 @@ data (corrupt chunks, failed verification).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import datetime
 import json
 import math
@@ -19,7 +21,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from . import export, inspection, scans
+from . import convert, export, inspection, scans, storage
 from .errors import CheckpointError, CheckpointNotFoundError, UsageError
 
 EXIT_DATA, EXIT_USAGE = 1, 2
@@ -65,15 +67,17 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence
     return "\n".join(lines)
 
 
-def progress_bar(label: str) -> Callable[[int, int], None] | None:
-    """A callback drawing a progress bar on stderr, or None when stderr is not a terminal."""
+def progress_bar(label: str, *, in_bytes: bool = False) -> Callable[[int, int], None] | None:
+    """A callback drawing a progress bar on stderr (counts, or byte sizes), or None when stderr is not a
+    terminal."""
     if not sys.stderr.isatty():
         return None
 
     def draw(done: int, total: int) -> None:
         width = 30
         filled = int(width * done / total) if total else width
-        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        amount = f"{human_bytes(done)} / {human_bytes(total)}" if in_bytes else f"{done}/{total}"
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {amount}")
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -222,16 +226,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_DATA if report.problems else 0
 
 
+def release_large_buffers_at_once() -> None:
+    """Have glibc give every allocation of 1 MiB or more back to the OS when it is freed. Its default keeps
+    freed buffers of up to 32 MiB in per-thread arenas, so a streaming copy whose chunk buffers are allocated on
+    several threads grew 2-3x beyond the data in flight (measured in tests/test_convert.py). Set by the command
+    line for the commands that stream (it owns its process); the library never changes process-wide settings."""
+    name = ctypes.util.find_library("c")
+    if sys.platform != "linux" or not name:
+        return
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None)
+    if mallopt is not None:
+        mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixing it also stops glibc's dynamic raising of it)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    release_large_buffers_at_once()
     checkpoint = inspection.open_checkpoint(args.path)
     items = tuple(args.items.split(",")) if args.items else (("model",) if "model" in checkpoint.items else
                                                              checkpoint.items)
-    draw = progress_bar("export")
+    draw = progress_bar(args.format, in_bytes=True)
     if args.format == "safetensors":
         files = export.export_safetensors(checkpoint, items, args.out, max_file_bytes=args.max_file_size,
-                                          progress=draw)
+                                          max_host_bytes=args.max_host_bytes, progress=draw)
     else:
-        files = [export.export_torch(checkpoint, items, args.out, progress=draw)]
+        files = [export.export_torch(checkpoint, items, args.out, max_host_bytes=args.max_host_bytes,
+                                     progress=draw)]
     if args.json:
         _print_json({"files": files})
     else:
@@ -240,8 +259,48 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    release_large_buffers_at_once()
+    if args.to in ("safetensors", "torch"):
+        args.path, args.out, args.format = args.source, args.destination, args.to
+        return cmd_export(args)
+    source = storage.location(args.source)
+    checkpoint = inspection.open_checkpoint(source)
+    if checkpoint.marker is not None:  # a step: one of its items
+        item = args.item or "model"
+        if item not in checkpoint.items:
+            raise UsageError(f"{source} has no item {item!r} (it holds {', '.join(checkpoint.items)}); "
+                             f"choose one with --item")
+        source = source.child(item)
+    options = convert.ConvertOptions(max_host_bytes=args.max_host_bytes, chunk_shape=args.chunk_shape,
+                                     mesh=args.mesh, use_ocdbt=not args.no_ocdbt)
+    destination = storage.location(args.destination)
+    draw = progress_bar("convert", in_bytes=True)
+    if args.to == "step":
+        convert.convert_to_step(source, destination, item=args.item or "model", options=options,
+                                overwrite=args.overwrite, progress=draw)
+    else:
+        convert.convert_item(source, destination, options=options, overwrite=args.overwrite, progress=draw)
+    if args.json:
+        _print_json({"destination": str(destination)})
+    else:
+        print(destination)
+    return 0
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``1024,1024`` (a chunk shape) or ``4x2`` (a mesh)."""
+    try:
+        values = tuple(int(v) for v in re.split(r"[,x]", text.strip()) if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid shape {text!r} (e.g. 1024,1024 or 4x2)") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"invalid shape {text!r} (positive integers, e.g. 1024,1024 or 4x2)")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="xtckpt", description="Inspect and export xla_tensorstore_ckpt checkpoints offline.")
+    parser = _Parser(prog="xtckpt", description="Inspect, convert and export checkpoints offline.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def command(name: str, help_text: str, fn: Callable[[argparse.Namespace], int], json_flag: bool = True):
@@ -268,13 +327,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b")
     p = command("verify", "every chunk present and every checksum valid (exit 1 otherwise)", cmd_verify)
     p.add_argument("path", help="ROOT, ROOT/STEP or an item directory")
-    p = command("export", "a consolidated single-host copy (safetensors or torch)", cmd_export)
+    p = command("convert", "convert between formats, streaming under a host-memory budget: a Hugging Face "
+                "safetensors file or directory, an item of ours or Orbax's, or one item of a step, into an item "
+                "or step of ours (which Orbax restores), or into safetensors / torch files", cmd_convert)
+    p.add_argument("source", help="a .safetensors file, a Hugging Face directory, an item, or ROOT/STEP")
+    p.add_argument("destination", help="the new item, step (ROOT/STEP), safetensors directory or torch file")
+    p.add_argument("--to", choices=("item", "step", "safetensors", "torch"), default="item",
+                   help="what to write (default: item)")
+    p.add_argument("--item", help="the item of a source step to convert, and the item's name in a new step "
+                   "(default: model)")
+    p.add_argument("--items", help="safetensors / torch: comma-separated items of a step (default: model)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--chunk-shape", type=parse_shape,
+                       help="stored chunk shape of the trailing dimensions, e.g. 1024,1024")
+    shape.add_argument("--mesh", type=parse_shape,
+                       help="store each array in the chunks of this mesh's shards, e.g. 4x2 (dimension i cut "
+                       "into mesh[i] chunks)")
+    p.add_argument("--max-host-bytes", type=parse_size, default=parse_size("2GiB"),
+                   help="host memory for data in flight (default 2GiB)")
+    p.add_argument("--max-file-size", type=parse_size, default=parse_size("5GB"),
+                   help="safetensors: largest file, e.g. 5GB (default), 500MiB")
+    p.add_argument("--no-ocdbt", action="store_true", help="one zarr directory per array instead of OCDBT")
+    p.add_argument("--overwrite", action="store_true", help="replace what the destination holds")
+    p = command("export", "a consolidated single-host copy (safetensors or torch): convert --to FORMAT",
+                cmd_export)
     p.add_argument("path")
     p.add_argument("out", help="output directory (safetensors) or file (torch)")
     p.add_argument("--format", choices=("safetensors", "torch"), required=True)
     p.add_argument("--items", help="comma-separated items (default: model)")
     p.add_argument("--max-file-size", type=parse_size, default=parse_size("5GB"),
                    help="largest safetensors file, e.g. 5GB (default), 500MiB")
+    p.add_argument("--max-host-bytes", type=parse_size, default=parse_size("2GiB"),
+                   help="host memory for data in flight (default 2GiB)")
     return parser
 
 

@@ -1,8 +1,9 @@
 """Offline inspection of checkpoints: list steps, describe trees, read slices, statistics, diffs, verification.
 
-Works on a checkpoint root, a step directory or a single item directory (written by `xtc.save`), local or
-remote, without torch_xla and without the training code. Arrays are addressed by keys of the form
-``<item>/<array path>`` (``model/layers.0.weight``), the array path being the escaped key path of `layout`.
+Works on a checkpoint root, a step directory, a single item directory (written by `xtc.save` or Orbax) or a
+Hugging Face safetensors file or directory, local or remote, without torch_xla and without the training code.
+Arrays are addressed by keys of the form ``<item>/<array path>`` (``model/layers.0.weight``), the array path
+being the escaped key path of `layout` (for safetensors, the tensor's name).
 Everything streams chunk by chunk: memory stays near one chunk. Used by the command line; blocks.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from . import arrays, formats, layout, storage, tree
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, UsageError
-from .formats import ArrayMetadata, ItemManifest, StepMetadata
+from .formats import ArrayMetadata, ItemManifest, StepMetadata, safetensors
 from .steps import ANY_PREFIX, StepIndex
 
 if TYPE_CHECKING:
@@ -54,10 +55,12 @@ def open_checkpoint(path: str | storage.Location) -> Checkpoint:
     """Resolve `path` to a committed step or an item directory. Raises `CheckpointNotFoundError` if it is
     neither (an uncommitted step included), `CorruptCheckpointError`/`FormatVersionError` for a bad marker."""
     loc = storage.location(path)
+    if loc.name.endswith(safetensors.SUFFIX):
+        return Checkpoint(loc, None, ("",))
     marker = formats.read_step(loc)
     if marker is not None:
         return Checkpoint(loc, marker, marker.items)
-    if loc.read(layout.ITEM_METADATA) is not None:
+    if loc.read(layout.ITEM_METADATA) is not None or safetensors.is_checkpoint(loc):
         return Checkpoint(loc, None, ("",))
     if layout.parse_step_name(loc.name, None, any_prefix=True) is not None and not loc.is_empty():
         raise CheckpointNotFoundError(f"{loc} is an uncommitted (partial) step: it has no "
@@ -96,7 +99,7 @@ def open_array(step_path: str, key: str) -> tensorstore.TensorStore:
     Reads only the chunks indexed; every chunk's checksum is verified."""
     checkpoint = open_checkpoint(step_path)
     item, meta = array_metadata(checkpoint, key)
-    return arrays.open_existing(checkpoint.array_ref(item, meta)).result()
+    return arrays.open_existing(checkpoint.array_ref(item, meta), meta).result()
 
 
 # ------------------------------------------------------------------------------------------------- steps
@@ -214,7 +217,7 @@ def read_slice(checkpoint: Checkpoint, key: str, index: tuple[slice | int, ...])
         if isinstance(i, int) and not -n <= i < n:
             raise UsageError(f"index {i} is out of range for dimension {dim} of {key} (size {n})")
     ref = checkpoint.array_ref(item, meta)
-    store = arrays.open_existing(ref).result()
+    store = arrays.open_existing(ref, meta).result()
     normalized = tuple(_normalize(i, n) for i, n in zip(index, meta.shape))
     return arrays.read_index(store, ref.location, normalized).result()
 

@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from . import formats, layout, rng_state, saving, storage, training_state
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator
-from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UsageError
 from .formats import StepMetadata
 from .gc_pause import paused_gc
 from .options import CheckpointManagerOptions
@@ -148,7 +145,7 @@ class CheckpointManager:
         marker = StepMetadata(step=step, items=(), created_at=time.time(), committed_at=0.0,
                               metrics=training_state.metrics_json(dict(metrics) if metrics is not None else None),
                               custom=dict(custom_metadata) if custom_metadata is not None else None,
-                              versions=_versions(), process_count=self._coordinator.count,
+                              versions=formats.writer_versions(), process_count=self._coordinator.count,
                               format_version=formats.WRITE_VERSION)
         items = {name: training_state.state_of(obj) for name, obj in zip(
             _OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra, data_loader)) if obj is not None}
@@ -214,7 +211,7 @@ class CheckpointManager:
 
     def restore(self, resume_from: int | str | None = "latest", *, model: Any = None, optimizer: Any = None,
                 lr_scheduler: Any = None, extra: Any = None, data_loader: Any = None, restore_rng: bool = True,
-                strict: bool = True, key_map: KeyMap | None = None) -> int | None:
+                strict: bool = True, key_map: KeyMap | None = None, init_from: str | None = None) -> int | None:
         """Restore the given objects in place from a step chosen by `resume_from`; return that step.
 
         `resume_from`: None → restore nothing, return None; an int → that step, or, if it is not committed, a
@@ -228,14 +225,24 @@ class CheckpointManager:
         `KeyMismatchError`, `ShapeMismatchError` or `CheckpointError` (naming step, item and path) when the
         objects do not match the checkpoint.
 
+        `init_from` starts a run from other weights when no step is committed (and `resume_from` is not None):
+        `model` is restored from that checkpoint instead (a Hugging Face safetensors file or directory, an item
+        `xtc.save` or Orbax wrote), with `strict` and `key_map` as above, and None is returned, as no step was
+        restored. Once a step is committed, it wins: a restarted run resumes from its own checkpoints.
+
         Tensors are swapped in batch by batch (`RestoreOptions.read_batch_bytes`), so the restore needs about
         one batch of device memory beyond the state. Mismatches are found before anything changes; damaged
         data found part-way leaves the tensors of the batches before it restored.
         """
         self._check_open()
+        if init_from is not None and model is None:
+            raise UsageError("init_from initialises the model: pass model= as well")
         self._committer.wait()
         step = self._resolve(resume_from)
         if step is None:
+            if init_from is not None and resume_from is not None:
+                training_state.restore_object(storage.location(init_from), model, strict=strict,
+                                              options=self._options.restore_options, key_map=key_map)
             return None
         marker = self.metadata(step)
         location = self._tier.index.location(step)
@@ -311,11 +318,3 @@ def _check_root(root: storage.Location, create: bool) -> None:
     if not create and not root.exists():
         raise CheckpointNotFoundError(f"checkpoint root {root} does not exist (and create=False)")
 
-
-def _versions() -> dict[str, str]:
-    from . import __version__
-
-    versions = {"xla_tensorstore_ckpt": __version__, "torch": torch.__version__}
-    if "torch_xla" in sys.modules:
-        versions["torch_xla"] = getattr(sys.modules["torch_xla"], "__version__", "unknown")
-    return versions

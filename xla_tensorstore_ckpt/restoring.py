@@ -121,7 +121,8 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
             saved = renamed(saved, key_map, dict(tree.flatten(target)) if target is not None else {}, loc)
         wanted = ({p: None for p in saved} if target is None
                   else _match(loc, saved, dict(tree.flatten(target)), strict))
-        amplification = MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0
+        amplification = (math.inf if manifest.store.kind == "safetensors"  # byte ranges: exactly what is asked
+                         else MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0)
         values = read_arrays(loc, manifest.store, _read_jobs(saved, wanted, amplification), options, take)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
@@ -217,7 +218,7 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                 f"restoring {tree.format_key_path(job.key_path)} from {loc.child(job.meta.path)} would read "
                 f"{job.read_bytes / 2**30:.1f} GiB at once, more than this machine's memory; a damaged checkpoint?")
     context = arrays.operation_context()
-    opened = {job.key_path: arrays.open_existing(arrays.ArrayRef(loc, job.meta.path, store, context))
+    opened = {job.key_path: arrays.open_existing(arrays.ArrayRef(loc, job.meta.path, store, context), job.meta)
               for job in jobs}
     groups = list(grid.batches(jobs, lambda job: job.read_bytes, options.read_batch_bytes))
     results: dict[layout.KeyPath, torch.Tensor] = {}

@@ -293,7 +293,7 @@ def start_writes(loc: storage.Location, plan: SavePlan, staged: Staged, options:
                  writer: int) -> Writes:
     """Create the arrays this process creates and start writing staged chunks (`writer`: this process's
     index)."""
-    out = _Writer(loc, plan, writer=writer, writeback=options.fsync)
+    out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync)
     try:
         for group, data in staged:
             out.write(group, data)
@@ -309,7 +309,7 @@ def issue_writes(loc: storage.Location, plan: SavePlan, options: SaveOptions, *,
     are fetched. With `max_host_bytes`, staged data not yet written never exceeds it (plus one batch): the call
     waits for earlier writes instead of fetching more. `copy_cpu` copies host tensors too (for callers that
     return before the writes finish). On error, every started operation is waited for first."""
-    out = _Writer(loc, plan, writer=writer, writeback=options.fsync)
+    out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync)
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
     try:
@@ -353,12 +353,14 @@ def begin_writes(loc: storage.Location, plans: Mapping[str, SavePlan], options: 
                                     for name, plan in plans.items()})
 
 
-class _Writer:
+class ChunkWriter:
     """Creates the arrays this process creates and issues its chunk writes; collects every future and what
-    they create. In a store of directories, with `writeback` (saves that fsync), finished chunk files are
-    handed to the disk while later ones are still being staged. In an OCDBT store, every array's metadata is
-    created in one transaction, then each batch of chunks is one transaction: the store's B-tree grows by a
-    few nodes per batch, not per chunk, and host memory holds at most a batch of encoded chunks."""
+    they create. Saves feed it the staged shards; `convert` feeds it chunks read from another checkpoint, a
+    batch at a time (`write` takes plans whose `writes` are any subset of the array's). In a store of
+    directories, with `writeback` (saves that fsync), finished chunk files are handed to the disk while later
+    ones are still being staged. In an OCDBT store, every array's metadata is created in one transaction, then
+    each batch of chunks is one transaction: the store's B-tree grows by a few nodes per batch, not per chunk,
+    and host memory holds at most a batch of encoded chunks."""
 
     def __init__(self, loc: storage.Location, plan: SavePlan, *, writer: int, writeback: bool):
         self.item, self.writer, self.store = loc, writer, plan.store

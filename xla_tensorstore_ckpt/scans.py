@@ -41,7 +41,7 @@ def iter_chunks(ref: arrays.ArrayRef, meta: ArrayMetadata, *, regions: list | No
     reading it; a few reads in flight at a time."""
     loc = ref.location
     try:
-        store = arrays.open_existing(ref).result()
+        store = arrays.open_existing(ref, meta).result()
     except (CorruptCheckpointError, OSError) as exc:
         yield (), exc
         return

@@ -49,7 +49,7 @@ def dump(tree) -> dict:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
         key = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-        if isinstance(leaf, (jax.Array, np.ndarray)) and np.ndim(leaf) > 0 or isinstance(leaf, jax.Array):
+        if isinstance(leaf, (jax.Array, np.ndarray)):  # 0-d arrays too (a 0-d tensor saved by us)
             array = np.asarray(leaf)
             out[key] = {"dtype": str(array.dtype), "shape": list(array.shape),
                         "data": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode(),

@@ -2,6 +2,9 @@
 inspection, export) gets an item's `ItemManifest` or a step's `StepMetadata`, and through which writers encode
 them.
 
+Hugging Face safetensors checkpoints (a ``.safetensors`` file, or a directory with its index) are read as items
+too (`safetensors`).
+
 Each format version lives in its own module (`v1`, `v2`) and is recognised by the content of the file, never by
 its name alone: the names ``_METADATA`` and ``_CHECKPOINT_METADATA`` are shared with Orbax, and version 1 used
 them with other contents. Checkpoints Orbax wrote itself are read too (`orbax`; format version 0 in the
@@ -16,11 +19,11 @@ import json
 from .. import layout
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 from ..storage import Location
-from . import orbax, v1, v2
+from . import orbax, safetensors, v1, v2
 from .records import ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
 
 __all__ = ["ArrayMetadata", "ArrayStore", "ItemManifest", "SavedSharding", "StepMetadata", "WRITE_VERSION",
-           "encode_item", "encode_step", "load_json", "read_item", "read_step"]
+           "encode_item", "encode_step", "load_json", "read_item", "read_step", "writer_versions"]
 
 WRITE_VERSION = v2.VERSION
 NEWEST_VERSION = v2.VERSION
@@ -38,9 +41,12 @@ def load_json(data: bytes, *, where: str) -> dict:
 
 
 def read_item(loc: Location) -> ItemManifest:
-    """The manifest of the item at `loc` (ours of any version, or Orbax's). Raises `CheckpointNotFoundError` if
-    there is none, `CorruptCheckpointError` if it is malformed, `FormatVersionError` if it is newer than this
-    reader. An Orbax item's arrays are opened to learn their shapes (blocks on that I/O)."""
+    """The manifest of the item at `loc` (ours of any version, Orbax's, or a Hugging Face safetensors file or
+    directory). Raises `CheckpointNotFoundError` if there is none, `CorruptCheckpointError` if it is malformed,
+    `FormatVersionError` if it is newer than this reader. An Orbax item's arrays are opened to learn their
+    shapes, a safetensors file's header is read (blocks on that I/O)."""
+    if loc.name.endswith(safetensors.SUFFIX):
+        return safetensors.read_item(loc)
     data = loc.read(layout.ITEM_METADATA)
     if data is None:
         json_item = loc.read(layout.ORBAX_JSON_ITEM)
@@ -51,6 +57,8 @@ def read_item(loc: Location) -> ItemManifest:
             except (UnicodeDecodeError, ValueError, RecursionError) as exc:
                 raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from None
             return orbax.decode_json_item(doc, where=where)
+        if safetensors.is_checkpoint(loc):
+            return safetensors.read_item(loc)
         raise CheckpointNotFoundError(f"{loc} holds no checkpoint item ({layout.ITEM_METADATA} is missing)")
     where = str(loc.child(layout.ITEM_METADATA))
     doc = load_json(data, where=where)
@@ -97,6 +105,20 @@ def encode_item(manifest: ItemManifest) -> bytes:
 def encode_step(marker: StepMetadata) -> bytes:
     """``_CHECKPOINT_METADATA`` of a step in the format this library writes."""
     return v2.encode_step(marker)
+
+
+def writer_versions() -> dict[str, str]:
+    """The versions of what writes a step, for its marker: this library, torch, and torch_xla if loaded."""
+    import sys
+
+    import torch
+
+    from .. import __version__
+
+    versions = {"xla_tensorstore_ckpt": __version__, "torch": torch.__version__}
+    if "torch_xla" in sys.modules:
+        versions["torch_xla"] = getattr(sys.modules["torch_xla"], "__version__", "unknown")
+    return versions
 
 
 def _check_version(doc: dict, where: str) -> None:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import os
 
-from .base import Backend, Capabilities, Location
+from .base import Backend, Capabilities, Location, PendingBytes, RangeNotSatisfiableError
 from .gcs import GcsBackend
 from .kvstore import context
 from .local import LocalBackend, absolute
 from .memory import MemoryBackend
 from .s3 import S3Backend
 
-__all__ = ["Backend", "Capabilities", "Location", "context", "location", "register_backend"]
+__all__ = ["Backend", "Capabilities", "Location", "PendingBytes", "RangeNotSatisfiableError", "context", "location",
+           "register_backend"]
 
 _BACKENDS: dict[str, type[Backend]] = {}
 

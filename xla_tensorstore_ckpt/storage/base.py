@@ -15,7 +15,24 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
+
+from ..errors import StorageError
+
+
+class RangeNotSatisfiableError(StorageError):
+    """A ranged read asked for bytes past the end of a file; `size` is the file's size where the store said."""
+
+    def __init__(self, message: str, *, size: int | None = None):
+        super().__init__(message)
+        self.size = size
+
+
+class PendingBytes(Protocol):
+    """A ranged read in flight: `result()` blocks and returns the bytes, None if the file does not exist, or
+    raises `StorageError` (`RangeNotSatisfiableError` if the file ends before the range does)."""
+
+    def result(self) -> bytes | None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +104,15 @@ class Backend(ABC):
     def list_dir(self, path: str) -> list[str]:
         """Sorted names of the files and directories directly inside `path` (empty if it does not exist)."""
 
+    @abstractmethod
+    def read_range(self, path: str, start: int, stop: int) -> PendingBytes:
+        """Start reading bytes [`start`, `stop`) of file `path`; many may be in flight at once."""
+
+    def local_file(self, path: str) -> str | None:
+        """The operating-system path of file `path`, for memory-mapping, where the backend is a local file
+        system; None elsewhere."""
+        return None
+
     def exists_dir(self, path: str) -> bool:
         """True if the directory `path` exists (on object stores: if anything is stored below it)."""
         return bool(self.list_dir(path))
@@ -148,6 +174,12 @@ class Location:
 
     def write(self, name: str, data: bytes, *, fsync: bool = True) -> None:
         self.backend.write(self._file(name), data, fsync=fsync)
+
+    def read_range(self, name: str, start: int, stop: int) -> PendingBytes:
+        return self.backend.read_range(self._file(name), start, stop)
+
+    def local_file(self, name: str) -> str | None:
+        return self.backend.local_file(self._file(name))
 
     def create_exclusive(self, name: str, data: bytes) -> bool:
         return self.backend.create_exclusive(self._file(name), data)

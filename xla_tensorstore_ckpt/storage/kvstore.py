@@ -5,6 +5,7 @@ of `storage` that imports tensorstore.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import tensorstore as ts
 
 from ..errors import StorageError
-from .base import Backend
+from .base import Backend, RangeNotSatisfiableError
 
 OBJECT_STORE_MAX_RETRIES = 10
 
@@ -55,6 +56,13 @@ class KvstoreBackend(Backend):
     def write(self, path: str, data: bytes, *, fsync: bool) -> None:
         self._run("write", path, lambda kv: kv.write(path, data))
 
+    def read_range(self, path: str, start: int, stop: int) -> _RangeRead:
+        try:
+            future = _open(self).read(path, byte_range=slice(start, stop))
+        except ValueError as exc:
+            raise StorageError(f"cannot read {self.url(path)}: {exc}") from exc
+        return _RangeRead(future, self.url(path), start, stop)
+
     def create_exclusive(self, path: str, data: bytes) -> bool:
         current = self._run("read", path, lambda kv: kv.read(path))
         if current.state != "missing":
@@ -75,6 +83,31 @@ class KvstoreBackend(Backend):
         keys = self._run("list", path, lambda kv: kv.list(
             ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()))
         return sorted({key.decode("utf-8")[len(prefix):].split("/", 1)[0] for key in keys})
+
+
+class _RangeRead:
+    """A ranged kvstore read in flight (`base.PendingBytes`)."""
+
+    __slots__ = ("future", "url", "start", "stop")
+
+    def __init__(self, future: ts.Future, url: str, start: int, stop: int):
+        self.future, self.url, self.start, self.stop = future, url, start, stop
+
+    def result(self) -> bytes | None:
+        try:
+            result = self.future.result()
+        except ValueError as exc:
+            text = str(exc)
+            if text.startswith("OUT_OF_RANGE"):
+                size = _VALUE_SIZE.search(text)
+                raise RangeNotSatisfiableError(
+                    f"cannot read bytes {self.start}-{self.stop} of {self.url}: it ends before",
+                    size=int(size.group(1)) if size else None) from exc
+            raise StorageError(f"cannot read bytes {self.start}-{self.stop} of {self.url}: {exc}") from exc
+        return result.value if result.state == "value" else None
+
+
+_VALUE_SIZE = re.compile(r"value of size (\d+)")
 
 
 @cache

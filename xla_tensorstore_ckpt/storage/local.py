@@ -8,11 +8,11 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import StorageError
-from .base import Backend, Capabilities
+from .base import Backend, Capabilities, RangeNotSatisfiableError
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,28 @@ class LocalBackend(Backend):
             return None
         except OSError as exc:
             raise StorageError(f"cannot read {path}: {exc}") from exc
+
+    def read_range(self, path: str, start: int, stop: int) -> Future:
+        # Synchronous: local readers of bulk data memory-map the file (`local_file`); this serves headers.
+        done: Future = Future()
+        try:
+            with open(path, "rb") as f:
+                data = os.pread(f.fileno(), stop - start, start)
+                size = os.fstat(f.fileno()).st_size
+            if len(data) < stop - start:
+                raise RangeNotSatisfiableError(f"cannot read bytes {start}-{stop} of {path}: it ends before",
+                                               size=size)
+            done.set_result(data)
+        except (FileNotFoundError, NotADirectoryError):
+            done.set_result(None)
+        except RangeNotSatisfiableError as exc:
+            done.set_exception(exc)
+        except OSError as exc:
+            done.set_exception(StorageError(f"cannot read {path}: {exc}"))
+        return done
+
+    def local_file(self, path: str) -> str | None:
+        return path
 
     def write(self, path: str, data: bytes, *, fsync: bool) -> None:
         directory = os.path.dirname(path)

@@ -1,0 +1,183 @@
+"""`xtckpt convert`: Hugging Face safetensors into our items and steps and back bit for bit, Orbax's items and our
+version-1 items into the current format (which Orbax then restores), all without torch_xla, streaming under the
+host-memory budget (peak RSS measured in a process of its own), and bad input failing clearly with nothing lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import sharded
+from orbax_process import leaf, orbax, same
+from safetensors.torch import load_file, save_file
+from test_hf_import import hf_tensors, write_hf_dir
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import cli, convert, storage
+from xla_tensorstore_ckpt.errors import CheckpointExistsError, UsageError
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+sys.path.insert(0, GOLDEN)
+sys.path.insert(0, os.path.dirname(__file__))
+import make_v1  # noqa: E402
+import orbax_trees  # noqa: E402
+
+
+def without_torch_xla(*commands: list[str]) -> list[dict]:
+    """Run xtckpt commands in one process where importing torch_xla fails; each command's status and output."""
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "no_xla_cli.py"), json.dumps(list(commands))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert len(results) == len(commands) and not any(r["torch_xla_imported"] for r in results)
+    return results
+
+
+def test_hf_to_our_item_and_back_is_bit_exact_without_torch_xla(tmp_path, mesh_4x2):
+    expected = write_hf_dir(str(tmp_path / "hf"))
+    item, again, sharded_again = tmp_path / "item", tmp_path / "again", tmp_path / "again-split"
+    results = without_torch_xla(
+        ["convert", str(tmp_path / "hf"), str(item), "--mesh", "4x2", "--max-host-bytes", "64KiB"],
+        ["convert", str(item), str(again), "--to", "safetensors"],
+        ["convert", str(item), str(sharded_again), "--to", "safetensors", "--max-file-size", "20KB"])
+    assert [r["status"] for r in results] == [0, 0, 0], [r["stderr"] for r in results]
+    # Stored in the chunks of a 4x2 mesh's shards: dimension 0 in 4, dimension 1 in 2.
+    info = xtc.metadata(item)
+    assert info["model.layers.0.self_attn.q_proj.weight"].chunk_shape == (12, 24)
+    assert info["model.embed_tokens.weight"].chunk_shape == (25, 24)
+    assert info["model.norm.weight"].chunk_shape == (12,) and info["model.rotary.scale"].shape == ()
+    assert info["lm_head.weight"].dtype == "bfloat16"
+    # Our item restores onto a mesh, and the safetensors written from it hold the very same tensors.
+    target = {k: sharded(torch.zeros_like(v), mesh_4x2, ("x", "y")[:v.dim()]) if v.dim() else torch.zeros_like(v)
+              for k, v in expected.items()}
+    restored = xtc.restore(item, target)
+    for key, value in expected.items():
+        assert restored[key].dtype == value.dtype and torch.equal(restored[key].cpu(), value), key
+    back = load_file(str(again / "model.safetensors"))
+    assert sorted(back) == sorted(expected)
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in expected.items())
+    index = json.loads((sharded_again / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 1 and sorted(index["weight_map"]) == sorted(expected)
+    merged = {k: v for name in files for k, v in load_file(str(sharded_again / name)).items()}
+    assert all(torch.equal(merged[k], v) for k, v in expected.items())
+
+
+def test_chunk_shapes_given_chosen_by_budget_or_refused(tmp_path):
+    first, _ = hf_tensors()
+    path = storage.location(str(tmp_path / "model.safetensors"))
+    save_file(first, str(tmp_path / "model.safetensors"))
+    convert.convert_item(path, storage.location(str(tmp_path / "given")),
+                         options=convert.ConvertOptions(chunk_shape=(16, 16)))
+    info = xtc.metadata(tmp_path / "given")
+    assert info["model.embed_tokens.weight"].chunk_shape == (16, 16)
+    assert info["model.layers.0.input_layernorm.weight"].chunk_shape == (16,)
+    # No shape given: the source's row blocks, cut along the first dimension to fit a quarter of the budget.
+    progress = []
+    convert.convert_item(path, storage.location(str(tmp_path / "budget")),
+                         options=convert.ConvertOptions(max_host_bytes=4 * 48 * 2 * 10),
+                         progress=lambda done, total: progress.append((done, total)))
+    info = xtc.metadata(tmp_path / "budget")
+    assert info["model.embed_tokens.weight"].chunk_shape == (10, 48)  # rows of 96 bytes, 960 bytes per chunk
+    assert info["model.layers.0.self_attn.q_proj.weight"].chunk_shape == (5, 48)  # rows of 192 bytes
+    total = sum(v.numel() * v.element_size() for v in first.values())
+    assert progress[-1] == (total, total) and [d for d, _ in progress] == sorted(d for d, _ in progress)
+    assert all(torch.equal(xtc.restore(tmp_path / "budget")[k], v) for k, v in first.items())
+    with pytest.raises(UsageError, match=r"weight: chunks of \[\d+, 48\] take \d+ bytes, more than a quarter"):
+        convert.convert_item(path, storage.location(str(tmp_path / "refused")),
+                             options=convert.ConvertOptions(max_host_bytes=4096, chunk_shape=(100, 48)))
+
+
+def test_hf_to_a_step_the_manager_resumes(tmp_path, mesh_2x4, capsys):
+    expected = write_hf_dir(str(tmp_path / "hf"))
+    root = tmp_path / "run"
+    assert cli.main(["convert", str(tmp_path / "hf"), str(root / "0"), "--to", "step"]) == 0
+    capsys.readouterr()  # the converted step's path
+    assert cli.main(["steps", str(root), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(s["step"], s["status"]) for s in listed] == [(0, "committed")]
+    with xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(save_rng=False)) as manager:
+        assert manager.all_steps() == [0] and manager.metadata(0).items == ("model",)
+        model = {k: sharded(torch.zeros_like(v), mesh_2x4, mesh_2x4.axis_names[:v.dim()]) if v.dim() else
+                 torch.zeros_like(v) for k, v in expected.items()}
+        assert manager.restore("latest", model=model) == 0
+    assert all(torch.equal(model[k].cpu(), v) for k, v in expected.items())
+
+
+def test_orbax_items_and_steps_convert_to_ours(tmp_path):
+    item = os.path.join(GOLDEN, "orbax-0.11", "item")
+    convert.convert_item(storage.location(item), storage.location(str(tmp_path / "ours")))
+    expected = orbax_trees.tree()
+    restored = xtc.restore(tmp_path / "ours")
+    assert same(restored["params"]["w"], torch.from_numpy(expected["params"]["w"]))
+    assert restored["params"]["layers"][1]["k"].tolist() == expected["params"]["layers"][1]["k"].tolist()
+    # One item of an Orbax manager's step, chosen by name.
+    step = os.path.join(GOLDEN, "orbax-0.11", "root", "2")
+    assert cli.main(["convert", step, str(tmp_path / "from-step"), "--item", "model"]) == 0
+    model = xtc.restore(tmp_path / "from-step")
+    assert torch.equal(model["embed"], torch.from_numpy(orbax_trees.model(2)["embed"]))
+    assert cli.main(["convert", step, str(tmp_path / "missing"), "--item", "nope"]) == cli.EXIT_USAGE
+
+
+def test_a_version_1_item_becomes_one_orbax_restores(tmp_path):
+    source = os.path.join(GOLDEN, "v1", "1", "model")
+    assert xtc.metadata(source)  # the fixture is format 1
+    convert.convert_item(storage.location(source), storage.location(str(tmp_path / "v2")))
+    expected = make_v1.model_state()
+    assert all(same(v, expected[k]) for k, v in xtc.restore(tmp_path / "v2").items())
+    restored = orbax("restore", tmp_path / "v2")
+    for key, value in expected.items():
+        assert same(leaf(restored[key]), value), key
+
+
+def peak_rss(argv: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "convert_peak_rss.py"), json.dumps(argv)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["status"] == 0 and not result["torch_xla_imported"]
+    return result
+
+
+def test_the_host_memory_budget_holds_both_ways(tmp_path):
+    budget = 64 << 20
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"layers.{i}.weight": torch.randn(2048, 4096, generator=g) for i in range(6)}  # 192 MiB
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert total >= 3 * budget  # ignoring the budget would show
+    into = peak_rss(["convert", str(tmp_path / "model.safetensors"), str(tmp_path / "item"),
+                     "--max-host-bytes", str(budget)])
+    back = peak_rss(["convert", str(tmp_path / "item"), str(tmp_path / "st"), "--to", "safetensors",
+                     "--max-host-bytes", str(budget)])
+    for result in (into, back):
+        assert result["peak"] - result["baseline"] <= budget, result
+    del tensors
+    again = load_file(str(tmp_path / "st" / "model.safetensors"))
+    original = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(again[k], v) for k, v in original.items())
+
+
+def test_bad_input_fails_clearly_and_loses_nothing(tmp_path, capsys):
+    write_hf_dir(str(tmp_path / "hf"))
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    assert cli.main(["convert", str(tmp_path / "hf"), str(existing)]) == cli.EXIT_DATA
+    assert "already holds files" in capsys.readouterr().err and (existing / "keep.txt").read_text() == "mine"
+    with pytest.raises(CheckpointExistsError):
+        convert.convert_item(storage.location(str(tmp_path / "hf")), storage.location(str(existing)))
+    # A truncated shard: the error names the file and the key, and no destination appears.
+    shard = tmp_path / "hf" / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "out")]) == cli.EXIT_DATA
+    err = capsys.readouterr().err
+    assert "model-00002-of-00002.safetensors" in err and not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "out"), "--chunk-shape", "0,4"])
+    assert exit_.value.code == cli.EXIT_USAGE and "invalid shape '0,4'" in capsys.readouterr().err

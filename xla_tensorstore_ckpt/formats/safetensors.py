@@ -1,0 +1,239 @@
+"""Hugging Face checkpoints: one ``.safetensors`` file, or a directory of them with
+``model.safetensors.index.json``. Read as an item whose tree is the flat ``state_dict`` of the files (keys such as
+``model.layers.0.self_attn.q_proj.weight``) and whose arrays are byte ranges of the files (`SafetensorsTensor`).
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON (per tensor: dtype, shape and
+``data_offsets`` relative to the data that follows the header, plus an optional ``__metadata__`` of strings),
+then the tensors' bytes in C order. Everything in a header is checked before any number from it is used for
+reading or allocating: a header over `MAX_HEADER_BYTES`, malformed JSON, duplicate keys, unknown dtypes, sizes
+that disagree with shape and dtype, overlapping tensors, and data past the end of the file (a truncated file)
+are each a `CorruptCheckpointError` naming the file and the key. Headers are read with ranged reads; data is
+never read here. No torch_xla, no tensorstore.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .. import dtypes
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
+from ..storage import Location, RangeNotSatisfiableError
+from .records import ArrayMetadata, ArrayStore, ItemManifest
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+SUFFIX = ".safetensors"
+# The safetensors library refuses larger headers; so do we, before reading one.
+MAX_HEADER_BYTES = 100_000_000
+# Streaming readers (stats, diff, convert) take a tensor in row blocks of about this size (`chunk_shape`).
+READ_BLOCK_BYTES = 64 << 20
+
+# safetensors dtype names <-> this library's (zarr) names
+TO_ZARR = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+           "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+           "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+FROM_ZARR = {zarr: st for st, zarr in TO_ZARR.items()}
+
+STORE = ArrayStore(kind="safetensors", zarr_format=0, checksums=False)
+_SAFE_FILE_NAME = re.compile(r"[^/\\]+")
+
+
+@dataclass(frozen=True)
+class SafetensorsTensor(ArrayMetadata):
+    """A tensor of a safetensors file: `path` is its key; `file` the file's name relative to the item (empty
+    when the item is the file itself); `offset` the byte offset of its data in the file. `chunk_shape` is the
+    row block streaming readers take at a time (the file holds one contiguous run)."""
+
+    file: str = ""
+    offset: int = 0
+
+
+def is_checkpoint(loc: Location) -> bool:
+    """True if `loc` is a ``.safetensors`` file or a directory holding an index or a ``model.safetensors``."""
+    if loc.name.endswith(SUFFIX):
+        return True
+    return loc.read_range(INDEX_NAME, 0, 0).result() is not None or \
+        loc.read_range(SINGLE_NAME, 0, 0).result() is not None
+
+
+def read_item(loc: Location) -> ItemManifest:
+    """The manifest of the Hugging Face checkpoint at `loc` (a file, or a directory with an index or a lone
+    ``model.safetensors``). Blocks on reading the headers (all files' at once). Raises
+    `CheckpointNotFoundError` if there is none, `CorruptCheckpointError` naming file and key if anything in
+    it is inconsistent, `UnsupportedValueError` for a dtype this library cannot hold."""
+    if loc.name.endswith(SUFFIX):
+        return ItemManifest(_tensors(loc.parent, loc.name, ""), format_version=0, store=STORE)
+    index = loc.read(INDEX_NAME)
+    if index is None:
+        if loc.read_range(SINGLE_NAME, 0, 0).result() is None:
+            raise CheckpointNotFoundError(f"{loc} holds no {INDEX_NAME} and no {SINGLE_NAME}")
+        return ItemManifest(_tensors(loc, SINGLE_NAME, SINGLE_NAME), format_version=0, store=STORE)
+    weight_map = _weight_map(index, f"{loc.child(INDEX_NAME)}")
+    files = sorted(set(weight_map.values()))
+    with ThreadPoolExecutor(min(16, len(files) or 1)) as pool:  # object stores: one header at a time is slow
+        by_file = dict(zip(files, pool.map(lambda name: _tensors(loc, name, name), files)))
+    tree: dict[str, SafetensorsTensor] = {}
+    for key, name in weight_map.items():
+        if key not in by_file[name]:
+            raise CorruptCheckpointError(f"{loc.child(INDEX_NAME)} places {key!r} in {name}, which does not hold "
+                                         f"it")
+        tree[key] = by_file[name][key]
+    return ItemManifest(tree, format_version=0, store=STORE)
+
+
+def _weight_map(data: bytes, where: str) -> dict[str, str]:
+    doc = _load_json(data, where)
+    weight_map = doc.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise CorruptCheckpointError(f"{where}: 'weight_map' must map tensor names to file names")
+    for name in set(weight_map.values()):
+        if not _SAFE_FILE_NAME.fullmatch(name) or name in (".", ".."):
+            raise CorruptCheckpointError(f"{where}: file name {name!r} is not a plain name in this directory")
+    return weight_map
+
+
+def _tensors(directory: Location, name: str, file: str) -> dict[str, SafetensorsTensor]:
+    """The validated tensors of file `name` in `directory`, recorded as living in `file` (relative to the
+    item)."""
+    where = str(directory.child(name))
+    try:
+        head = directory.read_range(name, 0, 8).result()
+    except RangeNotSatisfiableError:
+        raise CorruptCheckpointError(f"{where}: truncated: shorter than the 8-byte header length") from None
+    if head is None:
+        raise CorruptCheckpointError(f"{where}: missing") if file else \
+            CheckpointNotFoundError(f"{where} does not exist")
+    (length,) = struct.unpack("<Q", head)
+    if length > MAX_HEADER_BYTES:
+        raise CorruptCheckpointError(f"{where}: header of {length} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    try:
+        header = directory.read_range(name, 8, 8 + length).result()
+    except RangeNotSatisfiableError as exc:
+        raise CorruptCheckpointError(f"{where}: truncated: the header of {length} bytes ends past the end of the "
+                                     f"file{_size_text(exc.size)}") from None
+    if header is None:
+        raise CorruptCheckpointError(f"{where}: disappeared while being read")
+    doc = _load_json(header, where)
+    data_start = 8 + length
+    entries = _entries(doc, where)
+    _check_layout(entries, where)
+    end = max((stop for _, _, _, (_, stop) in entries), default=0)
+    if end:  # one byte at the end of the data proves the file holds all of it
+        try:
+            directory.read_range(name, data_start + end - 1, data_start + end).result()
+        except RangeNotSatisfiableError as exc:
+            by_end = sorted(entries, key=lambda e: e[3][1])
+            past = by_end[-1][0] if exc.size is None else \
+                next(key for key, _, _, (_, stop) in by_end if data_start + stop > exc.size)
+            raise CorruptCheckpointError(
+                f"{where}: truncated, or its header lies about offsets: tensor {past!r} ends past the end of "
+                f"the file{_size_text(exc.size)}") from None
+    out = {}
+    for key, dtype, shape, (start, _) in entries:
+        chunk = _row_block(shape, dtypes.by_name(dtype).itemsize)
+        out[key] = SafetensorsTensor(path=key, shape=shape, dtype=dtype, chunk_shape=chunk, file=file,
+                                     offset=data_start + start)
+    return out
+
+
+def _entries(doc: dict, where: str) -> list[tuple[str, str, tuple[int, ...], tuple[int, int]]]:
+    entries = []
+    for key, entry in doc.items():
+        if key == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise CorruptCheckpointError(f"{where}: '__metadata__' must map names to strings")
+            continue
+        if not isinstance(entry, dict):
+            raise CorruptCheckpointError(f"{where}: tensor {key!r}: not an object")
+        st_dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(st_dtype, str):
+            raise CorruptCheckpointError(f"{where}: tensor {key!r}: missing dtype")
+        if st_dtype not in TO_ZARR:
+            raise UnsupportedValueError(f"{where}: tensor {key!r} has dtype {st_dtype!r}, which this library "
+                                        f"cannot hold (it reads {', '.join(TO_ZARR)})")
+        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+            raise CorruptCheckpointError(f"{where}: tensor {key!r}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(n) for n in offsets)
+                and offsets[0] <= offsets[1]):
+            raise CorruptCheckpointError(f"{where}: tensor {key!r}: data_offsets {offsets!r} are not [begin, end]")
+        dtype = TO_ZARR[st_dtype]
+        expected = math.prod(shape) * dtypes.by_name(dtype).itemsize
+        if offsets[1] - offsets[0] != expected:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r}: {st_dtype}{shape} takes {expected} bytes but its data_offsets "
+                f"{offsets} span {offsets[1] - offsets[0]}")
+        entries.append((key, dtype, tuple(shape), (offsets[0], offsets[1])))
+    return entries
+
+
+def _check_layout(entries: Iterable[tuple[str, str, tuple[int, ...], tuple[int, int]]], where: str) -> None:
+    previous: tuple[str, int] | None = None
+    for key, _, _, (start, stop) in sorted(entries, key=lambda e: e[3]):
+        if previous is not None and start < previous[1] and stop > start:
+            raise CorruptCheckpointError(f"{where}: tensors {previous[0]!r} and {key!r} overlap")
+        if stop > start:
+            previous = (key, stop)
+
+
+def _row_block(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Whole trailing dimensions, and as many leading rows as fit in `READ_BLOCK_BYTES`."""
+    if not shape:
+        return ()
+    row_bytes = math.prod(shape[1:]) * itemsize
+    rows = min(shape[0], READ_BLOCK_BYTES // row_bytes) if row_bytes else shape[0]
+    return (max(1, rows), *shape[1:])
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _size_text(size: int | None) -> str:
+    return f" ({size} bytes)" if size is not None else ""
+
+
+def _load_json(data: bytes, where: str) -> dict:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            duplicate = next(k for k in keys if keys.count(k) > 1)
+            raise CorruptCheckpointError(f"{where}: key {duplicate!r} appears twice")
+        return dict(pairs)
+
+    try:
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        if isinstance(exc, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{where}: not a JSON object")
+    return doc
+
+
+def encode_header(tensors: Iterable[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+                  ) -> tuple[bytes, list[tuple[int, int]]]:
+    """The first bytes of a safetensors file holding `tensors` ((name, zarr dtype, shape), in file order): the
+    length, the JSON header padded so the data starts 8-byte aligned; and each tensor's data offsets
+    (relative to the data). `UnsupportedValueError` for a dtype safetensors cannot store."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offsets = []
+    position = 0
+    for name, dtype, shape in tensors:
+        if dtype not in FROM_ZARR:
+            raise UnsupportedValueError(f"safetensors cannot store {name} of dtype {dtype}")
+        nbytes = math.prod(shape) * dtypes.by_name(dtype).itemsize
+        header[name] = {"dtype": FROM_ZARR[dtype], "shape": list(shape), "data_offsets": [position, position + nbytes]}
+        offsets.append((position, position + nbytes))
+        position += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded, offsets

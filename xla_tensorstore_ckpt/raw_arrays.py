@@ -1,0 +1,161 @@
+"""Arrays stored as raw C-order bytes at an offset of a file (the tensors of safetensors files), read region by
+region: a reader gets the bytes of its region and no others, never the whole tensor or the whole file.
+
+Local files are memory-mapped and each region is copied straight out of the page cache into its buffer, on a
+small thread pool (the copies fault the pages in, so reads of several regions proceed in parallel). Elsewhere
+(object stores, memory) a region is a set of byte ranges, one per contiguous run (a row-sharded region is one
+run, a column-sharded one a run per row): runs closer than `MERGE_GAP_BYTES` are fetched in one ranged request
+(the gap is read and dropped: requests, not bytes, are what remote reads pay for) of at most
+`MAX_REQUEST_BYTES`, all in flight at once. Results are `arrays.Pending`-like: `.result()` blocks and returns
+the numpy array, or raises `CheckpointError` naming the file and the key. No tensorstore here (ranged reads go
+through `storage`); no torch_xla.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from . import dtypes, storage
+from .errors import CheckpointError, CorruptCheckpointError, StorageError
+from .formats.safetensors import SafetensorsTensor
+
+Region = tuple[slice, ...]
+
+MERGE_GAP_BYTES = 1 << 20
+MAX_REQUEST_BYTES = 16 << 20
+
+_COPIES = ThreadPoolExecutor(4, thread_name_prefix="xtc-raw-read")
+
+
+class RawArray:
+    """One tensor of a file, open for reading regions. `shape`, `dtype_name` and `chunk_shape` mirror a
+    tensorstore array's (see `arrays`)."""
+
+    def __init__(self, item: storage.Location, meta: SafetensorsTensor):
+        self.file = item.child(meta.file) if meta.file else item
+        self.key = meta.path
+        self.shape = meta.shape
+        self.dtype_name = meta.dtype
+        self.chunk_shape = meta.chunk_shape
+        self.offset = meta.offset
+        self._row = dtypes.by_name(meta.dtype)
+        self._local = self.file.parent.local_file(self.file.name)
+
+    @property
+    def where(self) -> str:
+        return f"{self.file} [{self.key}]"
+
+    def read(self, region: Region) -> RawRead:
+        """Start reading `region` (unit-step slices, within the shape)."""
+        out = np.empty(tuple(s.stop - s.start for s in region), dtype=_copy_dtype(self._row.itemsize))
+        if out.size == 0:
+            return RawRead(self, out, [], None)
+        if self._local is not None:
+            return RawRead(self, out, [], _COPIES.submit(self._copy_mapped, region, out))
+        requests = _requests(_runs(self.shape, region, self._row.itemsize, self.offset))
+        pending = [self.file.parent.read_range(self.file.name, start, stop) for start, stop, _ in requests]
+        return RawRead(self, out, list(zip(requests, pending)), None)
+
+    def read_index(self, index: tuple[slice | int, ...]) -> RawRead:
+        """Start reading `index` (normalized integers and slices, strides allowed): the bounding box is read,
+        then indexed."""
+        box, within = [], []
+        for i in index:
+            if isinstance(i, int):
+                box.append(slice(i, i + 1))
+                within.append(0)
+            else:
+                step = i.step or 1
+                count = max(0, -(-(i.stop - i.start) // step))
+                stop = i.start + (count - 1) * step + 1 if count else i.start
+                box.append(slice(i.start, stop))
+                within.append(slice(0, stop - i.start, step))
+        box += [slice(0, n) for n in self.shape[len(index):]]
+        return RawRead(self, None, [], None, inner=self.read(tuple(box)), within=tuple(within))
+
+    def _copy_mapped(self, region: Region, out: np.ndarray) -> None:
+        try:
+            mapped = np.memmap(self._local, dtype=out.dtype, mode="r", offset=self.offset,
+                               shape=max(1, math.prod(self.shape))).reshape(self.shape)
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"cannot map {self.where}: {exc}") from exc
+        np.copyto(out, mapped[region])
+
+
+class RawRead:
+    """A region read in flight."""
+
+    def __init__(self, array: RawArray, out: np.ndarray | None, requests: list, copy: Future | None, *,
+                 inner: RawRead | None = None, within: tuple = ()):
+        self.array, self.out, self.requests, self.copy = array, out, requests, copy
+        self.inner, self.within = inner, within
+
+    def result(self) -> np.ndarray:
+        if self.inner is not None:
+            return self.inner.result()[self.within]
+        try:
+            if self.copy is not None:
+                self.copy.result()
+            flat = self.out.reshape(-1).view(np.uint8)
+            for (start, _, runs), pending in self.requests:
+                data = pending.result()
+                if data is None:
+                    raise CorruptCheckpointError(f"{self.array.where}: the file disappeared")
+                buffer = np.frombuffer(data, dtype=np.uint8)
+                for source, length, target in runs:
+                    flat[target:target + length] = buffer[source - start:source - start + length]
+        except storage.RangeNotSatisfiableError as exc:
+            raise CorruptCheckpointError(f"{self.array.where}: the file ends before the tensor's data") from exc
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.array.where}: {exc}") from exc
+        return self.out.view(self.array._row.numpy)
+
+
+def _copy_dtype(itemsize: int) -> np.dtype:
+    """A plain type of the element's width: copies of ml_dtypes types (bfloat16, float8) would go through their
+    Python-level element copy."""
+    return np.dtype(f"u{itemsize}") if itemsize in (1, 2, 4, 8) else np.dtype(f"V{itemsize}")
+
+
+def _runs(shape: Sequence[int], region: Region, itemsize: int, offset: int) -> list[tuple[int, int, int]]:
+    """(file offset, length, offset in the region's buffer) of each contiguous run of `region`, in order."""
+    rank = len(shape)
+    if rank == 0:
+        return [(offset, itemsize, 0)]
+    # Runs span the trailing dimensions the region covers whole, and a range of the one before.
+    split = rank - 1
+    while split > 0 and region[split].start == 0 and region[split].stop == shape[split]:
+        split -= 1
+    strides = [math.prod(shape[d + 1:]) * itemsize for d in range(rank)]
+    length = (region[split].stop - region[split].start) * strides[split]
+    starts = np.full(1, offset + region[split].start * strides[split], dtype=np.int64)
+    for d in range(split - 1, -1, -1):
+        along = np.arange(region[d].start, region[d].stop, dtype=np.int64) * strides[d]
+        starts = (along[:, None] + starts[None, :]).reshape(-1)
+    return [(int(s), length, i * length) for i, s in enumerate(starts)]
+
+
+def _requests(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+    """Runs grouped into ranged requests: (start, stop, runs) with gaps of at most `MERGE_GAP_BYTES` and spans
+    of at most `MAX_REQUEST_BYTES` (a longer run is split)."""
+    pieces = []
+    for source, length, target in runs:
+        for at in range(0, length, MAX_REQUEST_BYTES):
+            size = min(MAX_REQUEST_BYTES, length - at)
+            pieces.append((source + at, size, target + at))
+    requests: list[tuple[int, int, list]] = []
+    for source, length, target in pieces:
+        if requests:
+            start, stop, members = requests[-1]
+            if source - stop <= MERGE_GAP_BYTES and source >= stop and source + length - start <= MAX_REQUEST_BYTES:
+                members.append((source, length, target))
+                requests[-1] = (start, source + length, members)
+                continue
+        requests.append((source, source + length, [(source, length, target)]))
+    return requests
