@@ -2,17 +2,19 @@
 in one run, with the machine's floors measured in the same run. Prints an aligned table with ratios against
 torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/results/.
 
-usage: python benchmarks/run.py [--scale 1.0] [--repeats 3] [--workloads large,small,model,orbax-interop]
+usage: python benchmarks/run.py [--scale 1.0] [--repeats 3] [--workloads large,small,model,orbax-interop,hf-import]
                                 [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
                                 [--storage local|gcs|s3] [--warm-restore]
 
 Workloads (benchmarks/workloads.py): `large` 1 GiB of 2D-sharded float32 + bfloat16; `small` 2,000 tensors of
 4 KiB-256 KiB; `model` a ~200M-parameter decoder with AdamW moments (~2.4 GiB), FSDP-sharded, also restored onto
 4 devices; `orbax-interop` a 1 GiB step Orbax writes, restored by this library onto torch_xla and by Orbax in
-JAX (benchmarks/bench_orbax_interop.py). `--scale 0.1` shrinks them for a quick run. The Orbax contender runs
-with JAX on 8 CPU devices in its own virtual environment (benchmarks/.venv-orbax, created on first use from the
-package registry); the interop workload with the Orbax of the test extra. With --storage gcs every contender
-writes to a fake-gcs-server started on 127.0.0.1, with --storage s3 to moto's S3 server; torch_xla's manager
+JAX (benchmarks/bench_orbax_interop.py); `hf-import` the model's tensors as Hugging Face safetensors files,
+loaded onto an FSDP mesh by this library and by the usual load_file path (benchmarks/bench_hf_import.py).
+`--scale 0.1` shrinks them for a quick run. The Orbax contender runs with JAX on 8 CPU devices in its own
+virtual environment (benchmarks/.venv-orbax, created on first use from the package registry); the interop
+workload with the Orbax of the test extra. With --storage gcs every contender writes to a fake-gcs-server
+started on 127.0.0.1, with --storage s3 to moto's S3 server; torch_xla's manager
 reaches them through fsspec (gcsfs, s3fs). Object stores add a floor: the same bytes uploaded and downloaded alone.
 """
 
@@ -31,6 +33,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import bench_hf_import  # noqa: E402
 import bench_orbax_interop  # noqa: E402
 import workloads  # noqa: E402
 
@@ -229,7 +232,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", default="large,small,model,orbax-interop")
+    parser.add_argument("--workloads", default="large,small,model,orbax-interop,hf-import")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
     parser.add_argument("--storage", choices=("local", "gcs", "s3"), default="local")
     parser.add_argument("--warm-restore", action="store_true",
@@ -244,7 +247,7 @@ def main() -> None:
         env.update(server.environment)
         os.environ.update(server.environment)  # for the object store floor
         contenders = [c for c in contenders if c not in ("torch.save", "orbax")]  # local files only
-    results, floor, interop = [], {}, None
+    results, floor, interop, hf_import = [], {}, None, None
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
             base = base or workdir
@@ -253,6 +256,11 @@ def main() -> None:
                     if server is None:  # Orbax writes local files here
                         print("running the Orbax interop restore ...", file=sys.stderr, flush=True)
                         interop = bench_orbax_interop.measure(args.scale, args.repeats, workdir)
+                    continue
+                if workload == "hf-import":
+                    if server is None:  # local safetensors files
+                        print("running the Hugging Face import ...", file=sys.stderr, flush=True)
+                        hf_import = bench_hf_import.measure(args.scale, args.repeats, workdir)
                     continue
                 nbytes = workloads.spec_bytes(workload, args.scale)
                 floor[workload] = floors(nbytes, workdir, args.repeats)
@@ -275,11 +283,14 @@ def main() -> None:
                  f"in a fresh process, page cache evicted\n"
                  f"  Orbax in JAX {median(interop['orbax_restore_s']):.3f} s, this library onto torch_xla "
                  f"{median(interop['xtc_restore_s']):.3f} s: {interop['orbax_over_xtc']:.2f}x Orbax's speed")
+    if hf_import is not None:
+        text += "\n\n" + bench_hf_import.describe(hf_import)
     print(text)
     os.makedirs(os.path.dirname(output), exist_ok=True)
     with open(output, "w") as f:
         json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "scale": args.scale, "repeats": args.repeats,
-                   "storage": args.storage, "floors": floor, "results": results, "orbax_interop": interop}, f,
+                   "storage": args.storage, "floors": floor, "results": results, "orbax_interop": interop,
+                   "hf_import": hf_import}, f,
                   indent=1)
     with open(os.path.splitext(output)[0] + ".txt", "w") as f:
         f.write(text + "\n")

@@ -1,8 +1,9 @@
 """Arrays stored as raw C-order bytes at an offset of a file (the tensors of safetensors files), read region by
 region: a reader gets the bytes of its region and no others, never the whole tensor or the whole file.
 
-Local files are memory-mapped and each region is copied straight out of the page cache into its buffer, on a
-small thread pool (the copies fault the pages in, so reads of several regions proceed in parallel). Elsewhere
+Local files are read on a small thread pool straight into each region's buffer: a region of a few contiguous
+runs (a row-sharded region is one) with one positioned read per run (large requests: faster than page faults
+on a cold file), others (column-sharded: a run per row) copied out of a memory map of the page cache. Elsewhere
 (object stores, memory) a region is a set of byte ranges, one per contiguous run (a row-sharded region is one
 run, a column-sharded one a run per row): runs closer than `MERGE_GAP_BYTES` are fetched in one ranged request
 (the gap is read and dropped: requests, not bytes, are what remote reads pay for) of at most
@@ -14,6 +15,7 @@ through `storage`); no torch_xla.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -26,6 +28,7 @@ from .formats.safetensors import SafetensorsTensor
 Region = tuple[slice, ...]
 
 MERGE_GAP_BYTES = 1 << 20
+MAX_POSITIONED_READS = 16  # runs per region read with pread; more are copied out of a memory map
 MAX_REQUEST_BYTES = 16 << 20
 
 _COPIES = ThreadPoolExecutor(4, thread_name_prefix="xtc-raw-read")
@@ -78,12 +81,35 @@ class RawArray:
         return RawRead(self, None, [], None, inner=self.read(tuple(box)), within=tuple(within))
 
     def _copy_mapped(self, region: Region, out: np.ndarray) -> None:
+        runs = _runs(self.shape, region, self._row.itemsize, self.offset)
+        if len(runs) <= MAX_POSITIONED_READS:
+            self._read_runs(runs, out)
+            return
         try:
             mapped = np.memmap(self._local, dtype=out.dtype, mode="r", offset=self.offset,
                                shape=max(1, math.prod(self.shape))).reshape(self.shape)
         except (OSError, ValueError) as exc:
             raise StorageError(f"cannot map {self.where}: {exc}") from exc
         np.copyto(out, mapped[region])
+
+    def _read_runs(self, runs: list[tuple[int, int, int]], out: np.ndarray) -> None:
+        flat = memoryview(out.reshape(-1).view(np.uint8))
+        try:
+            fd = os.open(self._local, os.O_RDONLY)
+        except OSError as exc:
+            raise StorageError(f"cannot open {self.where}: {exc}") from exc
+        try:
+            for source, length, target in runs:
+                done = 0
+                while done < length:
+                    n = os.preadv(fd, [flat[target + done:target + length]], source + done)
+                    if n == 0:
+                        raise CorruptCheckpointError(f"{self.where}: the file ends before the tensor's data")
+                    done += n
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.where}: {exc}") from exc
+        finally:
+            os.close(fd)
 
 
 class RawRead:

@@ -1,0 +1,189 @@
+"""Loading Hugging Face safetensors onto an FSDP-sharded model: this library against the usual path, same files,
+same run.
+
+The `model` workload's tensors (a ~200M-parameter decoder with its AdamW moments, ~2.4 GiB of float32 at scale
+1) are written as a Hugging Face checkpoint: `model-0000k-of-0000n.safetensors` files of about 1/5 of the
+total each, plus `model.safetensors.index.json` (Hugging Face's 5 GB shards, scaled down to a few files). Each
+contender then runs in a fresh process with 8 devices, after the files have been evicted from the page cache:
+it builds the model (zeros, FSDP-sharded over the first mesh axis; untimed), then loads the weights into it:
+
+- usual: for each file, ``safetensors.torch.load_file`` (the whole file on the host), then for each tensor
+  ``.to("xla")`` and ``mark_sharding`` onto the model's mesh, replacing the model's tensor;
+- xtc: ``CheckpointManager.restore("latest", model=..., init_from=<the directory>)`` on an empty root: each
+  device's shard reads its own byte ranges and is swapped in batch by batch.
+
+Reported: the seconds until every tensor is on its devices, and the peak growth of the process's resident
+memory above the built model (on CPU devices the devices' buffers are host memory too, and the model's own
+are not counted). The loaded values are checked against the files. Prints one JSON line.
+
+    python benchmarks/bench_hf_import.py [--scale 1.0] [--repeats 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_orbax_interop import evict  # noqa: E402
+
+FILES = 5
+
+
+def write_hf_checkpoint(directory: str, scale: float) -> tuple[int, int]:
+    """The `model` workload's tensors as Hugging Face files in `directory` (files filled in order up to 1/FILES
+    of the total, so FILES or FILES + 1 of them); returns their total bytes and the number of files."""
+    import torch
+    import workloads
+    from safetensors.torch import save_file
+
+    entries, g = workloads.specs("model", scale)
+
+    def nbytes_of(shape, dtype) -> int:
+        return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
+    total = sum(nbytes_of(shape, dtype) for _, shape, dtype, _, _ in entries)
+    limit = -(-total // FILES)
+    groups: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = nbytes_of(entry[1], entry[2])
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += nbytes
+    os.makedirs(directory, exist_ok=True)
+    weight_map = {}
+    for k, group in enumerate(groups, 1):
+        name = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {hf_name(n): torch.randn(shape, generator=g).to(dtype) for n, shape, dtype, _, _ in group}
+        save_file(tensors, os.path.join(directory, name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in tensors})
+        del tensors
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return total, len(groups)
+
+
+def hf_name(name: str) -> str:
+    return name.replace("/", ".")
+
+
+_WORKER = r"""
+import json, os, sys, time
+sys.path.insert(0, {here!r})
+import numpy as np, torch, torch_xla, torch_xla.core.xla_model as xm, torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+xr.use_spmd()
+import workloads
+from safetensors import safe_open
+from safetensors.torch import load_file
+import xla_tensorstore_ckpt as xtc  # imported by both: the library's import is not the load's memory
+
+def status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+directory, contender = {directory!r}, {contender!r}
+mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
+entries, _ = workloads.specs("model", {scale!r})
+model, specs = {{}}, {{}}
+for name, shape, dtype, _, _ in entries:
+    key = name.replace("/", ".")
+    specs[key] = ("fsdp",) + (None,) * (len(shape) - 1)
+    model[key] = torch.zeros(shape, dtype=dtype, device="xla")
+    xs.mark_sharding(model[key], mesh, specs[key])
+torch_xla.sync()
+xm.wait_device_ops()
+baseline = status("VmRSS")
+with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+    files = sorted(set(json.load(f)["weight_map"].values()))
+start = time.perf_counter()
+if contender == "usual":
+    for name in files:
+        state = load_file(os.path.join(directory, name))
+        for key, tensor in state.items():
+            placed = tensor.to("xla")
+            xs.mark_sharding(placed, mesh, specs[key])
+            model[key] = placed
+        del state, tensor
+        torch_xla.sync()
+    xm.wait_device_ops()
+else:
+    with xtc.CheckpointManager({root!r}, xtc.CheckpointManagerOptions(save_rng=False)) as manager:
+        assert manager.restore("latest", model=model, init_from=directory) is None
+seconds = time.perf_counter() - start
+peak = status("VmHWM") - baseline
+exact = True
+for name in files:
+    with safe_open(os.path.join(directory, name), "pt") as f:
+        for key in list(f.keys())[::7]:  # every 7th tensor: enough to catch a wrong offset or dtype
+            exact = exact and torch.equal(model[key].cpu(), f.get_tensor(key))
+print(json.dumps({{"seconds": seconds, "peak_host_bytes": peak, "exact": bool(exact)}}))
+"""
+
+
+def run_worker(contender: str, directory: str, root: str, scale: float) -> dict:
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3")
+    script = _WORKER.format(here=HERE, directory=directory, contender=contender, scale=scale, root=root)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{contender} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(scale: float, repeats: int, workdir: str) -> dict:
+    """Write the files, then alternate the contenders `repeats` times, each in a fresh process after evicting
+    the files from the page cache."""
+    directory = os.path.join(workdir, "hf")
+    total, files = write_hf_checkpoint(directory, scale)
+    runs: dict[str, list[dict]] = {"usual": [], "xtc": []}
+    for i in range(repeats):
+        for contender in runs:
+            evict(directory)
+            runs[contender].append(run_worker(contender, directory, os.path.join(workdir, f"run-{i}"), scale))
+    median = {c: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "peak_host_bytes")}
+              for c, rs in runs.items()}
+    return {"bytes": total, "files": files, "runs": runs, "median": median,
+            "exact": all(r["exact"] for rs in runs.values() for r in rs),
+            "speedup": median["usual"]["seconds"] / median["xtc"]["seconds"],
+            "memory_ratio": median["xtc"]["peak_host_bytes"] / median["usual"]["peak_host_bytes"]}
+
+
+def describe(result: dict) -> str:
+    """The result as the lines of the benchmark report."""
+    m = result["median"]
+    return (f"hf-import: {result['bytes'] / 2**30:.2f} GiB in {result['files']} safetensors files onto an FSDP mesh "
+            f"of 8 devices, fresh process, page cache evicted (medians)\n"
+            f"  usual path (load_file, .to, mark_sharding): {m['usual']['seconds']:.3f} s, peak host "
+            f"+{m['usual']['peak_host_bytes'] / 2**20:.0f} MiB\n"
+            f"  this library (manager init_from): {m['xtc']['seconds']:.3f} s, peak host "
+            f"+{m['xtc']['peak_host_bytes'] / 2**20:.0f} MiB\n"
+            f"  {result['speedup']:.2f}x faster, {result['memory_ratio']:.2f}x the peak host memory; "
+            f"exact: {result['exact']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="xtc-hf-import-", dir=args.dir) as workdir:
+        result = measure(args.scale, args.repeats, workdir)
+    print(describe(result), file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
