@@ -32,7 +32,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_orbax_interop import evict  # noqa: E402
+from page_cache import evict  # noqa: E402
 
 FILES = 5
 

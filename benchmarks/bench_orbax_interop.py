@@ -21,6 +21,9 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from page_cache import evict  # noqa: E402
+
 TOOL = os.path.join(HERE, "..", "tests", "scripts", "orbax_tool.py")
 
 _OURS = r"""
@@ -46,18 +49,6 @@ for name in out:
     assert torch.equal(out[name][:2, :4].cpu(), torch.from_numpy(expected))
 print(json.dumps({{"seconds": seconds}}))
 """
-
-
-def evict(directory: str) -> None:
-    """Drop a checkpoint's files from the page cache (no root needed): sync, then POSIX_FADV_DONTNEED."""
-    os.sync()
-    for root, _, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def run(cmd: list[str], env: dict) -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,10 +36,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_hf_import  # noqa: E402
 import bench_orbax_interop  # noqa: E402
+import page_cache  # noqa: E402
 import workloads  # noqa: E402
 
 DEFAULT_CONTENDERS = ("xtc", "xtc-nofsync", "xtc-async", "torch_xla", "torch_xla-async", "torch.save", "orbax")
 RESTORE_ON_4 = ("xtc", "torch_xla", "orbax")
+RESUME_CONTENDERS = ("xtc", "torch_xla", "orbax", "torch.save")
+RESUME_WORKLOADS = ("large", "model")
 BASELINE = "torch_xla"
 ORBAX_VENV = os.path.join(HERE, ".venv-orbax")
 
@@ -54,11 +58,12 @@ def orbax_python() -> str:
 
 
 def run_worker(contender: str, workload: str, args, workdir: str, env: dict, *, devices: int = 8,
-               keep: bool = False, restore_only: bool = False) -> dict:
+               keep: bool = False, restore_only: bool = False, resume: bool = False) -> dict:
     directory = os.path.join(workdir, f"{contender}-{workload}")
     flags = ["--scale", str(args.scale), "--repeats", str(args.repeats), "--dir", directory]
     flags += ["--keep"] if keep else []
     flags += ["--restore-only"] if restore_only else []
+    flags += ["--resume"] if resume else []
     flags += ["--warm-restore"] if args.warm_restore else []
     env = dict(env)
     if contender == "orbax":
@@ -79,9 +84,10 @@ def run_worker(contender: str, workload: str, args, workdir: str, env: dict, *, 
 
 def floors(nbytes: int, workdir: str, repeats: int) -> dict:
     """The machine's floor for `nbytes`: a plain sequential write with fsync, a read of that file back from the page
-    cache into fresh memory (what a restore of a just-written checkpoint cannot beat), and a memory copy."""
+    cache into fresh memory (what a restore of a just-written checkpoint cannot beat), the same read after the
+    file is evicted from the page cache (what a resume cannot beat), and a memory copy."""
     block = np.random.default_rng(0).integers(0, 255, size=min(nbytes, 16 << 20), dtype=np.uint8)
-    writes, reads, copies = [], [], []
+    writes, reads, cold_reads, copies = [], [], [], []
     for _ in range(repeats):
         path = os.path.join(workdir, "floor.bin")
         os.sync()
@@ -98,13 +104,20 @@ def floors(nbytes: int, workdir: str, repeats: int) -> dict:
             f.readinto(memoryview(target))
         reads.append(time.perf_counter() - start)
         del target
+        page_cache.evict(path)
+        start = time.perf_counter()
+        target = np.empty(nbytes, dtype=np.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(memoryview(target))
+        cold_reads.append(time.perf_counter() - start)
+        del target
         os.remove(path)
         source = np.ones(nbytes, dtype=np.uint8)
         start = time.perf_counter()
         copy = source.copy()
         copies.append(time.perf_counter() - start)
         del copy, source
-    return {"write_fsync_s": writes, "read_s": reads, "memcpy_s": copies}
+    return {"write_fsync_s": writes, "read_s": reads, "cold_read_s": cold_reads, "memcpy_s": copies}
 
 
 def object_store_floors(nbytes: int, base: str, repeats: int) -> dict:
@@ -177,7 +190,7 @@ def table(results: list[dict], floor: dict[str, dict]) -> str:
         f = floor[workload]
         lines.append(f"\n{workload}: {nbytes / 2**30:.2f} GiB; floor on this machine: sequential write+fsync "
                      f"{median(f['write_fsync_s']):.3f} s, read back {median(f['read_s']):.3f} s, "
-                     f"memcpy {median(f['memcpy_s']):.3f} s")
+                     f"cold read {median(f['cold_read_s']):.3f} s, memcpy {median(f['memcpy_s']):.3f} s")
         if "object_write_s" in f:
             lines.append(f"object store alone (16 MiB objects through tensorstore's kvstore): write "
                          f"{median(f['object_write_s']):.3f} s, read {median(f['object_read_s']):.3f} s")
@@ -195,7 +208,18 @@ def table(results: list[dict], floor: dict[str, dict]) -> str:
                 f"{restore:7.3f}±{spread(r['restore_s']):<5.3f} {ratio_restore:>6} {four} "
                 f"{nbytes / 2**30 / save:6.2f} {r['save_peak_extra_bytes'] / max(1, r['distinct_shard_bytes']):5.2f}x "
                 f"{r['files']:6d} {r['bytes_written'] / 2**20:7.1f} {str(r.get('restore_exact', '-')):>5}")
+    for r in (r for r in results if r.get("resume_s")):
+        base = next((b for b in results if b["workload"] == r["workload"] and b["contender"] == BASELINE), None)
+        cold = median(floor[r["workload"]]["cold_read_s"])
+        resume = median(r["resume_s"])
+        versus = f"{median(base['resume_s']) / resume:.2f}x torch_xla's, " if base and base.get("resume_s") else ""
+        lines.append(f"resume {r['workload']:6} {r['contender']:10} {resume:7.3f} s (min {min(r['resume_s']):.3f}, "
+                     f"max {max(r['resume_s']):.3f}, {len(r['resume_s'])} runs): {versus}"
+                     f"{resume / cold:.2f}x the cold read floor ({cold:.3f} s)")
     lines.append("")
+    lines.append("resume: a fresh process, the checkpoint evicted from the page cache, the target built, one restore "
+                 "(the headline restore figure: what a restarted trainer waits for); the restore columns are "
+                 "in-process restores after a save.")
     lines.append("save: until written (and fsynced where 'fsync' says so); blocked: time the caller waits in save(); "
                  "restore: onto another mesh (4 dev: in a process with 4 devices); x base: times faster than "
                  "torch_xla's CheckpointManager; peak+: peak host RSS above the state during the first save, over "
@@ -237,6 +261,9 @@ def main() -> None:
     parser.add_argument("--storage", choices=("local", "gcs", "s3"), default="local")
     parser.add_argument("--warm-restore", action="store_true",
                         help="each contender restores once, uncounted, before the timed restores (as for saves)")
+    parser.add_argument("--resumes", type=int, default=5,
+                        help="resumes per contender on the large and model workloads: fresh process, page cache "
+                        "evicted, one restore (0: none)")
     parser.add_argument("--output", default=None, help="default: benchmarks/results/<storage>.json (+ .png)")
     args = parser.parse_args()
     output = args.output or os.path.join(HERE, "results", f"{args.storage}.json")
@@ -266,14 +293,29 @@ def main() -> None:
                 floor[workload] = floors(nbytes, workdir, args.repeats)
                 if server is not None:
                     floor[workload].update(object_store_floors(nbytes, base, args.repeats))
+                resumed = workload in RESUME_WORKLOADS and args.resumes > 0
+                kept = {}
                 for contender in contenders:
                     print(f"running {contender} on {workload} ({args.storage}) ...", file=sys.stderr, flush=True)
                     on4 = workload == "model" and contender in RESTORE_ON_4
-                    result = run_worker(contender, workload, args, base, env, keep=on4)
-                    if on4:
+                    keep = on4 or (resumed and contender in RESUME_CONTENDERS)
+                    result = run_worker(contender, workload, args, base, env, keep=keep)
+                    results.append(result)
+                    if keep:
+                        kept[contender] = result
+                if resumed:  # fresh processes, page cache evicted; alternated so that all see the same machine
+                    print(f"resuming {workload} {args.resumes} times ...", file=sys.stderr, flush=True)
+                    for _ in range(args.resumes):
+                        for contender, result in kept.items():
+                            if contender in RESUME_CONTENDERS:
+                                result.setdefault("resume_s", []).extend(
+                                    run_worker(contender, workload, args, base, env, resume=True)["restore_s"])
+                for contender, result in kept.items():
+                    if workload == "model" and contender in RESTORE_ON_4:
                         result["restore_4dev_s"] = run_worker(contender, workload, args, base, env, devices=4,
                                                               restore_only=True)["restore_s"]
-                    results.append(result)
+                    elif "://" not in base:
+                        shutil.rmtree(os.path.join(base, f"{contender}-{workload}"), ignore_errors=True)
     finally:
         if server is not None:
             server.stop()
