@@ -11,32 +11,16 @@ transient errors (429, 5xx, dropped connections) a bounded number of times: tens
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import cache
 
 from ..errors import StorageError
-from .base import Backend, Capabilities
-from .kvstore import KvstoreBackend
+from .kvstore import BucketBackend
 
 
-@dataclass(frozen=True)
-class GcsBackend(KvstoreBackend):
-    """One bucket; paths are object names (prefixes for directories)."""
+class GcsBackend(BucketBackend):
+    """A GCS bucket (see `BucketBackend`)."""
 
-    bucket: str
     scheme = "gs"
-    capabilities = Capabilities(atomic_create=True, durable_writes=True, cheap_refetch=False,
-                                zero_copy_writes=True, renames=False)
-
-    @classmethod
-    def parse(cls, rest: str) -> tuple[Backend, str]:
-        bucket, _, prefix = rest.strip("/").partition("/")
-        if not bucket:
-            raise ValueError(f"gs://{rest} names no bucket")
-        return cls(bucket), prefix.strip("/")
-
-    def url(self, path: str) -> str:
-        return f"gs://{self.bucket}/{path}".rstrip("/")
 
     def kvstore_spec(self, path: str) -> dict:
         return {"driver": "gcs", "bucket": self.bucket, "path": f"{path}/" if path else ""}

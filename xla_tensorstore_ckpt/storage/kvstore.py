@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import tensorstore as ts
 
 from ..errors import StorageError
-from .base import Backend, RangeNotSatisfiableError
+from .base import Backend, Capabilities, RangeNotSatisfiableError
 
 OBJECT_STORE_MAX_RETRIES = 10
 
@@ -83,6 +84,26 @@ class KvstoreBackend(Backend):
         keys = self._run("list", path, lambda kv: kv.list(
             ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()))
         return sorted({key.decode("utf-8")[len(prefix):].split("/", 1)[0] for key in keys})
+
+
+@dataclass(frozen=True)
+class BucketBackend(KvstoreBackend):
+    """One bucket of an object store (``<scheme>://<bucket>/<prefix>``); paths are object names (prefixes for
+    directories). Objects are written whole and never renamed; reads go over the network."""
+
+    bucket: str
+    capabilities = Capabilities(atomic_create=True, durable_writes=True, cheap_refetch=False,
+                                zero_copy_writes=True, renames=False)
+
+    @classmethod
+    def parse(cls, rest: str) -> tuple[Backend, str]:
+        bucket, _, prefix = rest.strip("/").partition("/")
+        if not bucket:
+            raise ValueError(f"{cls.scheme}://{rest} names no bucket")
+        return cls(bucket), prefix.strip("/")
+
+    def url(self, path: str) -> str:
+        return f"{self.scheme}://{self.bucket}/{path}".rstrip("/")
 
 
 class _RangeRead:

@@ -16,35 +16,19 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from functools import cache
 
 from ..errors import StorageError
-from .base import Backend, Capabilities
-from .kvstore import KvstoreBackend
+from .kvstore import BucketBackend
 
 # S3 answers 409 ConditionalRequestConflict to a conditional write racing another one on the same key: retry.
 _CONFLICT_RETRIES = 5
 
 
-@dataclass(frozen=True)
-class S3Backend(KvstoreBackend):
-    """One bucket; paths are object keys (prefixes for directories)."""
+class S3Backend(BucketBackend):
+    """An S3 bucket (see `BucketBackend`)."""
 
-    bucket: str
     scheme = "s3"
-    capabilities = Capabilities(atomic_create=True, durable_writes=True, cheap_refetch=False,
-                                zero_copy_writes=True, renames=False)
-
-    @classmethod
-    def parse(cls, rest: str) -> tuple[Backend, str]:
-        bucket, _, prefix = rest.strip("/").partition("/")
-        if not bucket:
-            raise ValueError(f"s3://{rest} names no bucket")
-        return cls(bucket), prefix.strip("/")
-
-    def url(self, path: str) -> str:
-        return f"s3://{self.bucket}/{path}".rstrip("/")
 
     def kvstore_spec(self, path: str) -> dict:
         # Keys in the environment come first in the standard chain; naming them spares the chain's search of
