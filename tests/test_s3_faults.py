@@ -5,11 +5,10 @@ fails its save cleanly, naming it."""
 
 from __future__ import annotations
 
-import torch
 from conftest import S3_BUCKET, S3_PORT
+from fault_runs import assert_exactly_committed_steps_restore, save_four_steps_through
 from gcs_emulator import FaultProxy
 from s3_server import client_environment
-from test_gcs_faults import save_four_steps_through, state_for  # puts tests/scripts on sys.path
 
 import xla_tensorstore_ckpt as xtc
 
@@ -27,12 +26,7 @@ def test_saves_and_restores_survive_slow_downs_and_dropped_connections(s3_server
     assert len(result["committed"]) >= 3, result["failed"]  # retries absorb almost every fault
     for message in result["failed"].values():
         assert f"s3://{S3_BUCKET}/faults/run" in message
-    with xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(save_interval_steps=1)) as mgr:
-        assert mgr.all_steps() == result["committed"]
-        for step in mgr.all_steps():
-            model = {"w": torch.zeros(256, 128), "layers": [torch.zeros(64, 64) for _ in range(6)], "step": 0}
-            mgr.restore(step, model=model)
-            assert torch.equal(model["w"], state_for(step)["w"])
+    assert_exactly_committed_steps_restore(root, result["committed"])
 
 
 def test_an_object_that_keeps_failing_fails_its_save_cleanly_naming_it(s3_server_process):
