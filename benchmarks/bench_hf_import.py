@@ -26,13 +26,12 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from page_cache import evict  # noqa: E402
+from fresh_process import evict, run_json  # noqa: E402
 
 FILES = 5
 
@@ -136,10 +135,7 @@ print(json.dumps({{"seconds": seconds, "peak_host_bytes": peak, "exact": bool(ex
 def run_worker(contender: str, directory: str, root: str, scale: float) -> dict:
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3")
     script = _WORKER.format(here=HERE, directory=directory, contender=contender, scale=scale, root=root)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{contender} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, "-c", script], env, contender)
 
 
 def measure(scale: float, repeats: int, workdir: str) -> dict:

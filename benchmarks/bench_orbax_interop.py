@@ -16,13 +16,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from page_cache import evict  # noqa: E402
+from fresh_process import evict, run_json  # noqa: E402
 
 TOOL = os.path.join(HERE, "..", "tests", "scripts", "orbax_tool.py")
 
@@ -51,26 +50,19 @@ print(json.dumps({{"seconds": seconds}}))
 """
 
 
-def run(cmd: list[str], env: dict) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[1]} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def measure(gib: float, repeats: int, directory: str) -> dict:
     jax_env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
     xla_env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3")
     root = os.path.join(directory, "orbax-root")
-    run([sys.executable, TOOL, "large", root, str(gib)], jax_env)
+    run_json([sys.executable, TOOL, "large", root, str(gib)], jax_env, "Orbax writing")
     item = os.path.join(root, "1", "model")
     ours_script = _OURS.format(tests=os.path.join(HERE, "..", "tests"), gib=gib, item=item)
     orbax_s, ours_s = [], []
     for _ in range(repeats):  # alternated, so that both see the same machine
         evict(root)
-        orbax_s.append(run([sys.executable, TOOL, "restore_sharded", item], jax_env)["seconds"])
+        orbax_s.append(run_json([sys.executable, TOOL, "restore_sharded", item], jax_env, "Orbax restore")["seconds"])
         evict(root)
-        ours_s.append(run([sys.executable, "-c", ours_script], xla_env)["seconds"])
+        ours_s.append(run_json([sys.executable, "-c", ours_script], xla_env, "our restore")["seconds"])
     return {"gib": gib, "orbax_restore_s": orbax_s, "xtc_restore_s": ours_s,
             "orbax_over_xtc": statistics.median(orbax_s) / statistics.median(ours_s)}
 

@@ -28,8 +28,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fresh_process  # noqa: E402
 import memory  # noqa: E402
-import page_cache  # noqa: E402
 
 DTYPES = {"torch.float32": jnp.float32, "torch.bfloat16": jnp.bfloat16}
 
@@ -80,7 +80,7 @@ def main() -> None:
     root = os.path.join(args.dir, "root")
     manager_options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=True)
     if args.resume:
-        page_cache.evict(args.dir)
+        fresh_process.evict(args.dir)
         manager = ocp.CheckpointManager(root, options=manager_options)
         target = build(entries, restore_mesh, 1, zeros=True)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)

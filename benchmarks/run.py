@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_hf_import  # noqa: E402
 import bench_orbax_interop  # noqa: E402
-import page_cache  # noqa: E402
+import fresh_process  # noqa: E402
 import workloads  # noqa: E402
 
 DEFAULT_CONTENDERS = ("xtc", "xtc-nofsync", "xtc-async", "torch_xla", "torch_xla-async", "torch.save", "orbax")
@@ -82,6 +82,15 @@ def run_worker(contender: str, workload: str, args, workdir: str, env: dict, *, 
     raise RuntimeError(f"{contender} on {workload} failed:\n{proc.stderr[-4000:]}")
 
 
+def read_into_fresh_memory(path: str, nbytes: int) -> float:
+    """Seconds to read the file at `path` whole into a newly allocated buffer."""
+    start = time.perf_counter()
+    target = np.empty(nbytes, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        f.readinto(memoryview(target))
+    return time.perf_counter() - start
+
+
 def floors(nbytes: int, workdir: str, repeats: int) -> dict:
     """The machine's floor for `nbytes`: a plain sequential write with fsync, a read of that file back from the page
     cache into fresh memory (what a restore of a just-written checkpoint cannot beat), the same read after the
@@ -98,19 +107,9 @@ def floors(nbytes: int, workdir: str, repeats: int) -> dict:
             f.flush()
             os.fsync(f.fileno())
         writes.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        target = np.empty(nbytes, dtype=np.uint8)
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(memoryview(target))
-        reads.append(time.perf_counter() - start)
-        del target
-        page_cache.evict(path)
-        start = time.perf_counter()
-        target = np.empty(nbytes, dtype=np.uint8)
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(memoryview(target))
-        cold_reads.append(time.perf_counter() - start)
-        del target
+        reads.append(read_into_fresh_memory(path, nbytes))
+        fresh_process.evict(path)
+        cold_reads.append(read_into_fresh_memory(path, nbytes))
         os.remove(path)
         source = np.ones(nbytes, dtype=np.uint8)
         start = time.perf_counter()

@@ -26,8 +26,8 @@ xr.use_spmd()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import contenders  # noqa: E402
+import fresh_process  # noqa: E402
 import memory  # noqa: E402
-import page_cache  # noqa: E402
 import workloads  # noqa: E402
 
 from xla_tensorstore_ckpt import sharding, storage  # noqa: E402
@@ -106,7 +106,7 @@ def main() -> None:
 
     root = os.path.join(args.dir, "root")
     if args.resume:
-        page_cache.evict(args.dir)
+        fresh_process.evict(args.dir)
         contender = contenders.CONTENDERS[args.contender](root)
         target = workloads.build_target(args.workload, args.scale)
         start = time.perf_counter()
