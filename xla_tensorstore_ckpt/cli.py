@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--mesh", type=parse_shape,
                        help="store each array in the chunks of this mesh's shards, e.g. 4x2 (dimension i cut "
                        "into mesh[i] chunks)")
-    p.add_argument("--max-host-bytes", type=parse_size, default=parse_size("2GiB"),
+    p.add_argument("--max-host-bytes", type=parse_size, default=convert.DEFAULT_MAX_HOST_BYTES,
                    help="host memory for data in flight (default 2GiB)")
     p.add_argument("--max-file-size", type=parse_size, default=parse_size("5GB"),
                    help="safetensors: largest file, e.g. 5GB (default), 500MiB")
@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--items", help="comma-separated items (default: model)")
     p.add_argument("--max-file-size", type=parse_size, default=parse_size("5GB"),
                    help="largest safetensors file, e.g. 5GB (default), 500MiB")
-    p.add_argument("--max-host-bytes", type=parse_size, default=parse_size("2GiB"),
+    p.add_argument("--max-host-bytes", type=parse_size, default=convert.DEFAULT_MAX_HOST_BYTES,
                    help="host memory for data in flight (default 2GiB)")
     return parser
 

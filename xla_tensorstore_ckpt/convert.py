@@ -14,7 +14,6 @@ import dataclasses
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +21,11 @@ from . import arrays, commit, dtypes, formats, grid, layout, saving, storage, tr
 from .distributed import Coordinator
 from .errors import CheckpointExistsError, UsageError
 from .formats import ArrayMetadata, ItemManifest, StepMetadata
+from .inspection import Progress
 from .options import SaveOptions
 from .sharded_array import ShardedArray
 
-Progress = Callable[[int, int], None]
+DEFAULT_MAX_HOST_BYTES = 2 << 30
 COPIES_IN_FLIGHT = 4  # host bytes per byte of chunk data in flight, at most (measured: tests/test_convert.py)
 
 
@@ -46,7 +46,7 @@ class ConvertOptions:
     use_ocdbt, fsync: as in `SaveOptions`.
     """
 
-    max_host_bytes: int = 2 << 30
+    max_host_bytes: int = DEFAULT_MAX_HOST_BYTES
     chunk_shape: tuple[int, ...] | None = None
     mesh: tuple[int, ...] | None = None
     use_ocdbt: bool = True

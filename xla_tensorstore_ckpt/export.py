@@ -15,7 +15,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,10 +24,7 @@ import torch
 from . import arrays, convert, dtypes, tree
 from .errors import UnsupportedValueError, UsageError
 from .formats import ArrayMetadata, safetensors
-from .inspection import Checkpoint
-
-Progress = Callable[[int, int], None]
-DEFAULT_MAX_HOST_BYTES = 2 << 30
+from .inspection import Checkpoint, Progress
 
 
 @dataclass(frozen=True)
@@ -89,7 +86,8 @@ def _blocks(checkpoint: Checkpoint, tensor: Tensor, max_host_bytes: int) -> Iter
 
 
 def export_safetensors(checkpoint: Checkpoint, items: tuple[str, ...], out_dir: str, *, max_file_bytes: int,
-                       max_host_bytes: int = DEFAULT_MAX_HOST_BYTES, progress: Progress | None = None) -> list[str]:
+                       max_host_bytes: int = convert.DEFAULT_MAX_HOST_BYTES,
+                       progress: Progress | None = None) -> list[str]:
     """Write ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` files of at most `max_file_bytes`
     each plus ``model.safetensors.index.json``) into `out_dir`. Returns the files written.
     `progress(bytes_done, bytes_total)`."""
@@ -130,7 +128,7 @@ def export_safetensors(checkpoint: Checkpoint, items: tuple[str, ...], out_dir: 
 
 
 def export_torch(checkpoint: Checkpoint, items: tuple[str, ...], out_file: str, *,
-                 max_host_bytes: int = DEFAULT_MAX_HOST_BYTES, progress: Progress | None = None) -> str:
+                 max_host_bytes: int = convert.DEFAULT_MAX_HOST_BYTES, progress: Progress | None = None) -> str:
     """Write a ``torch.save`` file of a flat {name: tensor} dict, loadable with ``weights_only=True``. Each
     tensor is staged in a file next to `out_file` and mapped from there, so memory holds about one block.
     `progress(bytes_done, bytes_total)`."""
