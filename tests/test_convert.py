@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 from conftest import sharded
+from hf_files import hf_tensors, write_hf_dir
 from orbax_process import leaf, orbax, same
 from safetensors.torch import load_file, save_file
-from test_hf_import import hf_tensors, write_hf_dir
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, convert, storage
