@@ -9,8 +9,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from orbax_process import orbax
 from test_checkpointer_cpu import assert_trees_equal
-from test_orbax_interop import orbax
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import layout
