@@ -2,15 +2,17 @@
 in one run, with the machine's floors measured in the same run. Prints an aligned table with ratios against
 torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/results/.
 
-usage: python benchmarks/run.py [--scale 1.0] [--repeats 3] [--workloads large,small,model,orbax-interop,hf-import]
+usage: python benchmarks/run.py [--scale 1.0] [--repeats 3]
+                                [--workloads large,small,model,orbax-interop,hf-import,size-sweep]
                                 [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
-                                [--storage local|gcs|s3] [--warm-restore]
+                                [--storage local|gcs|s3] [--warm-restore] [--resumes 5] [--sweep 0.25,1,4]
 
 Workloads (benchmarks/workloads.py): `large` 1 GiB of 2D-sharded float32 + bfloat16; `small` 2,000 tensors of
 4 KiB-256 KiB; `model` a ~200M-parameter decoder with AdamW moments (~2.4 GiB), FSDP-sharded, also restored onto
 4 devices; `orbax-interop` a 1 GiB step Orbax writes, restored by this library onto torch_xla and by Orbax in
 JAX (benchmarks/bench_orbax_interop.py); `hf-import` the model's tensors as Hugging Face safetensors files,
-loaded onto an FSDP mesh by this library and by the usual load_file path (benchmarks/bench_hf_import.py).
+loaded onto an FSDP mesh by this library and by the usual load_file path (benchmarks/bench_hf_import.py);
+`size-sweep` the large workload at 0.25, 1 and 4 GiB (`--sweep`), this library and torch_xla's manager.
 `--scale 0.1` shrinks them for a quick run. The Orbax contender runs with JAX on 8 CPU devices in its own
 virtual environment (benchmarks/.venv-orbax, created on first use from the package registry); the interop
 workload with the Orbax of the test extra. With --storage gcs every contender writes to a fake-gcs-server
@@ -43,6 +45,7 @@ DEFAULT_CONTENDERS = ("xtc", "xtc-nofsync", "xtc-async", "torch_xla", "torch_xla
 RESTORE_ON_4 = ("xtc", "torch_xla", "orbax")
 RESUME_CONTENDERS = ("xtc", "torch_xla", "orbax", "torch.save")
 RESUME_WORKLOADS = ("large", "model")
+SWEEP_CONTENDERS = ("xtc", "torch_xla")
 BASELINE = "torch_xla"
 ORBAX_VENV = os.path.join(HERE, ".venv-orbax")
 
@@ -226,6 +229,22 @@ def table(results: list[dict], floor: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def sweep_summary(results: list[dict]) -> str:
+    """Seconds per GiB of save and restore at each size of the size sweep, and how the largest compares with the
+    smallest (issue 21: at most 1.2x)."""
+    swept = [r for r in results if "sweep_gib" in r]
+    lines = []
+    for contender in dict.fromkeys(r["contender"] for r in swept):
+        rows = sorted((r for r in swept if r["contender"] == contender), key=lambda r: r["sweep_gib"])
+        per_gib = [(r["sweep_gib"], median(r["save_s"]) / (r["state_bytes"] / 2**30),
+                    median(r["restore_s"]) / (r["state_bytes"] / 2**30)) for r in rows]
+        sizes = ", ".join(f"{g:g} GiB: save {s:.2f} / restore {r:.2f}" for g, s, r in per_gib)
+        growth = (f"; largest/smallest: save {per_gib[-1][1] / per_gib[0][1]:.2f}x, restore "
+                  f"{per_gib[-1][2] / per_gib[0][2]:.2f}x" if len(per_gib) > 1 else "")
+        lines.append(f"  {contender:10} s per GiB at {sizes}{growth}")
+    return "\n\nsize sweep (large workload, in-process):\n" + "\n".join(lines) if lines else ""
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
 
@@ -255,7 +274,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", default="large,small,model,orbax-interop,hf-import")
+    parser.add_argument("--workloads", default="large,small,model,orbax-interop,hf-import,size-sweep")
+    parser.add_argument("--sweep", default="0.25,1,4",
+                        help="size-sweep: sizes in GiB (times --scale) of the large workload, for xtc and torch_xla")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
     parser.add_argument("--storage", choices=("local", "gcs", "s3"), default="local")
     parser.add_argument("--warm-restore", action="store_true",
@@ -282,6 +303,16 @@ def main() -> None:
                     if server is None:  # Orbax writes local files here
                         print("running the Orbax interop restore ...", file=sys.stderr, flush=True)
                         interop = bench_orbax_interop.measure(args.scale, args.repeats, workdir)
+                    continue
+                if workload == "size-sweep":
+                    for gib in (float(g) * args.scale for g in args.sweep.split(",")):
+                        label = f"large-{gib:g}GiB"
+                        sized = argparse.Namespace(**{**vars(args), "scale": gib})
+                        floor[label] = floors(workloads.spec_bytes("large", gib), workdir, args.repeats)
+                        for contender in SWEEP_CONTENDERS:
+                            print(f"running {contender} on {label} ({args.storage}) ...", file=sys.stderr, flush=True)
+                            results.append({**run_worker(contender, "large", sized, base, env), "workload": label,
+                                            "sweep_gib": gib})
                     continue
                 if workload == "hf-import":
                     if server is None:  # local safetensors files
@@ -326,6 +357,7 @@ def main() -> None:
                  f"{median(interop['xtc_restore_s']):.3f} s: {interop['orbax_over_xtc']:.2f}x Orbax's speed")
     if hf_import is not None:
         text += "\n\n" + bench_hf_import.describe(hf_import)
+    text += sweep_summary(results)
     print(text)
     os.makedirs(os.path.dirname(output), exist_ok=True)
     with open(output, "w") as f:
