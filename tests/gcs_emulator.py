@@ -28,6 +28,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_answering(process: subprocess.Popen, url: str, name: str) -> None:
+    """Block until the server `process` answers `url` (an event, not a time: a busy machine only makes this
+    take longer); raise RuntimeError naming `name` if the process exits first."""
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=5).read()
+            return
+        except OSError:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {process.returncode} before it answered") from None
+            time.sleep(0.05)
+
+
 class Emulator:
     """fake-gcs-server with an in-memory backend. Its output goes to DEVNULL: the wrapper's own start()
     pipes stderr without draining it, which blocks the server after a few hundred requests."""
@@ -43,14 +56,8 @@ class Emulator:
             [str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
              "-external-url", self.url, "-log-level", "error"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{self.url}/storage/v1/b?project=test", timeout=1).read()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("fake-gcs-server did not start")
+        wait_until_answering(self.process, f"{self.url}/storage/v1/b?project=test", "fake-gcs-server")
+        return self
 
     def create_bucket(self, name: str) -> None:
         request = urllib.request.Request(f"{self.url}/storage/v1/b?project=test", method="POST",

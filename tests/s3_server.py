@@ -7,10 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 
-from gcs_emulator import free_port
+from gcs_emulator import free_port, wait_until_answering
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1"}
 
@@ -24,14 +22,8 @@ class S3Server:
     def start(self) -> S3Server:
         self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=1).read()
-                return self
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("the moto S3 server did not start")
+        wait_until_answering(self.process, f"{self.url}/moto-api/", "the moto S3 server")
+        return self
 
     def create_bucket(self, name: str) -> None:
         import boto3
