@@ -280,8 +280,8 @@ def test_save_plans_and_stages_with_the_garbage_collector_paused(tmp_path, monke
     from xla_tensorstore_ckpt import saving
 
     seen = []
-    real_stage = saving.stage
-    monkeypatch.setattr(saving, "stage", lambda *a, **k: seen.append(gc.isenabled()) or real_stage(*a, **k))
+    real_stage = saving._fetch_sources
+    monkeypatch.setattr(saving, "_fetch_sources", lambda *a, **k: seen.append(gc.isenabled()) or real_stage(*a, **k))
     for async_save in (True, False):
         with xtc.CheckpointManager(tmp_path / str(async_save), options(async_save=async_save)) as mgr:
             mgr.save(1, model={"w": torch.ones(3)})

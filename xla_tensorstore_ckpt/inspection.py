@@ -114,28 +114,37 @@ class StepInfo:
     nbytes: int | None
     metrics: dict | None
     problem: str | None = None
+    tier: str = "persistent"  # or "local": a manager's local tier, which holds one process's shards
+    writer: int | None = None  # the process that wrote a local step
 
     def to_json(self) -> dict:
         return {"step": self.step, "name": self.name, "status": self.status, "committed_at": self.committed_at,
-                "bytes": self.nbytes, "metrics": self.metrics, "problem": self.problem}
+                "bytes": self.nbytes, "metrics": self.metrics, "problem": self.problem, "tier": self.tier,
+                "writer": self.writer}
 
 
-def list_steps(root: str) -> list[StepInfo]:
-    """Every step-named directory under `root`, whatever its prefix, with its status (as the manager sees it:
-    `steps.StepIndex`); sizes are the bytes of the stored arrays."""
+def list_steps(root: str, local: str | None = None) -> list[StepInfo]:
+    """Every step-named directory under `root` and, if given, under the local tier `local`, whatever its prefix,
+    with its status (as the manager sees it: `steps.StepIndex`), ordered by step (the local tier's first);
+    sizes are the bytes of the stored arrays (a local step holds the shards of one process of them)."""
+    steps = _steps_of(root, "persistent") + ([] if local is None else _steps_of(local, "local"))
+    return sorted(steps, key=lambda s: (s.step, s.tier != "local"))
+
+
+def _steps_of(root: str, tier: str) -> list[StepInfo]:
     out = []
     for entry in StepIndex(storage.location(root), ANY_PREFIX).scan():
         if entry.marker is None:
-            out.append(StepInfo(entry.step, entry.name, entry.status, None, None, None, entry.problem))
+            out.append(StepInfo(entry.step, entry.name, entry.status, None, None, None, entry.problem, tier))
             continue
         try:
             nbytes = sum(meta.nbytes for item in entry.marker.items
                          for _, meta in formats.read_item(storage.location(root).child(entry.name, item)).arrays())
         except (CorruptCheckpointError, FormatVersionError, CheckpointNotFoundError) as exc:
-            out.append(StepInfo(entry.step, entry.name, "invalid", None, None, None, str(exc)))
+            out.append(StepInfo(entry.step, entry.name, "invalid", None, None, None, str(exc), tier))
             continue
         out.append(StepInfo(entry.step, entry.name, "committed", entry.marker.committed_at, nbytes,
-                            entry.marker.metrics))
+                            entry.marker.metrics, tier=tier, writer=entry.marker.writer))
     return out
 
 

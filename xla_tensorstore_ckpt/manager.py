@@ -3,10 +3,12 @@ whole training state (model, optimizer, LR scheduler, data position, RNGs, metri
 
 Layout: ``<root>/<step>/<item>/`` per saved object plus ``<root>/<step>/_CHECKPOINT_METADATA``, the commit marker,
 written last (`commit`). The steps of the root, its lock, retention and commits: `tier.Tier`. Saving and
-restoring training objects: `training_state`.
+restoring training objects: `training_state`. With `local_directory`, a second tier on each host (same layout,
+each process's own shards) saves more often; which step a restart resumes from: `resume`.
 
-Saves are asynchronous by default: `save` blocks only while shards are copied off the devices, and one
-background thread finishes the save (writes, sync, manifests, marker). Retention deletes run on that thread after
+Saves are asynchronous by default: `save` blocks only while shards are copied off the devices (once, when a step
+is due for both tiers), and one background thread per tier finishes the save (writes, sync, manifests, marker):
+a slow persistent copy never delays the local tier's next save. Retention deletes run on that thread after
 the commit, in both modes, so they never stall training. Background errors are re-raised at the next `save`,
 `restore`, `wait_until_finished` or `close`. The manager is meant to be driven by one thread of one
 training job; the public methods are not safe to call concurrently from several threads.
@@ -15,34 +17,58 @@ training job; the public methods are not safe to call concurrently from several 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from . import formats, layout, rng_state, saving, storage, training_state
+from . import formats, layout, resume, rng_state, saving, storage, training_state
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator
-from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UsageError
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StepNotFoundError, UsageError
 from .formats import StepMetadata
 from .gc_pause import paused_gc
 from .options import CheckpointManagerOptions
 from .policies import RetentionPolicy, SavePolicy
 from .preemption import PreemptionWatch
 from .restoring import KeyMap
+from .resume import LOCAL, PERSISTENT, Candidate
 from .tier import PendingSave, Tier
+
+log = logging.getLogger("xla_tensorstore_ckpt")
 
 RNG_ITEM = "rng"
 _OBJECT_ITEMS = ("model", "optimizer", "lr_scheduler", "extra", "data_loader")
 
 
+@dataclass
+class _Lane:
+    """A tier as the manager drives it: its steps, when it saves, the background thread finishing its saves, and
+    the coordinator of its commits (the job's for the persistent tier, this process alone for the local one)."""
+
+    name: str
+    tier: Tier
+    policy: SavePolicy
+    committer: BackgroundCommitter
+    coordinator: Coordinator
+    on_commit: Callable[[int], None] | None
+    in_flight: int | None = None
+
+    def last_saved(self) -> int | None:
+        latest = max(self.tier.committed(), default=None)
+        return latest if self.in_flight is None else max(latest or 0, self.in_flight)
+
+
 class CheckpointManager:
-    """Saves and restores the training state under one root directory, one sub-directory per step.
+    """Saves and restores the training state under one root directory, one sub-directory per step, and with
+    `options.local_directory` in a second, local tier too.
 
     ``with CheckpointManager(root, options) as manager:`` closes (and waits for) the manager at the end.
-    Raises `CheckpointError` if `directory` is a step or item directory rather than a root, and
-    `CheckpointNotFoundError` if it does not exist and `options.create` is False.
+    Raises `CheckpointError` if `directory` (or the local directory) is a step or item directory rather than a
+    root, and `CheckpointNotFoundError` if it does not exist and `options.create` is False.
     """
 
     def __init__(self, directory: str | os.PathLike | storage.Location,
@@ -53,14 +79,26 @@ class CheckpointManager:
         retention = RetentionPolicy(
             max_to_keep=options.max_to_keep, keep_period=options.keep_period, best_fn=options.best_fn,
             best_mode=options.best_mode, keep_checkpoints_without_metrics=options.keep_checkpoints_without_metrics)
-        self._tier = Tier(root, step_prefix=options.step_prefix, retention=retention,
-                          lock_timeout_s=options.lock_timeout_s)
-        self._save_policy = SavePolicy(interval=options.save_interval_steps, steps=options.save_on_steps)
-        self._committer = BackgroundCommitter(options.max_pending_saves)
         # Two groups: collectives of the caller's thread and of the background commits never interleave.
         self._coordinator = Coordinator.from_environment(options.coordination_timeout_s)
-        self._commit_coordinator = Coordinator.from_environment(options.coordination_timeout_s)
-        self._in_flight: int | None = None
+        self._persistent = _Lane(
+            PERSISTENT, Tier(root, step_prefix=options.step_prefix, retention=retention,
+                             lock_timeout_s=options.lock_timeout_s),
+            SavePolicy(interval=options.save_interval_steps, steps=options.save_on_steps),
+            BackgroundCommitter(options.max_pending_saves),
+            Coordinator.from_environment(options.coordination_timeout_s), options.on_commit)
+        self._local: _Lane | None = None
+        if options.local_directory is not None:
+            local_root = storage.location(options.local_directory)
+            _check_root(local_root, create=True)
+            self._local = _Lane(
+                LOCAL, Tier(local_root, step_prefix=options.step_prefix,
+                            retention=RetentionPolicy(max_to_keep=options.local_max_to_keep),
+                            lock_timeout_s=options.lock_timeout_s),
+                SavePolicy(interval=options.local_save_interval_steps, steps=options.local_save_on_steps),
+                BackgroundCommitter(options.max_pending_saves), Coordinator.single(), options.on_local_commit)
+        # The local tier first: it commits sooner, and its staging serves the persistent one.
+        self._lanes = [lane for lane in (self._local, self._persistent) if lane is not None]
         self._closed = False
         self.reload()
         self._preemption = PreemptionWatch(options.save_on_preemption)
@@ -69,143 +107,224 @@ class CheckpointManager:
 
     @property
     def directory(self) -> str:
-        return str(self._tier.root)
+        """The persistent tier's root."""
+        return str(self._persistent.tier.root)
+
+    @property
+    def local_directory(self) -> str | None:
+        """This process's local tier root, or None without one."""
+        return None if self._local is None else str(self._local.tier.root)
 
     def reload(self) -> None:
-        """Re-read the committed steps from storage and, unless another live manager owns the root, remove
-        partial steps (saves that never committed). Called by the constructor. The primary process decides;
-        every process gets the same answer. Collective with several processes. Blocks."""
-        self._tier.reload(self._coordinator)
+        """Re-read the committed steps of every tier and, unless another live manager owns a root, remove its
+        partial steps (saves that never committed). Called by the constructor. For the persistent tier the
+        primary process decides and every process gets the same answer; each process reads its own local tier.
+        Collective with several processes. Blocks."""
+        self._persistent.tier.reload(self._coordinator)
+        if self._local is not None:
+            self._local.tier.reload(self._local.coordinator)
 
-    def all_steps(self) -> list[int]:
-        """Committed steps, oldest first. An asynchronous save appears here once its commit has landed."""
-        return sorted(self._tier.committed())
+    def all_steps(self, tier: str | None = None) -> list[int]:
+        """Committed steps, oldest first: of every tier (None), or of the given one ("local": this process's
+        local tier; "persistent"). `metadata(step).tiers` tells where a step is. An asynchronous save appears
+        here once its commit has landed."""
+        return sorted({step for lane in self._lanes_named(tier) for step in lane.tier.committed()})
 
-    def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        return max(self._tier.committed(), default=None)
+    def latest_step(self, tier: str | None = None) -> int | None:
+        """The newest committed step of every tier (None) or of the given one. What `restore("latest")` takes
+        can be older: a local step must be intact on every process."""
+        return max(self.all_steps(tier), default=None)
 
     def best_step(self) -> int | None:
-        """The best committed step by `best_fn` (None without `best_fn` or metrics)."""
-        metrics = {s: m.metrics for s, m in self._tier.committed().items()}
-        return self._tier.retention.best_step(list(metrics), metrics)
+        """The best committed step of the persistent tier by `best_fn` (None without `best_fn` or metrics)."""
+        tier = self._persistent.tier
+        metrics = {s: m.metrics for s, m in tier.committed().items()}
+        return tier.retention.best_step(list(metrics), metrics)
 
     def metadata(self, step: int) -> StepMetadata:
-        """The commit marker of a committed step: items, times, metrics, versions. `StepNotFoundError` if the
-        step is not committed."""
-        return self._tier.marker(step)
+        """The commit marker of a committed step (the persistent tier's where it is in both), with `tiers` naming
+        every tier that holds it: items, times, metrics, versions. `StepNotFoundError` if not committed."""
+        found = {lane.name: lane.tier.committed().get(step) for lane in self._lanes}
+        tiers = tuple(name for name, marker in found.items() if marker is not None)
+        if not tiers:
+            raise StepNotFoundError(f"step {step} is not committed under {self.directory}"
+                                    + (f" nor in the local tier {self.local_directory}" if self._local else "")
+                                    + f" (committed: {self.all_steps() or 'none'})", step=step)
+        marker = found.get(PERSISTENT) or found[LOCAL]
+        return dataclasses.replace(marker, tiers=tiers)  # type: ignore[arg-type]
 
     def should_save(self, step: int) -> bool:
-        """True if `step` is due by the save interval / steps (or a SIGTERM arrived) and not yet saved."""
+        """True if `step` is due for some tier by its save interval / steps (or a SIGTERM arrived) and not yet
+        saved there."""
+        return bool(self._due(step, force=False))
+
+    def _due(self, step: int, *, force: bool) -> list[_Lane]:
+        if force:
+            return list(self._lanes)
         if self._preemption.pending:
-            return step not in self._tier.committed()
-        latest = self.latest_step()
-        last = latest if self._in_flight is None else max(latest or 0, self._in_flight)
-        return self._save_policy.should_save(step, last)
+            return [lane for lane in self._lanes if step not in lane.tier.committed()]
+        return [lane for lane in self._lanes if lane.policy.should_save(step, lane.last_saved())]
 
     def reached_preemption(self, step: int) -> bool:
         """True once a SIGTERM arrived (with `save_on_preemption`) and the state up to `step` is committed:
         the training loop should exit now and resume later from this step."""
         return self._preemption.reached(step)
 
-    def step_path(self, step: int) -> str:
-        """Where a step lives (committed or not)."""
-        return str(self._tier.index.location(step))
+    def step_path(self, step: int, tier: str = PERSISTENT) -> str:
+        """Where a step lives (committed or not) in the given tier."""
+        return str(self._lanes_named(tier)[0].tier.index.location(step))
+
+    def _caller_side(self, lane: _Lane) -> Coordinator:
+        """The coordinator for `lane`'s collectives on the caller's thread (its own serves its commits)."""
+        return self._coordinator if lane is self._persistent else lane.coordinator
+
+    def _lanes_named(self, tier: str | None) -> list[_Lane]:
+        if tier is None:
+            return list(self._lanes)
+        lanes = [lane for lane in self._lanes if lane.name == tier]
+        if not lanes:
+            raise ValueError(f"tier must be None, {PERSISTENT!r} or (with local_directory) {LOCAL!r}, got {tier!r}")
+        return lanes
 
     # ------------------------------------------------------------------------------------------- save
 
     def save(self, step: int, *, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None,
              extra: Any = None, data_loader: Any = None, metrics: Mapping[str, Any] | None = None,
              custom_metadata: Mapping[str, Any] | None = None, force: bool = False) -> bool:
-        """Save the given objects as `step` if it is due (`should_save`) or `force` is set; return whether a
-        save was started.
+        """Save the given objects as `step` in every tier it is due for (`should_save`; every tier with `force`);
+        return whether a save was started.
 
         `model` is an `nn.Module` or a state tree, `optimizer` a torch optimizer or a tree, `lr_scheduler`
         and `data_loader` objects with ``state_dict()`` or trees, `extra` any tree. Blocks until the shards are
-        copied off the devices (async mode) or until the step is committed (sync mode). Raises
-        `AsyncSaveError` for a failed earlier background save, `CheckpointExistsError` if `step` is committed
-        and `force` is False (with `force` it is replaced), `UnsupportedValueError` before anything is
-        written if a value cannot be stored.
+        copied off the devices (async mode; once for both tiers unless `max_host_bytes` is set) or until the
+        step is committed in each tier (sync mode). Raises `AsyncSaveError` for a failed earlier background
+        save, `CheckpointExistsError` if `step` is committed in a tier it is due for and `force` is False
+        (with `force` it is replaced), `UnsupportedValueError` before anything is written if a value cannot be
+        stored.
         """
         self._check_open()
-        self._committer.check()
+        for lane in self._lanes:
+            lane.committer.check()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        if step in self._tier.committed() and not force:
-            raise CheckpointExistsError(f"step {step} is already committed at {self._tier.index.location(step)}; "
-                                        "pass force=True to replace it")
-        if not force and not self.should_save(step):
+        if not force:
+            for lane in self._lanes:
+                if step in lane.tier.committed():
+                    raise CheckpointExistsError(f"step {step} is already committed at "
+                                                f"{lane.tier.index.location(step)}; pass force=True to replace it")
+        lanes = self._due(step, force=force)
+        if not lanes:
             return False
-        lock = self._tier.lock
-        if self._coordinator.is_primary and not lock.acquire():
-            raise CheckpointError(
-                f"cannot save step {step}: {lock.root} is owned by another checkpoint manager ({lock.holder}); "
-                f"this one can only restore. If that process is gone, delete "
-                f"{lock.root.child(layout.MANAGER_LOCK)} (or wait lock_timeout_s).")
+        objects = {name: obj for name, obj in zip(_OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra,
+                                                                  data_loader)) if obj is not None}
         marker = StepMetadata(step=step, items=(), created_at=time.time(), committed_at=0.0,
                               metrics=training_state.metrics_json(dict(metrics) if metrics is not None else None),
                               custom=dict(custom_metadata) if custom_metadata is not None else None,
                               versions=formats.writer_versions(), process_count=self._coordinator.count,
                               format_version=formats.WRITE_VERSION)
-        items = {name: training_state.state_of(obj) for name, obj in zip(
-            _OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra, data_loader)) if obj is not None}
-        if self._options.save_rng:
-            items[RNG_ITEM] = rng_state.capture(self._coordinator.index, self._coordinator.count)
-        self._committer.reserve()
-        try:
-            self._committer.check()  # the save this one waited for may have failed meanwhile
-            pending = self._stage(step, items, marker)
-        except BaseException:
-            self._committer.release()
-            raise
-        self._in_flight = step
-        if self._options.async_save:
-            self._committer.submit(step, lambda: self._finish(pending))
-        else:
-            try:
-                with paused_gc():  # staging happens here in sync mode (never on the background thread: gc is global)
-                    self._finish(pending)
-            finally:
-                self._committer.release()
+        self._save(step, lanes, objects, marker)
         if self._preemption.pending:
-            self._committer.wait()  # the process is about to be killed: the commit must land first
+            self.wait_until_finished()  # the process is about to be killed: the commits must land first
             self._preemption.saved_on_notice(step)
-            warnings.warn(f"SIGTERM received: step {step} is committed at {pending.final}; the trainer should "
-                          "exit", stacklevel=2)
+            warnings.warn(f"SIGTERM received: step {step} is committed at {self.step_path(step)}; the trainer "
+                          "should exit", stacklevel=2)
         return True
 
-    def _stage(self, step: int, items: dict, marker: StepMetadata) -> PendingSave:
-        """Plan every item, clear the step directory, and copy the shards off the devices (async mode)."""
-        options = self._options.save_options
-        with paused_gc():  # many small records live until the save is planned and staged
-            plans = {name: saving.plan_save(state, options, self._coordinator) for name, state in items.items()}
-            location, final = self._tier.prepare(self._coordinator, step)
-            start = self._coordinator.everywhere(f"staging step {step}", lambda: saving.begin_writes(
-                location, plans, options, writer=self._coordinator.index, background=self._options.async_save,
-                max_host_bytes=self._options.max_host_bytes))
-        return PendingSave(step, location, final, plans, start, dataclasses.replace(marker, items=tuple(plans)))
+    def _save(self, step: int, lanes: list[_Lane], objects: Mapping[str, Any], marker: StepMetadata) -> None:
+        """Stage `objects` once for every lane of `lanes`, then commit each lane (in the background in async
+        mode)."""
+        for lane in lanes:
+            lock = lane.tier.lock
+            if lane.coordinator.is_primary and not lock.acquire():
+                raise CheckpointError(
+                    f"cannot save step {step}: {lock.root} is owned by another checkpoint manager ({lock.holder}); "
+                    f"this one can only restore. If that process is gone, delete "
+                    f"{lock.root.child(layout.MANAGER_LOCK)} (or wait lock_timeout_s).")
+        states = {name: training_state.state_of(obj) for name, obj in objects.items()}
+        reserved: list[_Lane] = []
+        try:
+            for lane in lanes:
+                lane.committer.reserve()
+                reserved.append(lane)
+                lane.committer.check()  # the save this one waited for may have failed meanwhile
+            pendings = self._stage(step, lanes, states, marker)
+        except BaseException:
+            for lane in reserved:
+                lane.committer.release()
+            raise
+        for lane, pending in zip(lanes, pendings):
+            lane.in_flight = step
+            if self._options.async_save:
+                lane.committer.submit(step, lambda lane=lane, pending=pending: self._finish(lane, pending))
+        if not self._options.async_save:
+            try:
+                with paused_gc():  # staging happens here in sync mode (never on the background thread: gc is global)
+                    for lane, pending in zip(lanes, pendings):
+                        self._finish(lane, pending)
+            finally:
+                for lane in lanes:
+                    lane.committer.release()
 
-    def _finish(self, save: PendingSave) -> None:
-        """Commit on every process, then retention (deletes deferred to the background thread), then
-        `on_commit`. Collective."""
-        coordinator = self._commit_coordinator
-        doomed = self._tier.commit(coordinator, save, fsync=self._options.save_options.fsync,
-                                   committed_at=time.time())
+    def _stage(self, step: int, lanes: list[_Lane], states: Mapping[str, Any],
+               marker: StepMetadata) -> list[PendingSave]:
+        """Plan every item of every lane, clear the step directories, and copy the shards off the devices (async
+        mode): once for all lanes, unless `max_host_bytes` streams each save."""
+        options = self._options.save_options
+        coordinator = self._coordinator
+        async_save, max_host_bytes = self._options.async_save, self._options.max_host_bytes
+        with paused_gc():  # many small records live until the save is planned and staged
+            plans, places, markers = [], [], []
+            for lane in lanes:
+                items = dict(states)
+                local = lane is self._local
+                if self._options.save_rng:  # a local step holds its own process's generators alone
+                    items[RNG_ITEM] = rng_state.capture(0, 1) if local else rng_state.capture(
+                        coordinator.index, coordinator.count)
+                plans.append({name: saving.plan_save(state, options, coordinator, own_copy=local)
+                              for name, state in items.items()})
+                places.append(lane.tier.prepare(self._caller_side(lane), step))
+                markers.append(dataclasses.replace(
+                    marker, items=tuple(plans[-1]), writer=coordinator.index if local else None,
+                    persistent_copy=local and self._persistent in lanes))
+            writer = coordinator.index
+
+            def begin() -> list[Callable[[], saving.Writes]]:
+                if async_save and max_host_bytes is None:
+                    staged = saving.stage_shared(plans, options)
+                    return [saving.start_staged(location, p, s, options, writer=writer)
+                            for (location, _), p, s in zip(places, plans, staged)]
+                return [saving.begin_writes(location, p, options, writer=writer, background=async_save,
+                                            max_host_bytes=max_host_bytes) for (location, _), p in zip(places, plans)]
+
+            starts = coordinator.everywhere(f"staging step {step}", begin)
+        return [PendingSave(step, location, final, p, start, m)
+                for (location, final), p, start, m in zip(places, plans, starts, markers)]
+
+    def _finish(self, lane: _Lane, save: PendingSave) -> None:
+        """Commit `save` in `lane`'s tier (on every process of the job for the persistent tier), then retention
+        (deletes deferred to the lane's background thread), then its commit callback. Collective for the
+        persistent tier."""
+        coordinator = lane.coordinator
+        doomed = lane.tier.commit(coordinator, save, fsync=self._options.save_options.fsync,
+                                  committed_at=time.time())
         if doomed and coordinator.is_primary:
             # Deleting is off the critical path: it never delays this save's return or the next staging.
-            self._committer.defer(f"deleting steps {doomed} (retention after step {save.step})", save.step,
-                                  lambda: [self._tier.delete(old) for old in doomed])
-        if self._options.on_commit is not None:
-            self._options.on_commit(save.step)
+            lane.committer.defer(f"deleting {lane.name} steps {doomed} (retention after step {save.step})",
+                                 save.step, lambda: [lane.tier.delete(old) for old in doomed])
+        if lane.on_commit is not None:
+            lane.on_commit(save.step)
 
     def delete(self, step: int) -> None:
-        """Delete a committed step (waits for pending saves first). `StepNotFoundError` if not committed.
-        With several processes, call it on every process: the primary deletes, all agree."""
+        """Delete a committed step from every tier that holds it (waits for pending saves first).
+        `StepNotFoundError` if not committed. With several processes, call it on every process: the primary
+        deletes the persistent step, every process its local one."""
         self._check_open()
-        self._committer.wait()
-        self._tier.marker(step)  # raises StepNotFoundError if not committed
-        self._tier.forget(step)
-        self._coordinator.on_primary(f"deleting step {step}", lambda: self._tier.delete(step))
+        self.wait_until_finished()
+        self.metadata(step)  # raises StepNotFoundError if not committed
+        for lane in self._lanes:
+            if step in lane.tier.committed():
+                lane.tier.forget(step)
+                self._caller_side(lane).on_primary(f"deleting step {step}", lambda lane=lane: lane.tier.delete(step))
 
     # ---------------------------------------------------------------------------------------- restore
 
@@ -225,6 +344,15 @@ class CheckpointManager:
         `KeyMismatchError`, `ShapeMismatchError` or `CheckpointError` (naming step, item and path) when the
         objects do not match the checkpoint.
 
+        With a local tier, the step comes from `resume.candidates`: the newest step committed in every process's
+        local tier, if it is at least as new as the persistent tier's newest, else that persistent step (an int
+        `resume_from` is looked up in the local tier first). A local step that any process finds damaged or
+        incomplete is skipped with a warning naming it, and every process falls back to the next candidate,
+        restoring every object again; the choice is logged (logger ``xla_tensorstore_ckpt``). A local step
+        whose persistent copy was due but never committed (the run was killed while copying) is saved to the
+        persistent tier again, in the background, when the objects restored are all its items. Collective with
+        several processes.
+
         `init_from` starts a run from other weights when no step is committed (and `resume_from` is not None):
         `model` is restored from that checkpoint instead (a Hugging Face safetensors file or directory, an item
         `xtc.save` or Orbax wrote), with `strict` and `key_map` as above, and None is returned, as no step was
@@ -237,17 +365,50 @@ class CheckpointManager:
         self._check_open()
         if init_from is not None and model is None:
             raise UsageError("init_from initialises the model: pass model= as well")
-        self._committer.wait()
-        step = self._resolve(resume_from)
-        if step is None:
-            if init_from is not None and resume_from is not None:
+        self.wait_until_finished()
+        if resume_from is None:
+            return None
+        wanted = self._resolve(resume_from)
+        choices = resume.candidates(self._coordinator, self._local and self._local.tier, self._persistent.tier,
+                                    wanted)
+        if wanted is not None and not choices:
+            choices = resume.candidates(self._coordinator, self._local and self._local.tier, self._persistent.tier,
+                                        None)
+            latest = choices[0].step if choices else None
+            warnings.warn(f"step {wanted} is not committed under {self.directory}; resuming from "
+                          f"{'nothing' if latest is None else f'the newest committed step, {latest}'}", stacklevel=2)
+        if not choices:
+            if init_from is not None:
                 training_state.restore_object(storage.location(init_from), model, strict=strict,
                                               options=self._options.restore_options, key_map=key_map)
             return None
-        marker = self.metadata(step)
-        location = self._tier.index.location(step)
         requested = {name: obj for name, obj in zip(
             _OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra, data_loader)) if obj is not None}
+        for choice in choices:
+            lane = self._local if choice.tier == LOCAL else self._persistent
+            assert lane is not None  # candidates only names the local tier when there is one
+            location = lane.tier.index.location(choice.step)
+            if choice.tier == PERSISTENT:
+                self._restore_step(lane, choice.step, requested, restore_rng, strict, key_map)
+            else:
+                error = None
+                try:
+                    self._restore_step(lane, choice.step, requested, restore_rng, strict, key_map)
+                except CheckpointError as exc:
+                    error = exc
+                if not resume.agree(self._coordinator, choice, str(location), error):
+                    continue
+            log.info("restored step %d from the %s tier (%s)", choice.step, choice.tier, location)
+            if choice.redo_persistent:
+                self._redo_persistent_copy(choice, requested, restore_rng)
+            return choice.step
+        raise CheckpointError(f"no intact step to resume from: the local steps {[c.step for c in choices]} of "
+                              f"{self.local_directory} are damaged and {self.directory} holds no committed step")
+
+    def _restore_step(self, lane: _Lane, step: int, requested: Mapping[str, Any], restore_rng: bool, strict: bool,
+                      key_map: KeyMap | None) -> None:
+        marker = lane.tier.marker(step)
+        location = lane.tier.index.location(step)
         for name in requested:
             if name not in marker.items:
                 raise CheckpointNotFoundError(
@@ -257,47 +418,67 @@ class CheckpointManager:
             training_state.restore_object(location.child(name), obj, strict=strict, options=options,
                                           key_map=key_map)
         if restore_rng and self._options.save_rng and RNG_ITEM in marker.items:
-            rng_state.restore(location.child(RNG_ITEM), self._coordinator.index, self._coordinator.count,
-                              options=options)
-        return step
+            index, count = (0, 1) if lane is self._local else (self._coordinator.index, self._coordinator.count)
+            rng_state.restore(location.child(RNG_ITEM), index, count, options=options)
 
-    def _resolve(self, resume_from: int | str | None) -> int | None:
-        if resume_from is None:
-            return None
+    def _redo_persistent_copy(self, choice: Candidate, requested: Mapping[str, Any], restore_rng: bool) -> None:
+        """Save a restored local step to the persistent tier, whose copy a killed run never committed, if the
+        objects just restored are the whole step."""
+        assert self._local is not None
+        marker = self._local.tier.marker(choice.step)
+        items = set(marker.items) - {RNG_ITEM}
+        if items - set(requested) or (RNG_ITEM in marker.items and not (restore_rng and self._options.save_rng)):
+            warnings.warn(f"step {choice.step} was due for {self.directory} but its copy never committed; it is "
+                          f"not redone because the restore did not cover all its items ({sorted(marker.items)})",
+                          stacklevel=3)
+            return
+        log.info("saving step %d to %s again: its copy there never committed", choice.step, self.directory)
+        base = dataclasses.replace(marker, items=(), created_at=time.time(), writer=None, persistent_copy=False,
+                                   versions=formats.writer_versions())
+        self._save(choice.step, [self._persistent], requested, base)
+
+    def _resolve(self, resume_from: int | str) -> int | None:
+        """None for "latest", else the step asked for."""
         if isinstance(resume_from, str):
             if resume_from != "latest":
                 raise ValueError(f"resume_from must be None, a step or 'latest', got {resume_from!r}")
-            return self.latest_step()
+            return None
         if isinstance(resume_from, bool) or not isinstance(resume_from, int):
             raise TypeError(f"resume_from must be None, a step or 'latest', got {resume_from!r}")
-        if resume_from in self._tier.committed():
-            return resume_from
-        latest = self.latest_step()
-        warnings.warn(f"step {resume_from} is not committed under {self._tier.root}; resuming from "
-                      f"{'nothing' if latest is None else f'the newest committed step, {latest}'}", stacklevel=3)
-        return latest
+        return resume_from
 
     # -------------------------------------------------------------------------------------- lifecycle
 
     def wait_until_finished(self) -> None:
-        """Block until every pending save is committed; raise the error of a failed one."""
-        self._committer.wait()
+        """Block until every pending save of every tier is committed; raise the error of a failed one."""
+        for lane in self._lanes:
+            lane.committer.wait()
 
     def close(self) -> None:
-        """Wait for pending saves (raising their errors), release the background thread, the root and the
+        """Wait for pending saves (raising their errors), release the background threads, the roots and the
         process groups. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._preemption.close()
         try:
-            self._committer.close()
+            self._close_lanes(list(self._lanes))
         finally:
+            self._coordinator.close()
+
+    def _close_lanes(self, lanes: list[_Lane]) -> None:
+        lane = lanes.pop()
+        try:
             try:
-                self._tier.lock.release()
+                lane.committer.close()
             finally:
-                self._coordinator.close()
-                self._commit_coordinator.close()
+                try:
+                    lane.tier.lock.release()
+                finally:
+                    lane.coordinator.close()
+        finally:
+            if lanes:
+                self._close_lanes(lanes)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -307,7 +488,7 @@ class CheckpointManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise CheckpointError(f"the checkpoint manager for {self._tier.root} is closed")
+            raise CheckpointError(f"the checkpoint manager for {self.directory} is closed")
 
 
 def _check_root(root: storage.Location, create: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +99,18 @@ class CheckpointManagerOptions:
         in async mode on the background thread. What it raises is reported like a failed background save (the
         step stays committed). `all_steps()` and `latest_step()` show the same commits. A trainer that must
         know what survives a kill waits for this, or calls `wait_until_finished()`, before it exits.
+    local_directory: a second, fast tier on each host (local SSD, RAM disk; one directory per process): steps
+        are also saved there, every `local_save_interval_steps`, and kept `local_max_to_keep` at a time; the
+        root given to the manager (`directory`) is then the persistent tier. Each process writes every shard it
+        holds into its own local directory and commits it on its own; `restore("latest")` takes the newest step
+        every process has intact locally if it is at least as new as the persistent tier's newest, else the
+        persistent one. A step due for both tiers is copied off the devices once. See docs/multi-tier.md.
+    local_save_interval_steps: the local tier's save interval (None: only `local_save_on_steps`, `force=True`
+        and preemption saves).
+    local_save_on_steps: further steps to save to the local tier.
+    local_max_to_keep: how many local steps each process keeps (None: all).
+    on_local_commit: like `on_commit`, for a step committed in this process's local tier (on the local tier's
+        background thread in async mode).
     save_options, restore_options: item-level I/O options.
     """
 
@@ -118,6 +131,11 @@ class CheckpointManagerOptions:
     coordination_timeout_s: float = 600.0
     lock_timeout_s: float = 1800.0
     on_commit: Callable[[int], None] | None = None
+    local_directory: str | os.PathLike | None = None
+    local_save_interval_steps: int | None = None
+    local_save_on_steps: frozenset[int] = field(default_factory=frozenset)
+    local_max_to_keep: int | None = 2
+    on_local_commit: Callable[[int], None] | None = None
     save_options: SaveOptions = field(default_factory=SaveOptions)
     restore_options: RestoreOptions = field(default_factory=RestoreOptions)
 
@@ -127,16 +145,25 @@ class CheckpointManagerOptions:
         _optional_int("keep_period", self.keep_period, 1)
         _optional_int("max_host_bytes", self.max_host_bytes, 1)
         _optional_int("max_pending_saves", self.max_pending_saves, 1)
+        _optional_int("local_save_interval_steps", self.local_save_interval_steps, 1)
+        _optional_int("local_max_to_keep", self.local_max_to_keep, 1)
+        if self.local_directory is not None and (not isinstance(self.local_directory, (str, os.PathLike))
+                                                 or not os.fspath(self.local_directory)):
+            raise ValueError(f"local_directory must be a path or URL, got {self.local_directory!r}")
+        if self.local_directory is None and (self.local_save_interval_steps is not None or self.local_save_on_steps):
+            raise ValueError("local_save_interval_steps and local_save_on_steps need local_directory")
         for name in ("coordination_timeout_s", "lock_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if not isinstance(self.save_on_steps, frozenset) or not all(
-                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.save_on_steps):
-            raise ValueError(f"save_on_steps must be a frozenset of step numbers, got {self.save_on_steps!r}")
+        for name in ("save_on_steps", "local_save_on_steps"):
+            steps = getattr(self, name)
+            if not isinstance(steps, frozenset) or not all(
+                    isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
+                raise ValueError(f"{name} must be a frozenset of step numbers, got {steps!r}")
         if self.best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
-        for name in ("best_fn", "on_commit"):
+        for name in ("best_fn", "on_commit", "on_local_commit"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ValueError(f"{name} must be callable")
         if self.step_prefix is not None and (not self.step_prefix or "/" in self.step_prefix

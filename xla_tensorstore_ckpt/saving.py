@@ -91,11 +91,14 @@ class SavePlan:
         return self.manifest.store
 
 
-def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coordinator | None = None) -> SavePlan:
+def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coordinator | None = None, *,
+              own_copy: bool = False) -> SavePlan:
     """Validate `state` and decide what every process writes. Collective when `coordinator` spans several
-    processes. Raises `UnsupportedValueError` (naming the key) for a leaf that is neither an array nor a JSON
-    scalar, an unsupported dtype, or processes that disagree on the arrays. Materializes pending XLA
-    computations; runs no other device work."""
+    processes, unless `own_copy`: then this process alone plans a copy of what it holds (a manager's local tier,
+    one per process): every chunk it holds, written by itself, with every array's metadata; chunks only other
+    processes hold are absent. Raises `UnsupportedValueError` (naming the key) for a leaf that is neither an
+    array nor a JSON scalar, an unsupported dtype, or processes that disagree on the arrays. Materializes
+    pending XLA computations; runs no other device work."""
     options = options or SaveOptions()
     coordinator = coordinator or Coordinator.single()
     leaves = tree.flatten(state)
@@ -123,19 +126,28 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
         local.append((path, value, lay, ArrayMetadata(names[path], lay.shape, dtypes.by_torch(value.dtype).name,
                                                       lay.chunk_shape, lay.sharding)))
     for path, value in scalars:  # the primary's value, as in the manifest
-        lay = cpu_layout(()) if coordinator.is_primary else TensorLayout((), Placement.CPU, (), ())
+        lay = cpu_layout(()) if coordinator.is_primary or own_copy else TensorLayout((), Placement.CPU, (), ())
         local.append((path, value, lay, ArrayMetadata(names[path], (), dtypes.by_torch(value.dtype).name, ())))
-    chunk_shapes, writers = _assign_writers([(meta, lay) for _, _, lay, meta in local], options, coordinator)
+    if own_copy:
+        chunk_shapes = {meta.path: meta.chunk_shape for _, _, _, meta in local}
+        writers = {(meta.path, shard.index): coordinator.index
+                   for _, _, lay, meta in local for shard in lay.distinct_shards()}
+    else:
+        chunk_shapes, writers = _assign_writers([(meta, lay) for _, _, lay, meta in local], options, coordinator)
     plans = []
     for position, (path, value, lay, meta) in enumerate(local):
         meta = dataclasses.replace(meta, chunk_shape=chunk_shapes[meta.path])
-        owner = {region: writers[(meta.path, region)] for region in grid.regions(meta.shape, meta.chunk_shape)}
+        owner = {region: writers.get((meta.path, region), -1)  # -1: held elsewhere, absent from an own copy
+                 for region in grid.regions(meta.shape, meta.chunk_shape)}
         writes = tuple(ChunkWrite(region, source) for region, source in _local_chunks(lay, meta.chunk_shape).items()
                        if owner[region] == coordinator.index)
         sole = set(owner.values())
         single_file = (not options.use_ocdbt and len(owner) > 1 and len(sole) == 1
                        and meta.nbytes <= options.single_file_max_bytes)
-        metadata_writer = next(iter(sole)) if single_file or not meta.shape else position % coordinator.count
+        if own_copy:
+            metadata_writer = coordinator.index
+        else:
+            metadata_writer = next(iter(sole)) if single_file or not meta.shape else position % coordinator.count
         plans.append(ArrayPlan(path, meta, value, lay, writes, single_file, metadata_writer == coordinator.index))
     tensors = {p.key_path: p.meta for p in plans[:len(values)]}
     store = ArrayStore(kind="ocdbt" if options.use_ocdbt else "directories")
@@ -233,6 +245,12 @@ def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tens
     """Host data of each plan's writes (one tensor per write), fetched from the devices with one torch_xla call
     per placement kind. Host tensors are referenced, not copied, unless `copy_cpu` (a caller that returns
     before the writes finish must copy: the training loop may change them)."""
+    sources = _fetch_sources(batch, copy_cpu=copy_cpu)
+    return [[_cut(sources[i][w.source], w) for w in p.writes] for i, p in enumerate(batch)]
+
+
+def _fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[LocalShard, torch.Tensor]]:
+    """The host data of the local shards each plan's writes read from (`stage`)."""
     sources: list[dict[LocalShard, torch.Tensor]] = [{} for _ in batch]
     xla = [i for i, p in enumerate(batch) if p.layout.placement in (Placement.TILED, Placement.REPLICATED,
                                                                     Placement.UNSHARDED) and p.writes]
@@ -250,7 +268,7 @@ def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tens
                                  [batch[i].sources for i in xla])
         for i, shards in zip(xla, fetched):
             sources[i] = dict(zip(batch[i].sources, shards))
-    return [[_cut(sources[i][w.source], w) for w in p.writes] for i, p in enumerate(batch)]
+    return sources
 
 
 def _cut(data: torch.Tensor, write: ChunkWrite) -> torch.Tensor:
@@ -269,6 +287,37 @@ def stage_all(plans: Sequence[ArrayPlan], options: SaveOptions, *, copy_cpu: boo
     return [(group, stage(group, copy_cpu=copy_cpu))
             for group in grid.batches([p for p in plans if p.writes], lambda p: p.host_bytes,
                                       options.host_batch_bytes)]
+
+
+def stage_shared(saves: Sequence[Mapping[str, SavePlan]], options: SaveOptions) -> list[dict[str, Staged]]:
+    """Host copies for several saves of one state (a manager's tiers; items name -> plan each), for asynchronous
+    saves: every local shard is copied off the devices once, by the first save that writes from it, and the
+    writes of every save are cut from that copy (arrays are matched by identity: the saves must plan the same
+    leaf objects). Holds one host copy of everything any save writes. Blocks."""
+    fetched: dict[tuple[int, LocalShard], torch.Tensor] = {}
+    out = []
+    for plans in saves:
+        staged_items: dict[str, Staged] = {}
+        for name, plan in plans.items():
+            staged: Staged = []
+            for group in grid.batches([p for p in plan.arrays if p.writes], lambda p: p.host_bytes,
+                                      options.host_batch_bytes):
+                missing = [p for p in group if any((id(p.value), s) not in fetched for s in p.sources)]
+                for p, shards in zip(missing, _fetch_sources(missing, copy_cpu=True) if missing else []):
+                    fetched.update({(id(p.value), s): data for s, data in shards.items()})
+                staged.append((group, [[_cut(fetched[(id(p.value), w.source)], w) for w in p.writes]
+                                       for p in group]))
+            staged_items[name] = staged
+        out.append(staged_items)
+    return out
+
+
+def start_staged(loc: storage.Location, plans: Mapping[str, SavePlan], staged: dict[str, Staged],
+                 options: SaveOptions, *, writer: int) -> Callable[[], Writes]:
+    """`start` (as `begin_writes` returns it) for items staged by `stage_shared`."""
+    return lambda: Writes.combined({name: start_writes(loc.child(name), plan, staged.pop(name), options,
+                                                       writer=writer)
+                                    for name, plan in plans.items()})
 
 
 @dataclass
@@ -348,9 +397,7 @@ def begin_writes(loc: storage.Location, plans: Mapping[str, SavePlan], options: 
     # Only the copy off the devices happens here; creating arrays and issuing writes (a fraction of a millisecond
     # per chunk) is left to the caller of `start`.
     staged = {name: stage_all(plan.arrays, options, copy_cpu=True) for name, plan in plans.items()}
-    return lambda: Writes.combined({name: start_writes(loc.child(name), plan, staged.pop(name), options,
-                                                       writer=writer)
-                                    for name, plan in plans.items()})
+    return start_staged(loc, plans, staged, options, writer=writer)
 
 
 class ChunkWriter:

@@ -108,3 +108,9 @@ class StepMetadata:
     versions: dict[str, str] | None = None
     process_count: int = 1
     format_version: int = 1  # 0: a step written by Orbax itself
+    # A step of a manager's local tier: the process that wrote it (its index then), and whether the step was
+    # also due for the persistent tier (a restart that finds it there only redoes that copy).
+    writer: int | None = None
+    persistent_copy: bool = False
+    # Where a manager with several tiers found the step ("local", "persistent"); never stored.
+    tiers: tuple[str, ...] = ()

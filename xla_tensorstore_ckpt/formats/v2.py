@@ -9,7 +9,8 @@ array its name, shape, dtype, chunk shape and saved sharding>}``. Arrays are nam
 also 0-d arrays and string leaves also in ``_strings.json``, so that Orbax restores them to the same values.
 
 Step ``_CHECKPOINT_METADATA``: Orbax's document (`orbax.step_document`) with ``{"format_version": 2, "step",
-"items", "versions", "process_count"}`` under ``custom_metadata["xla_tensorstore_ckpt"]``.
+"items", "versions", "process_count"}`` under ``custom_metadata["xla_tensorstore_ckpt"]``; a step of a
+manager's local tier adds ``"local_tier": {"writer": <process index>, "persistent_copy": <bool>}``.
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ def decode_item(doc: dict, *, where: str) -> ItemManifest:
 
 
 def encode_step(marker: StepMetadata) -> bytes:
-    doc = orbax.step_document(marker, {KEY: {"format_version": VERSION, "step": marker.step,
-                                             "items": list(marker.items), "versions": marker.versions,
-                                             "process_count": marker.process_count}})
+    mine = {"format_version": VERSION, "step": marker.step, "items": list(marker.items),
+            "versions": marker.versions, "process_count": marker.process_count}
+    if marker.writer is not None:
+        mine["local_tier"] = {"writer": marker.writer, "persistent_copy": marker.persistent_copy}
+    doc = orbax.step_document(marker, {KEY: mine})
     return json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
 
 
@@ -73,13 +76,18 @@ def decode_step(doc: dict, *, where: str) -> StepMetadata:
     if not all(isinstance(i, str) and layout.is_safe_relative_path(i) and "/" not in i for i in items):
         raise CorruptCheckpointError(f"{where}: malformed item list {items!r}"[:300])
     versions = mine.get("versions")
+    local = mine.get("local_tier")
+    if local is not None and not (isinstance(local, dict) and isinstance(local.get("persistent_copy"), bool)):
+        raise CorruptCheckpointError(f"{where}: malformed local_tier entry")
     return StepMetadata(step=v1.integer(mine.get("step"), where, minimum=0), items=tuple(items),
                         created_at=_seconds(doc.get("init_timestamp_nsecs"), where),
                         committed_at=_seconds(doc.get("commit_timestamp_nsecs"), where),
                         metrics=metrics or None, custom=custom or None,
                         versions=versions if isinstance(versions, dict) else None,
                         process_count=v1.integer(mine.get("process_count", 1), where, minimum=1),
-                        format_version=VERSION)
+                        format_version=VERSION,
+                        writer=None if local is None else v1.integer(local.get("writer"), where, minimum=0),
+                        persistent_copy=bool(local and local["persistent_copy"]))
 
 
 def _seconds(value: object, where: str) -> float:

@@ -1,0 +1,151 @@
+"""Multi-tier checkpoints (issue: multi-tier): on the 1 GiB 2D-sharded state, how long save() blocks with both
+tiers due against one tier alone; a training loop saving the local tier every step against the same loop without
+checkpoints; and a resume (restore("latest") onto fresh sharded targets) from the local tier against one from the
+persistent tier, on local disk or on the GCS emulator (--persistent gcs). All in one run, interleaved.
+
+usage: python benchmarks/bench_multi_tier.py [--scale 1.0] [--repeats 5] [--loop-steps 20] [--persistent local|gcs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+
+xr.use_spmd()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads  # noqa: E402
+from bench_async import training_loop  # noqa: E402
+from run import start_object_store  # noqa: E402
+
+import xla_tensorstore_ckpt as xtc  # noqa: E402
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
+
+
+def options(local: str | None, *, persistent_every: int | None, local_every: int | None = None):
+    return xtc.CheckpointManagerOptions(save_interval_steps=persistent_every, max_to_keep=1, save_rng=False,
+                                        local_directory=local, local_save_interval_steps=local_every,
+                                        local_max_to_keep=1)
+
+
+def blocking(state: dict, root: str, tmp: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds save() blocks: persistent tier alone, local tier alone, both due."""
+    managers = {
+        "persistent tier alone": xtc.CheckpointManager(f"{root}/alone", options(None, persistent_every=1)),
+        "local tier alone": xtc.CheckpointManager(f"{root}/unused", options(
+            os.path.join(tmp, "local-alone"), persistent_every=None, local_every=1)),
+        "both tiers due": xtc.CheckpointManager(f"{root}/both", options(
+            os.path.join(tmp, "local-both"), persistent_every=1, local_every=1)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in managers}
+    for step in range(repeats + 1):  # step 0 warms every path up
+        for name, manager in managers.items():
+            manager.wait_until_finished()
+            os.sync()
+            start = time.perf_counter()
+            manager.save(step, model=state)
+            elapsed = time.perf_counter() - start
+            manager.wait_until_finished()
+            if step:
+                times[name].append(elapsed)
+    for manager in managers.values():
+        manager.close()
+    return times
+
+
+def resumes(state: dict, root: str, tmp: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds of restore("latest") onto fresh targets, from the local tier and from the persistent one."""
+    local = os.path.join(tmp, "local-resume")
+    with xtc.CheckpointManager(f"{root}/resume", options(local, persistent_every=1, local_every=1)) as manager:
+        manager.save(1, model=state)
+    times: dict[str, list[float]] = {"local tier": [], "persistent tier": []}
+    for repeat in range(repeats + 1):
+        for name, local_directory in (("local tier", local), ("persistent tier", None)):
+            target = {key: torch.zeros_like(value) for key, value in state.items()}
+            torch_xla.sync()
+            with xtc.CheckpointManager(f"{root}/resume", options(
+                    local_directory, persistent_every=1, local_every=1 if local_directory else None)) as manager:
+                start = time.perf_counter()
+                step = manager.restore("latest", model=target)
+                torch_xla._XLAC._xla_wait_device_ops(devices=[])
+                elapsed = time.perf_counter() - start
+            if step != 1 or manager.metadata(1).tiers != ("local", "persistent"):
+                raise RuntimeError(f"resume from the {name} did not restore step 1")
+            if repeat:
+                times[name].append(elapsed)
+            del target
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--loop-steps", type=int, default=20)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--persistent", choices=("local", "gcs"), default="local")
+    args = parser.parse_args()
+    server, bucket = start_object_store(args.persistent)
+    if server is not None:
+        os.environ.update(server.environment)
+    try:
+        with tempfile.TemporaryDirectory(prefix="xtc-bench-tiers-") as tmp:
+            root = bucket or os.path.join(tmp, "persistent")
+            state = workloads.build_state("large", args.scale)
+            where = "the GCS emulator" if server else "local disk"
+            print(f"1 GiB x {args.scale}, persistent tier on {where}, local tier on local disk; "
+                  f"median (min-max) of {args.repeats}")
+            times = blocking(state, root, tmp, args.repeats)
+            print("time save() blocks the caller:")
+            for name, values in times.items():
+                print(f"  {name:22s} {spread(values)}")
+            both = statistics.median(times["both tiers due"])
+            print(f"  both / persistent alone = {both / statistics.median(times['persistent tier alone']):.2f}x, "
+                  f"both / local alone = {both / statistics.median(times['local tier alone']):.2f}x (goal <= 1.1x)")
+            times = resumes(state, root, tmp, args.repeats)
+            print("resume (restore('latest') onto fresh 4x2-sharded targets, in process):")
+            for name, values in times.items():
+                print(f"  from the {name:16s} {spread(values)}")
+            ratio = statistics.median(times["persistent tier"]) / statistics.median(times["local tier"])
+            print(f"  the local tier resumes {ratio:.2f}x faster")
+            del state
+            without = training_loop(tmp, args.loop_steps, None, args.width, args.batch)
+            local_loop = training_loop(tmp, args.loop_steps, options(
+                os.path.join(tmp, "loop-local"), persistent_every=None, local_every=1), args.width, args.batch,
+                name="loop-local-only")
+            both_loop = training_loop(tmp, args.loop_steps, options(
+                os.path.join(tmp, "loop-both"), persistent_every=10, local_every=1), args.width, args.batch,
+                name="loop-both")
+            if not bucket:
+                shutil.rmtree(os.path.join(tmp, "persistent"), ignore_errors=True)
+            params = 8 * (args.width * args.width + args.width)
+            print(f"training loop, {args.loop_steps} steps, {params / 1e6:.0f}M parameters + AdamW "
+                  f"({3 * 4 * params / 2**20:.0f} MiB of state), batch {args.batch} x {args.width} "
+                  f"({without / args.loop_steps:.2f} s per step without checkpoints):")
+            print(f"  local tier every step                 {local_loop:.2f} s = {local_loop / without:.2f}x "
+                  f"(goal <= 1.2x)")
+            print(f"  local every step + persistent every 10 {both_loop:.2f} s = {both_loop / without:.2f}x")
+            print(f"  without checkpoints                   {without:.2f} s")
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

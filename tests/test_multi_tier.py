@@ -1,0 +1,296 @@
+"""Multi-tier checkpoints in one process: a local tier saved more often than the persistent one, each with its own
+retention; resume from the newest intact step of either; a damaged or missing local step falls back; a step due
+for both tiers is copied off the devices once; the persistent tier on the GCS emulator."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch_xla
+from conftest import GCS_BUCKET, make_mesh, sharded
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import saving
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+from crash_save import state_for  # noqa: E402
+from orbax_process import orbax  # noqa: E402
+
+
+class Loader:
+    """A data loader's resumable position."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "epoch": self.position // 7}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def cpu_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 128, generator=g), "b": torch.randn(64, 32, generator=g).to(torch.bfloat16)}
+
+
+def place(cpu: dict, mesh) -> dict:
+    return {"w": sharded(cpu["w"], mesh, ("x", "y")), "b": sharded(cpu["b"], mesh, (None, "x"))}
+
+
+def options(local: str, **kw) -> xtc.CheckpointManagerOptions:
+    base = dict(save_interval_steps=4, max_to_keep=2, local_directory=local, local_save_interval_steps=1,
+                local_max_to_keep=2)
+    return xtc.CheckpointManagerOptions(**{**base, **kw})
+
+
+def train(root: str, local: str, steps: range, mesh, **kw) -> dict[int, float]:
+    """Save each step of `steps` (the state of step s is cpu_state(s)); return the torch draw after each save."""
+    draws = {}
+    loader = Loader()
+    with xtc.CheckpointManager(root, options(local, **kw)) as manager:
+        for step in steps:
+            model = place(cpu_state(step), mesh)
+            loader.position = 10 * step
+            torch.manual_seed(1000 + step)
+            manager.save(step, model=model, data_loader=loader, extra={"step": step})
+            draws[step] = torch.rand(1).item()
+    return draws
+
+
+def resume(root: str, local: str, mesh, **kw) -> tuple[int | None, dict, Loader, dict, float, list[str]]:
+    model = place({"w": torch.zeros(256, 128), "b": torch.zeros(64, 32, dtype=torch.bfloat16)}, mesh)
+    loader, extra = Loader(), {"step": -1}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with xtc.CheckpointManager(root, options(local, **kw)) as manager:
+            step = manager.restore("latest", model=model, data_loader=loader, extra=extra)
+    return step, model, loader, extra, torch.rand(1).item(), [str(w.message) for w in caught]
+
+
+def assert_state(model: dict, step: int) -> None:
+    expected = cpu_state(step)
+    torch_xla.sync()
+    for key in ("w", "b"):
+        assert torch.equal(model[key].cpu(), expected[key]), key
+
+
+def flip_byte(step_dir: str) -> str:
+    """Flip one byte in the middle of the largest data file of the model item; return its path."""
+    files = [os.path.join(d, f) for d, _, names in os.walk(os.path.join(step_dir, "model")) for f in names]
+    path = max(files, key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return path
+
+
+@pytest.fixture
+def mesh():
+    return make_mesh((4, 2), ("x", "y"))
+
+
+@pytest.fixture
+def trained(tmp_path, mesh):
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
+    draws = train(root, local, range(1, 7), mesh)
+    return root, local, draws
+
+
+def test_each_tier_keeps_its_own_steps(trained):
+    root, local, _ = trained
+    with xtc.CheckpointManager(root, options(local)) as manager:
+        assert manager.all_steps("persistent") == [4]
+        assert manager.all_steps("local") == [5, 6]  # local_max_to_keep=2
+        assert manager.all_steps() == [4, 5, 6] and manager.latest_step() == 6
+        assert manager.metadata(6).tiers == ("local",) and manager.metadata(6).writer == 0
+        assert manager.metadata(4).tiers == ("persistent",) and manager.metadata(4).writer is None
+        with pytest.raises(xtc.StepNotFoundError):
+            manager.metadata(3)
+    with xtc.CheckpointManager(root) as plain:  # the persistent tier alone is an ordinary root
+        assert plain.all_steps() == [4]
+
+
+def test_resume_prefers_the_newer_local_step(trained, mesh):
+    root, local, draws = trained
+    step, model, loader, extra, draw, _ = resume(root, local, mesh)
+    assert step == 6
+    assert_state(model, 6)
+    assert loader.position == 60 and extra == {"step": 6}
+    assert draw == draws[6]  # the RNG state saved with the local step
+
+
+def test_resume_from_persistent_when_local_tier_is_gone(trained, mesh):
+    root, local, draws = trained
+    shutil.rmtree(local)
+    step, model, loader, extra, draw, _ = resume(root, local, mesh)
+    assert step == 4
+    assert_state(model, 4)
+    assert loader.position == 40 and extra == {"step": 4} and draw == draws[4]
+
+
+def test_damaged_local_step_is_skipped(trained, mesh):
+    root, local, _ = trained
+    flip_byte(os.path.join(local, "6"))
+    step, model, loader, _, _, messages = resume(root, local, mesh)
+    assert step == 5
+    assert_state(model, 5)
+    assert loader.position == 50
+    assert any("skipping step 6 of the local tier" in m and "not intact" in m for m in messages), messages
+    flip_byte(os.path.join(local, "5"))
+    step, model, _, _, _, messages = resume(root, local, mesh)
+    assert step == 4
+    assert_state(model, 4)
+    assert sum("skipping step" in m for m in messages) == 2
+
+
+def test_local_chunk_missing_is_skipped(trained, mesh):
+    root, local, _ = trained
+    shutil.rmtree(os.path.join(local, "6", "model"))
+    os.makedirs(os.path.join(local, "6", "model"))
+    step, model, _, _, _, messages = resume(root, local, mesh)
+    assert step == 5
+    assert_state(model, 5)
+    assert any("skipping step 6" in m for m in messages)
+
+
+def test_older_local_steps_lose_to_a_newer_persistent_step(tmp_path, mesh):
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
+    train(root, local, range(1, 3), mesh)
+    train(root, str(tmp_path / "elsewhere"), [8], mesh)  # step 8 (due for both) from another local directory
+    step, model, _, _, _, _ = resume(root, local, mesh)
+    assert step == 8
+    assert_state(model, 8)
+
+
+def test_a_step_due_for_both_tiers_is_copied_off_the_devices_once(tmp_path, mesh, monkeypatch):
+    fetched = []
+    real = saving._fetch_sources
+
+    def counting(batch, **kw):
+        fetched.extend(p.meta.path for p in batch if isinstance(p.value, torch.Tensor) and p.value.device.type == "xla")
+        return real(batch, **kw)
+
+    monkeypatch.setattr(saving, "_fetch_sources", counting)
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
+    with xtc.CheckpointManager(root, options(local)) as manager:
+        manager.save(4, model=place(cpu_state(4), mesh))
+        manager.wait_until_finished()
+        assert manager.metadata(4).tiers == ("local", "persistent")
+        assert sorted(fetched) == ["b", "w"]  # once each, not once per tier
+        fetched.clear()
+        manager.save(5, model=place(cpu_state(5), mesh))
+    assert sorted(fetched) == ["b", "w"]
+    for directory in (root, local):
+        with xtc.CheckpointManager(directory) as plain:
+            model = place({"w": torch.zeros(256, 128), "b": torch.zeros(64, 32, dtype=torch.bfloat16)}, mesh)
+            plain.restore(4, model=model)
+            assert_state(model, 4)
+
+
+def test_sync_mode_and_host_memory_cap_save_both_tiers(tmp_path, mesh):
+    for name, kw in (("sync", {"async_save": False}), ("capped", {"max_host_bytes": 1 << 16})):
+        root, local = str(tmp_path / name / "persistent"), str(tmp_path / name / "local")
+        train(root, local, range(3, 5), mesh, **kw)
+        with xtc.CheckpointManager(root, options(local, **kw)) as manager:
+            assert manager.all_steps("local") == [3, 4] and manager.all_steps("persistent") == [4]
+        shutil.rmtree(local)
+        step, model, _, _, _, _ = resume(root, local, mesh)
+        assert step == 4
+        assert_state(model, 4)
+
+
+def test_persistent_tier_on_the_gcs_emulator(tmp_path, mesh, gcs_emulator_server):
+    root, local = f"gs://{GCS_BUCKET}/multi-tier/{tmp_path.name}", str(tmp_path / "local")
+    train(root, local, range(3, 6), mesh)
+    step, model, _, _, _, _ = resume(root, local, mesh)
+    assert step == 5
+    assert_state(model, 5)
+    shutil.rmtree(local)
+    step, model, _, _, _, _ = resume(root, local, mesh)
+    assert step == 4
+    assert_state(model, 4)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="need local_directory"):
+        xtc.CheckpointManagerOptions(local_save_interval_steps=5)
+    with pytest.raises(ValueError, match="local_max_to_keep"):
+        xtc.CheckpointManagerOptions(local_directory="/tmp/x", local_max_to_keep=0)
+
+
+def test_unknown_tier_name(tmp_path):
+    with xtc.CheckpointManager(str(tmp_path / "root")) as manager:
+        with pytest.raises(ValueError, match="tier must be"):
+            manager.all_steps("local")
+
+
+def test_cli_lists_both_tiers(trained, capsys):
+    from xla_tensorstore_ckpt import cli
+
+    root, local, _ = trained
+    assert cli.main(["steps", root, "--local", local]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["step", "tier", "status"]
+    assert [line.split()[:3] for line in lines[1:]] == [
+        ["4", "persistent", "committed"], ["5", "local", "(process"], ["6", "local", "(process"]]
+    assert cli.main(["steps", root, "--local", local, "--json"]) == 0
+    import json
+
+    doc = json.loads(capsys.readouterr().out)
+    assert [(s["step"], s["tier"], s["writer"]) for s in doc] == [(4, "persistent", None), (5, "local", 0),
+                                                                   (6, "local", 0)]
+
+
+CRASH = os.path.join(os.path.dirname(__file__), "scripts", "crash_multi_tier.py")
+# Operations on the persistent root during step 2's copy (tests/test_manager_crash.py): its chunks written, not
+# yet durable; the item manifest; the step marker in the temporary directory; the rename that commits it.
+CRASH_POINTS = ["sync_files:1", "write:1", "write:3", "rename_dir:1"]
+
+
+@pytest.fixture(scope="module")
+def crashed_copies(tmp_path_factory):
+    base = tmp_path_factory.mktemp("crash-tiers")
+    env = dict(os.environ)
+    env.pop("PJRT_DEVICE", None)
+    procs = {}
+    for point in CRASH_POINTS:
+        run = base / point.replace(":", "-")
+        procs[point] = subprocess.run([sys.executable, CRASH, str(run / "persistent"), str(run / "local"), point],
+                                      env=env, capture_output=True, text=True, timeout=600)
+    seen_by_orbax = orbax("steps", *[base / p.replace(":", "-") / "persistent" for p in CRASH_POINTS])
+    return base, procs, seen_by_orbax
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_kill_during_the_persistent_copy(crashed_copies, point):
+    base, procs, seen_by_orbax = crashed_copies
+    assert procs[point].returncode == -signal.SIGKILL, f"{point} never reached:\n{procs[point].stderr[-2000:]}"
+    root, local = base / point.replace(":", "-") / "persistent", base / point.replace(":", "-") / "local"
+    assert seen_by_orbax[str(root)] == {"all_steps": [1], "latest": 1}  # no partial step, for Orbax either
+    opts = xtc.CheckpointManagerOptions(save_interval_steps=1, local_directory=str(local),
+                                        local_save_interval_steps=1)
+    with xtc.CheckpointManager(root, opts) as manager:
+        assert manager.all_steps("persistent") == [1] and manager.all_steps("local") == [1, 2]
+        model = {key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
+                 for key, value in state_for(2).items() if key != "layers"}
+        model["layers"] = [{"k": torch.zeros(32, 32)} for _ in range(4)]
+        assert manager.restore("latest", model=model) == 2
+        manager.wait_until_finished()  # the restart redoes the copy that was killed
+        assert manager.all_steps("persistent") == [1, 2]
+    assert torch.equal(model["w"], state_for(2)["w"]) and torch.equal(model["b"], state_for(2)["b"])
+    restored = xtc.restore(root / "2" / "model")
+    expected = state_for(2)
+    assert torch.equal(restored["w"], expected["w"]) and torch.equal(restored["layers"][3]["k"],
+                                                                      expected["layers"][3]["k"])
+    assert restored["step"] == 2

@@ -1,0 +1,80 @@
+"""Multi-tier checkpoints with two processes over gloo, each with its own local tier: they agree on one step;
+a restarted job whose processes sit on other hosts (swapped indices) still resumes from the local tier; one
+host's local tier wiped makes every process fall back to the same persistent step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from gcs_emulator import free_port
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "multitier.py")
+
+
+def launch(mode: str, root, local_base, hosts: list[int]) -> list[dict]:
+    """Run one process per entry of `hosts` (rank r on host hosts[r]); their JSON lines, rank order."""
+    port = str(free_port())
+    procs = []
+    for rank, host in enumerate(hosts):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(hosts)), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port)
+        env.pop("PJRT_DEVICE", None)
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, mode, str(root), str(local_base), str(host)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        out.append(json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1]))
+    return out
+
+
+def draw_after_seed(seed: int) -> float:
+    return torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()
+
+
+@pytest.fixture
+def saved(tmp_path):
+    root, local_base = tmp_path / "persistent", tmp_path / "local"
+    results = launch("save", root, local_base, [0, 1])
+    for r in results:
+        assert r["local"] == [2, 3] and r["persistent"] == [2]
+    return root, local_base
+
+
+def test_processes_on_other_hosts_resume_from_their_hosts_local_tier(saved):
+    root, local_base = saved
+    results = launch("restore", root, local_base, [1, 0])  # rank 0 now runs on host 1, rank 1 on host 0
+    for r in results:
+        assert r["step"] == 3 and r["equal"] and r["position"] == 30
+        assert r["draw"] == draw_after_seed(300 + r["host"])  # the host's generators, whatever its index now
+        assert any("restored step 3 from the local tier" in line for line in r["logs"]), r["logs"]
+
+
+def test_one_wiped_local_tier_makes_everyone_fall_back(saved):
+    root, local_base = saved
+    shutil.rmtree(local_base / "host1")  # a replaced VM
+    results = launch("restore", root, local_base, [0, 1])
+    for r in results:
+        assert r["step"] == 2 and r["equal"] and r["position"] == 20
+        assert r["draw"] == draw_after_seed(200 + r["rank"])  # the persistent tier's generators, by index
+        assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]
+
+
+def test_a_damaged_local_step_on_one_host_makes_everyone_fall_back(saved):
+    root, local_base = saved
+    step_dir = local_base / "host0" / "3" / "model"
+    files = sorted((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(files[-1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[-1].write_bytes(bytes(data))
+    results = launch("restore", root, local_base, [0, 1])
+    for r in results:
+        assert r["step"] == 2 and r["equal"], r  # local step 2 is intact everywhere and as new as persistent
+        assert any("skipping step 3 of the local tier" in w and "process 0" in w for w in r["warnings"]), r
