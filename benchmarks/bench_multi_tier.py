@@ -1,9 +1,9 @@
 """Multi-tier checkpoints (issue: multi-tier): on the 1 GiB 2D-sharded state, how long save() blocks with both
 tiers due against one tier alone; a training loop saving the local tier every step against the same loop without
 checkpoints; and a resume (restore("latest") onto fresh sharded targets) from the local tier against one from the
-persistent tier, on local disk or on the GCS emulator (--persistent gcs). All in one run, interleaved.
+persistent tier, on local disk, the GCS emulator or moto's S3 server (--persistent gcs|s3). All in one run, interleaved.
 
-usage: python benchmarks/bench_multi_tier.py [--scale 1.0] [--repeats 5] [--loop-steps 20] [--persistent local|gcs]
+usage: python benchmarks/bench_multi_tier.py [--scale 1.0] [--repeats 5] [--loop-steps 20] [--persistent local|gcs|s3]
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
@@ -68,23 +67,24 @@ def blocking(state: dict, root: str, tmp: str, repeats: int) -> dict[str, list[f
     return times
 
 
-def resumes(state: dict, root: str, tmp: str, repeats: int) -> dict[str, list[float]]:
-    """Seconds of restore("latest") onto fresh targets, from the local tier and from the persistent one."""
+def resumes(state: dict, root: str, tmp: str, repeats: int, scale: float) -> dict[str, list[float]]:
+    """Seconds of restore("latest") onto fresh targets resharded 4x2 -> 2x4, from the local tier and from the
+    persistent one."""
     local = os.path.join(tmp, "local-resume")
     with xtc.CheckpointManager(f"{root}/resume", options(local, persistent_every=1, local_every=1)) as manager:
         manager.save(1, model=state)
     times: dict[str, list[float]] = {"local tier": [], "persistent tier": []}
     for repeat in range(repeats + 1):
         for name, local_directory in (("local tier", local), ("persistent tier", None)):
-            target = {key: torch.zeros_like(value) for key, value in state.items()}
-            torch_xla.sync()
+            target = workloads.build_target("large", scale)
             with xtc.CheckpointManager(f"{root}/resume", options(
                     local_directory, persistent_every=1, local_every=1 if local_directory else None)) as manager:
                 start = time.perf_counter()
                 step = manager.restore("latest", model=target)
                 torch_xla._XLAC._xla_wait_device_ops(devices=[])
                 elapsed = time.perf_counter() - start
-            if step != 1 or manager.metadata(1).tiers != ("local", "persistent"):
+                tiers = manager.metadata(1).tiers
+            if step != 1 or tiers != (("local", "persistent") if local_directory else ("persistent",)):
                 raise RuntimeError(f"resume from the {name} did not restore step 1")
             if repeat:
                 times[name].append(elapsed)
@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--loop-steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--persistent", choices=("local", "gcs"), default="local")
+    parser.add_argument("--persistent", choices=("local", "gcs", "s3"), default="local")
     args = parser.parse_args()
     server, bucket = start_object_store(args.persistent)
     if server is not None:
@@ -108,7 +108,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-tiers-") as tmp:
             root = bucket or os.path.join(tmp, "persistent")
             state = workloads.build_state("large", args.scale)
-            where = "the GCS emulator" if server else "local disk"
+            where = {"gcs": "the GCS emulator", "s3": "moto's S3 server"}.get(args.persistent, "local disk")
             print(f"1 GiB x {args.scale}, persistent tier on {where}, local tier on local disk; "
                   f"median (min-max) of {args.repeats}")
             times = blocking(state, root, tmp, args.repeats)
@@ -118,8 +118,8 @@ def main() -> None:
             both = statistics.median(times["both tiers due"])
             print(f"  both / persistent alone = {both / statistics.median(times['persistent tier alone']):.2f}x, "
                   f"both / local alone = {both / statistics.median(times['local tier alone']):.2f}x (goal <= 1.1x)")
-            times = resumes(state, root, tmp, args.repeats)
-            print("resume (restore('latest') onto fresh 4x2-sharded targets, in process):")
+            times = resumes(state, root, tmp, args.repeats, args.scale)
+            print("resume (restore('latest') onto fresh targets resharded 4x2 -> 2x4, in process):")
             for name, values in times.items():
                 print(f"  from the {name:16s} {spread(values)}")
             ratio = statistics.median(times["persistent tier"]) / statistics.median(times["local tier"])
@@ -127,10 +127,10 @@ def main() -> None:
             del state
             without = training_loop(tmp, args.loop_steps, None, args.width, args.batch)
             local_loop = training_loop(tmp, args.loop_steps, options(
-                os.path.join(tmp, "loop-local"), persistent_every=None, local_every=1), args.width, args.batch,
-                name="loop-local-only")
+                os.path.join(tmp, "local-of-loop-local-only"), persistent_every=None, local_every=1),
+                args.width, args.batch, name="loop-local-only")
             both_loop = training_loop(tmp, args.loop_steps, options(
-                os.path.join(tmp, "loop-both"), persistent_every=10, local_every=1), args.width, args.batch,
+                os.path.join(tmp, "local-of-loop-both"), persistent_every=10, local_every=1), args.width, args.batch,
                 name="loop-both")
             if not bucket:
                 shutil.rmtree(os.path.join(tmp, "persistent"), ignore_errors=True)

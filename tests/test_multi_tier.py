@@ -229,6 +229,11 @@ def test_options_are_checked():
         xtc.CheckpointManagerOptions(local_directory="/tmp/x", local_max_to_keep=0)
 
 
+def test_the_local_tier_needs_its_own_directory(tmp_path):
+    with pytest.raises(xtc.UsageError, match="needs a directory of its own"):
+        xtc.CheckpointManager(tmp_path, xtc.CheckpointManagerOptions(local_directory=str(tmp_path)))
+
+
 def test_unknown_tier_name(tmp_path):
     with xtc.CheckpointManager(str(tmp_path / "root")) as manager:
         with pytest.raises(ValueError, match="tier must be"):

@@ -90,6 +90,9 @@ class CheckpointManager:
         self._local: _Lane | None = None
         if options.local_directory is not None:
             local_root = storage.location(options.local_directory)
+            if str(local_root) == str(root):
+                raise UsageError(f"local_directory {local_root} is the manager's directory: the local tier needs a "
+                                 "directory of its own")
             _check_root(local_root, create=True)
             self._local = _Lane(
                 LOCAL, Tier(local_root, step_prefix=options.step_prefix,
