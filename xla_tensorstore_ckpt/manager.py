@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import formats, layout, resume, rng_state, saving, storage, training_state
+from . import formats, layout, resume, step_save, storage, training_state
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StepNotFoundError, UsageError
@@ -40,7 +40,7 @@ from .tier import PendingSave, Tier
 
 log = logging.getLogger("xla_tensorstore_ckpt")
 
-RNG_ITEM = "rng"
+RNG_ITEM = training_state.RNG_ITEM
 _OBJECT_ITEMS = ("model", "optimizer", "lr_scheduler", "extra", "data_loader")
 
 
@@ -250,7 +250,11 @@ class CheckpointManager:
                 lane.committer.reserve()
                 reserved.append(lane)
                 lane.committer.check()  # the save this one waited for may have failed meanwhile
-            pendings = self._stage(step, lanes, states, marker)
+            pendings = step_save.stage(
+                step, [step_save.Destination(lane.tier, self._caller_side(lane), own_copy=lane is self._local)
+                       for lane in lanes], states, marker, coordinator=self._coordinator,
+                options=self._options.save_options, save_rng=self._options.save_rng,
+                async_save=self._options.async_save, max_host_bytes=self._options.max_host_bytes)
         except BaseException:
             for lane in reserved:
                 lane.committer.release()
@@ -267,41 +271,6 @@ class CheckpointManager:
             finally:
                 for lane in lanes:
                     lane.committer.release()
-
-    def _stage(self, step: int, lanes: list[_Lane], states: Mapping[str, Any],
-               marker: StepMetadata) -> list[PendingSave]:
-        """Plan every item of every lane, clear the step directories, and copy the shards off the devices (async
-        mode): once for all lanes, unless `max_host_bytes` streams each save."""
-        options = self._options.save_options
-        coordinator = self._coordinator
-        async_save, max_host_bytes = self._options.async_save, self._options.max_host_bytes
-        with paused_gc():  # many small records live until the save is planned and staged
-            plans, places, markers = [], [], []
-            for lane in lanes:
-                items = dict(states)
-                local = lane is self._local
-                if self._options.save_rng:  # a local step holds its own process's generators alone
-                    items[RNG_ITEM] = rng_state.capture(0, 1) if local else rng_state.capture(
-                        coordinator.index, coordinator.count)
-                plans.append({name: saving.plan_save(state, options, coordinator, own_copy=local)
-                              for name, state in items.items()})
-                places.append(lane.tier.prepare(self._caller_side(lane), step))
-                markers.append(dataclasses.replace(
-                    marker, items=tuple(plans[-1]), writer=coordinator.index if local else None,
-                    persistent_copy=local and self._persistent in lanes))
-            writer = coordinator.index
-
-            def begin() -> list[Callable[[], saving.Writes]]:
-                if async_save and max_host_bytes is None:
-                    staged = saving.stage_shared(plans, options)
-                    return [saving.start_staged(location, p, s, options, writer=writer)
-                            for (location, _), p, s in zip(places, plans, staged)]
-                return [saving.begin_writes(location, p, options, writer=writer, background=async_save,
-                                            max_host_bytes=max_host_bytes) for (location, _), p in zip(places, plans)]
-
-            starts = coordinator.everywhere(f"staging step {step}", begin)
-        return [PendingSave(step, location, final, p, start, m)
-                for (location, final), p, start, m in zip(places, plans, starts, markers)]
 
     def _finish(self, lane: _Lane, save: PendingSave) -> None:
         """Commit `save` in `lane`'s tier (on every process of the job for the persistent tier), then retention
@@ -410,19 +379,12 @@ class CheckpointManager:
 
     def _restore_step(self, lane: _Lane, step: int, requested: Mapping[str, Any], restore_rng: bool, strict: bool,
                       key_map: KeyMap | None) -> None:
-        marker = lane.tier.marker(step)
-        location = lane.tier.index.location(step)
-        for name in requested:
-            if name not in marker.items:
-                raise CheckpointNotFoundError(
-                    f"step {step} at {location} has no {name!r} item (it holds {', '.join(marker.items)})")
-        options = self._options.restore_options
-        for name, obj in requested.items():
-            training_state.restore_object(location.child(name), obj, strict=strict, options=options,
-                                          key_map=key_map)
-        if restore_rng and self._options.save_rng and RNG_ITEM in marker.items:
-            index, count = (0, 1) if lane is self._local else (self._coordinator.index, self._coordinator.count)
-            rng_state.restore(location.child(RNG_ITEM), index, count, options=options)
+        own = lane is self._local  # a local step holds its writer's generator states alone, as a single row
+        training_state.restore_step(
+            lane.tier.index.location(step), lane.tier.marker(step), requested, strict=strict, key_map=key_map,
+            options=self._options.restore_options,
+            rng=(0, 1) if own else (self._coordinator.index, self._coordinator.count),
+            restore_rng=restore_rng and self._options.save_rng)
 
     def _redo_persistent_copy(self, choice: Candidate, requested: Mapping[str, Any], restore_rng: bool) -> None:
         """Save a restored local step to the persistent tier, whose copy a killed run never committed, if the

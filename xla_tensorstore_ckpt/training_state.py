@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from . import checkpointer, formats, restoring, tree
-from .errors import CheckpointError, UnsupportedValueError
-from .formats import ArrayMetadata
+from . import checkpointer, formats, restoring, rng_state, tree
+from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
+from .formats import ArrayMetadata, StepMetadata
 from .layout import KeyPath
 from .options import RestoreOptions
 from .restoring import KeyMap, RestoreAs
 from .storage import Location
+
+RNG_ITEM = "rng"  # a step's item holding the random generator states (`rng_state`)
 
 
 def state_of(obj: Any) -> Any:
@@ -109,6 +111,22 @@ def restore_object(item_loc: Location, obj: Any, *, strict: bool, options: Resto
         obj.load_state_dict(checkpointer.restore(item_loc, options=options))
     else:
         _restore_in_place(item_loc, obj, strict, options, key_map)
+
+
+def restore_step(step_loc: Location, marker: StepMetadata, objects: Mapping[str, Any], *, strict: bool,
+                 key_map: KeyMap | None, options: RestoreOptions, rng: tuple[int, int], restore_rng: bool) -> None:
+    """Restore `objects` (item name -> object, as `restore_object`) from the step at `step_loc` whose marker is
+    `marker`, then, with `restore_rng`, this process's generators from row ``rng = (index, count)`` of its RNG
+    item. Raises `CheckpointNotFoundError` naming the step if an object has no item, and what
+    `restore_object` raises."""
+    for name in objects:
+        if name not in marker.items:
+            raise CheckpointNotFoundError(f"step {marker.step} at {step_loc} has no {name!r} item (it holds "
+                                          f"{', '.join(marker.items)})")
+    for name, obj in objects.items():
+        restore_object(step_loc.child(name), obj, strict=strict, options=options, key_map=key_map)
+    if restore_rng and RNG_ITEM in marker.items:
+        rng_state.restore(step_loc.child(RNG_ITEM), *rng, options=options)
 
 
 def _restore_in_place(item_loc: Location, target: Any, strict: bool, options: RestoreOptions,

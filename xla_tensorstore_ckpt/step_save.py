@@ -1,0 +1,69 @@
+"""Staging one step for the tiers it is due for: each tier's items planned (a local tier plans this process's own
+copy, with its own RNG row), each step directory cleared, and the shards copied off the devices once for all of
+them. What comes back is a `PendingSave` per tier, which the manager commits on that tier's background thread.
+
+Collective with several processes (planning the persistent tier's items, clearing its step directory, staging).
+Blocks while the shards are copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import rng_state, saving
+from .distributed import Coordinator
+from .formats import StepMetadata
+from .gc_pause import paused_gc
+from .options import SaveOptions
+from .tier import PendingSave, Tier
+from .training_state import RNG_ITEM
+
+
+@dataclass(frozen=True)
+class Destination:
+    """A tier a step goes to: its steps, the coordinator that clears its step directory from the caller's thread,
+    and whether it keeps this process's own copy (a local tier) rather than the job's shared one."""
+
+    tier: Tier
+    coordinator: Coordinator
+    own_copy: bool
+
+
+def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, Any], marker: StepMetadata, *,
+          coordinator: Coordinator, options: SaveOptions, save_rng: bool, async_save: bool,
+          max_host_bytes: int | None) -> list[PendingSave]:
+    """Plan `states` (item name -> state tree) for every destination, clear their step directories, and begin
+    the writes: in async mode without `max_host_bytes` every shard is on the host when this returns, copied off
+    the devices once for all destinations (`saving.stage_shared`); otherwise each destination begins as
+    `saving.begin_writes` does. `marker` is completed per destination (items; a local copy's writer, and whether
+    the step also goes to a shared tier). Raises what planning and staging raise, on every process."""
+    shared = any(not d.own_copy for d in destinations)
+    with paused_gc():  # many small records live until the save is planned and staged
+        plans, places, markers = [], [], []
+        for destination in destinations:
+            items = dict(states)
+            own = destination.own_copy
+            if save_rng:  # an own copy holds its process's generators alone, whatever its index later
+                items[RNG_ITEM] = rng_state.capture(0, 1) if own else rng_state.capture(coordinator.index,
+                                                                                         coordinator.count)
+            plans.append({name: saving.plan_save(state, options, coordinator, own_copy=own)
+                          for name, state in items.items()})
+            places.append(destination.tier.prepare(destination.coordinator, step))
+            markers.append(dataclasses.replace(marker, items=tuple(plans[-1]), persistent_copy=own and shared,
+                                               writer=coordinator.index if own else None))
+        writer = coordinator.index
+
+        def begin() -> list[Callable[[], saving.Writes]]:
+            if async_save and max_host_bytes is None:
+                staged = saving.stage_shared(plans, options)
+                return [saving.start_staged(location, p, s, options, writer=writer)
+                        for (location, _), p, s in zip(places, plans, staged)]
+            return [saving.begin_writes(location, p, options, writer=writer, background=async_save,
+                                        max_host_bytes=max_host_bytes) for (location, _), p in zip(places, plans)]
+
+        starts = coordinator.everywhere(f"staging step {step}", begin)
+    return [PendingSave(step, location, final, p, start, m)
+            for (location, final), p, start, m in zip(places, plans, starts, markers)]
