@@ -22,10 +22,10 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from . import formats, layout, resume, step_save, storage, training_state
+from . import formats, layout, resume, saving, step_save, storage, training_state
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StepNotFoundError, UsageError
@@ -56,6 +56,7 @@ class _Lane:
     coordinator: Coordinator
     on_commit: Callable[[int], None] | None
     in_flight: int | None = None
+    plan_caches: dict[str, saving.PlanCache] = field(default_factory=dict)  # item name -> its last plan
 
     def last_saved(self) -> int | None:
         latest = max(self.tier.committed(), default=None)
@@ -250,9 +251,10 @@ class CheckpointManager:
                 lane.committer.reserve()
                 reserved.append(lane)
                 lane.committer.check()  # the save this one waited for may have failed meanwhile
+            destinations = [step_save.Destination(lane.tier, self._caller_side(lane), own_copy=lane is self._local,
+                                                  plan_caches=lane.plan_caches) for lane in lanes]
             pendings = step_save.stage(
-                step, [step_save.Destination(lane.tier, self._caller_side(lane), own_copy=lane is self._local)
-                       for lane in lanes], states, marker, coordinator=self._coordinator,
+                step, destinations, states, marker, coordinator=self._coordinator,
                 options=self._options.save_options, save_rng=self._options.save_rng,
                 async_save=self._options.async_save, max_host_bytes=self._options.max_host_bytes)
         except BaseException:

@@ -44,17 +44,33 @@ def materialize(tensors: Sequence[torch.Tensor]) -> None:
     _X._xla_wait_device_ops(devices=[])
 
 
-def layouts(tensors: Sequence[torch.Tensor]) -> list[TensorLayout]:
-    """The local shard layout of each XLA tensor (no device work, no data transfer)."""
+def specs(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """The HLO sharding string of each XLA tensor ("" for an unsharded one). No device work."""
     tensors = [unwrap(t) for t in tensors]
-    specs = _X._get_xla_sharding_specs(tensors) if tensors else []
-    tiled = [i for i, spec in enumerate(specs) if _is_tiled(spec)]
+    return list(_X._get_xla_sharding_specs(tensors)) if tensors else []
+
+
+def mesh_key() -> tuple | None:
+    """The global mesh (device ids, shape, axis names), which the saved sharding records; None without one."""
+    mesh = xs.get_global_mesh()
+    if mesh is None:
+        return None
+    return (tuple(int(d) for d in np.asarray(mesh.device_ids).reshape(-1)), tuple(mesh.mesh_shape),
+            tuple(mesh.axis_names) if mesh.axis_names else None)
+
+
+def layouts(tensors: Sequence[torch.Tensor], tensor_specs: Sequence[str] | None = None) -> list[TensorLayout]:
+    """The local shard layout of each XLA tensor (no device work, no data transfer); `tensor_specs` from
+    `specs` if the caller has them."""
+    tensors = [unwrap(t) for t in tensors]
+    hlo = list(tensor_specs) if tensor_specs is not None else _X._get_xla_sharding_specs(tensors) if tensors else []
+    tiled = [i for i, spec in enumerate(hlo) if _is_tiled(spec)]
     replica_indices = _X._get_local_shard_replica_and_indices([tensors[i] for i in tiled]) if tiled else []
     by_tensor = dict(zip(tiled, replica_indices))
     devices = _X._xla_get_runtime_devices()
     num_devices = xr.global_runtime_device_count()
     out = []
-    for i, (tensor, spec) in enumerate(zip(tensors, specs)):
+    for i, (tensor, spec) in enumerate(zip(tensors, hlo)):
         shape = tuple(tensor.shape)
         if i in by_tensor:
             tiles, order, replicas = parse_hlo_sharding(spec, len(shape))

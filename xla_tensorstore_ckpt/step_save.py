@@ -25,11 +25,13 @@ from .training_state import RNG_ITEM
 @dataclass(frozen=True)
 class Destination:
     """A tier a step goes to: its steps, the coordinator that clears its step directory from the caller's thread,
-    and whether it keeps this process's own copy (a local tier) rather than the job's shared one."""
+    whether it keeps this process's own copy (a local tier) rather than the job's shared one, and its plan
+    caches (item name -> `saving.PlanCache`, kept by the caller across saves)."""
 
     tier: Tier
     coordinator: Coordinator
     own_copy: bool
+    plan_caches: dict[str, saving.PlanCache]
 
 
 def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, Any], marker: StepMetadata, *,
@@ -49,7 +51,9 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
             if save_rng:  # an own copy holds its process's generators alone, whatever its index later
                 items[RNG_ITEM] = rng_state.capture(0, 1) if own else rng_state.capture(coordinator.index,
                                                                                          coordinator.count)
-            plans.append({name: saving.plan_save(state, options, coordinator, own_copy=own)
+            caches = destination.plan_caches
+            plans.append({name: saving.plan_save(state, options, coordinator, own_copy=own,
+                                                 cache=caches.setdefault(name, saving.PlanCache()))
                           for name, state in items.items()})
             places.append(destination.tier.prepare(destination.coordinator, step))
             markers.append(dataclasses.replace(marker, items=tuple(plans[-1]), persistent_copy=own and shared,

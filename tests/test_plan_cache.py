@@ -1,0 +1,53 @@
+"""The manager's plan cache (`saving.PlanCache`): a save whose state keeps its keys, kinds, shapes, dtypes and
+shardings reuses the array part of the last plan with the new values; anything else is planned afresh."""
+
+from __future__ import annotations
+
+import torch
+from conftest import sharded
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import saving
+
+
+def state(mesh, seed: int, spec=("x", "y"), **extra) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": sharded(torch.randn(16, 8, generator=g), mesh, spec), "cpu": torch.randn(3, generator=g),
+            "n": seed, "s": f"run-{seed}", **extra}
+
+
+def test_a_hit_reuses_layouts_and_takes_the_new_values(mesh_4x2):
+    cache = saving.PlanCache()
+    first = saving.plan_save(state(mesh_4x2, 1), cache=cache)
+    second_state = state(mesh_4x2, 2)
+    second = saving.plan_save(second_state, cache=cache)
+    fresh = saving.plan_save(second_state)
+    assert second.arrays[0].layout is first.arrays[0].layout  # reused, not recomputed
+    assert second.manifest == fresh.manifest and second.strings == fresh.strings == {"s": "run-2"}
+    assert [p.value is v for p, v in zip(second.arrays, (second_state["w"], second_state["cpu"]))] == [True, True]
+    assert [(p.meta, p.writes, p.writes_metadata) for p in second.arrays] == [
+        (p.meta, p.writes, p.writes_metadata) for p in fresh.arrays]
+    assert second.arrays[2].value.item() == 2  # the scalar leaf "n" holds the new value
+
+
+def test_a_change_of_sharding_shape_or_kind_plans_afresh(mesh_4x2):
+    cache = saving.PlanCache()
+    saving.plan_save(state(mesh_4x2, 1), cache=cache)
+    for changed in (state(mesh_4x2, 2, spec=("y", None)), state(mesh_4x2, 3, extra=torch.zeros(2)),
+                    {**state(mesh_4x2, 4), "n": "four", "s": 4}):  # a scalar and a string swap kinds
+        got = saving.plan_save(changed, cache=cache)
+        fresh = saving.plan_save(changed)
+        assert got.manifest == fresh.manifest and got.strings == fresh.strings
+        assert [(p.key_path, p.meta, p.layout, p.writes) for p in got.arrays] == [
+            (p.key_path, p.meta, p.layout, p.writes) for p in fresh.arrays]
+
+
+def test_manager_saves_with_the_cache_restore_their_own_values(tmp_path, mesh_4x2):
+    with xtc.CheckpointManager(tmp_path, xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None)) as m:
+        for step in (1, 2, 3):
+            m.save(step, model=state(mesh_4x2, step, spec=("x", "y") if step < 3 else (None, "x")))
+    for step in (1, 2, 3):
+        restored = xtc.restore(tmp_path / str(step) / "model")
+        expected = state(mesh_4x2, step)
+        assert torch.equal(restored["w"], expected["w"].cpu()) and torch.equal(restored["cpu"], expected["cpu"])
+        assert restored["n"] == step and restored["s"] == f"run-{step}"
