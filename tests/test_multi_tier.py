@@ -147,11 +147,62 @@ def test_damaged_local_step_is_skipped(trained, mesh):
     assert_state(model, 5)
     assert loader.position == 50
     assert any("skipping step 6 of the local tier" in m and "not intact" in m for m in messages), messages
+    first_messages = messages
     flip_byte(os.path.join(local, "5"))
     step, model, _, _, _, messages = resume(root, local, mesh)
     assert step == 4
     assert_state(model, 4)
-    assert sum("skipping step" in m for m in messages) == 2
+    assert sum("skipping step" in m for m in messages) == 1  # step 6 was deleted by the first resume
+    assert any("deleting steps [6] of the local tier" in m for m in first_messages), first_messages
+
+
+def test_training_goes_on_after_a_fallback(trained, mesh):
+    root, local, _ = trained
+    flip_byte(os.path.join(local, "6"))
+    flip_byte(os.path.join(local, "5"))
+    step, model, _, _, _, _ = resume(root, local, mesh)
+    assert step == 4
+    with xtc.CheckpointManager(root, options(local)) as manager:  # steps 5 and 6 again, from another timeline
+        assert manager.all_steps("local") == []  # the damaged steps were deleted by the resume
+        for step in (5, 6):
+            assert manager.should_save(step)
+            manager.save(step, model=place(cpu_state(100 + step), mesh), data_loader=Loader(), extra={"step": step})
+    with xtc.CheckpointManager(root, options(local)) as manager:
+        assert manager.all_steps("local") == [5, 6]
+        model = place(cpu_state(0), mesh)
+        assert manager.restore("latest", model=model, data_loader=Loader(), extra={"step": -1}) == 6
+    assert_state(model, 106)
+
+
+def test_a_local_tier_left_by_another_run_is_ignored(trained, tmp_path, mesh):
+    _, local, _ = trained
+    other_root = str(tmp_path / "another-run")
+    with pytest.warns(UserWarning, match=r"ignoring steps \[5, 6\] of the local tier"):
+        manager = xtc.CheckpointManager(other_root, options(local))
+    with manager:
+        assert manager.all_steps() == []
+        assert manager.restore("latest", model=place(cpu_state(0), mesh)) is None  # not the other run's step 6
+        manager.save(1, model=place(cpu_state(1), mesh))
+        manager.save(2, model=place(cpu_state(2), mesh))
+        manager.save(3, model=place(cpu_state(3), mesh))
+        manager.wait_until_finished()
+        assert manager.all_steps("local") == [2, 3]
+    assert sorted(n for n in os.listdir(local) if n.isdigit()) == ["2", "3", "5", "6"]  # the other run's kept
+
+
+def test_steps_of_a_plain_manager_in_the_local_directory_are_left_alone(tmp_path, mesh):
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
+    with xtc.CheckpointManager(local, xtc.CheckpointManagerOptions(save_interval_steps=1)) as plain:
+        plain.save(10, model=place(cpu_state(10), mesh))
+    with pytest.warns(UserWarning, match=r"ignoring steps \[10\]"):
+        manager = xtc.CheckpointManager(root, options(local))
+    with manager:
+        for step in (1, 2, 3):
+            manager.save(step, model=place(cpu_state(step), mesh))
+        manager.wait_until_finished()
+        assert manager.all_steps("local") == [2, 3]
+        assert manager.latest_step() == 3
+    assert os.path.isdir(os.path.join(local, "10"))  # retention never touched it
 
 
 def test_local_chunk_missing_is_skipped(trained, mesh):
@@ -261,6 +312,8 @@ CRASH = os.path.join(os.path.dirname(__file__), "scripts", "crash_multi_tier.py"
 # Operations on the persistent root during step 2's copy (tests/test_manager_crash.py): its chunks written, not
 # yet durable; the item manifest; the step marker in the temporary directory; the rename that commits it.
 CRASH_POINTS = ["sync_files:1", "write:1", "write:3", "rename_dir:1"]
+# On an object store (no renames) the marker, written last, commits: write:3 is the marker of step 2.
+GCS_CRASH_POINTS = ["write:1", "write:3"]
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +352,25 @@ def test_kill_during_the_persistent_copy(crashed_copies, point):
     assert torch.equal(restored["w"], expected["w"]) and torch.equal(restored["layers"][3]["k"],
                                                                       expected["layers"][3]["k"])
     assert restored["step"] == 2
+
+
+@pytest.mark.parametrize("point", GCS_CRASH_POINTS)
+def test_kill_during_the_persistent_copy_to_an_object_store(tmp_path, point, gcs_emulator_server):
+    root = f"gs://{GCS_BUCKET}/crash-tiers/{tmp_path.name}"
+    local = tmp_path / "local"
+    env = dict(os.environ)
+    env.pop("PJRT_DEVICE", None)
+    proc = subprocess.run([sys.executable, CRASH, root, str(local), point], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, f"{point} never reached:\n{proc.stderr[-2000:]}"
+    opts = xtc.CheckpointManagerOptions(save_interval_steps=1, local_directory=str(local),
+                                        local_save_interval_steps=1)
+    with xtc.CheckpointManager(root, opts) as manager:
+        assert manager.all_steps("persistent") == [1] and manager.all_steps("local") == [1, 2]
+        model = {"w": torch.zeros(64, 32), "b": torch.zeros(2048, dtype=torch.bfloat16),
+                 "layers": [{"k": torch.zeros(32, 32)} for _ in range(4)], "step": 0}
+        assert manager.restore("latest", model=model) == 2
+        manager.wait_until_finished()
+        assert manager.all_steps("persistent") == [1, 2]
+    restored = xtc.restore(f"{root}/2/model")
+    assert torch.equal(restored["w"], state_for(2)["w"]) and torch.equal(model["b"], state_for(2)["b"])

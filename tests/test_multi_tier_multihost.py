@@ -65,6 +65,11 @@ def test_one_wiped_local_tier_makes_everyone_fall_back(saved):
         assert r["step"] == 2 and r["equal"] and r["position"] == 20
         assert r["draw"] == draw_after_seed(200 + r["rank"])  # the persistent tier's generators, by index
         assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]
+    # and the job goes on: steps 3 and 4 saved again (process 0's old local step 3 was discarded at the resume)
+    for r in launch("resume_save", root, local_base, [0, 1]):
+        assert r["local"] == [3, 4] and r["persistent"] == [2, 4]
+    for r in launch("restore", root, local_base, [0, 1]):
+        assert r["step"] == 4 and r["equal"] and r["position"] == 40
 
 
 def test_a_damaged_local_step_on_one_host_makes_everyone_fall_back(saved):

@@ -59,6 +59,11 @@ class _Lane:
     plan_caches: dict[str, saving.PlanCache] = field(default_factory=dict)  # item name -> its last plan
 
     def last_saved(self) -> int | None:
+        """The newest step this tier has or is saving, as every process sees it: the persistent tier's shared
+        listing, but for a local tier only the saves of this manager (local listings differ between processes,
+        and every process must decide alike whether a step is due)."""
+        if self.name == LOCAL:
+            return self.in_flight
         latest = max(self.tier.committed(), default=None)
         return latest if self.in_flight is None else max(latest or 0, self.in_flight)
 
@@ -127,6 +132,24 @@ class CheckpointManager:
         self._persistent.tier.reload(self._coordinator)
         if self._local is not None:
             self._local.tier.reload(self._local.coordinator)
+            self._ignore_foreign_local_steps()
+
+    def _ignore_foreign_local_steps(self) -> None:
+        """Leave out of the local tier's bookkeeping the steps there that are not this run's local steps: written
+        for another persistent root or by a job of another size, or not by a local tier at all (Orbax's, format
+        1). They are never candidates, never count as saved, and retention leaves them alone (a save of the same
+        step number replaces one)."""
+        assert self._local is not None
+        tier = self._local.tier
+        foreign = {step: marker for step, marker in tier.committed().items()
+                   if marker.writer is None or marker.persistent_root != self.directory
+                   or marker.process_count != self._coordinator.count}
+        for step in foreign:
+            tier.forget(step)
+        if foreign:
+            warnings.warn(f"ignoring steps {sorted(foreign)} of the local tier {tier.root}: not local steps of this "
+                          f"run (another persistent root, another number of processes, or another writer)",
+                          stacklevel=4)
 
     def all_steps(self, tier: str | None = None) -> list[int]:
         """Committed steps, oldest first: of every tier (None), or of the given one ("local": this process's
@@ -166,7 +189,8 @@ class CheckpointManager:
         if force:
             return list(self._lanes)
         if self._preemption.pending:
-            return [lane for lane in self._lanes if step not in lane.tier.committed()]
+            return [lane for lane in self._lanes if (step != lane.in_flight if lane.name == LOCAL
+                                                     else step not in lane.tier.committed())]
         return [lane for lane in self._lanes if lane.policy.should_save(step, lane.last_saved())]
 
     def reached_preemption(self, step: int) -> bool:
@@ -202,20 +226,20 @@ class CheckpointManager:
         and `data_loader` objects with ``state_dict()`` or trees, `extra` any tree. Blocks until the shards are
         copied off the devices (async mode; once for both tiers unless `max_host_bytes` is set) or until the
         step is committed in each tier (sync mode). Raises `AsyncSaveError` for a failed earlier background
-        save, `CheckpointExistsError` if `step` is committed in a tier it is due for and `force` is False
-        (with `force` it is replaced), `UnsupportedValueError` before anything is written if a value cannot be
-        stored.
+        save of any tier (with several processes: once a save is due, on every process), `CheckpointExistsError`
+        if `step` is committed in the persistent tier and `force` is False (with `force` it is replaced; a
+        local step of the same number is always replaced), `UnsupportedValueError` before anything is written if
+        a value cannot be stored. Every failure before the commits is raised on every process.
         """
         self._check_open()
-        for lane in self._lanes:
-            lane.committer.check()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        if not force:
-            for lane in self._lanes:
-                if step in lane.tier.committed():
-                    raise CheckpointExistsError(f"step {step} is already committed at "
-                                                f"{lane.tier.index.location(step)}; pass force=True to replace it")
+        if not self._coordinator.distributed:
+            self._check_background()  # with several processes, only once a save is due: it is collective then
+        persistent = self._persistent.tier
+        if not force and step in persistent.committed():
+            raise CheckpointExistsError(f"step {step} is already committed at {persistent.index.location(step)}; "
+                                        "pass force=True to replace it")
         lanes = self._due(step, force=force)
         if not lanes:
             return False
@@ -225,7 +249,7 @@ class CheckpointManager:
                               metrics=training_state.metrics_json(dict(metrics) if metrics is not None else None),
                               custom=dict(custom_metadata) if custom_metadata is not None else None,
                               versions=formats.writer_versions(), process_count=self._coordinator.count,
-                              format_version=formats.WRITE_VERSION)
+                              format_version=formats.WRITE_VERSION, persistent_root=self.directory)
         self._save(step, lanes, objects, marker)
         if self._preemption.pending:
             self.wait_until_finished()  # the process is about to be killed: the commits must land first
@@ -236,21 +260,16 @@ class CheckpointManager:
 
     def _save(self, step: int, lanes: list[_Lane], objects: Mapping[str, Any], marker: StepMetadata) -> None:
         """Stage `objects` once for every lane of `lanes`, then commit each lane (in the background in async
-        mode)."""
-        for lane in lanes:
-            lock = lane.tier.lock
-            if lane.coordinator.is_primary and not lock.acquire():
-                raise CheckpointError(
-                    f"cannot save step {step}: {lock.root} is owned by another checkpoint manager ({lock.holder}); "
-                    f"this one can only restore. If that process is gone, delete "
-                    f"{lock.root.child(layout.MANAGER_LOCK)} (or wait lock_timeout_s).")
+        mode). Every failure before the commits is raised on every process (collective)."""
+        self._coordinator.everywhere(f"taking the roots for step {step}", lambda: self._take_roots(step, lanes))
         states = {name: training_state.state_of(obj) for name, obj in objects.items()}
         reserved: list[_Lane] = []
         try:
             for lane in lanes:
                 lane.committer.reserve()
                 reserved.append(lane)
-                lane.committer.check()  # the save this one waited for may have failed meanwhile
+            # The saves these waited for may have failed meanwhile (on any process).
+            self._coordinator.everywhere(f"checking the saves before step {step}", self._check_background)
             destinations = [step_save.Destination(lane.tier, self._caller_side(lane), own_copy=lane is self._local,
                                                   plan_caches=lane.plan_caches) for lane in lanes]
             pendings = step_save.stage(
@@ -266,13 +285,32 @@ class CheckpointManager:
             if self._options.async_save:
                 lane.committer.submit(step, lambda lane=lane, pending=pending: self._finish(lane, pending))
         if not self._options.async_save:
+            errors: list[Exception] = []
             try:
                 with paused_gc():  # staging happens here in sync mode (never on the background thread: gc is global)
                     for lane, pending in zip(lanes, pendings):
-                        self._finish(lane, pending)
+                        try:  # a local tier failing on one process must not keep it from the collective commit
+                            self._finish(lane, pending)
+                        except Exception as exc:  # noqa: BLE001 - raised below, on every process
+                            errors.append(exc)
             finally:
                 for lane in lanes:
                     lane.committer.release()
+            self._coordinator.everywhere(f"committing step {step}", lambda: _raise_first(errors))
+
+    def _take_roots(self, step: int, lanes: list[_Lane]) -> None:
+        for lane in lanes:
+            lock = lane.tier.lock
+            if lane.coordinator.is_primary and not lock.acquire():
+                raise CheckpointError(
+                    f"cannot save step {step}: {lock.root} is owned by another checkpoint manager ({lock.holder}); "
+                    f"this one can only restore. If that process is gone, delete "
+                    f"{lock.root.child(layout.MANAGER_LOCK)} (or wait lock_timeout_s).")
+
+    def _check_background(self) -> None:
+        """Raise the error of a failed background save of any tier (once). Does not block."""
+        for lane in self._lanes:
+            lane.committer.check()
 
     def _finish(self, lane: _Lane, save: PendingSave) -> None:
         """Commit `save` in `lane`'s tier (on every process of the job for the persistent tier), then retention
@@ -339,7 +377,7 @@ class CheckpointManager:
         self._check_open()
         if init_from is not None and model is None:
             raise UsageError("init_from initialises the model: pass model= as well")
-        self.wait_until_finished()
+        self._coordinator.everywhere("finishing earlier saves", self.wait_until_finished)
         if resume_from is None:
             return None
         wanted = self._resolve(resume_from)
@@ -351,13 +389,9 @@ class CheckpointManager:
             latest = choices[0].step if choices else None
             warnings.warn(f"step {wanted} is not committed under {self.directory}; resuming from "
                           f"{'nothing' if latest is None else f'the newest committed step, {latest}'}", stacklevel=2)
-        if not choices:
-            if init_from is not None:
-                training_state.restore_object(storage.location(init_from), model, strict=strict,
-                                              options=self._options.restore_options, key_map=key_map)
-            return None
         requested = {name: obj for name, obj in zip(
             _OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra, data_loader)) if obj is not None}
+        restored = None
         for choice in choices:
             lane = self._local if choice.tier == LOCAL else self._persistent
             assert lane is not None  # candidates only names the local tier when there is one
@@ -368,16 +402,40 @@ class CheckpointManager:
                 error = None
                 try:
                     self._restore_step(lane, choice.step, requested, restore_rng, strict, key_map)
-                except CheckpointError as exc:
+                except Exception as exc:  # noqa: BLE001 - every process learns of it in `agree`, which raises
                     error = exc
                 if not resume.agree(self._coordinator, choice, str(location), error):
                     continue
             log.info("restored step %d from the %s tier (%s)", choice.step, choice.tier, location)
-            if choice.redo_persistent:
-                self._redo_persistent_copy(choice, requested, restore_rng)
-            return choice.step
-        raise CheckpointError(f"no intact step to resume from: the local steps {[c.step for c in choices]} of "
-                              f"{self.local_directory} are damaged and {self.directory} holds no committed step")
+            restored = choice
+            break
+        if choices and restored is None:
+            raise CheckpointError(f"no intact step to resume from: the local steps {[c.step for c in choices]} of "
+                                  f"{self.local_directory} are damaged and {self.directory} has no candidate step "
+                                  "as new as them")
+        self._discard_local_steps_after(None if restored is None else restored.step)
+        if restored is None:
+            if init_from is not None:
+                training_state.restore_object(storage.location(init_from), model, strict=strict,
+                                              options=self._options.restore_options, key_map=key_map)
+            return None
+        if restored.redo_persistent:
+            self._redo_persistent_copy(restored, requested, restore_rng)
+        return restored.step
+
+    def _discard_local_steps_after(self, step: int | None) -> None:
+        """Delete this process's local steps newer than the step the job resumed from (all, if it resumed from
+        nothing): the run continues from there, and a step it saves again must not meet them (they are of the
+        abandoned timeline, or damaged, or missing on another process)."""
+        if self._local is None:
+            return
+        tier = self._local.tier
+        newer = sorted(s for s in tier.committed() if step is None or s > step)
+        if newer:
+            warnings.warn(f"deleting steps {newer} of the local tier {tier.root}: the job resumed from "
+                          f"{'nothing' if step is None else f'step {step}'}, so they will be saved again", stacklevel=4)
+        for old in newer:
+            tier.delete(old)
 
     def _restore_step(self, lane: _Lane, step: int, requested: Mapping[str, Any], restore_rng: bool, strict: bool,
                       key_map: KeyMap | None) -> None:
@@ -401,8 +459,13 @@ class CheckpointManager:
             return
         log.info("saving step %d to %s again: its copy there never committed", choice.step, self.directory)
         base = dataclasses.replace(marker, items=(), created_at=time.time(), writer=None, persistent_copy=False,
-                                   versions=formats.writer_versions())
-        self._save(choice.step, [self._persistent], requested, base)
+                                   persistent_root=None, versions=formats.writer_versions())
+        try:
+            self._save(choice.step, [self._persistent], requested, base)
+        except CheckpointError as exc:  # raised on every process alike: the restore itself succeeded
+            warnings.warn(f"step {choice.step} was restored, but its copy to {self.directory}, which never "
+                          f"committed, could not be redone ({exc}); the next persistent save makes a new one",
+                          stacklevel=3)
 
     def _resolve(self, resume_from: int | str) -> int | None:
         """None for "latest", else the step asked for."""
@@ -456,6 +519,11 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"the checkpoint manager for {self.directory} is closed")
+
+
+def _raise_first(errors: list[Exception]) -> None:
+    if errors:
+        raise errors[0]
 
 
 def _check_root(root: storage.Location, create: bool) -> None:

@@ -39,12 +39,12 @@ class Candidate:
 
 def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, wanted: int | None) -> list[Candidate]:
     """The steps to try, best first; `wanted` a given step (tried in the local tier first), or None for the
-    newest. Collective with several processes (every process gets the same list). Blocks."""
+    newest. `local` holds only this run's local steps (the manager leaves out the others). Collective with
+    several processes (every process gets the same list). Blocks."""
     persistent_steps = persistent.committed()
     mine: list[tuple[int, bool]] = []
     if local is not None:
-        mine = sorted((step, marker.persistent_copy) for step, marker in local.committed().items()
-                      if marker.writer is not None and marker.process_count == coordinator.count)
+        mine = sorted((step, marker.persistent_copy) for step, marker in local.committed().items())
     everyone = [dict(entries) for entries in coordinator.all_gather(mine)]
     common = set(everyone[0]).intersection(*everyone[1:])
     due_copy = {step for step in common if all(flags[step] for flags in everyone)}
@@ -60,7 +60,7 @@ def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, w
     return out + ([Candidate(PERSISTENT, newest)] if newest is not None else [])
 
 
-def agree(coordinator: Coordinator, candidate: Candidate, where: str, error: CheckpointError | None) -> bool:
+def agree(coordinator: Coordinator, candidate: Candidate, where: str, error: Exception | None) -> bool:
     """After every process tried to restore a local `candidate` (`error`: how it failed here, or None): True if
     every process succeeded. Otherwise each process learns why, a warning names the step and the failures, and
     the caller falls back; a failure that is not damage (`DAMAGE`) is raised instead, on every process.

@@ -40,8 +40,9 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
     """Plan `states` (item name -> state tree) for every destination, clear their step directories, and begin
     the writes: in async mode without `max_host_bytes` every shard is on the host when this returns, copied off
     the devices once for all destinations (`saving.stage_shared`); otherwise each destination begins as
-    `saving.begin_writes` does. `marker` is completed per destination (items; a local copy's writer, and whether
-    the step also goes to a shared tier). Raises what planning and staging raise, on every process."""
+    `saving.begin_writes` does. `marker` is completed per destination (items; for an own copy its writer, whether
+    the step also goes to a shared tier, and the shared tier's root as `marker.persistent_root` names it).
+    Raises what planning and staging raise, on every process."""
     shared = any(not d.own_copy for d in destinations)
     with paused_gc():  # many small records live until the save is planned and staged
         plans, places, markers = [], [], []
@@ -57,7 +58,8 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
                           for name, state in items.items()})
             places.append(destination.tier.prepare(destination.coordinator, step))
             markers.append(dataclasses.replace(marker, items=tuple(plans[-1]), persistent_copy=own and shared,
-                                               writer=coordinator.index if own else None))
+                                               writer=coordinator.index if own else None,
+                                               persistent_root=marker.persistent_root if own else None))
         writer = coordinator.index
 
         def begin() -> list[Callable[[], saving.Writes]]:

@@ -4,6 +4,7 @@ devices do on a pod: a restarted job may give the same host another process inde
 
 usage: multitier.py save ROOT LOCAL_BASE HOST     -> saves steps 1-3 (persistent every 2, local every step)
        multitier.py restore ROOT LOCAL_BASE HOST  -> restore("latest") and checks every value against its step
+       multitier.py resume_save ROOT LOCAL_BASE HOST -> restore("latest"), then saves the next steps up to 4
 The local tier of HOST is LOCAL_BASE/host<HOST>. Prints one JSON line per event: {"rank", "host", ...}.
 """
 
@@ -51,8 +52,11 @@ def main() -> None:
         save_interval_steps=2, max_to_keep=2, local_directory=os.path.join(local_base, f"host{host}"),
         local_save_interval_steps=1, local_max_to_keep=2, coordination_timeout_s=120)
     manager = xtc.CheckpointManager(root, options)
-    if mode == "save":
-        for step in (1, 2, 3):
+    if mode in ("save", "resume_save"):
+        start = 1
+        if mode == "resume_save":
+            start = manager.restore("latest", model=model_for(None, host), data_loader=Loader()) + 1
+        for step in range(start, 4 if mode == "save" else 5):
             torch.manual_seed(100 * step + host)
             manager.save(step, model=model_for(step, host), data_loader=Loader(10 * step))
         manager.wait_until_finished()

@@ -108,9 +108,11 @@ class StepMetadata:
     versions: dict[str, str] | None = None
     process_count: int = 1
     format_version: int = 1  # 0: a step written by Orbax itself
-    # A step of a manager's local tier: the process that wrote it (its index then), and whether the step was
-    # also due for the persistent tier (a restart that finds it there only redoes that copy).
+    # A step of a manager's local tier: the process that wrote it (its index then), whether the step was also
+    # due for the persistent tier (a restart that does not find it there redoes that copy), and that tier's root
+    # (a local tier reused by another run is not mistaken for this one's).
     writer: int | None = None
     persistent_copy: bool = False
+    persistent_root: str | None = None
     # Where a manager with several tiers found the step ("local", "persistent"); never stored.
     tiers: tuple[str, ...] = ()

@@ -10,7 +10,8 @@ also 0-d arrays and string leaves also in ``_strings.json``, so that Orbax resto
 
 Step ``_CHECKPOINT_METADATA``: Orbax's document (`orbax.step_document`) with ``{"format_version": 2, "step",
 "items", "versions", "process_count"}`` under ``custom_metadata["xla_tensorstore_ckpt"]``; a step of a
-manager's local tier adds ``"local_tier": {"writer": <process index>, "persistent_copy": <bool>}``.
+manager's local tier adds ``"local_tier": {"writer": <process index>, "persistent_copy": <bool>,
+"persistent_root": <the persistent tier's root>}``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def encode_step(marker: StepMetadata) -> bytes:
     mine = {"format_version": VERSION, "step": marker.step, "items": list(marker.items),
             "versions": marker.versions, "process_count": marker.process_count}
     if marker.writer is not None:
-        mine["local_tier"] = {"writer": marker.writer, "persistent_copy": marker.persistent_copy}
+        mine["local_tier"] = {"writer": marker.writer, "persistent_copy": marker.persistent_copy,
+                              "persistent_root": marker.persistent_root}
     doc = orbax.step_document(marker, {KEY: mine})
     return json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
 
@@ -77,7 +79,8 @@ def decode_step(doc: dict, *, where: str) -> StepMetadata:
         raise CorruptCheckpointError(f"{where}: malformed item list {items!r}"[:300])
     versions = mine.get("versions")
     local = mine.get("local_tier")
-    if local is not None and not (isinstance(local, dict) and isinstance(local.get("persistent_copy"), bool)):
+    if local is not None and not (isinstance(local, dict) and isinstance(local.get("persistent_copy"), bool)
+                                  and isinstance(local.get("persistent_root"), str)):
         raise CorruptCheckpointError(f"{where}: malformed local_tier entry")
     return StepMetadata(step=v1.integer(mine.get("step"), where, minimum=0), items=tuple(items),
                         created_at=_seconds(doc.get("init_timestamp_nsecs"), where),
@@ -87,7 +90,8 @@ def decode_step(doc: dict, *, where: str) -> StepMetadata:
                         process_count=v1.integer(mine.get("process_count", 1), where, minimum=1),
                         format_version=VERSION,
                         writer=None if local is None else v1.integer(local.get("writer"), where, minimum=0),
-                        persistent_copy=bool(local and local["persistent_copy"]))
+                        persistent_copy=bool(local and local["persistent_copy"]),
+                        persistent_root=None if local is None else local["persistent_root"])
 
 
 def _seconds(value: object, where: str) -> float:
