@@ -173,6 +173,26 @@ time.sleep(60)
         assert mgr.save(2, model={"w": torch.zeros(4)})
 
 
+def test_a_lock_naming_a_reused_pid_is_stale(tmp_path):
+    # As after a container restart: the lock names this host and a live pid, but a process that started at
+    # another time. With the start of the process that really has that pid, it is live.
+    import socket
+    import time
+
+    from xla_tensorstore_ckpt.root_lock import _process_start
+
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": "another-boot:1", "token": "ab12",
+              "heartbeat": time.time()}
+    (tmp_path / layout.MANAGER_LOCK).write_text(json.dumps(holder))
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        assert mgr.save(1, model={"w": torch.ones(4)})
+    holder["started"] = _process_start(os.getpid())
+    (tmp_path / layout.MANAGER_LOCK).write_text(json.dumps(holder))
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        with pytest.raises(xtc.CheckpointError, match="owned by another checkpoint manager"):
+            mgr.save(2, model={"w": torch.ones(4)})
+
+
 def test_restoring_while_another_process_saves(tmp_path):
     # The saver keeps saving (async, retention on) until the reader has restored two steps while it runs: the
     # overlap is guaranteed by the protocol, not by how fast either process happens to be.

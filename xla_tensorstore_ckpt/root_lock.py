@@ -1,8 +1,9 @@
 """Ownership of a checkpoint root: at most one saving manager per root, through ``<root>/_MANAGER_LOCK``.
 
-The lock records its owner (host, pid, a random token) and a heartbeat refreshed at every commit. It is stale,
-and may be taken over, when its process is gone (same host) or its heartbeat is older than the timeout (other
-hosts). A free root is taken by an exclusive create; a stale lock through an exclusive create of
+The lock records its owner (host, pid, when that process started, a random token) and a heartbeat refreshed at
+every commit. It is stale, and may be taken over, when its process is gone (same host: no process with that pid,
+or one that started at another time, as after a container restart that reuses pids) or its heartbeat is older
+than the timeout (other hosts). A free root is taken by an exclusive create; a stale lock through an exclusive create of
 ``_MANAGER_LOCK.takeover.<stale token>``: of several managers that found the same stale lock at once, exactly one
 creates it and overwrites the lock, the others then find a live owner. The marker stays until its owner releases
 the root, so that a contender still holding the stale record cannot create it again meanwhile. All of this rests
@@ -32,7 +33,8 @@ class RootLock:
     def __init__(self, root: Location, timeout_s: float):
         self.root = root
         self.timeout_s = timeout_s
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
+                      "token": uuid.uuid4().hex}
         self.owned = False
         self.holder: dict | None = None  # another live owner, when one was found
         self._takeover: str | None = None  # the marker of the stale lock this manager took over
@@ -96,7 +98,11 @@ class RootLock:
 
     def _is_live(self, holder: dict) -> bool:
         if holder.get("host") == self.owner["host"]:
-            return _pid_alive(holder.get("pid"))
+            pid, started = holder.get("pid"), holder.get("started")
+            if not _pid_alive(pid):
+                return False
+            # A live pid is another process if it started at another time (pids are reused, from 1 in containers).
+            return not isinstance(started, str) or _process_start(pid) in (None, started)  # type: ignore[arg-type]
         heartbeat = holder.get("heartbeat")
         return isinstance(heartbeat, (int, float)) and time.time() - heartbeat < self.timeout_s
 
@@ -107,6 +113,19 @@ def _decode(data: bytes) -> dict | None:
     except (UnicodeDecodeError, ValueError):
         return None
     return holder if isinstance(holder, dict) else None
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started, as ``<boot id>:<start time in clock ticks>`` (Linux), or None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
 
 
 def _pid_alive(pid: object) -> bool:
