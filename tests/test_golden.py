@@ -76,3 +76,36 @@ def test_the_manager_lists_and_resumes_them_rng_included(root):
 def test_the_command_line_verifies_them(root, capsys):
     assert cli.main(["verify", str(root)]) == 0
     assert "OK: " in capsys.readouterr().out
+
+
+# ------------------------------------------------------------- format 2, written before metadata checksums
+
+GOLDEN_V2 = os.path.join(os.path.dirname(__file__), "golden", "v2-unchecked")  # golden/make_v2_unchecked.py
+import make_v2_unchecked  # noqa: E402
+
+
+@pytest.fixture
+def unchecked_root(tmp_path):
+    shutil.copytree(GOLDEN_V2, tmp_path / "root")
+    return tmp_path / "root"
+
+
+def test_format_2_steps_without_checksums_still_restore(unchecked_root):
+    with open(unchecked_root / "1" / "_CHECKPOINT_METADATA") as f:
+        assert '"crc32c"' not in f.read()  # the fixture predates the checksums: nothing to verify
+    with xtc.CheckpointManager(unchecked_root, xtc.CheckpointManagerOptions(save_interval_steps=1)) as manager:
+        assert manager.all_steps() == [1, 2] and manager.metadata(1).metrics == {"loss": 0.5}
+        model = {k: torch.zeros_like(v) for k, v in make_v2_unchecked.model_state(1).items()}
+        loader, extra = {"position": 0, "epoch": 0}, {"name": "", "tokens": 0, "lr": 0.0, "pair": [0, ""]}
+        assert manager.restore(1, model=model, data_loader=loader, extra=extra) == 1
+        assert_trees_equal(model, make_v2_unchecked.model_state(1))
+        assert loader == make_v2_unchecked.loader_state(1)
+        assert extra == dict(make_v2_unchecked.extra_state(), pair=[1, "two"])  # a tuple is updated as a list
+        assert manager.restore("latest", model=model, data_loader=loader) == 2
+        assert_trees_equal(model, make_v2_unchecked.model_state(2))
+        assert loader == make_v2_unchecked.loader_state(2)
+
+
+def test_the_command_line_verifies_format_2_steps_without_checksums(unchecked_root, capsys):
+    assert cli.main(["verify", str(unchecked_root)]) == 0
+    assert "OK: " in capsys.readouterr().out

@@ -156,6 +156,22 @@ def test_damaged_local_step_is_skipped(trained, mesh):
     assert any("deleting steps [6] of the local tier" in m for m in first_messages), first_messages
 
 
+def test_a_flipped_digit_in_a_local_data_loader_position_is_skipped(trained, mesh):
+    """The position lives in the item's _METADATA (no array chunk holds it for us): its checksum finds the flip."""
+    root, local, _ = trained
+    metadata = os.path.join(local, "6", "data_loader", "_METADATA")
+    with open(metadata) as f:
+        text = f.read()
+    assert text.count('{"value":60}') == 1
+    with open(metadata, "w") as f:
+        f.write(text.replace('{"value":60}', '{"value":61}'))
+    step, model, loader, extra, _, messages = resume(root, local, mesh)
+    assert step == 5 and loader.position == 50 and extra == {"step": 5}  # never 61
+    assert_state(model, 5)
+    assert any("skipping step 6 of the local tier" in m and metadata in m and "damaged" in m for m in messages), \
+        messages
+
+
 def test_training_goes_on_after_a_fallback(trained, mesh):
     root, local, _ = trained
     flip_byte(os.path.join(local, "6"))

@@ -12,6 +12,7 @@ from typing import Any
 
 from . import commit, formats, storage, tree
 from .distributed import Coordinator, default_coordinator
+from .formats import ItemManifest, checksums
 from .options import RestoreOptions, SaveOptions
 from .restoring import KeyMap, PathLike, read_item
 from .saving import issue_writes, plan_save, prepare_directory
@@ -62,13 +63,23 @@ def restore(path: PathLike, target: Any = None, *, strict: bool = True, key_map:
     Raises `KeyMismatchError` listing keys missing from the checkpoint or not in the target (with
     `strict=False` these are skipped with a warning and missing ones keep the target's leaf),
     `ShapeMismatchError` naming key, both shapes and the path, `CorruptCheckpointError` for damaged data
-    (naming array and chunk), `CheckpointNotFoundError` if `path` holds no item.
+    (naming array and chunk, or the metadata file whose checksum does not match), `CheckpointNotFoundError`
+    if `path` holds no item.
     """
-    manifest = formats.read_item(storage.location(path))
+    manifest = read_manifest(storage.location(path))
     values = read_item(path, target, strict=strict, options=options, manifest=manifest, key_map=key_map)
     if target is None and key_map is not None:
         return {path[0]: value for path, value in values.items()}
     return tree.rebuild(manifest.tree if target is None else target, lambda p, v: values.get(p, v))
+
+
+def read_manifest(loc: storage.Location) -> ItemManifest:
+    """The manifest of the item at `loc`, for a restore: ``_METADATA`` decoded (its own checksum verified, where
+    it records one) and ``_strings.json`` checked against the checksum ``_METADATA`` records. Raises what
+    `formats.read_item` raises and `CorruptCheckpointError` naming a damaged file. Blocks."""
+    manifest = formats.read_item(loc)
+    checksums.verify_strings(loc, manifest)
+    return manifest
 
 
 def metadata(path: PathLike) -> Any:

@@ -14,11 +14,13 @@ and block.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 
 from . import arrays, formats, layout
 from .distributed import Coordinator
+from .formats import checksums
 from .saving import SavePlan, Writes
 from .storage import Location
 
@@ -54,14 +56,18 @@ def commit(coordinator: Coordinator, loc: Location, items: Mapping[str, SavePlan
 
 
 def finish_item(item: Location, plan: SavePlan, *, fsync: bool) -> None:
-    """Merge the item's OCDBT stores, then write its string leaves, its manifest and Orbax's completion mark."""
+    """Merge the item's OCDBT stores, then write its string leaves, its manifest (with the checksum of the
+    string leaves' file and its own) and Orbax's completion mark."""
     if plan.store.kind == "ocdbt":
         stores = [n for n in item.list() if n.startswith(layout.OCDBT_PROCESS_PREFIX)]
         if stores:
             arrays.merge_ocdbt(item, stores)
             if fsync:
                 item.sync_files([layout.OCDBT_MANIFEST], trees=["d"])
+    manifest = plan.manifest
     if plan.strings:
-        item.write(layout.STRINGS, json.dumps(plan.strings).encode("utf-8"), fsync=fsync)
-    item.write(layout.ITEM_METADATA, formats.encode_item(plan.manifest), fsync=fsync)
+        strings = json.dumps(plan.strings).encode("utf-8")
+        item.write(layout.STRINGS, strings, fsync=fsync)
+        manifest = dataclasses.replace(manifest, strings_crc32c=checksums.of(strings))  # verified on read
+    item.write(layout.ITEM_METADATA, formats.encode_item(manifest), fsync=fsync)
     item.write(layout.COMMIT_SUCCESS, COMMITTED, fsync=fsync)

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import arrays, grid, layout, storage
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
-from .formats import ArrayMetadata
+from .formats import ArrayMetadata, checksums
 from .inspection import (
     Checkpoint,
     Progress,
@@ -214,11 +214,14 @@ class Verification:
 
 def verify(path: str, progress: Progress | None = None) -> Verification:
     """Check every chunk of every array of a step, an item, or every step under a root: present, checksum
-    valid, metadata consistent (steps with an invalid commit marker are problems; uncommitted ones are not
+    valid, metadata consistent, ``_METADATA``, ``_CHECKPOINT_METADATA`` and ``_strings.json`` matching the
+    checksums they record (steps with an invalid commit marker are problems; uncommitted ones are not
     checkpoints and are skipped). Items Orbax wrote carry no per-chunk checksums: their chunks are checked to be
     present and to decode, and a note says so. Raises `CheckpointNotFoundError` if `path` is none of these."""
     try:
         return _verify_all([open_checkpoint(path)], [], progress)
+    except (CorruptCheckpointError, FormatVersionError) as exc:  # a step whose marker does not decode
+        return Verification(0, [Problem(str(path), str(exc))], [])
     except CheckpointNotFoundError:
         steps = list_steps(path)
         if not steps:
@@ -238,6 +241,7 @@ def _verify_all(targets: list[Checkpoint], problems: list[Problem], progress: Pr
         for item in checkpoint.items:
             try:
                 manifest = checkpoint.manifest(item)
+                checksums.verify_strings(checkpoint.item_location(item), manifest)
             except (CorruptCheckpointError, FormatVersionError, CheckpointNotFoundError) as exc:
                 problems.append(Problem(prefix + (item or "item"), str(exc)))
                 continue

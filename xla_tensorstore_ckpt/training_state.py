@@ -132,6 +132,7 @@ def restore_step(step_loc: Location, marker: StepMetadata, objects: Mapping[str,
 def _restore_in_place(item_loc: Location, target: Any, strict: bool, options: RestoreOptions,
                       key_map: KeyMap | None) -> None:
     rest = restoring.read_item(item_loc, target, strict=strict, options=options, key_map=key_map,
+                               manifest=checkpointer.read_manifest(item_loc),
                                take=lambda values: assign_in_place(target, values))
     assign_in_place(target, rest)
 

@@ -86,6 +86,9 @@ class ItemManifest:
     tree: Any
     format_version: int
     store: ArrayStore = ArrayStore()
+    # The CRC32C (8 hex digits) of the item's _strings.json as its _METADATA records it (`checksums`); None: not
+    # recorded (no string leaves, or written before checksums, or by Orbax).
+    strings_crc32c: str | None = None
 
     def arrays(self) -> list[tuple[layout.KeyPath, ArrayMetadata]]:
         return [(p, v) for p, v in tree.flatten(self.tree) if isinstance(v, ArrayMetadata)]

@@ -6,21 +6,24 @@ Item ``_METADATA``: Orbax's document (`orbax.tree_metadata`, ``use_ocdbt``, ``us
 <the structure as in version 1: tuples, integer dict keys, JSON leaves with non-finite floats, and for each
 array its name, shape, dtype, chunk shape and saved sharding>}``. Arrays are named as Orbax names them
 (`layout.array_names`), in one OCDBT store or one directory each, with a crc32c per chunk; scalar leaves are
-also 0-d arrays and string leaves also in ``_strings.json``, so that Orbax restores them to the same values.
+also 0-d arrays and string leaves also in ``_strings.json``, so that Orbax restores them to the same values. Our
+object ends with ``"strings_crc32c"`` (with string leaves) and ``"crc32c"``, the checksums of ``_strings.json``
+and of the file itself (`checksums`).
 
 Step ``_CHECKPOINT_METADATA``: Orbax's document (`orbax.step_document`) with ``{"format_version": 2, "step",
 "items", "versions", "process_count"}`` under ``custom_metadata["xla_tensorstore_ckpt"]``; a step of a
 manager's local tier adds ``"local_tier": {"writer": <process index>, "persistent_copy": <bool>,
-"persistent_root": <the persistent tier's root>}``.
+"persistent_root": <the persistent tier's root>}``; the object ends with ``"crc32c"``, the file's checksum.
+Documents without checksums (written before them) read as before, with nothing to verify.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 
 from .. import layout, tree
 from ..errors import CorruptCheckpointError
-from . import orbax, v1
+from . import checksums, orbax, v1
 from .records import ArrayStore, ItemManifest, StepMetadata
 
 VERSION = 2
@@ -43,19 +46,24 @@ def ours(doc: dict) -> dict:
 
 
 def encode_item(manifest: ItemManifest) -> bytes:
+    mine = {"format_version": VERSION, "tree": v1.encode_tree(manifest.tree)}
+    if manifest.strings_crc32c is not None:
+        mine[checksums.STRINGS_FIELD] = manifest.strings_crc32c
     doc = {"tree_metadata": orbax.tree_metadata(manifest.tree), "use_ocdbt": manifest.store.kind == "ocdbt",
-           "use_zarr3": True, "store_array_data_equal_to_fill_value": True, "custom_metadata": None,
-           KEY: {"format_version": VERSION, "tree": v1.encode_tree(manifest.tree)}}
-    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("utf-8")
+           "use_zarr3": True, "store_array_data_equal_to_fill_value": True, "custom_metadata": None, KEY: mine}
+    return checksums.seal(doc, mine, indent=None)
 
 
 def decode_item(doc: dict, *, where: str) -> ItemManifest:
+    mine = ours(doc)
+    checksums.verify(doc, mine, indent=None, where=where)
     kind = "ocdbt" if doc.get("use_ocdbt") else "directories"
-    manifest = v1.decode_tree(ours(doc).get("tree"), where=where, version=VERSION, store=ArrayStore(kind=kind))
+    manifest = v1.decode_tree(mine.get("tree"), where=where, version=VERSION, store=ArrayStore(kind=kind))
     for _, meta in manifest.arrays():
         if "/" in meta.path:
             raise CorruptCheckpointError(f"{where}: array name {meta.path!r} is not one path segment")
-    return manifest
+    strings = checksums.strings_checksum(mine.get(checksums.STRINGS_FIELD), where)
+    return manifest if strings is None else dataclasses.replace(manifest, strings_crc32c=strings)
 
 
 def encode_step(marker: StepMetadata) -> bytes:
@@ -64,12 +72,15 @@ def encode_step(marker: StepMetadata) -> bytes:
     if marker.writer is not None:
         mine["local_tier"] = {"writer": marker.writer, "persistent_copy": marker.persistent_copy,
                               "persistent_root": marker.persistent_root}
-    doc = orbax.step_document(marker, {KEY: mine})
-    return json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
+    # Our object last (the user's custom metadata may not use our key), its checksum last in it.
+    user = {k: v for k, v in (marker.custom or {}).items() if k != KEY} or None
+    doc = orbax.step_document(dataclasses.replace(marker, custom=user), {KEY: mine})
+    return checksums.seal(doc, mine, indent=1)
 
 
 def decode_step(doc: dict, *, where: str) -> StepMetadata:
     mine = ours(doc)
+    checksums.verify(doc, mine, indent=1, where=where)
     custom = {k: v for k, v in doc["custom_metadata"].items() if k != KEY}
     metrics = doc.get("metrics")
     if metrics is not None and not isinstance(metrics, dict):
