@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import tensorstore as ts
 import torch
 from conftest import sharded
 from hf_files import hf_tensors, write_hf_dir
@@ -17,7 +18,7 @@ from orbax_process import leaf, orbax, same
 from safetensors.torch import load_file, save_file
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, convert, storage
+from xla_tensorstore_ckpt import cli, convert, formats, storage, tree
 from xla_tensorstore_ckpt.errors import CheckpointExistsError, UsageError
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
@@ -135,13 +136,15 @@ def test_a_version_1_item_becomes_one_orbax_restores(tmp_path):
         assert same(leaf(restored[key]), value), key
 
 
-def peak_rss(argv: list[str]) -> dict:
+def peak_rss(argv: list[str], *, status: int = 0) -> dict:
+    """Run an xtckpt command in a process of its own; its exit status, stderr, and resident memory before and at
+    its peak."""
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "convert_peak_rss.py"), json.dumps(argv)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["status"] == 0 and not result["torch_xla_imported"]
-    return result
+    assert result["status"] == status and not result["torch_xla_imported"], proc.stderr[-4000:]
+    return {**result, "stderr": proc.stderr}
 
 
 def test_the_host_memory_budget_holds_both_ways(tmp_path):
@@ -155,12 +158,103 @@ def test_the_host_memory_budget_holds_both_ways(tmp_path):
                      "--max-host-bytes", str(budget)])
     back = peak_rss(["convert", str(tmp_path / "item"), str(tmp_path / "st"), "--to", "safetensors",
                      "--max-host-bytes", str(budget)])
-    for result in (into, back):
+    # Item to item, from stored chunks of a quarter of the budget (16 MiB, 1024 rows: the budget's cut of the
+    # tensors) into the chunks of a 8x2 mesh's shards, cut along both dimensions: each stored chunk is read once.
+    assert xtc.metadata(tmp_path / "item")["layers.0.weight"].chunk_shape == (1024, 4096)
+    recut = peak_rss(["convert", str(tmp_path / "item"), str(tmp_path / "recut"), "--mesh", "8x2",
+                      "--max-host-bytes", str(budget)])
+    for result in (into, back, recut):
         assert result["peak"] - result["baseline"] <= budget, result
+    # Under half the budget, a stored chunk (which is decoded whole) no longer fits: refused up front, naming the
+    # array, its chunks and the budget needed, instead of decoding the chunk again for every piece.
+    refused = peak_rss(["convert", str(tmp_path / "item"), str(tmp_path / "refused"),
+                        "--max-host-bytes", str(budget // 2)], status=cli.EXIT_USAGE)
+    assert "layers.0.weight: its stored chunks of [1024, 4096] take 16777216 bytes" in refused["stderr"]
+    assert f"at least {budget}" in refused["stderr"] and not (tmp_path / "refused").exists()
     del tensors
     again = load_file(str(tmp_path / "st" / "model.safetensors"))
     original = load_file(str(tmp_path / "model.safetensors"))
     assert all(torch.equal(again[k], v) for k, v in original.items())
+    assert xtc.metadata(tmp_path / "recut")["layers.0.weight"].chunk_shape == (256, 2048)
+    recut_values = xtc.restore(tmp_path / "recut")
+    assert sorted(recut_values) == sorted(original)
+    assert all(torch.equal(recut_values[k], v) for k, v in original.items())
+
+
+def test_the_host_memory_budget_holds_from_orbax_chunks(tmp_path):
+    """Orbax's chunks are its shards: an array on one device is one chunk, however large."""
+    budget = 64 << 20
+    gib = 0.1875  # 16 arrays of (384, 8192) float32: 12 MiB each, 192 MiB
+    orbax("large", tmp_path / "orbax", gib, "--one-device", "1")
+    item = tmp_path / "orbax" / "1" / "model"
+    shapes = orbax_trees.large_shapes(gib)
+    assert len(shapes) == 16 and set(shapes.values()) == {(384, 8192)}
+    assert xtc.metadata(item)["w0"].chunk_shape == (384, 8192)
+    into = peak_rss(["convert", str(item), str(tmp_path / "ours"), "--mesh", "4x2", "--max-host-bytes", str(budget)])
+    assert into["peak"] - into["baseline"] <= budget, into
+    refused = peak_rss(["convert", str(item), str(tmp_path / "refused"), "--max-host-bytes", str(budget // 2)],
+                       status=cli.EXIT_USAGE)
+    assert "w0: its stored chunks of [384, 8192] take 12582912 bytes" in refused["stderr"]
+    assert f"at least {12582912 * convert.COPIES_IN_FLIGHT}" in refused["stderr"]
+    assert not (tmp_path / "refused").exists()
+    assert xtc.metadata(tmp_path / "ours")["w3"].chunk_shape == (96, 4096)
+    restored = xtc.restore(tmp_path / "ours")
+    expected = orbax_trees.large(gib)
+    assert sorted(restored) == sorted(expected)
+    assert all(torch.equal(restored[k], torch.from_numpy(v)) for k, v in expected.items())
+
+
+def chunk_reads() -> int:
+    """Chunks tensorstore has read in this process so far (its chunk cache's read counter; each read of a
+    region counts every chunk it touches)."""
+    return sum(int(v["value"]) for m in ts.experimental_collect_matching_metrics("/tensorstore/cache/chunk_cache/reads")
+               for v in m["values"])
+
+
+@pytest.mark.parametrize("chunking", [dict(chunk_shape=(4, 48)), dict(mesh=(4, 2)), dict(chunk_shape=(96, 48)), {}],
+                         ids=["rows", "rows-and-columns", "merged", "kept"])
+@pytest.mark.parametrize("kind", ["ours", "orbax"])
+def test_a_zarr_source_is_read_once_per_stored_chunk(tmp_path, kind, chunking):
+    """A zarr chunk is decoded whole whatever part of it is read: however the destination is chunked, every
+    stored chunk is read exactly once."""
+    if kind == "ours":  # stored chunks of 16 rows, from a Hugging Face directory
+        expected = write_hf_dir(str(tmp_path / "hf"))
+        source = storage.location(str(tmp_path / "source"))
+        convert.convert_item(storage.location(str(tmp_path / "hf")), source,
+                             options=convert.ConvertOptions(chunk_shape=(16, 48)))
+    else:  # an item Orbax wrote: the chunks of a 4x2 mesh's shards
+        source = storage.location(os.path.join(GOLDEN, "orbax-0.11", "item"))
+        expected = dict(tree.flatten(xtc.restore(source.path)))
+    before = chunk_reads()
+    manifest = formats.read_item(source)
+    reading_the_manifest = chunk_reads() - before  # Orbax's scalars are read with it
+    before = chunk_reads()
+    convert.convert_item(source, storage.location(str(tmp_path / "copy")),
+                         options=convert.ConvertOptions(max_host_bytes=128 << 10, **chunking))
+    stored_chunks = sum(meta.num_chunks for _, meta in manifest.arrays())
+    assert stored_chunks > len(manifest.arrays())
+    assert chunk_reads() - before - reading_the_manifest == stored_chunks
+    copied = xtc.restore(tmp_path / "copy")
+    copied = copied if kind == "ours" else dict(tree.flatten(copied))
+    assert sorted(copied) == sorted(expected) and all(same(copied[k], v) for k, v in expected.items())
+
+
+def test_chunks_that_do_not_line_up_with_the_stored_ones_are_refused_up_front(tmp_path):
+    write_hf_dir(str(tmp_path / "hf"))
+    source = storage.location(str(tmp_path / "source"))
+    convert.convert_item(storage.location(str(tmp_path / "hf")), source,
+                         options=convert.ConvertOptions(chunk_shape=(16, 48)))
+    # Chunks of 24 rows from chunks of 16: regions of 48 rows are read at once. A budget of 24,000 bytes holds
+    # 6,000 in flight: stored chunks (16 x 48 float32: 3,072 bytes) and new ones (4,608) fit, 48 x 48 (9,216) not.
+    with pytest.raises(UsageError, match=r"q_proj\.weight: copying its stored chunks of \[16, 48\] into chunks of "
+                                         r"\[24, 48\] reads regions of \[48, 48\] at once .* which take 9216 bytes"):
+        convert.convert_item(source, storage.location(str(tmp_path / "refused")),
+                             options=convert.ConvertOptions(max_host_bytes=24_000, chunk_shape=(24, 48)))
+    assert not (tmp_path / "refused").exists()
+    convert.convert_item(source, storage.location(str(tmp_path / "fits")),
+                         options=convert.ConvertOptions(max_host_bytes=64 << 10, chunk_shape=(24, 48)))
+    assert xtc.metadata(tmp_path / "fits")["model.embed_tokens.weight"].chunk_shape == (24, 48)
+    assert torch.equal(xtc.restore(tmp_path / "fits")["lm_head.weight"], xtc.restore(source.path)["lm_head.weight"])
 
 
 def test_bad_input_fails_clearly_and_loses_nothing(tmp_path, capsys):

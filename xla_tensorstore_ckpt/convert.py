@@ -6,6 +6,13 @@ restores: so this is also how an older item becomes Orbax-readable), a committed
 Hugging Face safetensors files (`export`). Arrays are copied chunk by chunk: at most `max_host_bytes` of chunk
 data is read or being written at any time, and no tensor is ever held whole unless it is one chunk. Called by
 ``xtckpt convert``; blocks.
+
+A zarr chunk (of our items and Orbax's) is read and decoded whole whatever part of it is asked for, so such a
+source is copied stored chunk by stored chunk: each is read once, and written as the destination chunks it
+holds (or several stored chunks as one destination chunk). Where the destination's chunks do not line up with
+the source's, the smallest region that both grids cut exactly is read at once. A stored chunk (or such a region)
+that does not fit the budget is refused before anything is written, naming the array and the budget it needs.
+A safetensors tensor is raw bytes, read exactly by region: its destination chunks are any shape.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from . import arrays, commit, dtypes, formats, grid, layout, saving, storage, tree
+import numpy as np
+import torch
+
+from . import arrays, commit, dtypes, formats, grid, layout, raw_arrays, saving, storage, tree
 from .distributed import Coordinator
 from .errors import CheckpointExistsError, UsageError
 from .formats import ArrayMetadata, ItemManifest, StepMetadata
@@ -38,11 +48,13 @@ class ConvertOptions:
         copy, and room for the reader's and writer's own buffers), so at most a quarter of the budget is chunk
         data in flight, and a chunk may be at most that large.
     chunk_shape: the stored chunk shape, for the trailing dimensions (leading ones get 1; an array of lower
-        rank takes the last entries); None: see `mesh`.
+        rank takes the last entries); None: see `mesh`. From a zarr source, a shape that divides the source's
+        chunks (or is a multiple of them) copies each source chunk as one unit; others need larger units.
     mesh: the stored chunk grid as the shards of a mesh: dimension i of every array is cut into ``mesh[i]``
         chunks (dimensions beyond the mesh are whole), which is how FSDP (first axis) and tensor parallelism
         (second) shard weight matrices; a restore onto that mesh reads one chunk per shard. None with no
-        `chunk_shape`: the source's chunks, cut further along the first dimension where the budget needs.
+        `chunk_shape`: the source's chunks (a safetensors tensor's are cut along the first dimension to fit
+        the budget; a zarr source's are kept, and refused if they do not fit).
     use_ocdbt, fsync: as in `SaveOptions`.
     """
 
@@ -71,16 +83,18 @@ def convert_item(source: storage.Location, destination: storage.Location, *, opt
                  overwrite: bool = False, progress: Progress | None = None) -> ItemManifest:
     """Copy the item at `source` (see the module) to a new item at `destination`; return its manifest.
     `progress(bytes_done, bytes_total)` is called as chunks are written. Raises `CheckpointExistsError` if
-    `destination` holds anything and not `overwrite`, `UsageError` if a chunk would not fit the budget,
-    and what reading the source raises (`CorruptCheckpointError` naming file and key)."""
+    `destination` holds anything and not `overwrite`, `UsageError` (naming the array, its chunks and the budget
+    needed) if a chunk or a unit of the copy would not fit the budget, before anything is written, and what
+    reading the source raises (`CorruptCheckpointError` naming file and key)."""
     options = options or ConvertOptions()
     manifest = formats.read_item(source)
-    plan = _plan(manifest, options)
+    sources = _open_sources(source, manifest)
+    plan, units = _plan(manifest, sources, options)
     if not destination.is_empty():
         if not overwrite:
             raise CheckpointExistsError(f"{destination} already holds files; pass overwrite to replace them")
         destination.delete_tree()
-    _copy(source, manifest, destination, plan, options, progress)
+    _copy(source, sources, destination, plan, units, options, progress)
     commit.finish_item(destination, plan, fsync=options.fsync)
     return plan.manifest
 
@@ -107,29 +121,48 @@ def convert_to_step(source: storage.Location, step_dir: storage.Location, *, ite
     return marker
 
 
-def _plan(manifest: ItemManifest, options: ConvertOptions) -> saving.SavePlan:
-    """The save plan of the converted item: every array on its new chunk grid, as the shards of a
-    `ShardedArray` this process holds whole (so every chunk is written here)."""
+def _open_sources(source: storage.Location, manifest: ItemManifest) -> dict[layout.KeyPath, Any]:
+    """Every array of the source, open for reading (all opened at once; blocks)."""
+    context = arrays.operation_context()
+    pending = {path: arrays.open_existing(arrays.ArrayRef(source, meta.path, manifest.store, context), meta)
+               for path, meta in manifest.arrays()}
+    return {path: opening.result() for path, opening in pending.items()}
+
+
+def _plan(manifest: ItemManifest, sources: dict[layout.KeyPath, Any], options: ConvertOptions
+          ) -> tuple[saving.SavePlan, dict[layout.KeyPath, tuple[int, ...]]]:
+    """The save plan of the converted item (every array on its new chunk grid, as the shards of a
+    `ShardedArray` this process holds whole, so every chunk is written here) and the shape of the region each
+    array is read in at a time (`_unit_shape`). `UsageError` for a chunk or a unit beyond the budget."""
+    units: dict[layout.KeyPath, tuple[int, ...]] = {}
+
     def leaf(path: layout.KeyPath, value: Any) -> Any:
         if not isinstance(value, ArrayMetadata):
             return value
-        chunk = _chunk_shape(value, options)
-        itemsize = dtypes.by_name(value.dtype).itemsize
-        if math.prod(chunk) * itemsize > options.chunk_budget:
-            raise UsageError(
-                f"{tree.format_key_path(path)}: chunks of {list(chunk)} take {math.prod(chunk) * itemsize} bytes, "
-                f"more than a quarter of the host-memory budget of {options.max_host_bytes}; choose a smaller "
-                f"chunk shape or a larger budget")
+        stored = _stored_chunk(value, sources[path])
+        chunk = _chunk_shape(value, stored, options)
+        units[path] = _unit_shape(value.shape, chunk, stored)
+        if 0 not in value.shape:
+            _check_budget(path, value, stored, chunk, units[path], options)
         return ShardedArray.target(value.shape, value.torch_dtype, chunk if value.shape else (),
                                    ShardedArray.grid(value.shape, chunk) if 0 not in value.shape else [])
 
     state = tree.rebuild(manifest.tree, leaf)
     save_options = SaveOptions(use_ocdbt=options.use_ocdbt, fsync=options.fsync,
-                               host_batch_bytes=max(1, options.chunk_budget))
-    return saving.plan_save(state, save_options, Coordinator.single())
+                               host_batch_bytes=max(1, options.chunk_budget),
+                               single_file_max_bytes=min(SaveOptions().single_file_max_bytes, options.chunk_budget))
+    return saving.plan_save(state, save_options, Coordinator.single()), units
 
 
-def _chunk_shape(meta: ArrayMetadata, options: ConvertOptions) -> tuple[int, ...]:
+def _stored_chunk(meta: ArrayMetadata, store: Any) -> tuple[int, ...] | None:
+    """The chunk shape the source array is read and decoded in (within the shape), or None for a raw
+    (safetensors) tensor, of which any region reads exactly its bytes."""
+    if isinstance(store, raw_arrays.RawArray) or not meta.shape:
+        return None
+    return tuple(max(1, min(c, n)) for c, n in zip(arrays.chunk_shape(store), meta.shape))
+
+
+def _chunk_shape(meta: ArrayMetadata, stored: tuple[int, ...] | None, options: ConvertOptions) -> tuple[int, ...]:
     shape = meta.shape
     if not shape:
         return ()
@@ -139,6 +172,8 @@ def _chunk_shape(meta: ArrayMetadata, options: ConvertOptions) -> tuple[int, ...
     elif options.mesh is not None:
         parts = options.mesh[:len(shape)] + (1,) * (len(shape) - len(options.mesh[:len(shape)]))
         chunk = tuple(-(-n // p) for n, p in zip(shape, parts))
+    elif stored is not None:
+        chunk = stored  # a zarr chunk is decoded whole: cutting it would read it once per piece
     else:
         chunk = meta.chunk_shape
         itemsize = dtypes.by_name(meta.dtype).itemsize
@@ -148,24 +183,57 @@ def _chunk_shape(meta: ArrayMetadata, options: ConvertOptions) -> tuple[int, ...
     return tuple(max(1, min(c, n)) for c, n in zip(chunk, shape))
 
 
-def _copy(source: storage.Location, manifest: ItemManifest, destination: storage.Location, plan: saving.SavePlan,
-          options: ConvertOptions, progress: Progress | None) -> None:
-    """Read each chunk's region from the source and write it, keeping at most the budget in flight."""
-    context = arrays.operation_context()
-    sources = {path: arrays.open_existing(arrays.ArrayRef(source, meta.path, manifest.store, context), meta)
-               for path, meta in manifest.arrays()}
+def _unit_shape(shape: tuple[int, ...], chunk: tuple[int, ...], stored: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The region read at a time: one destination chunk from a raw source; from a zarr source, the smallest
+    region whose edges are edges of both grids (per dimension the least common multiple of the two chunk
+    sizes, or the whole dimension), so that every stored chunk is read once and every destination chunk
+    is written from one read."""
+    if stored is None:
+        return chunk
+    return tuple(min(n, math.lcm(c, s)) for n, c, s in zip(shape, chunk, stored))
+
+
+def _check_budget(path: layout.KeyPath, meta: ArrayMetadata, stored: tuple[int, ...] | None,
+                  chunk: tuple[int, ...], unit: tuple[int, ...], options: ConvertOptions) -> None:
+    """`UsageError` naming the array and the budget it needs if a stored chunk, a destination chunk or a unit
+    of the copy takes more than `ConvertOptions.chunk_budget`."""
+    itemsize = dtypes.by_name(meta.dtype).itemsize
+    key = tree.format_key_path(path)
+    limit = (f"more than a quarter of the host-memory budget of {options.max_host_bytes} bytes (a chunk in flight "
+             f"takes up to {COPIES_IN_FLIGHT} times its size)")
+    stored_bytes = math.prod(stored) * itemsize if stored is not None else 0
+    if stored_bytes > options.chunk_budget:
+        raise UsageError(
+            f"{key}: its stored chunks of {list(stored)} take {stored_bytes} bytes, {limit}, and a stored chunk is "
+            f"read whole; raise --max-host-bytes to at least {stored_bytes * COPIES_IN_FLIGHT}")
+    chunk_bytes = math.prod(chunk) * itemsize
+    if chunk_bytes > options.chunk_budget:
+        raise UsageError(
+            f"{key}: chunks of {list(chunk)} take {chunk_bytes} bytes, {limit}; choose a smaller chunk shape or "
+            f"raise --max-host-bytes to at least {chunk_bytes * COPIES_IN_FLIGHT}")
+    unit_bytes = math.prod(unit) * itemsize
+    if unit_bytes > options.chunk_budget:
+        raise UsageError(
+            f"{key}: copying its stored chunks of {list(stored)} into chunks of {list(chunk)} reads regions of "
+            f"{list(unit)} at once (the smallest that both grids cut whole), which take {unit_bytes} bytes, {limit}; "
+            f"choose a chunk shape that divides the stored chunks, or raise --max-host-bytes to at least "
+            f"{unit_bytes * COPIES_IN_FLIGHT}")
+
+
+def _copy(source: storage.Location, sources: dict[layout.KeyPath, Any], destination: storage.Location,
+          plan: saving.SavePlan, unit_shapes: dict[layout.KeyPath, tuple[int, ...]], options: ConvertOptions,
+          progress: Progress | None) -> None:
+    """Read the source unit by unit (`_units`) and write each unit's chunks, keeping at most the budget in
+    flight."""
     writer = saving.ChunkWriter(destination, plan, writer=0, writeback=options.fsync)
-    units = []  # (plan with the writes of one unit, bytes): a chunk, or all chunks of a single-file array
-    for p in plan.arrays:
-        groups = [p.writes] if p.single_file else [(w,) for w in p.writes]
-        units.extend((dataclasses.replace(p, writes=tuple(g)), sum(w.size for w in g) * p.itemsize) for g in groups)
-    total = sum(size for _, size in units)
+    units = [unit for p in plan.arrays for unit in _units(p, unit_shapes.get(p.key_path))]
+    total = sum(unit.nbytes for unit in units)
     done = 0
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
     try:
-        for batch in grid.batches(units, lambda unit: unit[1], options.chunk_budget):
-            batch_bytes = sum(size for _, size in batch)
+        for batch in grid.batches(units, lambda unit: unit.nbytes, options.chunk_budget):
+            batch_bytes = sum(unit.nbytes for unit in batch)
             while in_flight and in_flight_bytes + batch_bytes > options.chunk_budget:
                 finished_bytes, finished = in_flight.popleft()
                 arrays.wait_all(finished)
@@ -173,11 +241,8 @@ def _copy(source: storage.Location, manifest: ItemManifest, destination: storage
                 done += finished_bytes
                 if progress:
                     progress(done, total)
-            group = [unit for unit, _ in batch]
-            data = [[dtypes.numpy_to_tensor(r.result()) for r in unit_reads] if unit.key_path in sources
-                    else [unit.value]  # a number of the source's tree, stored as a 0-d array (Orbax's way)
-                    for unit, unit_reads in zip(group, [_start_reads(unit, sources, source) for unit in group])]
-            in_flight.append((batch_bytes, writer.write(group, data)))
+            in_flight.append((batch_bytes, writer.write([unit.plan for unit in batch],
+                                                        _read_batch(batch, sources, source))))
             in_flight_bytes += batch_bytes
         arrays.wait_all(writer.writes.pending)
     except BaseException:
@@ -189,8 +254,55 @@ def _copy(source: storage.Location, manifest: ItemManifest, destination: storage
         destination.sync_files(writer.writes.files, writer.writes.trees)
 
 
-def _start_reads(unit: saving.ArrayPlan, sources: dict, source: storage.Location) -> list:
-    if unit.key_path not in sources:
+def _read_batch(batch: list[_Unit], sources: dict[layout.KeyPath, Any], source: storage.Location
+                ) -> list[list[torch.Tensor]]:
+    """Read the units of a batch at once; the data of each unit's writes. Only those are kept: a region
+    copied into pieces is released here."""
+    reads = [arrays.read(sources[unit.plan.key_path], source, unit.region) if unit.plan.key_path in sources
+             else None for unit in batch]
+    return [unit.chunks(read.result()) if read is not None
+            else [unit.plan.value]  # a number of the source's tree, stored as a 0-d array (Orbax's way)
+            for unit, read in zip(batch, reads)]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A region of an array read from the source in one read (`region`), and the destination chunks it holds:
+    `plan` is the array's plan with those writes only."""
+
+    plan: saving.ArrayPlan
+    region: tuple[slice, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(s.stop - s.start for s in self.region) * self.plan.itemsize
+
+    def chunks(self, data: np.ndarray) -> list[torch.Tensor]:
+        """The data of each write: views of the region's `data` where they are contiguous (the region is cut
+        along its leading dimension), else copies, which tensorstore would make anyway (a 0-d array is its own
+        only write)."""
+        if not self.region:
+            return [dtypes.numpy_to_tensor(data)]
+        return [dtypes.numpy_to_tensor(np.ascontiguousarray(data[tuple(slice(a - s.start, b - s.start)
+                                                                       for (a, b), s in zip(w.region, self.region))]))
+                for w in self.plan.writes]
+
+
+def _units(p: saving.ArrayPlan, unit_shape: tuple[int, ...] | None) -> list[_Unit]:
+    """The array's writes grouped by the unit of `unit_shape` they lie in (all of them for a single-file
+    array, which is written at once), in C order."""
+    if not p.writes:
         return []
-    array = sources[unit.key_path].result()
-    return [arrays.read(array, source, tuple(slice(a, b) for a, b in w.region)) for w in unit.writes]
+    if p.single_file or unit_shape is None:
+        groups = [p.writes]
+    else:
+        by_unit: dict[tuple[int, ...], list[saving.ChunkWrite]] = {}
+        for w in p.writes:
+            by_unit.setdefault(tuple(a // u for (a, _), u in zip(w.region, unit_shape)), []).append(w)
+        groups = [tuple(g) for g in by_unit.values()]
+    out = []
+    for group in groups:
+        region = tuple(slice(min(w.region[d][0] for w in group), max(w.region[d][1] for w in group))
+                       for d in range(len(p.meta.shape)))
+        out.append(_Unit(dataclasses.replace(p, writes=tuple(group)), region))
+    return out

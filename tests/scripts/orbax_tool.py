@@ -4,7 +4,8 @@ reads ours, for the interop tests. Prints one JSON document on stdout.
 usage: orbax_tool.py write ITEM --ocdbt 0|1 --zarr3 0|1     an item of `tree()` (2D-sharded arrays, every leaf kind)
        orbax_tool.py manager ROOT [--prefix P]               a CheckpointManager root: steps 1 and 2, items
                                                              "model" and "extra" (Composite), the default options
-       orbax_tool.py large ROOT GIB                          a manager step of float32 arrays (the benchmark)
+       orbax_tool.py large ROOT GIB [--one-device 1]         a manager step of float32 arrays (the benchmark),
+                                                             2D-sharded, or on one device (each one chunk)
        orbax_tool.py restore ITEM                            StandardCheckpointer().restore(ITEM), no target
        orbax_tool.py restore_sharded ITEM                    PyTreeCheckpointer, onto NamedShardings on a 2x4 mesh
        orbax_tool.py steps ROOT...                           CheckpointManager(ROOT).all_steps() / latest_step()
@@ -77,7 +78,11 @@ def main() -> None:
         result = {"written": target}
     elif command == "large":
         gib = float(sys.argv[3])
-        tree = placed(orbax_trees.large(gib), orbax_trees.large_specs(gib), mesh())
+        if dict(zip(sys.argv[4::2], sys.argv[5::2])).get("--one-device") == "1":
+            tree = {name: jax.device_put(jnp.asarray(value), jax.devices()[0])
+                    for name, value in orbax_trees.large(gib).items()}
+        else:
+            tree = placed(orbax_trees.large(gib), orbax_trees.large_specs(gib), mesh())
         with ocp.CheckpointManager(target) as manager:
             manager.save(1, args=ocp.args.Composite(model=ocp.args.StandardSave(tree)))
         result = {"written": target}
