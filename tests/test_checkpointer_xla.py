@@ -197,18 +197,28 @@ def test_restore_onto_another_mesh_is_exact(tmp_path, saved_mesh, saved_spec, ta
 
 
 def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4, monkeypatch):
+    """Through tensorstore (here memory://), a small array whose local shards tile it is read in one region;
+    from local files, each stored chunk is read once, whichever target shards it feeds."""
     from xla_tensorstore_ckpt import arrays
+    from xla_tensorstore_ckpt.local_chunks import LocalChunkArray
 
     src = torch.randn(16, 8)
-    xtc.save(tmp_path / "ck", {"w": sharded(src, mesh_4x2, ("x", "y"))})
+    target = {"w": sharded(torch.zeros(16, 8), mesh_2x4, ("b", "a"))}
+    xtc.save("memory://reads-once/ck", {"w": sharded(src, mesh_4x2, ("x", "y"))})
     regions = []
     real_read = arrays.read
     monkeypatch.setattr(arrays, "read", lambda store, loc, region: regions.append(region) or real_read(
         store, loc, region))
-    out = xtc.restore(tmp_path / "ck", {"w": sharded(torch.zeros(16, 8), mesh_2x4, ("b", "a"))})
-    assert torch.equal(out["w"].cpu(), src)
-    # All 8 local shards tile the array: one read of exactly the array, not one read per overlapping chunk.
+    assert torch.equal(xtc.restore("memory://reads-once/ck", target)["w"].cpu(), src)
     assert [(r[0].start, r[0].stop, r[1].start, r[1].stop) for r in regions] == [(0, 16, 0, 8)]
+
+    xtc.save(tmp_path / "ck", {"w": sharded(src, mesh_4x2, ("x", "y"))})
+    chunks = []
+    real_chunk = LocalChunkArray._read_chunk
+    monkeypatch.setattr(LocalChunkArray, "_read_chunk", lambda self, position, targets: chunks.append(position)
+                        or real_chunk(self, position, targets))
+    assert torch.equal(xtc.restore(tmp_path / "ck", target)["w"].cpu(), src)
+    assert sorted(chunks) == [(i, j) for i in range(4) for j in range(2)]
 
 
 def test_reads_cover_exactly_the_local_shards():

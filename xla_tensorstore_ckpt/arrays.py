@@ -117,6 +117,60 @@ def merge_ocdbt(item: storage.Location, stores: Sequence[str]) -> None:
         raise StorageError(f"cannot merge the array stores of {item}: {_SPEC_DUMP.sub('', str(exc))}") from exc
 
 
+@dataclass(frozen=True)
+class StoredValue:
+    """Where one value of an OCDBT store lies: `inline` bytes held in the B-tree, or `length` bytes at `offset`
+    of the data file `file` (a path relative to the store's directory)."""
+
+    inline: bytes | None = None
+    file: str = ""
+    offset: int = 0
+    length: int = 0
+
+
+def ocdbt_index(item: storage.Location, context: ts.Context | None = None) -> dict[str, StoredValue]:
+    """Every key of the item's OCDBT store (its newest version) and where its value lies, from the store's
+    manifest and B-tree nodes (tensorstore's `ocdbt.dump`). Lets local readers fetch values straight from the
+    data files. Raises `CorruptCheckpointError` for a store that cannot be read or whose data files lie outside
+    the item directory. Blocks."""
+    context = context or operation_context()
+    try:
+        base = ts.KvStore.open(item.kvstore_spec(), context=context).result()
+        manifest = ts.ocdbt.dump(base, context=context).result()
+        versions = manifest.get("versions") or []
+        if not versions:
+            raise CorruptCheckpointError(f"the array store of {item} records no version")
+        root = max(versions, key=lambda v: v["generation_number"])["root"]
+        index: dict[str, StoredValue] = {}
+        level = [(b"", root["location"])] if "location" in root else []
+        while level:  # one level of the B-tree at a time, its nodes fetched concurrently
+            nodes = [(prefix, ts.ocdbt.dump(base, where, context=context)) for prefix, where in level]
+            level = []
+            for prefix, future in nodes:
+                node = future.result()
+                for entry in node["entries"]:
+                    if node["height"] > 0:
+                        level.append((prefix + entry.get("subtree_common_prefix", b""), entry["location"]))
+                        continue
+                    key = (prefix + entry["key"]).decode()
+                    index[key] = (StoredValue(inline=entry["inline_value"]) if "inline_value" in entry
+                                  else _indirect(item, entry["indirect_value"]))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"cannot read the array store of {item}: {_SPEC_DUMP.sub('', str(exc))}") \
+            from exc
+    return index
+
+
+def _indirect(item: storage.Location, where: str) -> StoredValue:
+    """A ``value:<base path>:<file>:<offset>:<length>`` reference of `ocdbt.dump`."""
+    head, offset, length = where.rsplit(":", 2)
+    kind, base, file = head.split(":", 2)
+    path = base + file
+    if kind != "value" or not layout.is_safe_relative_path(path):
+        raise CorruptCheckpointError(f"the array store of {item} references {where!r}, outside its directory")
+    return StoredValue(file=path, offset=int(offset), length=int(length))
+
+
 def zarr_metadata(shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int], *,
                   single_file: bool = False) -> dict:
     """The ``zarr.json`` content (as a tensorstore metadata spec) for one checkpoint array.
@@ -354,7 +408,7 @@ def read_index(store: ts.TensorStore | raw_arrays.RawArray, loc: storage.Locatio
 
 def chunk_shape(store: ts.TensorStore | raw_arrays.RawArray) -> tuple[int, ...]:
     """The chunk shape of an open array (the inner chunks of a single-file array); () for a 0-d array."""
-    if isinstance(store, raw_arrays.RawArray):
+    if not isinstance(store, ts.TensorStore):  # a raw or local chunk array (`local_chunks`)
         return store.chunk_shape
     shape = store.chunk_layout.read_chunk.shape
     return tuple(shape) if shape is not None else ()
@@ -362,7 +416,7 @@ def chunk_shape(store: ts.TensorStore | raw_arrays.RawArray) -> tuple[int, ...]:
 
 def stored_dtype_name(store: ts.TensorStore | raw_arrays.RawArray) -> str:
     """The zarr data type name of an open array (e.g. ``bfloat16``)."""
-    if isinstance(store, raw_arrays.RawArray):
+    if not isinstance(store, ts.TensorStore):  # a raw or local chunk array (`local_chunks`)
         return store.dtype_name
     return store.dtype.name
 

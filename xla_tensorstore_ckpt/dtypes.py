@@ -30,6 +30,13 @@ class DType:
     def itemsize(self) -> int:
         return self.numpy.itemsize
 
+    @property
+    def copy_dtype(self) -> np.dtype:
+        """A plain numpy type of the element's width, for moving raw bytes: copies of ml_dtypes types
+        (bfloat16, float8) would go through their Python-level element copy."""
+        size = self.itemsize
+        return np.dtype(f"u{size}") if size in (1, 2, 4, 8) else np.dtype(f"V{size}")
+
 
 _ROWS = (
     DType("bool", torch.bool, np.dtype(np.bool_)),

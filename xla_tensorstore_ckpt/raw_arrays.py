@@ -54,7 +54,7 @@ class RawArray:
 
     def read(self, region: Region) -> RawRead:
         """Start reading `region` (unit-step slices, within the shape)."""
-        out = np.empty(tuple(s.stop - s.start for s in region), dtype=_copy_dtype(self._row.itemsize))
+        out = np.empty(tuple(s.stop - s.start for s in region), dtype=self._row.copy_dtype)
         if out.size == 0:
             return RawRead(self, out, [], None)
         if self._local is not None:
@@ -141,12 +141,6 @@ class RawRead:
         except OSError as exc:
             raise StorageError(f"cannot read {self.array.where}: {exc}") from exc
         return self.out.view(self.array._row.numpy)
-
-
-def _copy_dtype(itemsize: int) -> np.dtype:
-    """A plain type of the element's width: copies of ml_dtypes types (bfloat16, float8) would go through their
-    Python-level element copy."""
-    return np.dtype(f"u{itemsize}") if itemsize in (1, 2, 4, 8) else np.dtype(f"V{itemsize}")
 
 
 def _runs(shape: Sequence[int], region: Region, itemsize: int, offset: int) -> list[tuple[int, int, int]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import arrays, dtypes, formats, grid, layout, storage, tree
+from . import arrays, dtypes, formats, grid, layout, local_chunks, storage, tree
 from .errors import (
     CorruptCheckpointError,
     KeyMismatchError,
@@ -121,9 +121,11 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
             saved = renamed(saved, key_map, dict(tree.flatten(target)) if target is not None else {}, loc)
         wanted = ({p: None for p in saved} if target is None
                   else _match(loc, saved, dict(tree.flatten(target)), strict))
-        amplification = (math.inf if manifest.store.kind == "safetensors"  # byte ranges: exactly what is asked
+        direct = local_chunks.opener(loc, manifest.store)
+        # Byte ranges and local chunk reads fetch exactly what is asked, each chunk once.
+        amplification = (math.inf if manifest.store.kind == "safetensors" or direct is not None
                          else MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0)
-        values = read_arrays(loc, manifest.store, _read_jobs(saved, wanted, amplification), options, take)
+        values = read_arrays(loc, manifest.store, _read_jobs(saved, wanted, amplification), options, take, direct)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 
@@ -207,10 +209,11 @@ def _read_jobs(saved: dict, wanted: dict, max_amplification: float) -> list[_Rea
 
 
 def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJob], options: RestoreOptions,
-                take: Callable[[dict], None] | None = None) -> dict:
+                take: Callable[[dict], None] | None = None, direct: local_chunks.Opener | None = None) -> dict:
     """Read every job's regions and build its tensor; the reads of the next batch overlap building this one.
-    The tensors are returned, or with `take` handed to it batch by batch (see `read_item`). On error,
-    outstanding reads are waited for before the error propagates."""
+    Arrays `direct` opens are read by `local_chunks`, the others through tensorstore. The tensors are
+    returned, or with `take` handed to it batch by batch (see `read_item`). On error, outstanding reads are
+    waited for before the error propagates."""
     limit = _memory_limit()
     for job in jobs:
         if job.read_bytes > limit:
@@ -218,8 +221,11 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                 f"restoring {tree.format_key_path(job.key_path)} from {loc.child(job.meta.path)} would read "
                 f"{job.read_bytes / 2**30:.1f} GiB at once, more than this machine's memory; a damaged checkpoint?")
     context = arrays.operation_context()
-    opened = {job.key_path: arrays.open_existing(arrays.ArrayRef(loc, job.meta.path, store, context), job.meta)
-              for job in jobs}
+    opened = {}
+    for job in jobs:
+        local = direct.open(job.meta) if direct is not None else None
+        opened[job.key_path] = (arrays.Ready(local) if local is not None else
+                                arrays.open_existing(arrays.ArrayRef(loc, job.meta.path, store, context), job.meta))
     groups = list(grid.batches(jobs, lambda job: job.read_bytes, options.read_batch_bytes))
     results: dict[layout.KeyPath, torch.Tensor] = {}
     current: list[dict] = []
@@ -246,6 +252,9 @@ def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict)
     for job in group:
         store = opened[job.key_path].result()
         _check_stored(loc, job, store)
+        if isinstance(store, local_chunks.LocalChunkArray):
+            issued.append(store.read_regions(job.reads))
+            continue
         array_loc = loc.child(job.meta.path)
         issued.append({r: arrays.read(store, array_loc, tuple(slice(a, b) for a, b in r)) for r in job.reads})
     return issued

@@ -1,0 +1,159 @@
+"""Local chunk reads (`local_chunks`): this library's arrays on local disk are read straight from their files,
+each chunk once, its CRC32C checked; the values equal what was saved for any target grid, and damage is an
+error naming the array, the chunk and the file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import arrays, local_chunks
+from xla_tensorstore_ckpt.local_chunks import LocalChunkArray
+
+PLAIN = xtc.SaveOptions(use_ocdbt=False, single_file_max_bytes=0)  # a file per chunk
+LAYOUTS = {"ocdbt": xtc.SaveOptions(), "directories": PLAIN}
+
+
+def _values(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype == torch.int64:
+        return torch.randint(-2**40, 2**40, shape, generator=g)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _slices(index):
+    return tuple(slice(a, b) for a, b in index)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The chunk positions read by `local_chunks`, and the regions read through tensorstore."""
+    seen = {"chunks": [], "tensorstore": []}
+    real_chunk, real_read = LocalChunkArray._read_chunk, arrays.read
+    monkeypatch.setattr(LocalChunkArray, "_read_chunk", lambda self, position, targets: seen["chunks"].append(
+        position) or real_chunk(self, position, targets))
+    monkeypatch.setattr(arrays, "read", lambda *args: seen["tensorstore"].append(args[2]) or real_read(*args))
+    return seen
+
+
+GRIDS = {  # shape, saved chunk grid, restored shard grid
+    "same-grid": ((12, 10), (4, 5), (4, 5)),
+    "misaligned": ((12, 10), (4, 5), (5, 3)),
+    "edge-chunks": ((13, 11), (4, 5), (6, 4)),
+    "one-target": ((13, 11), (4, 5), (13, 11)),
+    "rows-of-chunks": ((16, 6), (4, 6), (8, 6)),
+    "3d": ((6, 5, 7), (2, 5, 3), (3, 2, 7)),
+    "1d": ((100,), (30,), (25,)),
+}
+
+
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float8_e4m3fn],
+                         ids=str)
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_every_region_holds_the_saved_values(tmp_path, monkeypatch, counted, layout_name, dtype, grid):
+    monkeypatch.setattr(local_chunks, "PIECE_BYTES", 40)  # several pieces per chunk, and rows split across them
+    shape, saved, restored = GRIDS[grid]
+    full = _values(shape, dtype)
+    xtc.save(tmp_path / "ck", {"a": xtc.ShardedArray.from_tensor(full, saved, xtc.ShardedArray.grid(shape, saved))},
+             options=LAYOUTS[layout_name])
+    indices = xtc.ShardedArray.grid(shape, restored)
+    out = xtc.restore(tmp_path / "ck", {"a": xtc.ShardedArray.target(shape, dtype, restored, indices)})
+    assert [i for i, _ in out["a"].shards] == indices
+    for index, data in out["a"].shards:
+        assert torch.equal(data, full[_slices(index)]), index
+    chunks = len(xtc.ShardedArray.grid(shape, saved))
+    assert sorted(counted["chunks"]) == sorted(set(counted["chunks"])) and len(counted["chunks"]) == chunks
+    assert counted["tensorstore"] == []
+
+
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+def test_scalars_empty_arrays_and_cpu_targets(tmp_path, counted, layout_name):
+    state = {"s": torch.tensor(2.5), "i": torch.tensor(7, dtype=torch.int64), "e": torch.zeros(0, 4),
+             "w": _values((33, 17), torch.float32), "b": _values((5,), torch.bool)}
+    xtc.save(tmp_path / "ck", state, options=LAYOUTS[layout_name])
+    for restored in (xtc.restore(tmp_path / "ck"), xtc.restore(tmp_path / "ck", {k: torch.ones(1).new_empty(
+            v.shape, dtype=v.dtype) for k, v in state.items()})):
+        assert set(restored) == set(state)
+        for key, value in state.items():
+            assert restored[key].dtype == value.dtype and torch.equal(restored[key], value), key
+    assert counted["chunks"] and counted["tensorstore"] == []
+
+
+def test_other_arrays_are_read_through_tensorstore(tmp_path, counted):
+    """A single-file array (zarr's sharding codec) is not a layout read here: tensorstore reads it."""
+    full = _values((8, 8), torch.float32)
+    xtc.save(tmp_path / "ck", {"a": xtc.ShardedArray.from_tensor(full, (4, 4), xtc.ShardedArray.grid((8, 8), (4, 4)))},
+             options=xtc.SaveOptions(use_ocdbt=False))
+    out = xtc.restore(tmp_path / "ck")
+    assert torch.equal(out["a"], full)
+    assert counted["chunks"] == [] and counted["tensorstore"]
+
+
+def _chunk_files(item):
+    return sorted(os.path.join(r, f) for r, _, fs in os.walk(item / "a" / "c") for f in fs)
+
+
+def _data_files(item):
+    return sorted((os.path.join(r, f) for r, _, fs in os.walk(item) for f in fs
+                   if os.sep + "d" + os.sep in os.path.join(r, f)), key=os.path.getsize)
+
+
+def _save(tmp_path, options):
+    full = _values((64, 64), torch.float32)  # 16 KiB chunks: never inline in an OCDBT store
+    grid = xtc.ShardedArray.grid((64, 64), (32, 64))
+    xtc.save(tmp_path / "ck", {"a": xtc.ShardedArray.from_tensor(full, (32, 64), grid)}, options=options)
+    return tmp_path / "ck"
+
+
+def _rewrite(path, edit):
+    data = bytearray(open(path, "rb").read())
+    open(path, "wb").write(edit(data))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "longer", "removed"])
+def test_a_damaged_chunk_file_is_an_error_naming_array_chunk_and_file(tmp_path, damage):
+    item = _save(tmp_path, PLAIN)
+    chunk = _chunk_files(item)[1]
+    edits = {"flipped": lambda d: d[:100] + bytes([d[100] ^ 0x10]) + d[101:], "truncated": lambda d: d[:-10],
+             "longer": lambda d: d + b"\0"}
+    if damage == "removed":
+        os.remove(chunk)
+    else:
+        _rewrite(chunk, edits[damage])
+    with pytest.raises(xtc.CorruptCheckpointError) as err:
+        xtc.restore(item)
+    message = str(err.value)
+    assert str(item / "a") in message and "chunk c/1/0" in message and (chunk in message or damage == "removed")
+    if damage == "flipped":
+        assert "CRC32C" in message
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "removed"])
+def test_damaged_ocdbt_data_is_an_error_naming_the_array(tmp_path, damage):
+    item = _save(tmp_path, xtc.SaveOptions())
+    data_file = _data_files(item)[-1]
+    if damage == "removed":
+        os.remove(data_file)
+    elif damage == "truncated":
+        _rewrite(data_file, lambda d: d[: len(d) // 2])
+    else:
+        _rewrite(data_file, lambda d: d[:len(d) // 2] + bytes([d[len(d) // 2] ^ 0x01]) + d[len(d) // 2 + 1:])
+    with pytest.raises(xtc.CorruptCheckpointError) as err:
+        xtc.restore(item)
+    assert str(item / "a") in str(err.value) and "chunk c/" in str(err.value)
+
+
+@pytest.mark.parametrize("where", ["value:../:d/0a:0:16", "value::/etc/passwd:0:16", "value:ocdbt.process_0/:../d:0:1",
+                                   "btreenode::d/0a:0:16"])
+def test_an_ocdbt_reference_outside_the_item_is_refused(tmp_path, where):
+    """The B-tree's value references (compressed on disk, so not edited here) must stay inside the item."""
+    from xla_tensorstore_ckpt import storage
+
+    with pytest.raises(xtc.CorruptCheckpointError, match="outside its directory"):
+        arrays._indirect(storage.location(tmp_path), where)
