@@ -31,6 +31,15 @@ def specs() -> dict:
             "step": None, "lr": None, "flag": None, "name": None, "nothing": None, "empty": {}}
 
 
+def slashed() -> dict:
+    """An item whose key holds a ``/``, which Orbax stores as nested directories (``a/b``) and restores."""
+    return {"a/b": np.arange(24, dtype=np.float32).reshape(8, 3) - 1.5, "c": {"d": np.arange(4, dtype=np.int32)}}
+
+
+def slashed_specs() -> dict:
+    return {"a/b": ("x", None), "c": {"d": None}}
+
+
 def model(step: int) -> dict:
     return {"embed": np.arange(32 * 16, dtype=np.float32).reshape(32, 16) * step,
             "head": (np.arange(16 * 4, dtype=np.float32).reshape(16, 4) + step).astype(ml_dtypes.bfloat16)}

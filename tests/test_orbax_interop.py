@@ -100,6 +100,43 @@ def test_torch_names_through_key_map(written_by_orbax):
     assert set(flat_named) == {"decoder.weight", "decoder.bias", "params.layers.0.k", "params.layers.1.k"}
 
 
+@pytest.mark.parametrize("use_ocdbt", [1, 0], ids=["ocdbt", "directories"])
+def test_a_key_with_a_slash_restores_as_orbax_stores_it(tmp_path, use_ocdbt):
+    orbax("write", tmp_path / "item", "--ocdbt", use_ocdbt, "--zarr3", 1, "--tree", "slashed")
+    if not use_ocdbt:  # Orbax's directory for the key "a/b"
+        assert (tmp_path / "item" / "a" / "b" / "zarr.json").is_file()
+    restored = xtc.restore(tmp_path / "item")
+    expected = as_torch(orbax_trees.slashed())
+    assert sorted(restored) == ["a/b", "c"]
+    assert same(restored["a/b"], expected["a/b"]) and same(restored["c"]["d"], expected["c"]["d"])
+
+
+def hostile_orbax_item(item, key: str):
+    """An item whose _METADATA, in Orbax's schema (no OCDBT), names one array by the single key `key`; beside the
+    item, at ../secret/w, a real array that a name escaping the item would reach."""
+    import tensorstore as ts
+
+    ts.open({"driver": "zarr3", "kvstore": f"file://{item.parent}/secret/w", "create": True,
+             "metadata": {"shape": [2], "data_type": "float32"}}).result().write(np.ones(2, np.float32)).result()
+    item.mkdir()
+    entry = {"key_metadata": [{"key": key, "key_type": 2}],
+             "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": [2]}}
+    (item / "_METADATA").write_text(json.dumps({
+        "tree_metadata": {str((key,)): entry}, "use_ocdbt": False, "use_zarr3": True,
+        "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
+
+
+@pytest.mark.parametrize("key", ["../secret/w", "/tmp/w", "a/../../secret/w", "a//w", "./w", "a\\w", "a\x00w"],
+                         ids=["parent", "absolute", "parent-inside", "empty-component", "dot", "backslash", "nul"])
+def test_orbax_keys_that_would_leave_the_item_are_refused(tmp_path, key):
+    item = tmp_path / "item"
+    hostile_orbax_item(item, key)
+    where = re.escape(f"{item / '_METADATA'}: the array of key {(key,)}")
+    for read in (xtc.metadata, xtc.restore):
+        with pytest.raises(xtc.CorruptCheckpointError, match=where + r" would be read from .*not a path inside"):
+            read(item)
+
+
 @pytest.fixture(scope="module")
 def orbax_roots(tmp_path_factory):
     base = tmp_path_factory.mktemp("orbax-roots")

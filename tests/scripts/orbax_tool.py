@@ -2,6 +2,7 @@
 reads ours, for the interop tests. Prints one JSON document on stdout.
 
 usage: orbax_tool.py write ITEM --ocdbt 0|1 --zarr3 0|1     an item of `tree()` (2D-sharded arrays, every leaf kind)
+                     [--tree slashed]                        or of `slashed()` (a key with a "/")
        orbax_tool.py manager ROOT [--prefix P]               a CheckpointManager root: steps 1 and 2, items
                                                              "model" and "extra" (Composite), the default options
        orbax_tool.py large ROOT GIB [--one-device 1]         a manager step of float32 arrays (the benchmark),
@@ -66,7 +67,9 @@ def main() -> None:
     if command == "write":
         handler = ocp.PyTreeCheckpointHandler(use_ocdbt=flags["--ocdbt"] == "1", use_zarr3=flags["--zarr3"] == "1")
         with ocp.Checkpointer(handler) as checkpointer:
-            checkpointer.save(target, args=ocp.args.PyTreeSave(placed(orbax_trees.tree(), orbax_trees.specs(), mesh())))
+            tree, specs = ((orbax_trees.slashed(), orbax_trees.slashed_specs()) if flags.get("--tree") == "slashed"
+                           else (orbax_trees.tree(), orbax_trees.specs()))
+            checkpointer.save(target, args=ocp.args.PyTreeSave(placed(tree, specs, mesh())))
         result = {"written": target}
     elif command == "manager":
         options = ocp.CheckpointManagerOptions(step_prefix=flags.get("--prefix"))

@@ -125,6 +125,8 @@ def decode_item(doc: dict, loc: Location, *, where: str) -> ItemManifest:
     strings = _strings(loc, where) if any(v.get("value_type") == STRING for _, v in entries) else {}
     to_open = [path for path, v in entries if v.get("value_type") not in (STRING, *_EMPTY) and
                not v.get("skip_deserialize")]
+    for path in to_open:
+        _check_array_name(path, names[path], where)
     context = arrays.operation_context()
     with ThreadPoolExecutor(16) as pool:
         opened = dict(zip(to_open, pool.map(
@@ -148,6 +150,15 @@ def decode_item(doc: dict, loc: Location, *, where: str) -> ItemManifest:
             empty = _EMPTY.get(kind)
             leaves.append((path, empty() if empty is not None else None))
     return ItemManifest(_build(leaves, where), 0, store)
+
+
+def _check_array_name(path: layout.KeyPath, name: str, where: str) -> None:
+    """`CorruptCheckpointError` if the array Orbax names by `path` would lie outside the item directory. A
+    ``/`` within a name is allowed: Orbax stores the key ``"a/b"`` as the nested directory ``a/b`` and restores
+    it; a name that leaves the item (``..`` or ``.`` or empty components, a leading ``/``, ``\\``, NUL) is not."""
+    if not layout.is_safe_relative_path(name):
+        raise CorruptCheckpointError(f"{where}: the array of key {str(tuple(str(k) for k in path))} would be read "
+                                     f"from {name!r}, which is not a path inside the item")
 
 
 def decode_json_item(doc: Any, *, where: str) -> ItemManifest:
