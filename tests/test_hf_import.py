@@ -272,8 +272,14 @@ def test_unknown_dtypes_and_indexes_naming_missing_files_or_keys(tmp_path):
     save_file({"w": torch.zeros(2)}, str(directory / "a.safetensors"))
     index = directory / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"w": "a.safetensors", "v": "b.safetensors"}}))
-    with pytest.raises(CorruptCheckpointError, match=r"b\.safetensors.*missing"):
+    with pytest.raises(CorruptCheckpointError, match=r"b\.safetensors: missing, but model\.safetensors\.index\.json "
+                                                     r"places 'v' in it$"):
         xtc.metadata(str(directory))
+    many = {"w": "a.safetensors", **{f"layers.{i}.weight": "b.safetensors" for i in range(5)}}
+    index.write_text(json.dumps({"weight_map": many}))
+    with pytest.raises(CorruptCheckpointError, match=r"b\.safetensors: missing, but .* places 'layers\.0\.weight', "
+                                                     r"'layers\.1\.weight', 'layers\.2\.weight' and 2 more in it$"):
+        xtc.restore(str(directory), {"w": torch.zeros(2)}, strict=False)
     index.write_text(json.dumps({"weight_map": {"w": "a.safetensors", "v": "a.safetensors"}}))
     with pytest.raises(CorruptCheckpointError, match=r"places 'v' in a\.safetensors, which does not hold it"):
         xtc.metadata(str(directory))

@@ -77,8 +77,9 @@ def read_item(loc: Location) -> ItemManifest:
         return ItemManifest(_tensors(loc, SINGLE_NAME, SINGLE_NAME), format_version=0, store=STORE)
     weight_map = _weight_map(index, f"{loc.child(INDEX_NAME)}")
     files = sorted(set(weight_map.values()))
+    keys_in = {name: [key for key, file in weight_map.items() if file == name] for name in files}
     with ThreadPoolExecutor(min(16, len(files) or 1)) as pool:  # object stores: one header at a time is slow
-        by_file = dict(zip(files, pool.map(lambda name: _tensors(loc, name, name), files)))
+        by_file = dict(zip(files, pool.map(lambda name: _tensors(loc, name, name, listed=keys_in[name]), files)))
     tree: dict[str, SafetensorsTensor] = {}
     for key, name in weight_map.items():
         if key not in by_file[name]:
@@ -100,15 +101,18 @@ def _weight_map(data: bytes, where: str) -> dict[str, str]:
     return weight_map
 
 
-def _tensors(directory: Location, name: str, file: str) -> dict[str, SafetensorsTensor]:
+def _tensors(directory: Location, name: str, file: str, *, listed: list[str] | None = None
+             ) -> dict[str, SafetensorsTensor]:
     """The validated tensors of file `name` in `directory`, recorded as living in `file` (relative to the
-    item)."""
+    item). `listed`: the keys an index places in the file, named if it is missing."""
     where = str(directory.child(name))
     try:
         head = directory.read_range(name, 0, 8).result()
     except RangeNotSatisfiableError:
         raise CorruptCheckpointError(f"{where}: truncated: shorter than the 8-byte header length") from None
     if head is None:
+        if listed is not None:
+            raise CorruptCheckpointError(f"{where}: missing, but {INDEX_NAME} places {_some_keys(listed)} in it")
         raise CorruptCheckpointError(f"{where}: missing") if file else \
             CheckpointNotFoundError(f"{where} does not exist")
     (length,) = struct.unpack("<Q", head)
@@ -194,6 +198,12 @@ def _row_block(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _some_keys(keys: list[str], shown: int = 3) -> str:
+    """``'a', 'b', 'c' and 4 more``: the first few of `keys` for a message."""
+    named = ", ".join(repr(k) for k in keys[:shown])
+    return named if len(keys) <= shown else f"{named} and {len(keys) - shown} more"
 
 
 def _size_text(size: int | None) -> str:
