@@ -211,6 +211,19 @@ def test_offline_tools_read_hf_checkpoints(hf_dir, capsys):
     assert stats["max"] == pytest.approx(expected["model.norm.weight"].max().item())
     assert cli.main(["diff", path, path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == []
+    assert cli.main(["verify", path, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["arrays"] == len(expected) and report["problems"] == []
+    assert report["notes"] == ["item: Hugging Face safetensors files carry no checksums: checked that every "
+                               "tensor's bytes are present and read"]
+    # A file cut short (the last tensor's bytes gone) is reported, naming file and key.
+    shard = os.path.join(path, "model-00002-of-00002.safetensors")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 4)
+    assert cli.main(["verify", path, "--json"]) == cli.EXIT_DATA
+    (problem,) = json.loads(capsys.readouterr().out)["problems"]
+    assert "model-00002-of-00002.safetensors: truncated" in problem["message"]
+    assert "'lm_head.weight' ends past the end of the file" in problem["message"]
 
 
 # ------------------------------------------------------------------------------------------- hostile files

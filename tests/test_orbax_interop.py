@@ -126,6 +126,51 @@ def hostile_orbax_item(item, key: str):
         "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
 
 
+@pytest.mark.parametrize("damage", ["deleted", "corrupted"])
+@pytest.mark.parametrize("variant", ["dirs-zarr3", "dirs-zarr2"])
+def test_verify_reports_a_deleted_or_corrupted_chunk_of_an_orbax_item(written_by_orbax, tmp_path, capsys, variant,
+                                                                       damage):
+    import shutil
+
+    from xla_tensorstore_ckpt import cli
+
+    item = tmp_path / "item"
+    shutil.copytree(written_by_orbax / variant, item)
+    chunk = item / "params.w" / ("c/1/0" if variant == "dirs-zarr3" else "1.0")
+    assert chunk.is_file()
+    if damage == "deleted":
+        chunk.unlink()
+    else:  # every byte changed, the length kept: zstd's frame, or the shard index's crc32c, no longer holds
+        chunk.write_bytes(bytes(b ^ 0x5A for b in chunk.read_bytes()))
+    assert cli.main(["verify", str(item), "--json"]) == cli.EXIT_DATA
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and report["arrays"] == 4
+    (problem,) = report["problems"]
+    assert problem["where"] == "params.w c/1/0"  # the chunk at grid position (1, 0)
+    assert str(chunk) in problem["message"], problem  # the file at fault
+    assert report["notes"] == ["item: written by Orbax, whose chunks carry no checksums: checked that every chunk "
+                               "is present and decodes"]
+
+
+def test_verify_says_when_missing_chunks_cannot_be_found(written_by_orbax, tmp_path, capsys):
+    """Orbax written without store_array_data_equal_to_fill_value leaves out chunks of zeros: a missing chunk is
+    no error, to Orbax or to us, and the note says so."""
+    import shutil
+
+    from xla_tensorstore_ckpt import cli
+
+    item = tmp_path / "item"
+    shutil.copytree(written_by_orbax / "dirs-zarr3", item)
+    doc = json.loads((item / "_METADATA").read_text())
+    doc["store_array_data_equal_to_fill_value"] = False
+    (item / "_METADATA").write_text(json.dumps(doc))
+    (item / "params.w" / "c" / "1" / "0").unlink()
+    assert cli.main(["verify", str(item), "--json"]) == 0
+    (note,) = json.loads(capsys.readouterr().out)["notes"]
+    assert "written without store_array_data_equal_to_fill_value" in note and "cannot be found" in note
+    assert torch.equal(xtc.restore(item)["params"]["w"][4:8, :4], torch.zeros(4, 4))
+
+
 @pytest.mark.parametrize("key", ["../secret/w", "/tmp/w", "a/../../secret/w", "a//w", "./w", "a\\w", "a\x00w"],
                          ids=["parent", "absolute", "parent-inside", "empty-component", "dot", "backslash", "nul"])
 def test_orbax_keys_that_would_leave_the_item_are_refused(tmp_path, key):

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import arrays, grid, layout, storage
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
-from .formats import ArrayMetadata, checksums
+from .formats import ArrayMetadata, ArrayStore, checksums
 from .inspection import (
     Checkpoint,
     Progress,
@@ -216,8 +216,9 @@ def verify(path: str, progress: Progress | None = None) -> Verification:
     """Check every chunk of every array of a step, an item, or every step under a root: present, checksum
     valid, metadata consistent, ``_METADATA``, ``_CHECKPOINT_METADATA`` and ``_strings.json`` matching the
     checksums they record (steps with an invalid commit marker are problems; uncommitted ones are not
-    checkpoints and are skipped). Items Orbax wrote carry no per-chunk checksums: their chunks are checked to be
-    present and to decode, and a note says so. Raises `CheckpointNotFoundError` if `path` is none of these."""
+    checkpoints and are skipped). Items Orbax wrote and Hugging Face files carry no per-chunk checksums: their
+    chunks are checked to be present and to decode (their tensors' bytes to be present), and a note says so.
+    Raises `CheckpointNotFoundError` if `path` is none of these."""
     try:
         return _verify_all([open_checkpoint(path)], [], progress)
     except (CorruptCheckpointError, FormatVersionError) as exc:  # a step whose marker does not decode
@@ -246,8 +247,7 @@ def _verify_all(targets: list[Checkpoint], problems: list[Problem], progress: Pr
                 problems.append(Problem(prefix + (item or "item"), str(exc)))
                 continue
             if not manifest.store.checksums and manifest.arrays():
-                notes.append(f"{prefix}{item or 'item'}: written by Orbax, whose chunks carry no checksums: checked "
-                             "that every chunk is present and decodes")
+                notes.append(f"{prefix}{item or 'item'}: {_unchecked(manifest.store)}")
             work.extend((checkpoint, prefix, item, meta) for _, meta in manifest.arrays())
     for done, (checkpoint, prefix, item, meta) in enumerate(work, 1):
         key = full_key(item, meta.path)
@@ -257,3 +257,15 @@ def _verify_all(targets: list[Checkpoint], problems: list[Problem], progress: Pr
         if progress:
             progress(done, len(work))
     return Verification(len(work), problems, notes)
+
+
+def _unchecked(store: ArrayStore) -> str:
+    """What `verify` can check in a store whose data carries no checksums, by the kind of store."""
+    if store.kind == "safetensors":
+        return ("Hugging Face safetensors files carry no checksums: checked that every tensor's bytes are present "
+                "and read")
+    note = "written by Orbax, whose chunks carry no checksums: checked that every chunk is present and decodes"
+    if store.fill_missing:
+        note += (" (written without store_array_data_equal_to_fill_value, so chunks equal to the fill value are not "
+                 "stored: a missing chunk reads as that value and cannot be found)")
+    return note
