@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch_xla
-from conftest import GCS_BUCKET, sharded
+from conftest import GCS_BUCKET, S3_BUCKET, sharded
 from hf_files import hf_tensors, write_hf_dir
 from safetensors.torch import save_file
 
@@ -100,18 +100,29 @@ def test_restores_onto_4_devices_in_another_process(hf_dir, tmp_path):
     assert_restored(xtc.restore(out), expected)
 
 
-@pytest.mark.parametrize("scheme", ["memory", "gs"])
-def test_object_stores_serve_ranged_reads(hf_dir, mesh_4x2, scheme, request):
+@pytest.mark.parametrize("scheme", ["memory", "gs", "s3"])
+def test_object_stores_serve_ranged_reads(hf_dir, mesh_4x2, scheme, request, monkeypatch):
     path, expected = hf_dir
     if scheme == "gs":
         request.getfixturevalue("gcs_emulator_server")
         remote = storage.location(f"gs://{GCS_BUCKET}/hf-{os.getpid()}")
+    elif scheme == "s3":
+        request.getfixturevalue("s3_server_process")
+        remote = storage.location(f"s3://{S3_BUCKET}/hf-{os.getpid()}")
     else:
         remote = storage.location(f"memory://hf-{os.getpid()}")
     for name in os.listdir(path):
         with open(os.path.join(path, name), "rb") as f:
             remote.write(name, f.read())
+    whole, ranged = [], []
+    read, read_range = storage.Location.read, storage.Location.read_range
+    monkeypatch.setattr(storage.Location, "read", lambda self, name: whole.append(name) or read(self, name))
+    monkeypatch.setattr(storage.Location, "read_range", lambda self, name, start, stop: ranged.append(name) or
+                        read_range(self, name, start, stop))
     assert_restored(xtc.restore(str(remote), mesh_target(expected, mesh_4x2)), expected)
+    assert not [name for name in whole if name.endswith(".safetensors")]  # never a whole file
+    assert {name for name in ranged if name.endswith(".safetensors")} == {n for n in os.listdir(path)
+                                                                          if n.endswith(".safetensors")}
 
 
 def test_each_shard_reads_only_its_byte_ranges(tmp_path, monkeypatch):
