@@ -125,6 +125,36 @@ def test_orbax_items_and_steps_convert_to_ours(tmp_path):
     assert cli.main(["convert", step, str(tmp_path / "missing"), "--item", "nope"]) == cli.EXIT_USAGE
 
 
+def test_orbax_sources_and_new_steps_convert_without_torch_xla(tmp_path):
+    weights = write_hf_dir(str(tmp_path / "hf"))
+    item = os.path.join(GOLDEN, "orbax-0.11", "item")
+    step = os.path.join(GOLDEN, "orbax-0.11", "root", "2")
+    results = without_torch_xla(
+        ["convert", item, str(tmp_path / "from-item"), "--mesh", "2x2"],
+        ["convert", step, str(tmp_path / "from-step"), "--item", "model"],
+        ["convert", step, str(tmp_path / "run" / "7"), "--item", "model", "--to", "step"],
+        ["convert", str(tmp_path / "hf"), str(tmp_path / "run" / "8"), "--to", "step", "--mesh", "4x2"],
+        ["steps", str(tmp_path / "run"), "--json"])
+    assert [r["status"] for r in results] == [0] * 5, [r["stderr"] for r in results]
+    assert [(s["step"], s["status"]) for s in json.loads(results[-1]["stdout"])] == [(7, "committed"), (8, "committed")]
+    expected = orbax_trees.tree()
+    restored = xtc.restore(tmp_path / "from-item")
+    assert same(restored["params"]["w"], torch.from_numpy(expected["params"]["w"]))
+    assert xtc.metadata(tmp_path / "from-item")["params"]["w"].chunk_shape == (8, 4)
+    assert (restored["step"], restored["name"]) == (7, "run-a")
+    model = {k: torch.from_numpy(v.view("uint16")).view(torch.bfloat16) if v.dtype.itemsize == 2 else
+             torch.from_numpy(v) for k, v in orbax_trees.model(2).items()}
+    for converted in (tmp_path / "from-step", tmp_path / "run" / "7" / "model"):
+        assert all(same(xtc.restore(converted)[k], v) for k, v in model.items()), converted
+    with xtc.CheckpointManager(tmp_path / "run", xtc.CheckpointManagerOptions(save_rng=False)) as manager:
+        assert manager.all_steps() == [7, 8]
+        target = {k: torch.zeros_like(v) for k, v in model.items()}
+        assert manager.restore(7, model=target) == 7 and all(torch.equal(target[k], v) for k, v in model.items())
+        hf = {k: torch.zeros_like(v) for k, v in weights.items()}
+        assert manager.restore(8, model=hf) == 8
+    assert all(torch.equal(hf[k], v) for k, v in weights.items())
+
+
 def test_a_version_1_item_becomes_one_orbax_restores(tmp_path):
     source = os.path.join(GOLDEN, "v1", "1", "model")
     assert xtc.metadata(source)  # the fixture is format 1
