@@ -78,7 +78,9 @@ def test_hostile_keys_are_stored_inside_the_item_and_round_trip(tmp_path, use_oc
     keys = ["..", "../escape", "/abs/path", "a/b", "nul\x00", "ünï", "x" * 600, "_METADATA", "0", "", "d",
             "manifest.ocdbt", "ocdbt.process_0"]
     state = {k: torch.full((2,), float(i)) for i, k in enumerate(keys)}
-    xtc.save(tmp_path / "ck", state, options=xtc.SaveOptions(use_ocdbt=use_ocdbt))
+    with pytest.warns(UserWarning, match=r"Orbax cannot restore \('\.\.',\), \('\.\./escape',\), \('/abs/path',\) "
+                                         r"and 8 more"):  # all but "ünï" and "0" get escaped names
+        xtc.save(tmp_path / "ck", state, options=xtc.SaveOptions(use_ocdbt=use_ocdbt))
     assert_trees_equal(xtc.restore(tmp_path / "ck"), state)
     item = os.path.realpath(tmp_path / "ck")
     for root, _dirs, _files in os.walk(item):

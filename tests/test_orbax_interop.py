@@ -18,6 +18,7 @@ from orbax_process import leaf, orbax, same
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import dtypes
+from xla_tensorstore_ckpt.tree import flatten as flatten_tree
 
 sys.path.insert(0, os.path.dirname(__file__))
 import orbax_trees  # noqa: E402
@@ -244,6 +245,32 @@ def test_our_items_restore_in_orbax_with_and_without_a_target(tmp_path, use_ocdb
     for key in ("params.w", "params.b", "params.layers.0.k"):
         assert same(leaf(onto_mesh[key]), expected[key]), key
     assert "NamedSharding" in onto_mesh["params.w"]["sharding"] and "'b', 'a'" in onto_mesh["params.w"]["sharding"]
+
+
+@pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "directories"])
+def test_keys_orbax_cannot_name_are_none_to_orbax_never_another_keys_value(tmp_path, use_ocdbt):
+    """Orbax names a value by its keys joined with '.': for {"a.b": x, "a": {"b": y}} it would read x for both,
+    and a key with a '/' it would look for in a directory of that name. Such keys are stored under escaped names,
+    are None to Orbax (which restores everything else), and the save warns."""
+    state = {"a.b": torch.full((2, 3), 1.0), "a": {"b": torch.full((2, 3), 2.0)}, "s.t": 1, "s": {"t": 2},
+             "u.v": "first", "u": {"v": "second"}, "x/y": torch.full((4,), 5.0), "ok": torch.arange(6.0)}
+    with pytest.warns(UserWarning, match=r"Orbax cannot restore \('a', 'b'\), \('s', 't'\), \('u', 'v'\) and 1 "
+                                         r"more: .* Orbax restores None for it"):
+        xtc.save(tmp_path / "item", state, options=xtc.SaveOptions(use_ocdbt=use_ocdbt))
+    restored = xtc.restore(tmp_path / "item")  # ours: every key, each its own value
+    assert [k for k, _ in flatten_tree(restored)] == [k for k, _ in flatten_tree(state)]
+    assert all(same(a, b) for (_, a), (_, b) in zip(flatten_tree(restored), flatten_tree(state)))
+    by_orbax = {tuple(json.loads(k)): v for k, v in orbax("restore", tmp_path / "item", "--paths", 1).items()}
+    assert set(by_orbax) == {("a.b",), ("a", "b"), ("s.t",), ("s", "t"), ("u.v",), ("u", "v"), ("x/y",), ("ok",)}
+    for first, hidden in [(("a.b",), ("a", "b")), (("s.t",), ("s", "t")), (("u.v",), ("u", "v"))]:
+        assert same(leaf(by_orbax[first]), state[first[0]]), first
+        assert by_orbax[hidden] == {"value": None}, hidden
+    assert by_orbax[("x/y",)] == {"value": None} and same(leaf(by_orbax[("ok",)]), state["ok"])
+    raw = json.loads((tmp_path / "item" / "_METADATA").read_text())["tree_metadata"]
+    for key in ("('a', 'b')", "('s', 't')", "('u', 'v')", "('x/y',)"):
+        assert raw[key]["value_metadata"] == {"value_type": "None", "skip_deserialize": True}, key
+    for key in ("('a.b',)", "('s.t',)", "('u.v',)", "('ok',)"):
+        assert raw[key]["value_metadata"]["skip_deserialize"] is False, key
 
 
 def test_orbax_manager_lists_only_our_committed_steps_and_restores_them(tmp_path):

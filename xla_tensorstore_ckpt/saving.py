@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -111,8 +112,9 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     processes hold are absent. With `cache`, the array part of the plan is reused when the state's structure,
     shapes, dtypes and shardings match the last call's (all processes agree on it), and the cache is refreshed
     otherwise. Raises `UnsupportedValueError` (naming the key) for a leaf that is neither an array nor a JSON
-    scalar, an unsupported dtype, or processes that disagree on the arrays. Materializes pending XLA
-    computations; runs no other device work."""
+    scalar, an unsupported dtype, or processes that disagree on the arrays; warns (`UserWarning`, when planning
+    anew) naming the keys Orbax cannot restore (`orbax.hidden_keys`). Materializes pending XLA computations;
+    runs no other device work."""
     options = options or SaveOptions()
     coordinator = coordinator or Coordinator.single()
     leaves = tree.flatten(state)
@@ -148,6 +150,7 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
                  for template, value in zip(cache.arrays, [v for _, v in values] + [t for _, t in scalars])]
     else:
         names = dict(zip((p for p, _ in leaves), layout.array_names([p for p, _ in leaves])))
+        _warn_hidden_from_orbax(orbax.hidden_keys(leaves, list(names.values())))
         plans = _plan_arrays(values, scalars, specs, names, options, coordinator, own_copy)
         if cache is not None:
             cache.key, cache.names, cache.arrays = key, names, tuple(plans)
@@ -156,6 +159,17 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     store = ArrayStore(kind="ocdbt" if options.use_ocdbt else "directories")
     manifest = ItemManifest(tree.rebuild(state, lambda p, v: tensors.get(p, v)), formats.WRITE_VERSION, store)
     return SavePlan(manifest, tuple(plans), strings)
+
+
+def _warn_hidden_from_orbax(hidden: list[layout.KeyPath]) -> None:
+    if not hidden:
+        return
+    shown = ", ".join(str(tuple(path)) for path in hidden[:3]) + (f" and {len(hidden) - 3} more" if len(hidden) > 3
+                                                                 else "")
+    warnings.warn(
+        f"Orbax cannot restore {shown}: Orbax names a value by its keys joined with '.', and that name is taken by "
+        f"another key or is unsafe as a file name, so it is stored under an escaped name; Orbax restores None for "
+        f"it (this library restores every key)", UserWarning, stacklevel=3)
 
 
 def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], scalars: list[tuple[layout.KeyPath, torch.Tensor]],

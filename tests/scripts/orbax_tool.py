@@ -5,9 +5,15 @@ usage: orbax_tool.py write ITEM --ocdbt 0|1 --zarr3 0|1     an item of `tree()` 
                      [--tree slashed]                        or of `slashed()` (a key with a "/")
        orbax_tool.py manager ROOT [--prefix P]               a CheckpointManager root: steps 1 and 2, items
                                                              "model" and "extra" (Composite), the default options
+       orbax_tool.py manager_items BASE SPEC...              one CheckpointManager root per SPEC at BASE/SPEC, steps
+                                                             1 and 2: "default" by StandardSave alone (Orbax names
+                                                             its item default), else Composite items named by SPEC
+                                                             ("items", "params,opt_state"), item i: model(step + 10i)
        orbax_tool.py large ROOT GIB [--one-device 1]         a manager step of float32 arrays (the benchmark),
                                                              2D-sharded, or on one device (each one chunk)
-       orbax_tool.py restore ITEM                            StandardCheckpointer().restore(ITEM), no target
+       orbax_tool.py restore ITEM [--paths 1]                StandardCheckpointer().restore(ITEM), no target
+                                                             (paths: keyed by the JSON list of keys, not by
+                                                             the keys joined with ".")
        orbax_tool.py restore_sharded ITEM                    PyTreeCheckpointer, onto NamedShardings on a 2x4 mesh
        orbax_tool.py steps ROOT...                           CheckpointManager(ROOT).all_steps() / latest_step()
        orbax_tool.py manager_restore ROOT ITEM               CheckpointManager(ROOT).restore(latest, Composite(ITEM))
@@ -47,10 +53,11 @@ def placed(tree, specs, on: Mesh):
         if isinstance(value, np.ndarray) else value, tree, specs, is_leaf=lambda x: x is None)
 
 
-def dump(tree) -> dict:
+def dump(tree, *, paths: bool = False) -> dict:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
-        key = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        key = json.dumps(keys) if paths else ".".join(keys)
         if isinstance(leaf, (jax.Array, np.ndarray)):  # 0-d arrays too (a 0-d tensor saved by us)
             array = np.asarray(leaf)
             out[key] = {"dtype": str(array.dtype), "shape": list(array.shape),
@@ -79,6 +86,17 @@ def main() -> None:
                     model=ocp.args.StandardSave(placed(orbax_trees.model(step), orbax_trees.model_specs(), mesh())),
                     extra=ocp.args.JsonSave({"position": 10 * step, "epoch": "one"})))
         result = {"written": target}
+    elif command == "manager_items":
+        for spec in sys.argv[3:]:
+            names = spec.split(",")
+            with ocp.CheckpointManager(os.path.join(target, spec)) as manager:
+                for step in (1, 2):
+                    trees = [placed(orbax_trees.model(step + 10 * i), orbax_trees.model_specs(), mesh())
+                             for i in range(len(names))]
+                    args = ocp.args.StandardSave(trees[0]) if spec == "default" else ocp.args.Composite(
+                        **{name: ocp.args.StandardSave(tree) for name, tree in zip(names, trees)})
+                    manager.save(step, args=args)
+        result = {"written": target}
     elif command == "large":
         gib = float(sys.argv[3])
         if dict(zip(sys.argv[4::2], sys.argv[5::2])).get("--one-device") == "1":
@@ -91,7 +109,7 @@ def main() -> None:
         result = {"written": target}
     elif command == "restore":
         with ocp.StandardCheckpointer() as checkpointer:
-            result = dump(checkpointer.restore(target))
+            result = dump(checkpointer.restore(target), paths=flags.get("--paths") == "1")
     elif command == "restore_sharded":
         with ocp.StandardCheckpointer() as checkpointer:
             metadata = checkpointer.metadata(target)

@@ -45,13 +45,28 @@ def scalar_dtype(value: Any) -> str | None:
 
 def tree_metadata(structure: Any) -> dict:
     """``tree_metadata`` for a tree whose leaves are `ArrayMetadata` (arrays) and JSON values, empty containers
-    included, as Orbax would have written it for the same tree."""
+    included, as Orbax would have written it for the same tree; except that a leaf stored under an escaped name
+    (`hidden_keys`) is an empty ``None`` to Orbax, which restores ``None`` for it: Orbax computes names itself,
+    and under the name it would compute it would read another key's value or nothing."""
+    leaves = tree.flatten(structure)
+    hidden = set(hidden_keys(leaves, layout.array_names([p for p, _ in leaves])))
     entries: dict[str, dict] = {}
     for path, value in _leaves_and_empty_nodes(structure, ()):
         keys = [{"key": str(k), "key_type": SEQUENCE if isinstance(k, int) and _in_sequence(structure, path, i)
                  else MAPPING} for i, k in enumerate(path)]
-        entries[str(tuple(str(k) for k in path))] = {"key_metadata": keys, "value_metadata": _value_metadata(value)}
+        entries[str(tuple(str(k) for k in path))] = {
+            "key_metadata": keys, "value_metadata": _value_metadata(None if path in hidden else value)}
     return entries
+
+
+def hidden_keys(leaves: list[tuple[layout.KeyPath, Any]], names: list[str]) -> list[layout.KeyPath]:
+    """The key paths of `leaves` (tensors or `ArrayMetadata`, strings, numbers; `names` their array names, from
+    `layout.array_names`) that Orbax cannot restore: stored under an escaped name, not under the key path
+    joined with ``.`` (that name is taken by another key, or unsafe as a file name). Called by `tree_metadata`
+    and by the save planner, which warns about them."""
+    return [path for (path, value), name in zip(leaves, names)
+            if name != layout.key_name(path) and value is not None
+            and not (isinstance(value, (bool, int, float)) and scalar_dtype(value) is None)]
 
 
 def _leaves_and_empty_nodes(node: Any, path: layout.KeyPath):
