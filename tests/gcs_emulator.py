@@ -16,6 +16,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -64,6 +65,19 @@ class Emulator:
                                          data=json.dumps({"name": name}).encode(),
                                          headers={"Content-Type": "application/json"})
         urllib.request.urlopen(request, timeout=10).read()
+
+    def objects(self, bucket: str, prefix: str = "") -> list[str]:
+        """The names of every object in `bucket` under `prefix`, as the emulator stores them (no delimiter: the raw
+        objects, not a directory view)."""
+        names, token = [], ""
+        while True:
+            query = urllib.parse.urlencode({"prefix": prefix, **({"pageToken": token} if token else {})})
+            with urllib.request.urlopen(f"{self.url}/storage/v1/b/{bucket}/o?{query}", timeout=30) as response:
+                page = json.loads(response.read())
+            names += [item["name"] for item in page.get("items", [])]
+            token = page.get("nextPageToken", "")
+            if not token:
+                return sorted(names)
 
     def stop(self) -> None:
         if self.process is not None:

@@ -13,7 +13,7 @@ import torch
 import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import formats, layout
+from xla_tensorstore_ckpt import formats, layout, policies
 
 
 def options(**kw):
@@ -391,7 +391,7 @@ def test_best_mode_max_and_steps_without_metrics(tmp_path):
 
 
 def test_retention_policy_combinations():
-    policy = xtc.manager.RetentionPolicy(max_to_keep=2, keep_period=3, best_fn=lambda m: m["l"])
+    policy = policies.RetentionPolicy(max_to_keep=2, keep_period=3, best_fn=lambda m: m["l"])
     metrics = {s: {"l": float(10 - s % 4)} for s in range(1, 10)}
     # best two by loss: steps with s % 4 == 3 (7 and 3), plus multiples of 3, plus the newest (9)
     assert policy.steps_to_delete(list(range(1, 10)), metrics) == [1, 2, 4, 5, 8]
@@ -448,7 +448,7 @@ def test_model_mismatch_and_param_group_layout_errors(tmp_path, mesh_4x2):
                                                                            if n != "a.weight"]}], lr=1e-3)
         with pytest.raises(xtc.CheckpointError, match="param-group layout"):
             mgr.restore("latest", optimizer=split)
-        with pytest.raises(xtc.CheckpointNotFoundError, match="no 'lr_scheduler' item"):
+        with pytest.raises(xtc.ItemNotFoundError, match="no 'lr_scheduler' item"):
             mgr.restore("latest", lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
     assert sorted(os.listdir(tmp_path)) == ["1"]
 

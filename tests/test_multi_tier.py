@@ -4,6 +4,9 @@ for both tiers is copied off the devices once; the persistent tier on the GCS em
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import os
 import shutil
 import signal
@@ -17,7 +20,9 @@ import torch_xla
 from conftest import GCS_BUCKET, make_mesh, sharded
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import saving
+from xla_tensorstore_ckpt import formats, local_tier, saving, storage
+from xla_tensorstore_ckpt.steps import StepIndex
+from xla_tensorstore_ckpt.tier import Tier
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from crash_save import state_for  # noqa: E402
@@ -121,6 +126,51 @@ def test_each_tier_keeps_its_own_steps(trained):
         assert plain.all_steps() == [4]
 
 
+@pytest.fixture(params=["local-disk", "gcs"])
+def persistent_root(request, tmp_path):
+    """Where the persistent tier goes: a local directory, or a prefix on the GCS emulator."""
+    if request.param == "local-disk":
+        return str(tmp_path / "persistent")
+    request.getfixturevalue("gcs_emulator_server")
+    return f"gs://{GCS_BUCKET}/multi-tier/{tmp_path.name}"
+
+
+def steps_on_disk(root: str, gcs=None) -> list[int]:
+    """The step directories under `root` as its storage holds them (raw objects on the emulator)."""
+    if root.startswith("gs://"):
+        prefix = root.split("/", 3)[3] + "/"
+        return sorted({int(name[len(prefix):].split("/")[0]) for name in gcs.objects(GCS_BUCKET, prefix)
+                       if name[len(prefix):].split("/")[0].isdigit()})
+    return sorted(int(name) for name in os.listdir(root) if name.isdigit())
+
+
+def test_retention_is_per_tier(persistent_root, tmp_path, mesh, request):
+    local = str(tmp_path / "local")
+    kw = dict(max_to_keep=1, local_max_to_keep=3, save_interval_steps=2)
+    train(persistent_root, local, range(1, 9), mesh, **kw)
+    with xtc.CheckpointManager(persistent_root, options(local, **kw)) as manager:
+        assert manager.all_steps("persistent") == [8]  # max_to_keep=1 of 2, 4, 6, 8
+        assert manager.all_steps("local") == [6, 7, 8]  # local_max_to_keep=3 of 1..8
+        assert manager.metadata(8).tiers == ("local", "persistent") and manager.metadata(6).tiers == ("local",)
+    gcs = request.getfixturevalue("gcs_emulator_server") if persistent_root.startswith("gs://") else None
+    assert steps_on_disk(persistent_root, gcs) == [8]
+    assert steps_on_disk(local) == [6, 7, 8]
+
+
+def test_the_choice_is_logged(trained, mesh, caplog):
+    root, local, _ = trained
+    with caplog.at_level(logging.INFO, logger="xla_tensorstore_ckpt"):
+        step, *_ = resume(root, local, mesh)
+    assert step == 6
+    assert f"restored step 6 from the local tier ({os.path.join(local, '6')})" in caplog.messages
+    caplog.clear()
+    shutil.rmtree(local)
+    with caplog.at_level(logging.INFO, logger="xla_tensorstore_ckpt"):
+        step, *_ = resume(root, local, mesh)
+    assert step == 4
+    assert f"restored step 4 from the persistent tier ({os.path.join(root, '4')})" in caplog.messages
+
+
 def test_resume_prefers_the_newer_local_step(trained, mesh):
     root, local, draws = trained
     step, model, loader, extra, draw, _ = resume(root, local, mesh)
@@ -221,6 +271,110 @@ def test_steps_of_a_plain_manager_in_the_local_directory_are_left_alone(tmp_path
     assert os.path.isdir(os.path.join(local, "10"))  # retention never touched it
 
 
+def test_a_missing_data_file_is_skipped(trained, mesh):
+    root, local, _ = trained
+    data = os.path.join(local, "6", "model", "ocdbt.process_0", "d")
+    files = sorted(os.listdir(data), key=lambda name: os.path.getsize(os.path.join(data, name)))
+    assert len(files) > 1  # deleting one file of several: the others, and every manifest, stay
+    os.remove(os.path.join(data, files[-1]))
+    step, model, loader, _, _, messages = resume(root, local, mesh)
+    assert step == 5 and loader.position == 50
+    assert_state(model, 5)
+    assert any("skipping step 6 of the local tier" in m for m in messages), messages
+
+
+def test_a_missing_item_is_a_user_error_not_damage(trained, mesh):
+    """An object the step has no item for fails on every tier alike: raised, no fallback, nothing deleted."""
+    root, local, _ = trained
+    with xtc.CheckpointManager(root, options(local)) as manager:
+        model = place(cpu_state(0), mesh)
+        optimizer = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        with pytest.raises(xtc.ItemNotFoundError, match=r"step 6 at .*local/6 has no 'lr_scheduler' item") as err:
+            manager.restore("latest", model=model, lr_scheduler=scheduler)
+        assert err.value.item == "lr_scheduler" and "data_loader" in err.value.items
+        assert manager.all_steps("local") == [5, 6]
+    assert sorted(n for n in os.listdir(local) if n.isdigit()) == ["5", "6"]
+
+
+def test_no_intact_step_and_an_empty_persistent_tier(tmp_path, mesh):
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
+    train(root, local, range(1, 3), mesh)  # save_interval_steps=4: nothing persistent
+    for step in ("1", "2"):
+        flip_byte(os.path.join(local, step))
+    with xtc.CheckpointManager(root, options(local)) as manager:
+        with pytest.warns(UserWarning, match="skipping step 2"):
+            with pytest.raises(xtc.CorruptCheckpointError, match=rf"step 2 cannot be resumed: .* not committed in "
+                               rf"the persistent tier {root}"):
+                manager.restore(2, model=place(cpu_state(0), mesh))
+        with pytest.warns(UserWarning, match="skipping step 1"):
+            with pytest.raises(xtc.CorruptCheckpointError, match=r"no intact step to resume from: the local steps "
+                               rf"\[2, 1\] \({local} here\) .* the persistent tier {root} holds no committed step"):
+                manager.restore("latest", model=place(cpu_state(0), mesh))
+
+
+def test_background_errors_name_the_step_and_the_tier(tmp_path, mesh, monkeypatch):
+    root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
+    real = Tier.commit
+
+    def failing(self, coordinator, save, **kw):
+        if save.step == 2 and str(self.root) == local:
+            raise xtc.StorageError(f"disk full under {save.location}")
+        return real(self, coordinator, save, **kw)
+
+    monkeypatch.setattr(Tier, "commit", failing)
+    with xtc.CheckpointManager(root, options(local)) as manager:
+        manager.save(1, model=place(cpu_state(1), mesh))
+        manager.save(2, model=place(cpu_state(2), mesh))
+        with pytest.raises(xtc.AsyncSaveError, match=rf"asynchronous save of step 2 to the local tier \({local}\) "
+                           "failed: disk full") as err:
+            manager.wait_until_finished()
+        assert err.value.step == 2
+
+
+def test_a_local_delete_that_fails_at_restore_only_warns(trained, mesh, monkeypatch):
+    root, local, _ = trained
+    flip_byte(os.path.join(local, "6"))
+    real = StepIndex.delete
+
+    def failing(self, step):
+        if str(self.root) == local:
+            raise xtc.StorageError(f"permission denied: {self.location(step)}")
+        real(self, step)
+
+    monkeypatch.setattr(StepIndex, "delete", failing)
+    step, model, _, _, _, messages = resume(root, local, mesh)
+    assert step == 5  # the restore stands; step 6 stays behind, uncommitted for this manager only
+    assert_state(model, 5)
+    assert any(f"could not delete step 6 of the local tier ({os.path.join(local, '6')})" in m
+               and "permission denied" in m for m in messages), messages
+
+
+def test_partial_local_steps_are_removed_with_a_warning(trained, mesh):
+    root, local, _ = trained
+    os.makedirs(os.path.join(local, "7", "model"))  # a save that never committed
+    os.makedirs(os.path.join(local, "8.orbax-checkpoint-tmp-123", "model"))
+    with pytest.warns(UserWarning, match=rf"removed partial steps \['7', '8.orbax-checkpoint-tmp-123'\] of {local}"):
+        xtc.CheckpointManager(root, options(local)).close()
+    assert sorted(os.listdir(local)) == ["5", "6"]
+
+
+def test_local_steps_of_this_run_are_recognised_however_the_root_was_spelled(trained, mesh):
+    """The persistent root recorded in a local marker is compared through storage.location, not as text."""
+    root, local, _ = trained
+    marker_path = os.path.join(local, "6", "_CHECKPOINT_METADATA")
+    marker = formats.read_step(storage.location(os.path.join(local, "6")))
+    with open(marker_path, "wb") as f:  # as another writer might have spelled it; re-sealed, so it verifies
+        f.write(formats.encode_step(dataclasses.replace(marker, persistent_root=f"file://{root}/./")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "ignoring steps" warning
+        with xtc.CheckpointManager(root, options(local)) as manager:
+            assert manager.all_steps("local") == [5, 6]
+    assert local_tier.same_root("/a/b/", "/a/./b") and local_tier.same_root("file:///a/b", "/a/b")
+    assert local_tier.same_root(f"gs://{GCS_BUCKET}/run/", f"gs://{GCS_BUCKET}/run")
+    assert not local_tier.same_root("/a/b", "/a/c") and not local_tier.same_root("nope://x", "/a")
+
+
 def test_local_chunk_missing_is_skipped(trained, mesh):
     root, local, _ = trained
     shutil.rmtree(os.path.join(local, "6", "model"))
@@ -289,6 +443,18 @@ def test_persistent_tier_on_the_gcs_emulator(tmp_path, mesh, gcs_emulator_server
     assert_state(model, 4)
 
 
+def test_fallback_to_the_persistent_tier_on_the_gcs_emulator(tmp_path, mesh, gcs_emulator_server):
+    root, local = f"gs://{GCS_BUCKET}/multi-tier/{tmp_path.name}", str(tmp_path / "local")
+    draws = train(root, local, range(3, 6), mesh)  # persistent [4] on GCS, local [4, 5]
+    flip_byte(os.path.join(local, "5"))
+    flip_byte(os.path.join(local, "4"))
+    step, model, loader, extra, draw, messages = resume(root, local, mesh)
+    assert step == 4 and loader.position == 40 and extra == {"step": 4} and draw == draws[4]
+    assert_state(model, 4)
+    assert any("skipping step 5 of the local tier" in m for m in messages), messages
+    assert any("skipping step 4 of the local tier" in m for m in messages), messages
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="need local_directory"):
         xtc.CheckpointManagerOptions(local_save_interval_steps=5)
@@ -317,11 +483,29 @@ def test_cli_lists_both_tiers(trained, capsys):
     assert [line.split()[:3] for line in lines[1:]] == [
         ["4", "persistent", "committed"], ["5", "local", "(process"], ["6", "local", "(process"]]
     assert cli.main(["steps", root, "--local", local, "--json"]) == 0
-    import json
-
     doc = json.loads(capsys.readouterr().out)
     assert [(s["step"], s["tier"], s["writer"]) for s in doc] == [(4, "persistent", None), (5, "local", 0),
                                                                    (6, "local", 0)]
+
+
+def test_cli_marks_the_local_steps_a_manager_would_ignore(trained, tmp_path, mesh, capsys):
+    from xla_tensorstore_ckpt import cli
+
+    root, local, _ = trained
+    with xtc.CheckpointManager(local, xtc.CheckpointManagerOptions(save_interval_steps=1)) as plain:
+        plain.save(10, model=place(cpu_state(10), mesh))  # not a local tier's step
+    other = str(tmp_path / "another-run")
+    with pytest.warns(UserWarning, match="ignoring steps"):
+        train(other, local, [12], mesh)  # a local step of another run
+    assert cli.main(["steps", root, "--local", local]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "local (process 0 of 1)  committed" in rows["6"]
+    assert "ignored" in rows["10"] and "not written by a local tier" in rows["10"]
+    assert "ignored" in rows["12"] and f"another persistent root ({other})" in rows["12"]
+    assert cli.main(["steps", root, "--local", local, "--processes", "2", "--json"]) == 0
+    doc = {(s["step"], s["tier"]): s for s in json.loads(capsys.readouterr().out)}
+    assert doc[(6, "local")]["ignored"] == "written by a job of 1 processes (this one has 2)"
+    assert doc[(4, "persistent")]["ignored"] is None and doc[(6, "local")]["status"] == "committed"
 
 
 CRASH = os.path.join(os.path.dirname(__file__), "scripts", "crash_multi_tier.py")

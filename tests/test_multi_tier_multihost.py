@@ -1,6 +1,7 @@
 """Multi-tier checkpoints with two processes over gloo, each with its own local tier: they agree on one step;
 a restarted job whose processes sit on other hosts (swapped indices) still resumes from the local tier; one
-host's local tier wiped makes every process fall back to the same persistent step."""
+host's local tier wiped, a damaged local step on one host, or shards a process now needs missing from its local
+steps make every process fall back to the same persistent step."""
 
 from __future__ import annotations
 
@@ -17,15 +18,17 @@ from gcs_emulator import free_port
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "multitier.py")
 
 
-def launch(mode: str, root, local_base, hosts: list[int]) -> list[dict]:
-    """Run one process per entry of `hosts` (rank r on host hosts[r]); their JSON lines, rank order."""
+def launch(mode: str, root, local_base, hosts: list[int], shards: list[int] | None = None) -> list[dict]:
+    """Run one process per entry of `hosts` (rank r on host hosts[r], holding the shard of host shards[r]; by
+    default its host's); their JSON lines, rank order."""
     port = str(free_port())
     procs = []
     for rank, host in enumerate(hosts):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(hosts)), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port)
         env.pop("PJRT_DEVICE", None)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, mode, str(root), str(local_base), str(host)],
+        shard = [] if shards is None else [str(shards[rank])]
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, mode, str(root), str(local_base), str(host), *shard],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     for proc in procs:
@@ -83,3 +86,16 @@ def test_a_damaged_local_step_on_one_host_makes_everyone_fall_back(saved):
     for r in results:
         assert r["step"] == 2 and r["equal"], r  # local step 2 is intact everywhere and as new as persistent
         assert any("skipping step 3 of the local tier" in w and "process 0" in w for w in r["warnings"]), r
+
+
+def test_shards_a_process_now_needs_missing_from_its_local_step_make_everyone_fall_back(saved):
+    """The restart gives each host the other host's rows (another device assignment): its local steps hold only
+    the rows it wrote, so no local step is intact anywhere and every process restores the persistent step."""
+    root, local_base = saved
+    results = launch("restore", root, local_base, [0, 1], shards=[1, 0])
+    for r in results:
+        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r  # rows of the other host, persistent
+        for step in (3, 2):
+            assert any(f"skipping step {step} of the local tier" in w and "process 0" in w and "process 1" in w
+                       for w in r["warnings"]), r["warnings"]
+        assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]

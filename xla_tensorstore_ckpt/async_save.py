@@ -18,8 +18,8 @@ from .errors import AsyncSaveError
 class BackgroundCommitter:
     """Runs submitted save tails on one background thread, in submission order. Thread-safe.
 
-    The first error of a background save is kept and re-raised as `AsyncSaveError` (naming the step; the
-    original is its ``__cause__``) by the next `check`, `wait` or `close`, then forgotten.
+    The first error of a background save is kept and re-raised as `AsyncSaveError` (naming what failed: the
+    step, and where; the original is its ``__cause__``) by the next `check`, `wait` or `close`, then forgotten.
     """
 
     def __init__(self, max_pending: int):
@@ -37,9 +37,10 @@ class BackgroundCommitter:
         """Give back a reserved slot that will not be submitted (staging failed)."""
         self._slots.release()
 
-    def submit(self, step: int, tail: Callable[[], None]) -> None:
-        """Run `tail` in the background using the slot taken by `reserve`. Does not block."""
-        self._run(f"asynchronous save of step {step}", step, tail, release=True)
+    def submit(self, what: str, step: int, tail: Callable[[], None]) -> None:
+        """Run `tail` in the background using the slot taken by `reserve`. Does not block. `what` names the save
+        in its error (step, tier, root)."""
+        self._run(what, step, tail, release=True)
 
     def defer(self, what: str, step: int, work: Callable[[], None]) -> None:
         """Run `work` (e.g. retention deletes) in the background after what is already queued, without taking

@@ -111,20 +111,21 @@ def _print_json(data: Any) -> None:
 
 
 def cmd_steps(args: argparse.Namespace) -> int:
-    steps = inspection.list_steps(args.root, args.local)
+    steps = inspection.list_steps(args.root, args.local, args.processes)
     if not steps:
         raise CheckpointNotFoundError(f"{args.root} holds no checkpoint steps"
                                       + (f" and {args.local} none either" if args.local else ""))
     if args.json:
         _print_json([s.to_json() for s in steps])
         return 0
-    rows = [(s.step, s.status, _time_text(s.committed_at), human_bytes(s.nbytes),
-             _metrics_text(s.metrics) if s.status == "committed" else (s.problem or "no commit marker")[:80])
+    rows = [(s.step, "ignored" if s.ignored else s.status, _time_text(s.committed_at), human_bytes(s.nbytes),
+             s.ignored if s.ignored else _metrics_text(s.metrics) if s.status == "committed"
+             else (s.problem or "no commit marker")[:80])
             for s in steps]
     if args.local is None:
         print(table(("step", "status", "committed", "size", "metrics"), rows, right=(0, 3)))
         return 0
-    tiers = [s.tier if s.writer is None else f"{s.tier} (process {s.writer})" for s in steps]
+    tiers = [s.tier if s.writer is None else f"{s.tier} (process {s.writer} of {s.process_count})" for s in steps]
     print(table(("step", "tier", "status", "committed", "size", "metrics"),
                 [(row[0], tier, *row[1:]) for row, tier in zip(rows, tiers)], right=(0, 4)))
     return 0
@@ -318,7 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("steps", "committed steps with time, size and metrics; partial steps shown as such", cmd_steps)
     p.add_argument("root")
-    p.add_argument("--local", metavar="DIR", help="also list this host's local tier (a manager's local_directory)")
+    p.add_argument("--local", metavar="DIR", help="also list this host's local tier (a manager's local_directory); "
+                   "its steps that a manager of ROOT would ignore (another run's or writer's) are marked ignored")
+    p.add_argument("--processes", type=int, metavar="N", help="with --local: the job's number of processes; local "
+                   "steps written by a job of another size are marked ignored too")
     p = command("tree", "every key with shape, dtype, chunk shape, bytes, saved sharding, and JSON values",
                 cmd_tree)
     p.add_argument("path", help="ROOT/STEP, or an item directory")

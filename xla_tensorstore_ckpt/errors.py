@@ -54,6 +54,16 @@ class KeyMismatchError(CheckpointError, KeyError):
         return str(self.args[0])
 
 
+class ItemNotFoundError(KeyMismatchError):
+    """A step holds no item for an object the restore asked for (``lr_scheduler=`` for a step saved without
+    one): the request does not match the step, which is not damaged. `item` is the missing item, `items` those
+    the step holds."""
+
+    def __init__(self, message: str, *, step: int, item: str, items: tuple[str, ...]):
+        super().__init__(message, missing=(item,))
+        self.step, self.item, self.items = step, item, items
+
+
 class ShapeMismatchError(CheckpointError, ValueError):
     """A stored array and its restore target have different shapes."""
 

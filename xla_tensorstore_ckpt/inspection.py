@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import arrays, formats, layout, storage, tree
+from . import arrays, formats, layout, local_tier, storage, tree
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, UsageError
 from .formats import ArrayMetadata, ItemManifest, StepMetadata, safetensors
 from .steps import ANY_PREFIX, StepIndex
@@ -116,18 +116,26 @@ class StepInfo:
     problem: str | None = None
     tier: str = "persistent"  # or "local": a manager's local tier, which holds one process's shards
     writer: int | None = None  # the process that wrote a local step
+    process_count: int | None = None  # of the job that wrote a committed step
+    ignored: str | None = None  # why a manager of `root` would ignore this committed local step, if it would
+    marker: StepMetadata | None = field(default=None, compare=False, repr=False)  # of a committed step
 
     def to_json(self) -> dict:
         return {"step": self.step, "name": self.name, "status": self.status, "committed_at": self.committed_at,
                 "bytes": self.nbytes, "metrics": self.metrics, "problem": self.problem, "tier": self.tier,
-                "writer": self.writer}
+                "writer": self.writer, "process_count": self.process_count, "ignored": self.ignored}
 
 
-def list_steps(root: str, local: str | None = None) -> list[StepInfo]:
+def list_steps(root: str, local: str | None = None, processes: int | None = None) -> list[StepInfo]:
     """Every step-named directory under `root` and, if given, under the local tier `local`, whatever its prefix,
     with its status (as the manager sees it: `steps.StepIndex`), ordered by step (the local tier's first);
-    sizes are the bytes of the stored arrays (a local step holds the shards of one process of them)."""
+    sizes are the bytes of the stored arrays (a local step holds the shards of one process of them). A committed
+    local step that a manager of `root` would ignore (`local_tier.foreign_reason`: another run's, another
+    writer's, or with `processes` a job of another size) says why in `ignored`."""
     steps = _steps_of(root, "persistent") + ([] if local is None else _steps_of(local, "local"))
+    if local is not None:
+        steps = [s if s.tier != "local" or s.marker is None else dataclasses.replace(
+            s, ignored=local_tier.foreign_reason(s.marker, root, processes)) for s in steps]
     return sorted(steps, key=lambda s: (s.step, s.tier != "local"))
 
 
@@ -144,7 +152,8 @@ def _steps_of(root: str, tier: str) -> list[StepInfo]:
             out.append(StepInfo(entry.step, entry.name, "invalid", None, None, None, str(exc), tier))
             continue
         out.append(StepInfo(entry.step, entry.name, "committed", entry.marker.committed_at, nbytes,
-                            entry.marker.metrics, tier=tier, writer=entry.marker.writer))
+                            entry.marker.metrics, tier=tier, writer=entry.marker.writer,
+                            process_count=entry.marker.process_count, marker=entry.marker))
     return out
 
 

@@ -1,29 +1,39 @@
-"""Which step a manager with a local tier resumes from, the same on every process.
+"""Which step a manager with a local tier resumes from, the same on every process, and the fallback when a local
+step turns out damaged.
 
-Candidates, best first: the steps committed in the local tier of every process (written by a job of as many
-processes as now), newest first, as long as they are at least as new as the persistent tier's newest step; then
-that persistent step. A process whose local tier is empty (a replaced VM) therefore makes every process use the
-persistent tier. The manager tries the candidates in order: a local step is used only if every process restored
-it whole (every chunk it needs present, every checksum verified on read); otherwise all fall back together.
-Pure bookkeeping plus one exchange between processes (`candidates`, `agree`); no reads of array data.
+Candidates, best first (`candidates`): the steps committed in the local tier of every process (written by a job
+of as many processes as now), newest first, as long as they are at least as new as the persistent tier's
+newest step; then that persistent step. A process whose local tier is empty (a replaced VM) therefore makes
+every process use the persistent tier. `resume` tries them in order: a local step is used only if every process
+restored it whole (every chunk it needs present, every checksum verified on read, the metadata's included);
+otherwise all fall back together (`agree`) and restore every object again from the next one. The choice is
+logged on the ``xla_tensorstore_ckpt`` logger. `redo_persistent_copy` saves a resumed local step to the
+persistent tier again when the run that made it was killed while copying it there.
+
+Everything here is collective with several processes (every process calls it, in the same order) and blocks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 import warnings
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from . import formats
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .formats import StepMetadata
+from .lanes import LOCAL, PERSISTENT
 from .tier import Tier
 
 log = logging.getLogger("xla_tensorstore_ckpt")
 
-LOCAL, PERSISTENT = "local", "persistent"
-
-# What makes a local step unusable for this process: damaged or missing data. Anything else (a target that does
-# not match the checkpoint) would fail on every tier alike, and is raised.
+# What makes a local step unusable for this process: damaged or missing data (CheckpointNotFoundError: an item its
+# marker lists is not there). Anything else would fail on every tier alike and is raised: a target that does not
+# match the checkpoint, or an object the step has no item for (ItemNotFoundError, a KeyMismatchError).
 DAMAGE = (CorruptCheckpointError, StorageError, CheckpointNotFoundError)
 
 
@@ -39,8 +49,8 @@ class Candidate:
 
 def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, wanted: int | None) -> list[Candidate]:
     """The steps to try, best first; `wanted` a given step (tried in the local tier first), or None for the
-    newest. `local` holds only this run's local steps (the manager leaves out the others). Collective with
-    several processes (every process gets the same list). Blocks."""
+    newest. `local` holds only this run's local steps (the manager leaves out the others). Every process gets
+    the same list."""
     persistent_steps = persistent.committed()
     mine: list[tuple[int, bool]] = []
     if local is not None:
@@ -60,23 +70,95 @@ def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, w
     return out + ([Candidate(PERSISTENT, newest)] if newest is not None else [])
 
 
+def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wanted: int | None,
+           restore: Callable[[Candidate], None]) -> Candidate | None:
+    """Restore the best intact candidate (`wanted`: a step, or None for the newest) with `restore`, which
+    restores every requested object from a candidate on this process and raises what restoring raises; return
+    the candidate every process restored, or None if there is none (nothing committed; a `wanted` step that is
+    not committed anywhere falls back to the newest, with a warning).
+
+    A local candidate that fails with damage on any process (`DAMAGE`) is skipped on every process with a
+    warning naming the step, each failing process and its path, and the next candidate is restored, every
+    object again. Any other failure, and any failure of the persistent candidate, is raised on every process.
+    Raises `CorruptCheckpointError` if every candidate was damaged."""
+    choices = candidates(coordinator, local, persistent, wanted)
+    if wanted is not None and not choices:
+        choices = candidates(coordinator, local, persistent, None)
+        newest = f"the newest committed step, {choices[0].step}" if choices else "nothing"
+        warnings.warn(f"step {wanted} is not committed in the persistent tier {persistent.root}"
+                      + (f" nor in every process's local tier ({local.root} here)" if local is not None else "")
+                      + f"; resuming from {newest}", stacklevel=3)
+        wanted = None
+    for choice in choices:
+        tier = persistent if choice.tier == PERSISTENT else local
+        assert tier is not None  # a local candidate exists only with a local tier
+        where = str(tier.index.location(choice.step))
+        if choice.tier == PERSISTENT:  # the last candidate: nothing to fall back to
+            coordinator.everywhere(f"restoring step {choice.step} from the persistent tier ({where})",
+                                   lambda choice=choice: restore(choice))
+        else:
+            error = None
+            try:
+                restore(choice)
+            except Exception as exc:  # noqa: BLE001 - every process learns of it in `agree`, which raises
+                error = exc
+            if not agree(coordinator, choice, where, error):
+                continue
+        log.info("restored step %d from the %s tier (%s)", choice.step, choice.tier, where)
+        return choice
+    if not choices:
+        return None
+    damaged = [c.step for c in choices]
+    assert local is not None  # only local candidates can be skipped
+    if wanted is not None:
+        raise CorruptCheckpointError(
+            f"step {wanted} cannot be resumed: it is damaged or incomplete in the local tier ({local.root} here) "
+            f"on some process (see the warnings) and not committed in the persistent tier {persistent.root}")
+    raise CorruptCheckpointError(
+        f"no intact step to resume from: the local steps {damaged} ({local.root} here) are damaged or incomplete "
+        f"on some process (see the warnings), and the persistent tier {persistent.root} holds no committed step")
+
+
 def agree(coordinator: Coordinator, candidate: Candidate, where: str, error: Exception | None) -> bool:
-    """After every process tried to restore a local `candidate` (`error`: how it failed here, or None): True if
-    every process succeeded. Otherwise each process learns why, a warning names the step and the failures, and
-    the caller falls back; a failure that is not damage (`DAMAGE`) is raised instead, on every process.
-    Collective with several processes."""
-    statuses = coordinator.all_gather(None if error is None else (isinstance(error, DAMAGE),
+    """After every process tried to restore a local `candidate` from its step directory `where` (`error`: how it
+    failed here, or None): True if every process succeeded. Otherwise each process learns why, a warning names
+    the step and each failing process with its path and error, and the caller falls back; a failure that is not
+    damage (`DAMAGE`) is raised instead, on every process."""
+    statuses = coordinator.all_gather(None if error is None else (isinstance(error, DAMAGE), where,
                                                                   f"{type(error).__name__}: {error}"))
     failed = {process: status for process, status in enumerate(statuses) if status is not None}
     if not failed:
         return True
     if error is not None and not isinstance(error, DAMAGE):
         raise error
-    fatal = {process: text for process, (damage, text) in failed.items() if not damage}
+    fatal = {process: (path, text) for process, (damage, path, text) in failed.items() if not damage}
     if fatal:
         raise CheckpointError(f"restoring step {candidate.step} from the local tier failed on other processes: "
-                              + "; ".join(f"process {p}: {text}" for p, text in fatal.items()))
-    reasons = "; ".join(f"process {p}: {text}" for p, (_, text) in failed.items())
-    warnings.warn(f"skipping step {candidate.step} of the local tier ({where}): not intact on every process "
+                              + "; ".join(f"process {p} ({path}): {text}" for p, (path, text) in fatal.items()))
+    reasons = "; ".join(f"process {p} ({path}): {text}" for p, (_, path, text) in failed.items())
+    warnings.warn(f"skipping step {candidate.step} of the local tier ({where} here): not intact on every process "
                   f"({reasons}); falling back to the next candidate", stacklevel=4)
     return False
+
+
+def redo_persistent_copy(step: int, marker: StepMetadata, restored: Collection[str], persistent: Tier,
+                         save: Callable[[StepMetadata], None]) -> None:
+    """Save the resumed local step `step` (its local marker `marker`) to the persistent tier again, whose copy a
+    killed run never committed, if the items restored (`restored`, the RNG item included when it was) are all
+    the step's items; else warn that the copy waits for the next persistent save. `save` saves the restored
+    objects as that step, on top of a marker. A failure of the save only warns: the restore succeeded, and
+    `save` raises on every process alike."""
+    if set(marker.items) - set(restored):
+        warnings.warn(f"step {step} was due for {persistent.root} but its copy never committed; it is not redone "
+                      f"because the restore did not cover all its items ({sorted(marker.items)}, restored "
+                      f"{sorted(restored)}): the next persistent save makes a new one", stacklevel=3)
+        return
+    log.info("saving step %d to %s again: its copy there never committed", step, persistent.root)
+    base = dataclasses.replace(marker, items=(), created_at=time.time(), writer=None, persistent_copy=False,
+                               persistent_root=None, versions=formats.writer_versions())
+    try:
+        save(base)
+    except CheckpointError as exc:
+        warnings.warn(f"step {step} was restored, but its copy to {persistent.index.location(step)}, which never "
+                      f"committed, could not be redone ({exc}); the next persistent save makes a new one",
+                      stacklevel=3)

@@ -79,15 +79,22 @@ class StepIndex:
             return StepEntry(step, name, "partial")  # Orbax's, not finalized
         return StepEntry(step, name, "committed", marker)
 
-    def remove_partial(self, entries: list[StepEntry]) -> None:
+    def remove_partial(self, entries: list[StepEntry]) -> tuple[list[str], dict[str, str]]:
         """Delete the partial steps among `entries` (saves that crashed before their commit), unless a marker
-        has appeared meanwhile or they hold items Orbax wrote."""
+        has appeared meanwhile or they hold items Orbax wrote. Returns the names deleted, and those that could
+        not be, with why (a partial step left behind is harmless: it is never listed as committed)."""
+        removed, failed = [], {}
         for entry in entries:
             loc = self.root.child(entry.name)
-            if entry.status != "partial" or _holds_orbax_items(loc):
-                continue
-            if layout.is_tmp_step_name(entry.name) or loc.read(layout.CHECKPOINT_METADATA) is None:
-                loc.delete_tree()
+            try:
+                if entry.status != "partial" or _holds_orbax_items(loc):
+                    continue
+                if layout.is_tmp_step_name(entry.name) or loc.read(layout.CHECKPOINT_METADATA) is None:
+                    loc.delete_tree()
+                    removed.append(entry.name)
+            except OSError as exc:  # StorageError included
+                failed[entry.name] = str(exc)
+        return removed, failed
 
     def delete(self, step: int) -> None:
         """Uncommit `step`, then delete its files: where the storage renames, by renaming the step to a

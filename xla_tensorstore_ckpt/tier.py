@@ -72,14 +72,21 @@ class Tier:
     # ----------------------------------------------------------------------------------- collectives
 
     def reload(self, coordinator: Coordinator) -> None:
-        """Re-read the committed steps; unless another live manager owns the root, remove partial steps."""
+        """Re-read the committed steps; unless another live manager owns the root, remove partial steps (with a
+        warning naming them; one that cannot be removed is only warned about)."""
         def scan() -> dict[int, StepMetadata]:
             entries = self.index.scan()
             for entry in entries:
                 if entry.status == "invalid":
                     warnings.warn(f"ignoring step {entry.step}: {entry.problem}", stacklevel=5)
             if self.lock.holder is None:
-                self.index.remove_partial(entries)
+                removed, failed = self.index.remove_partial(entries)
+                if removed:
+                    warnings.warn(f"removed partial steps {removed} of {self.root}: saves that never committed",
+                                  stacklevel=5)
+                for name, problem in failed.items():
+                    warnings.warn(f"could not remove the partial step {self.root.child(name)} (a save that never "
+                                  f"committed): {problem}; it is never listed as committed", stacklevel=5)
             return {e.step: e.marker for e in entries if e.marker is not None}
 
         if coordinator.is_primary:

@@ -5,6 +5,7 @@ save for an object, and how to restore it in place. Called by the manager; block
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from . import checkpointer, formats, restoring, rng_state, tree
-from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
+from .errors import CheckpointError, CheckpointNotFoundError, ItemNotFoundError, UnsupportedValueError
 from .formats import ArrayMetadata, StepMetadata
 from .layout import KeyPath
 from .options import RestoreOptions
@@ -20,6 +21,10 @@ from .restoring import KeyMap, RestoreAs
 from .storage import Location
 
 RNG_ITEM = "rng"  # a step's item holding the random generator states (`rng_state`)
+OBJECT_ITEMS = ("model", "optimizer", "lr_scheduler", "extra", "data_loader")  # the manager's objects = items
+OWN_ITEMS = (*OBJECT_ITEMS, RNG_ITEM)
+
+log = logging.getLogger("xla_tensorstore_ckpt")
 
 
 def state_of(obj: Any) -> Any:
@@ -114,19 +119,62 @@ def restore_object(item_loc: Location, obj: Any, *, strict: bool, options: Resto
 
 
 def restore_step(step_loc: Location, marker: StepMetadata, objects: Mapping[str, Any], *, strict: bool,
-                 key_map: KeyMap | None, options: RestoreOptions, rng: tuple[int, int], restore_rng: bool) -> None:
-    """Restore `objects` (item name -> object, as `restore_object`) from the step at `step_loc` whose marker is
-    `marker`, then, with `restore_rng`, this process's generators from row ``rng = (index, count)`` of its RNG
-    item. Raises `CheckpointNotFoundError` naming the step if an object has no item, and what
-    `restore_object` raises."""
-    for name in objects:
-        if name not in marker.items:
-            raise CheckpointNotFoundError(f"step {marker.step} at {step_loc} has no {name!r} item (it holds "
-                                          f"{', '.join(marker.items)})")
+                 key_map: KeyMap | None, options: RestoreOptions, rng: tuple[int, int], restore_rng: bool,
+                 items: Mapping[str, str] | None = None) -> None:
+    """Restore `objects` (object name -> object, as `restore_object`) from the step at `step_loc` whose marker is
+    `marker`, each from its item (`step_items`), then, with `restore_rng`, this process's generators from row
+    ``rng = (index, count)`` of its RNG item. Raises `ItemNotFoundError` (not damage: the request does not
+    match the step) if an object has no item, before anything is restored, and what `restore_object` raises."""
+    chosen = step_items(step_loc, marker, objects, items)
     for name, obj in objects.items():
-        restore_object(step_loc.child(name), obj, strict=strict, options=options, key_map=key_map)
+        restore_object(step_loc.child(chosen[name]), obj, strict=strict, options=options, key_map=key_map)
     if restore_rng and RNG_ITEM in marker.items:
         rng_state.restore(step_loc.child(RNG_ITEM), *rng, options=options)
+
+
+def step_items(step_loc: Location, marker: StepMetadata, objects: Iterable[str],
+               items: Mapping[str, str] | None) -> dict[str, str]:
+    """The item of the step each object (by name) is restored from: ``items[name]`` if given, else the item of
+    the same name; for ``model`` in a step without a ``model`` item (an Orbax root saved with ``StandardSave``:
+    ``default``; MaxText's ``items``; ``state``), its only item that holds arrays and is not one of this
+    library's own (`OWN_ITEMS`), with a log line saying so. Raises `ItemNotFoundError` naming the step, the
+    item and the path otherwise. Blocks (reads the manifests of the other items to find the one that holds
+    arrays)."""
+    chosen = {}
+    for name in objects:
+        item = (items or {}).get(name, name)
+        if item not in marker.items and name == "model" and item == "model":
+            holding = _items_holding_arrays(step_loc, marker)
+            if len(holding) == 1:
+                log.info("step %d at %s has no 'model' item: restoring model from its only item holding arrays, "
+                         "%r", marker.step, step_loc, holding[0])
+                item = holding[0]
+            elif holding:
+                raise ItemNotFoundError(
+                    f"step {marker.step} at {step_loc} has no 'model' item and several that hold arrays "
+                    f"({', '.join(holding)}): pass items={{'model': <one of them>}} to restore(...)",
+                    step=marker.step, item="model", items=marker.items)
+        if item not in marker.items:
+            raise ItemNotFoundError(f"step {marker.step} at {step_loc} has no {item!r} item for {name}= (it "
+                                    f"holds {', '.join(marker.items) or 'no items'})", step=marker.step, item=item,
+                                    items=marker.items)
+        chosen[name] = item
+    return chosen
+
+
+def _items_holding_arrays(step_loc: Location, marker: StepMetadata) -> list[str]:
+    """The items of the step, other than this library's own, whose manifest has arrays (an Orbax JSON item, or
+    one of scalars alone, has none)."""
+    out = []
+    for item in marker.items:
+        if item in OWN_ITEMS:
+            continue
+        try:
+            if formats.read_item(step_loc.child(item)).arrays():
+                out.append(item)
+        except CheckpointNotFoundError:  # listed by an Orbax marker but holding no item we read
+            continue
+    return out
 
 
 def _restore_in_place(item_loc: Location, target: Any, strict: bool, options: RestoreOptions,

@@ -3,7 +3,9 @@ MASTER_ADDR, MASTER_PORT in the environment). The shards a process holds follow 
 devices do on a pod: a restarted job may give the same host another process index.
 
 usage: multitier.py save ROOT LOCAL_BASE HOST     -> saves steps 1-3 (persistent every 2, local every step)
-       multitier.py restore ROOT LOCAL_BASE HOST  -> restore("latest") and checks every value against its step
+       multitier.py restore ROOT LOCAL_BASE HOST [SHARD]  -> restore("latest") and checks every value against its
+                                                   step; with SHARD, the process holds the rows of host SHARD's
+                                                   shard (another device assignment) while it reads HOST's tier
        multitier.py resume_save ROOT LOCAL_BASE HOST -> restore("latest"), then saves the next steps up to 4
 The local tier of HOST is LOCAL_BASE/host<HOST>. Prints one JSON line per event: {"rank", "host", ...}.
 """
@@ -47,6 +49,7 @@ class Loader:
 
 def main() -> None:
     mode, root, local_base, host = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    shard = int(sys.argv[5]) if len(sys.argv) > 5 else host
     rank = int(os.environ["RANK"])
     options = xtc.CheckpointManagerOptions(
         save_interval_steps=2, max_to_keep=2, local_directory=os.path.join(local_base, f"host{host}"),
@@ -68,7 +71,7 @@ def main() -> None:
         handler.emit = lambda record: logs.append(record.getMessage())  # type: ignore[method-assign]
         logging.getLogger("xla_tensorstore_ckpt").addHandler(handler)
         logging.getLogger("xla_tensorstore_ckpt").setLevel(logging.INFO)
-        model, loader = model_for(None, host), Loader()
+        model, loader = model_for(None, shard), Loader()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             step = manager.restore("latest", model=model, data_loader=loader)

@@ -1,0 +1,126 @@
+"""A tier as the manager drives it (`Lane`): its steps (`tier.Tier`: root, lock, bookkeeping, retention), when it
+saves, the background thread finishing its saves, and the coordinator of its commits (the job's for the
+persistent tier, this process alone for a local one).
+
+The manager holds one lane per tier and composes them; a lane knows nothing of training objects. Methods run on
+the caller's thread unless they say otherwise; `finish` runs on the lane's background thread in async mode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import layout, saving, storage
+from .async_save import BackgroundCommitter
+from .distributed import Coordinator
+from .errors import CheckpointError, CheckpointNotFoundError
+from .options import CheckpointManagerOptions
+from .policies import RetentionPolicy, SavePolicy
+from .tier import PendingSave, Tier
+
+LOCAL, PERSISTENT = "local", "persistent"  # the tiers' names, as `all_steps(tier)` and `metadata().tiers` say
+
+
+@dataclass
+class Lane:
+    """One tier of a manager. Not thread-safe beyond what `Tier` and `BackgroundCommitter` are."""
+
+    name: str  # LOCAL or PERSISTENT
+    tier: Tier
+    policy: SavePolicy
+    committer: BackgroundCommitter
+    coordinator: Coordinator
+    on_commit: Callable[[int], None] | None
+    in_flight: int | None = None  # the newest step this manager saved (or is saving) here
+    plan_caches: dict[str, saving.PlanCache] = field(default_factory=dict)  # item name -> its last plan
+
+    @property
+    def is_local(self) -> bool:
+        return self.name == LOCAL
+
+    def describe(self) -> str:
+        """The tier and its root, for messages: ``the local tier (/mnt/ssd/ckpt)``."""
+        return f"the {self.name} tier ({self.tier.root})"
+
+    def last_saved(self) -> int | None:
+        """The newest step this tier has or is saving, as every process sees it: the persistent tier's shared
+        listing, but for a local tier only the saves of this manager (local listings differ between processes,
+        and every process must decide alike whether a step is due)."""
+        if self.is_local:
+            return self.in_flight
+        latest = max(self.tier.committed(), default=None)
+        return latest if self.in_flight is None else max(latest or 0, self.in_flight)
+
+    def take_root(self, step: int) -> None:
+        """Own the tier's root before saving `step` into it (the primary of the lane's coordinator takes the
+        lock). Raises `CheckpointError` naming the lock's holder and file if another live manager owns it."""
+        lock = self.tier.lock
+        if self.coordinator.is_primary and not lock.acquire():
+            raise CheckpointError(
+                f"cannot save step {step}: {lock.root} is owned by another checkpoint manager ({lock.holder}); "
+                f"this one can only restore. If that process is gone, delete "
+                f"{lock.root.child(layout.MANAGER_LOCK)} (or wait lock_timeout_s).")
+
+    def submit(self, save: PendingSave, *, fsync: bool) -> None:
+        """Hand `save` to the lane's background thread (`finish`); its error is re-raised later, naming the
+        step and this tier. Uses the slot `committer.reserve` took. Does not block."""
+        self.committer.submit(f"asynchronous save of step {save.step} to {self.describe()}", save.step,
+                              lambda: self.finish(save, fsync=fsync))
+
+    def finish(self, save: PendingSave, *, fsync: bool) -> None:
+        """Commit `save` in the tier (on every process of the job for the persistent tier), then retention (its
+        deletes deferred to the lane's background thread, off the critical path), then the commit callback.
+        Collective for the persistent tier. Blocks."""
+        doomed = self.tier.commit(self.coordinator, save, fsync=fsync, committed_at=time.time())
+        if doomed and self.coordinator.is_primary:
+            self.committer.defer(f"deleting steps {doomed} of {self.describe()} (retention after step {save.step})",
+                                 save.step, lambda: [self.tier.delete(old) for old in doomed])
+        if self.on_commit is not None:
+            self.on_commit(save.step)
+
+    def close(self) -> None:
+        """Wait for the lane's saves (raising their errors), then release its root and its coordinator, each
+        also when the one before failed. Idempotent for the parts already closed."""
+        try:
+            self.committer.close()
+        finally:
+            try:
+                self.tier.lock.release()
+            finally:
+                self.coordinator.close()
+
+
+def persistent_lane(root: storage.Location, options: CheckpointManagerOptions) -> Lane:
+    """The persistent tier at `root`: the manager's policies, the job's coordinator for its commits (a group of
+    its own, so that the background commits' collectives never interleave with the caller's). Collective with
+    several processes."""
+    retention = RetentionPolicy(
+        max_to_keep=options.max_to_keep, keep_period=options.keep_period, best_fn=options.best_fn,
+        best_mode=options.best_mode, keep_checkpoints_without_metrics=options.keep_checkpoints_without_metrics)
+    return Lane(PERSISTENT, Tier(root, step_prefix=options.step_prefix, retention=retention,
+                                 lock_timeout_s=options.lock_timeout_s),
+                SavePolicy(interval=options.save_interval_steps, steps=options.save_on_steps),
+                BackgroundCommitter(options.max_pending_saves),
+                Coordinator.from_environment(options.coordination_timeout_s), options.on_commit)
+
+
+def local_lane(root: storage.Location, options: CheckpointManagerOptions) -> Lane:
+    """This process's local tier at `root`: the local policies, committed by this process alone."""
+    return Lane(LOCAL, Tier(root, step_prefix=options.step_prefix,
+                            retention=RetentionPolicy(max_to_keep=options.local_max_to_keep),
+                            lock_timeout_s=options.lock_timeout_s),
+                SavePolicy(interval=options.local_save_interval_steps, steps=options.local_save_on_steps),
+                BackgroundCommitter(options.max_pending_saves), Coordinator.single(), options.on_local_commit)
+
+
+def check_root(root: storage.Location, *, create: bool) -> None:
+    """Raise `CheckpointError` if `root` is a step or item directory rather than a root, and
+    `CheckpointNotFoundError` if it does not exist and `create` is False. Blocks (two small reads)."""
+    for marker, what in ((layout.CHECKPOINT_METADATA, "a step"), (layout.ITEM_METADATA, "an item")):
+        if root.read(marker) is not None:
+            raise CheckpointError(f"{root} is {what} directory, not a checkpoint root; "
+                                  "pass the directory that holds the steps")
+    if not create and not root.exists():
+        raise CheckpointNotFoundError(f"checkpoint root {root} does not exist (and create=False)")
