@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from xla_tensorstore_ckpt import layout
+from xla_tensorstore_ckpt import layout, storage
+from xla_tensorstore_ckpt.steps import StepIndex
 
 ROUND_TRIP = [
     "weight", "layers.0.attn.q_proj.weight", "_orig_mod.w", 0, 7, -3, "0", "007", "-1", "", ".", "..", "...",
@@ -47,3 +48,30 @@ def test_array_path_joins_components():
 @pytest.mark.parametrize("path", ["", "/abs", "a/../b", "..", "a//b", "a/./b", "a\\b", "a\x00"], ids=repr)
 def test_unsafe_relative_paths_are_rejected(path):
     assert not layout.is_safe_relative_path(path)
+
+
+@pytest.mark.parametrize("name, prefix, any_prefix, step, width", [
+    ("23", None, False, 23, None), ("0", None, False, 0, None), ("0023", None, False, 23, 4),
+    ("00000", None, False, 0, 5), ("checkpoint_0023", "checkpoint", False, 23, 4),
+    ("checkpoint_0023", None, True, 23, 4),
+    ("checkpoint_23", "checkpoint", False, 23, None), ("0023", "checkpoint", False, None, None),
+    ("checkpoint_0023", None, False, None, None), ("-1", None, False, None, None), ("2a", None, False, None, None),
+    ("", None, False, None, None)],
+    ids=["plain", "zero", "padded", "padded-zero", "prefixed-padded", "any-prefix-padded", "prefixed", "no-prefix",
+         "unexpected-prefix", "negative", "letters", "empty"])
+def test_step_names_plain_prefixed_and_zero_padded_as_orbax_writes_them(name, prefix, any_prefix, step, width):
+    assert layout.parse_step_name(name, prefix, any_prefix=any_prefix) == step
+    assert layout.step_name_width(name, prefix, any_prefix=any_prefix) == width
+    if step is not None and not any_prefix:
+        assert layout.step_name(step, prefix, width) == name  # the name round-trips
+
+
+def test_a_step_index_names_new_steps_as_the_root_names_its_steps(tmp_path):
+    root = storage.location(str(tmp_path))
+    assert StepIndex(root).location(7).name == "7"  # an empty root: plain numbers
+    (tmp_path / "0002").mkdir()
+    assert StepIndex(root).location(7).name == "0007"  # learned from a listing
+    index = StepIndex(root, "ckpt")
+    (tmp_path / "ckpt_000003.orbax-checkpoint-tmp-12").mkdir()  # a save under way is named as the others
+    assert [e.step for e in index.scan()] == [3] and index.location(12345678).name == "ckpt_12345678"
+    assert index.location(4).name == "ckpt_000004"

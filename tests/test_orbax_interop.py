@@ -17,7 +17,7 @@ from conftest import make_mesh, sharded
 from orbax_process import leaf, orbax, same
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import dtypes
+from xla_tensorstore_ckpt import cli, dtypes
 from xla_tensorstore_ckpt.tree import flatten as flatten_tree
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -183,18 +183,26 @@ def test_orbax_keys_that_would_leave_the_item_are_refused(tmp_path, key):
             read(item)
 
 
+# Orbax's step naming options by root: step_prefix, step_format_fixed_length (zero-padded step numbers)
+NAMING = {"plain": (), "prefixed": ("--prefix", "checkpoint"), "padded": ("--fixed-length", "5"),
+          "padded-prefixed": ("--prefix", "checkpoint", "--fixed-length", "3")}
+
+
 @pytest.fixture(scope="module")
 def orbax_roots(tmp_path_factory):
     base = tmp_path_factory.mktemp("orbax-roots")
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda args: orbax(*args), [("manager", base / "plain"),
-                                                  ("manager", base / "prefixed", "--prefix", "checkpoint")]))
+        list(pool.map(lambda kv: orbax("manager", base / kv[0], *kv[1]), NAMING.items()))
     return base
 
 
-@pytest.mark.parametrize("prefix", [None, "checkpoint"], ids=["plain", "prefixed"])
-def test_an_orbax_root_is_resumed_by_our_manager_and_orbax_sees_our_step(orbax_roots, prefix):
-    root = orbax_roots / ("plain" if prefix is None else "prefixed")
+@pytest.mark.parametrize("naming", list(NAMING))
+def test_an_orbax_root_is_resumed_by_our_manager_and_orbax_sees_our_step(orbax_roots, naming, capsys):
+    root = orbax_roots / naming
+    prefix = dict(zip(NAMING[naming][::2], NAMING[naming][1::2])).get("--prefix")
+    names = {"plain": ["1", "2"], "prefixed": ["checkpoint_1", "checkpoint_2"], "padded": ["00001", "00002"],
+             "padded-prefixed": ["checkpoint_001", "checkpoint_002"]}[naming]
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith("_")) == names  # as Orbax named them
     options = xtc.CheckpointManagerOptions(save_interval_steps=1, step_prefix=prefix, save_rng=False)
     with xtc.CheckpointManager(root, options) as manager:
         assert manager.all_steps() == [1, 2] and manager.latest_step() == 2
@@ -205,12 +213,18 @@ def test_an_orbax_root_is_resumed_by_our_manager_and_orbax_sees_our_step(orbax_r
         assert_model(model, 2) and extra == {"position": 20, "epoch": "one"}
         model = {name: value * 0 + 3 for name, value in model.items()}
         manager.save(3, model=model, extra={"position": 30, "epoch": "two"})
-    steps = orbax("steps", root)[str(root)]
-    if prefix is None:  # Orbax's manager default knows no prefix
-        assert steps == {"all_steps": [1, 2, 3], "latest": 3}
-        restored = orbax("manager_restore", root, "model")
-        assert restored["step"] == 3
-        assert all(torch.equal(leaf(restored["tree"][k]), v) for k, v in model.items())
+    assert (root / names[-1].replace("2", "3")).is_dir()  # our step is named as Orbax names its steps there
+    with xtc.CheckpointManager(root, options) as manager:
+        assert manager.all_steps() == [1, 2, 3]
+    assert cli.main(["steps", str(root), "--json"]) == 0  # the command line lists them too
+    listed = json.loads(capsys.readouterr().out)
+    assert [(s["step"], s["name"], s["status"]) for s in listed] == \
+        [(n, name, "committed") for n, name in zip((1, 2, 3), [*names, names[-1].replace("2", "3")])]
+    steps = orbax("steps", root, *NAMING[naming])[str(root)]  # Orbax, with the same naming options
+    assert steps == {"all_steps": [1, 2, 3], "latest": 3}
+    restored = orbax("manager_restore", root, "model", *NAMING[naming])
+    assert restored["step"] == 3
+    assert all(torch.equal(leaf(restored["tree"][k]), v) for k, v in model.items())
 
 
 def assert_model(model, step) -> bool:

@@ -36,7 +36,7 @@ _UNSAFE_IN_NAME = re.compile(r"[/\\\x00%]")
 MAX_COMPONENT_LENGTH = 200
 _SAFE_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 _INTEGER = re.compile(r"-?[0-9]+")
-_STEP = re.compile(r"0|[1-9][0-9]*")
+_STEP = re.compile(r"[0-9]+")  # zero-padded too: Orbax's step_format_fixed_length names step 23 "0023"
 _RESERVED = frozenset({ITEM_METADATA, CHECKPOINT_METADATA, ZARR_METADATA, ".", ".."})
 EMPTY_COMPONENT = "%"
 
@@ -101,23 +101,36 @@ def is_safe_relative_path(path: str) -> bool:
     return all(p not in ("", ".", "..") for p in parts)
 
 
-def step_name(step: int, prefix: str | None) -> str:
-    """Directory name of a step: ``100`` or, with a prefix, ``checkpoint_100``."""
-    return f"{prefix}_{step}" if prefix else str(step)
+def step_name(step: int, prefix: str | None, width: int | None = None) -> str:
+    """Directory name of a step: ``100`` or, with a prefix, ``checkpoint_100``; with `width`, the number is
+    zero-padded to that many digits as Orbax's ``step_format_fixed_length`` does (``00100``)."""
+    number = f"{step:0{width}d}" if width else str(step)
+    return f"{prefix}_{number}" if prefix else number
 
 
 def parse_step_name(name: str, prefix: str | None, *, any_prefix: bool = False) -> int | None:
     """The step a directory name denotes, or None if it is not a step directory of this prefix. With
-    `any_prefix`, ``<anything>_<step>`` and ``<step>`` both are (for tools that do not know the prefix)."""
+    `any_prefix`, ``<anything>_<step>`` and ``<step>`` both are (for tools that do not know the prefix). A
+    zero-padded number (``0023``, ``checkpoint_0023``) is a step too."""
+    number = _step_digits(name, prefix, any_prefix=any_prefix)
+    return None if number is None else int(number)
+
+
+def step_name_width(name: str, prefix: str | None, *, any_prefix: bool = False) -> int | None:
+    """The width a step directory's number is zero-padded to (4 for ``0023``), or None if it is not padded
+    (``23``, ``0``) or not a step directory of this prefix."""
+    number = _step_digits(name, prefix, any_prefix=any_prefix)
+    return len(number) if number is not None and len(number) > 1 and number[0] == "0" else None
+
+
+def _step_digits(name: str, prefix: str | None, *, any_prefix: bool) -> str | None:
     if any_prefix:
         name = name.rsplit("_", 1)[-1]
     elif prefix:
         if not name.startswith(prefix + "_"):
             return None
         name = name[len(prefix) + 1:]
-    if not _STEP.fullmatch(name):
-        return None
-    return int(name)
+    return name if _STEP.fullmatch(name) else None
 
 
 def chunk_key(position: tuple[int, ...]) -> str:

@@ -6,8 +6,9 @@ decodes and names the same step; a step directory without one is partial (a save
 a step still under its temporary name (``<name>.orbax-checkpoint-tmp-<n>``, where the storage renames); one whose
 marker does not decode, or names another step, is invalid. A step Orbax wrote is committed by Orbax's rule: its
 directory has its final name (storage that renames) or holds ``commit_success.txt`` (object stores); partial
-steps that hold Orbax's items are never deleted (they may be another program's). Everything blocks; the index
-holds no state beyond its root.
+steps that hold Orbax's items are never deleted (they may be another program's). Step numbers may be zero-padded
+(Orbax's ``step_format_fixed_length``: ``0023``); new steps are named with the padding the root's steps already
+have. Everything blocks; the index holds no state beyond its root and that padding, learned from a listing.
 """
 
 from __future__ import annotations
@@ -43,23 +44,35 @@ class StepIndex:
     def __init__(self, root: Location, prefix: str | None = None):
         self.root = root
         self.prefix = prefix
+        self._width: int | None = None  # the zero padding of the root's step numbers (`_learn_width`)
+        self._width_known = False
 
     def location(self, step: int) -> Location:
-        """Where `step` lives (committed or not). Not for an `ANY_PREFIX` index."""
-        return self.root.child(layout.step_name(step, self.prefix))
+        """Where `step` lives (committed or not), its number padded as the root's steps are (the first call
+        lists the root, unless `scan` has). Not for an `ANY_PREFIX` index."""
+        if not self._width_known:
+            self._learn_width(self.root.list())
+        return self.root.child(layout.step_name(step, self.prefix, self._width))
 
     def scan(self) -> list[StepEntry]:
         """Every step directory with its status, oldest step first."""
         entries = []
-        for name in self.root.list():
+        names = self.root.list()
+        self._learn_width(names)
+        for name in names:
             step = self._step_of(name)
             if step is not None:
                 entries.append(self._entry(step, name))
         return sorted(entries, key=lambda e: (e.step, e.name))
 
+    def _learn_width(self, names: list[str]) -> None:
+        """The padding of the root's step names (the widest, if they disagree); None if none is padded."""
+        widths = [layout.step_name_width(_final_name(name), self.prefix) for name in names]
+        self._width = max((w for w in widths if w is not None), default=None)
+        self._width_known = True
+
     def _step_of(self, name: str) -> int | None:
-        final = name.split(layout.TMP_STEP_SUFFIX, 1)[0] if layout.is_tmp_step_name(name) else name
-        return layout.parse_step_name(final, None if self.prefix == ANY_PREFIX else self.prefix,
+        return layout.parse_step_name(_final_name(name), None if self.prefix == ANY_PREFIX else self.prefix,
                                       any_prefix=self.prefix == ANY_PREFIX)
 
     def _entry(self, step: int, name: str) -> StepEntry:
@@ -131,3 +144,8 @@ def _holds_orbax_items(loc: Location) -> bool:
         if "tree_metadata" in doc and formats.v2.KEY not in doc:
             return True
     return False
+
+
+def _final_name(name: str) -> str:
+    """A step directory's name without the temporary suffix of a save under way."""
+    return name.split(layout.TMP_STEP_SUFFIX, 1)[0] if layout.is_tmp_step_name(name) else name

@@ -3,8 +3,10 @@ reads ours, for the interop tests. Prints one JSON document on stdout.
 
 usage: orbax_tool.py write ITEM --ocdbt 0|1 --zarr3 0|1     an item of `tree()` (2D-sharded arrays, every leaf kind)
                      [--tree slashed]                        or of `slashed()` (a key with a "/")
-       orbax_tool.py manager ROOT [--prefix P]               a CheckpointManager root: steps 1 and 2, items
+       orbax_tool.py manager ROOT [--prefix P] [--fixed-length N]
+                                                             a CheckpointManager root: steps 1 and 2, items
                                                              "model" and "extra" (Composite), the default options
+                                                             but step_prefix / step_format_fixed_length
        orbax_tool.py manager_items BASE SPEC...              one CheckpointManager root per SPEC at BASE/SPEC, steps
                                                              1 and 2: "default" by StandardSave alone (Orbax names
                                                              its item default), else Composite items named by SPEC
@@ -15,8 +17,10 @@ usage: orbax_tool.py write ITEM --ocdbt 0|1 --zarr3 0|1     an item of `tree()` 
                                                              (paths: keyed by the JSON list of keys, not by
                                                              the keys joined with ".")
        orbax_tool.py restore_sharded ITEM                    PyTreeCheckpointer, onto NamedShardings on a 2x4 mesh
-       orbax_tool.py steps ROOT...                           CheckpointManager(ROOT).all_steps() / latest_step()
-       orbax_tool.py manager_restore ROOT ITEM               CheckpointManager(ROOT).restore(latest, Composite(ITEM))
+       orbax_tool.py steps ROOT... [--prefix P] [--fixed-length N]
+                                                             CheckpointManager(ROOT).all_steps() / latest_step()
+       orbax_tool.py manager_restore ROOT ITEM [--prefix P] [--fixed-length N]
+                                                             CheckpointManager(ROOT).restore(latest, Composite(ITEM))
 Leaves are dumped as {"dtype", "shape", "data": base64 of the little-endian bytes} or {"value": ...}.
 """
 
@@ -68,6 +72,13 @@ def dump(tree, *, paths: bool = False) -> dict:
     return out
 
 
+def manager_options(flags: dict) -> ocp.CheckpointManagerOptions:
+    """The default options, but the step naming given by --prefix and --fixed-length."""
+    fixed = flags.get("--fixed-length")
+    return ocp.CheckpointManagerOptions(step_prefix=flags.get("--prefix"),
+                                        step_format_fixed_length=int(fixed) if fixed else None)
+
+
 def main() -> None:
     command, target = sys.argv[1], sys.argv[2]
     flags = dict(zip(sys.argv[3::2], sys.argv[4::2]))
@@ -79,8 +90,7 @@ def main() -> None:
             checkpointer.save(target, args=ocp.args.PyTreeSave(placed(tree, specs, mesh())))
         result = {"written": target}
     elif command == "manager":
-        options = ocp.CheckpointManagerOptions(step_prefix=flags.get("--prefix"))
-        with ocp.CheckpointManager(target, options=options) as manager:
+        with ocp.CheckpointManager(target, options=manager_options(flags)) as manager:
             for step in (1, 2):
                 manager.save(step, args=ocp.args.Composite(
                     model=ocp.args.StandardSave(placed(orbax_trees.model(step), orbax_trees.model_specs(), mesh())),
@@ -138,12 +148,16 @@ def main() -> None:
         result = {"seconds": time.perf_counter() - started, "tree": dump(restored)}
     elif command == "steps":
         result = {}
-        for root in sys.argv[2:]:
-            with ocp.CheckpointManager(root) as manager:
+        args = sys.argv[2:]
+        first_flag = next((i for i, arg in enumerate(args) if arg.startswith("--")), len(args))
+        roots, flags = args[:first_flag], dict(zip(args[first_flag::2], args[first_flag + 1::2]))
+        for root in roots:
+            with ocp.CheckpointManager(root, options=manager_options(flags)) as manager:
                 result[root] = {"all_steps": sorted(manager.all_steps()), "latest": manager.latest_step()}
     elif command == "manager_restore":
         item = sys.argv[3]
-        with ocp.CheckpointManager(target) as manager:
+        with ocp.CheckpointManager(target, options=manager_options(dict(zip(sys.argv[4::2], sys.argv[5::2])))
+                                   ) as manager:
             step = manager.latest_step()
             restored = manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore()}))
         result = {"step": step, "tree": dump(restored[item])}
