@@ -20,7 +20,7 @@ from .saving import issue_writes, plan_save, prepare_directory
 
 def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOptions | None = None,
          coordinator: Coordinator | None = None) -> None:
-    """Save one state tree into the directory `path` (local, ``gs://`` or ``memory://``). Blocks until every
+    """Save one state tree into the directory `path` (local, ``gs://``, ``s3://`` or ``memory://``). Blocks until every
     chunk and ``_METADATA`` are stored (durably, with `options.fsync`).
 
     `state` nests dicts, lists and tuples; leaves are torch tensors (XLA SPMD-sharded, XLA unsharded or CPU),
