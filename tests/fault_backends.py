@@ -3,7 +3,8 @@ process at a named point of a save, through the storage protocol rather than the
 
 Operations are named as the `Backend` methods are, with array opening as ``open_array`` (the kvstore spec is
 asked for once per array opened or created). Hooks get the operation, the path and how many times the operation
-has been called so far (1 for the first call).
+has been called so far (1 for the first call). `hook` runs before each operation; `after`, if given, once it has
+returned (not for ``open_array``, whose work happens later, in tensorstore).
 """
 
 from __future__ import annotations
@@ -14,17 +15,20 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from xla_tensorstore_ckpt import storage
 from xla_tensorstore_ckpt.storage import Backend
 
 Hook = Callable[[str, str, int], None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, eq=False)
 class HookedBackend(Backend):
     inner: Backend
     hook: Hook
+    after: Hook | None = None
     calls: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     scheme = "hooked"
@@ -37,11 +41,19 @@ class HookedBackend(Backend):
     def parse(cls, rest):
         raise ValueError("hooked backends are built in code, not from URLs")
 
-    def _before(self, operation: str, path: str) -> None:
+    def _before(self, operation: str, path: str) -> int:
         with self.lock:
             self.calls[operation] += 1
             count = self.calls[operation]
         self.hook(operation, path, count)
+        return count
+
+    def _around(self, operation: str, path: str, run: Callable[[], T]) -> T:
+        count = self._before(operation, path)
+        result = run()
+        if self.after is not None:
+            self.after(operation, path, count)
+        return result
 
     def url(self, path):
         return self.inner.url(path)
@@ -51,57 +63,46 @@ class HookedBackend(Backend):
         return self.inner.kvstore_spec(path)
 
     def read(self, path):
-        self._before("read", path)
-        return self.inner.read(path)
+        return self._around("read", path, lambda: self.inner.read(path))
 
     def read_range(self, path, start, stop):
-        self._before("read_range", path)
-        return self.inner.read_range(path, start, stop)
+        return self._around("read_range", path, lambda: self.inner.read_range(path, start, stop))
 
     def local_file(self, path):
         return self.inner.local_file(path)
 
     def write(self, path, data, *, fsync):
-        self._before("write", path)
-        self.inner.write(path, data, fsync=fsync)
+        self._around("write", path, lambda: self.inner.write(path, data, fsync=fsync))
 
     def create_exclusive(self, path, data):
-        self._before("create_exclusive", path)
-        return self.inner.create_exclusive(path, data)
+        return self._around("create_exclusive", path, lambda: self.inner.create_exclusive(path, data))
 
     def delete(self, path):
-        self._before("delete", path)
-        self.inner.delete(path)
+        self._around("delete", path, lambda: self.inner.delete(path))
 
     def delete_tree(self, path):
-        self._before("delete_tree", path)
-        self.inner.delete_tree(path)
+        self._around("delete_tree", path, lambda: self.inner.delete_tree(path))
 
     def list_dir(self, path):
-        self._before("list_dir", path)
-        return self.inner.list_dir(path)
+        return self._around("list_dir", path, lambda: self.inner.list_dir(path))
 
     def exists_dir(self, path):
-        self._before("exists_dir", path)
-        return self.inner.exists_dir(path)
+        return self._around("exists_dir", path, lambda: self.inner.exists_dir(path))
 
     def sync_files(self, directory, names: Iterable[str], trees: Iterable[str] = ()):
-        self._before("sync_files", directory)
-        self.inner.sync_files(directory, names, trees)
+        self._around("sync_files", directory, lambda: self.inner.sync_files(directory, names, trees))
 
     def file_written(self, path):
-        self._before("file_written", path)
-        self.inner.file_written(path)
+        self._around("file_written", path, lambda: self.inner.file_written(path))
 
     def rename_dir(self, source, target):
-        self._before("rename_dir", source)
-        self.inner.rename_dir(source, target)
+        self._around("rename_dir", source, lambda: self.inner.rename_dir(source, target))
 
 
-def hooked(path, hook: Hook) -> storage.Location:
-    """The location `path` (any URL) seen through a `HookedBackend` running `hook`."""
+def hooked(path, hook: Hook, after: Hook | None = None) -> storage.Location:
+    """The location `path` (any URL) seen through a `HookedBackend` running `hook` (and `after`)."""
     loc = storage.location(path)
-    return storage.Location(HookedBackend(loc.backend, hook), loc.path)
+    return storage.Location(HookedBackend(loc.backend, hook, after), loc.path)
 
 
 def fail_on(operation: str, error: BaseException, *, when: Callable[[str], bool] = lambda path: True) -> Hook:

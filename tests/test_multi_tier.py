@@ -20,7 +20,7 @@ import torch_xla
 from conftest import GCS_BUCKET, make_mesh, sharded
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import formats, local_tier, saving, storage
+from xla_tensorstore_ckpt import formats, inspection, layout, local_tier, saving, storage
 from xla_tensorstore_ckpt.steps import StepIndex
 from xla_tensorstore_ckpt.tier import Tier
 
@@ -509,68 +509,128 @@ def test_cli_marks_the_local_steps_a_manager_would_ignore(trained, tmp_path, mes
 
 
 CRASH = os.path.join(os.path.dirname(__file__), "scripts", "crash_multi_tier.py")
-# Operations on the persistent root during step 2's copy (tests/test_manager_crash.py): its chunks written, not
-# yet durable; the item manifest; the step marker in the temporary directory; the rename that commits it.
-CRASH_POINTS = ["sync_files:1", "write:1", "write:3", "rename_dir:1"]
-# On an object store (no renames) the marker, written last, commits: write:3 is the marker of step 2.
-GCS_CRASH_POINTS = ["write:1", "write:3"]
+# Kill points of step 2's copy to the persistent tier, chosen by path (tests/scripts/crash_multi_tier.py), and the
+# persistent steps committed afterwards. On local disk the step is written under a temporary name and renamed into
+# place, for this library and for Orbax alike: before the rename neither lists it.
+LOCAL_DISK_POINTS = {
+    "before:sync_files": [1],  # its chunks written, not yet durable
+    "before:write:model/_METADATA": [1],  # the item's manifest
+    "before:write:_CHECKPOINT_METADATA": [1],  # the step's marker, in the temporary directory
+    "after:write:_CHECKPOINT_METADATA": [1],
+    "before:write:commit_success.txt": [1],  # the step's completion mark (Orbax's), after the marker
+    "after:write:commit_success.txt": [1],
+    "before:rename_dir": [1],  # everything written, not yet in place
+    "after:rename_dir": [1, 2],  # in place: committed
+}
+# On an object store (no renames) the step is written in place: our marker, written last of ours, is our commit
+# point; Orbax's is commit_success.txt, written after it. (ours, Orbax's) persistent steps afterwards.
+OBJECT_STORE_POINTS = {
+    "before:write:model/_METADATA": ([1], [1]),
+    "before:write:_CHECKPOINT_METADATA": ([1], [1]),
+    "after:write:_CHECKPOINT_METADATA": ([1, 2], [1]),  # committed for us; Orbax's mark not yet written
+    "before:write:commit_success.txt": ([1, 2], [1]),
+    "after:write:commit_success.txt": ([1, 2], [1, 2]),
+}
+
+
+def run_crash(root, local, point: str) -> subprocess.CompletedProcess:
+    """The crashing process, run to its end (its exit is the event waited for)."""
+    env = dict(os.environ)
+    env.pop("PJRT_DEVICE", None)
+    return subprocess.run([sys.executable, CRASH, str(root), str(local), point], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def directory_of(point: str) -> str:
+    return point.replace(":", "-").replace("/", "_")
+
+
+def committed_steps(root) -> list[int]:
+    """The persistent steps this library counts as committed, read without a manager (which would clean up)."""
+    return [s.step for s in inspection.list_steps(str(root)) if s.status == "committed"]
+
+
+def resume_after_the_crash(root, local) -> dict:
+    """A restarted run: resumes from local step 2 (redoing its persistent copy if it never committed), waits for
+    that copy; returns the restored model."""
+    opts = xtc.CheckpointManagerOptions(save_interval_steps=1, local_directory=str(local),
+                                        local_save_interval_steps=1)
+    with xtc.CheckpointManager(root, opts) as manager:
+        assert manager.all_steps("local") == [1, 2]
+        model = {"w": torch.zeros(64, 32), "b": torch.zeros(2048, dtype=torch.bfloat16),
+                 "layers": [{"k": torch.zeros(32, 32)} for _ in range(4)], "step": 0}
+        assert manager.restore("latest", model=model) == 2
+        manager.wait_until_finished()  # the redone copy, where the killed one never committed
+        assert manager.all_steps("persistent") == [1, 2]
+    return model
+
+
+def assert_step_2(model, root: str) -> None:
+    expected = state_for(2)
+    assert all(torch.equal(model[k], expected[k]) for k in ("w", "b")) and model["step"] == 2
+    restored = xtc.restore(f"{root}/2/model")
+    assert torch.equal(restored["w"], expected["w"]) and restored["step"] == 2
+    assert torch.equal(restored["layers"][3]["k"], expected["layers"][3]["k"])
 
 
 @pytest.fixture(scope="module")
 def crashed_copies(tmp_path_factory):
     base = tmp_path_factory.mktemp("crash-tiers")
-    env = dict(os.environ)
-    env.pop("PJRT_DEVICE", None)
-    procs = {}
-    for point in CRASH_POINTS:
-        run = base / point.replace(":", "-")
-        procs[point] = subprocess.run([sys.executable, CRASH, str(run / "persistent"), str(run / "local"), point],
-                                      env=env, capture_output=True, text=True, timeout=600)
-    seen_by_orbax = orbax("steps", *[base / p.replace(":", "-") / "persistent" for p in CRASH_POINTS])
+    procs = {point: run_crash(base / directory_of(point) / "persistent", base / directory_of(point) / "local",
+                              point) for point in LOCAL_DISK_POINTS}
+    # What Orbax's own CheckpointManager sees of each crashed root, before any manager of ours has cleaned up.
+    seen_by_orbax = orbax("steps", *[base / directory_of(p) / "persistent" for p in LOCAL_DISK_POINTS])
     return base, procs, seen_by_orbax
 
 
-@pytest.mark.parametrize("point", CRASH_POINTS)
+@pytest.mark.parametrize("point", LOCAL_DISK_POINTS)
 def test_kill_during_the_persistent_copy(crashed_copies, point):
     base, procs, seen_by_orbax = crashed_copies
+    expected = LOCAL_DISK_POINTS[point]
     assert procs[point].returncode == -signal.SIGKILL, f"{point} never reached:\n{procs[point].stderr[-2000:]}"
-    root, local = base / point.replace(":", "-") / "persistent", base / point.replace(":", "-") / "local"
-    assert seen_by_orbax[str(root)] == {"all_steps": [1], "latest": 1}  # no partial step, for Orbax either
-    opts = xtc.CheckpointManagerOptions(save_interval_steps=1, local_directory=str(local),
-                                        local_save_interval_steps=1)
-    with xtc.CheckpointManager(root, opts) as manager:
-        assert manager.all_steps("persistent") == [1] and manager.all_steps("local") == [1, 2]
-        model = {key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
-                 for key, value in state_for(2).items() if key != "layers"}
-        model["layers"] = [{"k": torch.zeros(32, 32)} for _ in range(4)]
-        assert manager.restore("latest", model=model) == 2
-        manager.wait_until_finished()  # the restart redoes the copy that was killed
-        assert manager.all_steps("persistent") == [1, 2]
-    assert torch.equal(model["w"], state_for(2)["w"]) and torch.equal(model["b"], state_for(2)["b"])
-    restored = xtc.restore(root / "2" / "model")
-    expected = state_for(2)
-    assert torch.equal(restored["w"], expected["w"]) and torch.equal(restored["layers"][3]["k"],
-                                                                      expected["layers"][3]["k"])
-    assert restored["step"] == 2
+    root, local = base / directory_of(point) / "persistent", base / directory_of(point) / "local"
+    assert seen_by_orbax[str(root)] == {"all_steps": expected, "latest": expected[-1]}  # no partial step for Orbax
+    assert committed_steps(root) == expected
+    names = sorted(os.listdir(root))
+    in_place = "2" in names
+    assert in_place == (2 in expected) and any(layout.is_tmp_step_name(n) for n in names) != in_place, names
+    created = formats.read_step(storage.location(root / "2")).created_at if in_place else None
+    model = resume_after_the_crash(root, local)
+    assert_step_2(model, str(root))
+    if in_place:  # committed before the kill: kept, not redone
+        assert formats.read_step(storage.location(root / "2")).created_at == created
+    assert not any(layout.is_tmp_step_name(n) for n in os.listdir(root))  # the temporary directory is gone
 
 
-@pytest.mark.parametrize("point", GCS_CRASH_POINTS)
-def test_kill_during_the_persistent_copy_to_an_object_store(tmp_path, point, gcs_emulator_server):
-    root = f"gs://{GCS_BUCKET}/crash-tiers/{tmp_path.name}"
-    local = tmp_path / "local"
-    env = dict(os.environ)
-    env.pop("PJRT_DEVICE", None)
-    proc = subprocess.run([sys.executable, CRASH, root, str(local), point], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == -signal.SIGKILL, f"{point} never reached:\n{proc.stderr[-2000:]}"
-    opts = xtc.CheckpointManagerOptions(save_interval_steps=1, local_directory=str(local),
-                                        local_save_interval_steps=1)
-    with xtc.CheckpointManager(root, opts) as manager:
-        assert manager.all_steps("persistent") == [1] and manager.all_steps("local") == [1, 2]
-        model = {"w": torch.zeros(64, 32), "b": torch.zeros(2048, dtype=torch.bfloat16),
-                 "layers": [{"k": torch.zeros(32, 32)} for _ in range(4)], "step": 0}
-        assert manager.restore("latest", model=model) == 2
-        manager.wait_until_finished()
-        assert manager.all_steps("persistent") == [1, 2]
-    restored = xtc.restore(f"{root}/2/model")
-    assert torch.equal(restored["w"], state_for(2)["w"]) and torch.equal(model["b"], state_for(2)["b"])
+@pytest.fixture(scope="module")
+def crashed_copies_on_gcs(tmp_path_factory, gcs_emulator_server):
+    base = tmp_path_factory.mktemp("crash-tiers-gcs")
+    roots = {point: f"gs://{GCS_BUCKET}/crash-tiers/{base.name}/{directory_of(point)}" for point in OBJECT_STORE_POINTS}
+    procs = {point: run_crash(roots[point], base / directory_of(point), point) for point in OBJECT_STORE_POINTS}
+    seen_by_orbax = orbax("steps", *roots.values())
+    # The raw objects of each step 2, before any manager of ours has cleaned up.
+    objects = {point: [name.split("/2/", 1)[1] for name in gcs_emulator_server.objects(
+        GCS_BUCKET, f"crash-tiers/{base.name}/{directory_of(point)}/2/")] for point in OBJECT_STORE_POINTS}
+    return base, roots, procs, seen_by_orbax, objects
+
+
+@pytest.mark.parametrize("point", OBJECT_STORE_POINTS)
+def test_kill_during_the_persistent_copy_to_an_object_store(crashed_copies_on_gcs, point, gcs_emulator_server):
+    base, roots, procs, seen_by_orbax, objects = crashed_copies_on_gcs
+    ours, theirs = OBJECT_STORE_POINTS[point]
+    root, local = roots[point], base / directory_of(point)
+    assert procs[point].returncode == -signal.SIGKILL, f"{point} never reached:\n{procs[point].stderr[-2000:]}"
+    assert seen_by_orbax[root] == {"all_steps": theirs, "latest": theirs[-1]}
+    assert committed_steps(root) == ours
+    files = objects[point]
+    assert any(name.startswith("model/") for name in files), files  # the step was under way
+    assert ("model/_METADATA" in files) == (point != "before:write:model/_METADATA")
+    assert ("_CHECKPOINT_METADATA" in files) == (2 in ours)
+    assert ("commit_success.txt" in files) == (2 in theirs)
+    model = resume_after_the_crash(root, local)
+    assert_step_2(model, root)
+    prefix = root.split("/", 3)[3] + "/2/"
+    assert {"_CHECKPOINT_METADATA", "commit_success.txt"} <= {
+        name[len(prefix):] for name in gcs_emulator_server.objects(GCS_BUCKET, prefix)}
+    if ours != theirs:  # committed for us only: the restarted manager finished Orbax's part of the commit
+        assert orbax("steps", root)[root] == {"all_steps": [1, 2], "latest": 2}

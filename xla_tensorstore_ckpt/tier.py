@@ -21,7 +21,7 @@ from .errors import StepNotFoundError
 from .formats import StepMetadata
 from .policies import RetentionPolicy
 from .root_lock import RootLock
-from .steps import StepIndex
+from .steps import StepEntry, StepIndex
 from .storage import Location
 
 
@@ -87,6 +87,7 @@ class Tier:
                 for name, problem in failed.items():
                     warnings.warn(f"could not remove the partial step {self.root.child(name)} (a save that never "
                                   f"committed): {problem}; it is never listed as committed", stacklevel=5)
+                self._finish_commits(entries)
             return {e.step: e.marker for e in entries if e.marker is not None}
 
         if coordinator.is_primary:
@@ -94,6 +95,25 @@ class Tier:
         steps = coordinator.on_primary(f"listing the steps of {self.root}", scan, share=True)
         with self._guard:
             self._steps = steps
+
+    def _finish_commits(self, entries: list[StepEntry]) -> None:
+        """Write Orbax's completion mark into this library's committed steps that lack it, on storage that cannot
+        rename (object stores), with a warning naming them. There our marker is the commit point and
+        ``commit_success.txt``, Orbax's, is written after it: a save killed between the two left a step that
+        is complete and committed for us but that Orbax never lists. Primary only; blocks (a read per step)."""
+        if self.root.capabilities.renames:
+            return  # the step was renamed into place with both files inside: nothing can be missing
+        finished = []
+        for entry in entries:
+            if entry.status != "committed" or entry.marker is None or entry.marker.format_version < 2:
+                continue  # Orbax's own steps are committed by the mark itself; format 1 never wrote it
+            loc = self.root.child(entry.name)
+            if loc.read(layout.COMMIT_SUCCESS) is None:
+                loc.write(layout.COMMIT_SUCCESS, commit.COMMITTED, fsync=True)
+                finished.append(entry.name)
+        if finished:
+            warnings.warn(f"finished the commit of steps {finished} of {self.root} for Orbax: their "
+                          f"{layout.COMMIT_SUCCESS} was missing (a save killed right after its marker)", stacklevel=6)
 
     def prepare(self, coordinator: Coordinator, step: int) -> tuple[Location, Location]:
         """Clear the way for `step` (a committed one being replaced, a crashed save's leftovers); return where
