@@ -37,6 +37,13 @@ class BackendContract:
         assert location.read("x/data.bin") == b"\x00\x01stored"
         assert location.child("x").read("data.bin") == b"\x00\x01stored"
 
+    def test_a_directory_is_no_file(self, location):
+        """Readers tell a file from a directory by reading it (a Hugging Face file from a checkpoint
+        directory): a directory reads as missing, on every backend."""
+        self.raw_put(location, "d/inside.bin", b"data")
+        assert location.read("d") is None and location.read_range("d", 0, 0).result() is None
+        assert location.read_range("d", 0, 4).result() is None
+
     def test_ranged_reads_return_exactly_the_range(self, location):
         self.raw_put(location, "blob.bin", bytes(range(256)) * 4)
         reads = [location.read_range("blob.bin", a, b) for a, b in ((0, 8), (250, 260), (1020, 1024), (5, 5))]

@@ -208,6 +208,26 @@ def test_manager_initialises_a_run_from_hf_weights_until_a_step_is_committed(hf_
     assert torch.equal(model.model_norm_weight.cpu(), expected["model.norm.weight"] + 1.0)
 
 
+def test_checkpoints_are_told_apart_by_content_not_by_name(tmp_path, capsys):
+    """A directory called x.safetensors may be an item of ours or a Hugging Face directory; a safetensors file
+    may be called anything."""
+    first, _ = hf_tensors()
+    xtc.save(tmp_path / "ours.safetensors", first, options=xtc.SaveOptions(use_ocdbt=False))
+    assert xtc.metadata(tmp_path / "ours.safetensors")["model.embed_tokens.weight"].chunk_shape == (100, 48)
+    assert_restored(xtc.restore(tmp_path / "ours.safetensors"), first)
+    assert cli.main(["verify", str(tmp_path / "ours.safetensors"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["notes"] == []  # our item: checksums verified, no note
+    expected = write_hf_dir(str(tmp_path / "hf.safetensors"))
+    assert_restored(xtc.restore(tmp_path / "hf.safetensors"), expected)
+    save_file(first, str(tmp_path / "weights.bin"))
+    assert_restored(xtc.restore(tmp_path / "weights.bin"), first)
+    assert cli.main(["tree", str(tmp_path / "weights.bin"), "--json"]) == 0
+    assert {r["key"] for r in json.loads(capsys.readouterr().out)} == set(first)
+    (tmp_path / "empty.safetensors").mkdir()
+    with pytest.raises(xtc.CheckpointNotFoundError):
+        xtc.metadata(tmp_path / "empty.safetensors")
+
+
 def test_offline_tools_read_hf_checkpoints(hf_dir, capsys):
     path, expected = hf_dir
     assert cli.main(["tree", path, "--json"]) == 0

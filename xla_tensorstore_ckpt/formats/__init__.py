@@ -2,8 +2,8 @@
 inspection, export) gets an item's `ItemManifest` or a step's `StepMetadata`, and through which writers encode
 them.
 
-Hugging Face safetensors checkpoints (a ``.safetensors`` file, or a directory with its index) are read as items
-too (`safetensors`).
+Hugging Face safetensors checkpoints (a safetensors file, or a directory with its index or a
+``model.safetensors``) are read as items too (`safetensors`), recognised by content like the rest.
 
 Each format version lives in its own module (`v1`, `v2`) and is recognised by the content of the file, never by
 its name alone: the names ``_METADATA`` and ``_CHECKPOINT_METADATA`` are shared with Orbax, and version 1 used
@@ -44,8 +44,9 @@ def read_item(loc: Location) -> ItemManifest:
     """The manifest of the item at `loc` (ours of any version, Orbax's, or a Hugging Face safetensors file or
     directory). Raises `CheckpointNotFoundError` if there is none, `CorruptCheckpointError` if it is malformed,
     `FormatVersionError` if it is newer than this reader. An Orbax item's arrays are opened to learn their
-    shapes, a safetensors file's header is read (blocks on that I/O)."""
-    if loc.name.endswith(safetensors.SUFFIX):
+    shapes, a safetensors file's header is read (blocks on that I/O). A file is read as a safetensors file; a
+    directory by what it holds, whatever its name."""
+    if loc.name.endswith(safetensors.SUFFIX) and safetensors.is_file(loc):  # the usual case first: one read
         return safetensors.read_item(loc)
     data = loc.read(layout.ITEM_METADATA)
     if data is None:

@@ -55,11 +55,16 @@ class SafetensorsTensor(ArrayMetadata):
     offset: int = 0
 
 
+def is_file(loc: Location) -> bool:
+    """True if `loc` is a file rather than a directory (a directory reads as missing on every backend). A file
+    given as a checkpoint is read as a safetensors file, whatever its name. Blocks on one small read."""
+    return bool(loc.name) and loc.parent.read_range(loc.name, 0, 0).result() is not None
+
+
 def is_checkpoint(loc: Location) -> bool:
-    """True if `loc` is a ``.safetensors`` file or a directory holding an index or a ``model.safetensors``."""
-    if loc.name.endswith(SUFFIX):
-        return True
-    return loc.read_range(INDEX_NAME, 0, 0).result() is not None or \
+    """True if `loc` is a file (`is_file`) or a directory holding an index or a ``model.safetensors``: found by
+    content, never by name (an item directory may be called ``x.safetensors``)."""
+    return is_file(loc) or loc.read_range(INDEX_NAME, 0, 0).result() is not None or \
         loc.read_range(SINGLE_NAME, 0, 0).result() is not None
 
 
@@ -68,7 +73,7 @@ def read_item(loc: Location) -> ItemManifest:
     ``model.safetensors``). Blocks on reading the headers (all files' at once). Raises
     `CheckpointNotFoundError` if there is none, `CorruptCheckpointError` naming file and key if anything in
     it is inconsistent, `UnsupportedValueError` for a dtype this library cannot hold."""
-    if loc.name.endswith(SUFFIX):
+    if is_file(loc):
         return ItemManifest(_tensors(loc.parent, loc.name, ""), format_version=0, store=STORE)
     index = loc.read(INDEX_NAME)
     if index is None:

@@ -37,7 +37,7 @@ class LocalBackend(Backend):
         try:
             with open(path, "rb") as f:
                 return f.read()
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # a directory is no file
             return None
         except OSError as exc:
             raise StorageError(f"cannot read {path}: {exc}") from exc
@@ -53,7 +53,7 @@ class LocalBackend(Backend):
                 raise RangeNotSatisfiableError(f"cannot read bytes {start}-{stop} of {path}: it ends before",
                                                size=size)
             done.set_result(data)
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             done.set_result(None)
         except RangeNotSatisfiableError as exc:
             done.set_exception(exc)
