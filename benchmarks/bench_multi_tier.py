@@ -1,9 +1,13 @@
 """Multi-tier checkpoints (issue: multi-tier): on the 1 GiB 2D-sharded state, how long save() blocks with both
-tiers due against one tier alone; a training loop saving the local tier every step against the same loop without
-checkpoints; and a resume (restore("latest") onto fresh sharded targets) from the local tier against one from the
-persistent tier, on local disk, the GCS emulator or moto's S3 server (--persistent gcs|s3). All in one run, interleaved.
+tiers due against one tier alone; a resume (restore("latest") onto fresh sharded targets) from the local tier
+against one from the persistent tier; and a training loop whose state (MLP + AdamW) is 1 GiB too, saving the local
+tier every step, and also the persistent tier every few steps, against the same loop without checkpoints. The
+persistent tier is on local disk, the GCS emulator or moto's S3 server (--persistent gcs|s3), the training
+loop's included. Medians (min-max) of repeats, variants interleaved. --scale scales every state (the loop's
+width follows).
 
-usage: python benchmarks/bench_multi_tier.py [--scale 1.0] [--repeats 5] [--loop-steps 20] [--persistent local|gcs|s3]
+usage: python benchmarks/bench_multi_tier.py [--scale 1.0] [--repeats 5] [--loop-steps 10] [--loop-repeats 3]
+                                            [--persistent-every 5] [--persistent local|gcs|s3]
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import torch_xla.runtime as xr  # noqa: E402
 xr.use_spmd()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # noqa: E402
-from bench_async import training_loop  # noqa: E402
+from bench_async import LAYERS, loop_state_bytes, loop_width, training_loop  # noqa: E402
 from run import start_object_store  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
+from xla_tensorstore_ckpt import inspection, storage  # noqa: E402
 
 
 def spread(values: list[float]) -> str:
@@ -92,12 +97,43 @@ def resumes(state: dict, root: str, tmp: str, repeats: int, scale: float) -> dic
     return times
 
 
+def loops(root: str, tmp: str, args: argparse.Namespace, width: int) -> dict[str, list[float]]:
+    """Seconds of `args.loop_steps` training steps without checkpoints, saving the local tier every step, and
+    saving it every step plus the persistent tier (at `root`: the object store when there is one) every
+    `args.persistent_every` steps; `args.loop_repeats` times, the variants interleaved so that drift of this
+    shared machine spreads over all of them."""
+    variants = {
+        "without checkpoints": None,
+        "local tier every step": dict(persistent_every=None, local_every=1),
+        f"local every step + persistent every {args.persistent_every}": dict(
+            persistent_every=args.persistent_every, local_every=1),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for repeat in range(args.loop_repeats):
+        for index, (name, kw) in enumerate(variants.items()):
+            persistent, local = f"{root}/loop-{index}-{repeat}", os.path.join(tmp, f"loop-local-{index}-{repeat}")
+            opts = None if kw is None else options(local, **kw)
+            times[name].append(training_loop(persistent, args.loop_steps, opts, width, args.batch))
+            if kw is not None and kw["persistent_every"] and not any(
+                    s.status == "committed" for s in inspection.list_steps(persistent)):
+                raise RuntimeError(f"the loop '{name}' committed no persistent step under {persistent}")
+            shutil.rmtree(local, ignore_errors=True)  # a GiB per loop: only one loop's steps on disk at a time
+            target = storage.location(persistent)
+            if target.exists():
+                target.delete_tree()
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--scale", type=float, default=1.0, help="the states: 1 GiB x scale")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--loop-steps", type=int, default=20)
-    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--loop-steps", type=int, default=10)
+    parser.add_argument("--loop-repeats", type=int, default=3)
+    parser.add_argument("--persistent-every", type=int, default=5,
+                        help="the loop's persistent interval; two persistent saves in a 10-step loop")
+    parser.add_argument("--width", type=int, default=None,
+                        help="the loop's MLP width (default: its training state is 1 GiB x scale)")
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--persistent", choices=("local", "gcs", "s3"), default="local")
     args = parser.parse_args()
@@ -125,23 +161,16 @@ def main() -> None:
             ratio = statistics.median(times["persistent tier"]) / statistics.median(times["local tier"])
             print(f"  the local tier resumes {ratio:.2f}x faster")
             del state
-            without = training_loop(tmp, args.loop_steps, None, args.width, args.batch)
-            local_loop = training_loop(tmp, args.loop_steps, options(
-                os.path.join(tmp, "local-of-loop-local-only"), persistent_every=None, local_every=1),
-                args.width, args.batch, name="loop-local-only")
-            both_loop = training_loop(tmp, args.loop_steps, options(
-                os.path.join(tmp, "local-of-loop-both"), persistent_every=10, local_every=1), args.width, args.batch,
-                name="loop-both")
-            if not bucket:
-                shutil.rmtree(os.path.join(tmp, "persistent"), ignore_errors=True)
-            params = 8 * (args.width * args.width + args.width)
-            print(f"training loop, {args.loop_steps} steps, {params / 1e6:.0f}M parameters + AdamW "
-                  f"({3 * 4 * params / 2**20:.0f} MiB of state), batch {args.batch} x {args.width} "
-                  f"({without / args.loop_steps:.2f} s per step without checkpoints):")
-            print(f"  local tier every step                 {local_loop:.2f} s = {local_loop / without:.2f}x "
-                  f"(goal <= 1.2x)")
-            print(f"  local every step + persistent every 10 {both_loop:.2f} s = {both_loop / without:.2f}x")
-            print(f"  without checkpoints                   {without:.2f} s")
+            width = args.width or loop_width(args.scale)
+            times = loops(root, tmp, args, width)
+            without = statistics.median(times["without checkpoints"])
+            print(f"training loop, {args.loop_steps} steps of {LAYERS * (width * width + width) / 1e6:.0f}M parameters "
+                  f"+ AdamW ({loop_state_bytes(width) / 2**30:.2f} GiB of state), batch {args.batch} x {width}, "
+                  f"{without / args.loop_steps:.2f} s per step without checkpoints; persistent saves to {where}; "
+                  f"median (min-max) of {args.loop_repeats}, interleaved:")
+            for name, values in times.items():
+                goal = " (goal <= 1.2x)" if name == "local tier every step" else ""
+                print(f"  {name:38s} {spread(values)} = {statistics.median(values) / without:.2f}x{goal}")
     finally:
         if server is not None:
             server.stop()
