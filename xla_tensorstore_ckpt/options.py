@@ -55,15 +55,21 @@ class SaveOptions:
 class RestoreOptions:
     """How an item is read.
 
-    read_batch_bytes: bytes read per batch; the reads of one batch overlap placing the previous one on the
-        devices, so host memory holds about two batches beyond the restored tensors. Smaller batches overlap
-        better (a 1 GiB resume: 1.11-1.25 s with 256 MiB, 1.03 s with 64 MiB, on 2 cores).
+    read_batch_bytes: bytes read per batch (a tensor larger than this is a batch of its own); the reads of one
+        batch overlap placing the previous one on the devices, so host memory holds about two batches beyond
+        the restored tensors. Smaller batches overlap better (a 1 GiB resume: 1.11-1.25 s with 256 MiB, 1.03 s
+        with 64 MiB, on 2 cores).
+    max_host_bytes: if set, the next batch is read ahead only while both batches' bytes together stay within
+        it, and batches are at most this large: host buffers stay within it (or within one tensor's local
+        shards, if larger), at the price of reading and placing large tensors one after the other.
     """
 
     read_batch_bytes: int = 64 * _MiB
+    max_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("read_batch_bytes", self.read_batch_bytes)
+        _optional_int("max_host_bytes", self.max_host_bytes, 1)
 
 
 def _optional_int(name: str, value: object, minimum: int) -> None:

@@ -98,19 +98,25 @@ KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 
 def read_item(path: PathLike, target: Any = None, *, strict: bool = True, options: RestoreOptions | None = None,
               manifest: ItemManifest | None = None, key_map: KeyMap | None = None,
-              take: Callable[[dict[layout.KeyPath, Any]], None] | None = None) -> dict[layout.KeyPath, Any]:
+              take: Callable[[dict[layout.KeyPath, Any]], None] | None = None, release_targets: bool = False
+              ) -> dict[layout.KeyPath, Any]:
     """The restored value of every key path `restore` would fill: tensors placed like their target leaf
     (a tensor or a `RestoreAs`; CPU tensors for other leaves) and saved JSON values. Same errors as
     `restore`; callers that restore in place (the manager) assign the values themselves. With `key_map`, the
     checkpoint's keys are renamed first (see `renamed`); without a target the result is then keyed by
     1-tuples of the new names.
 
-    With `take`, each batch of restored tensors is handed to it as soon as it is placed, and not returned (the
-    result holds the JSON values only): a caller that swaps them into the target at once frees the target's
-    old device buffers batch by batch, so a restore in place needs the state plus about one batch of device
-    memory, not twice the state. Keys and shapes are checked before anything is read; if reading fails
-    later (damaged data), the batches already handed over stay restored."""
+    With `take`, each restored tensor is handed to it as soon as it is placed, and not returned (the result
+    holds the JSON values only): a caller that swaps them into the target at once frees the target's old
+    device buffers tensor by tensor, so a restore in place needs the state plus about one tensor of device
+    memory, not twice the state. With `release_targets` too (the caller replaces every target tensor with the
+    value it is handed), each XLA target's device data is released once its regions are read and checked,
+    right before its new value is placed: no device memory beyond the state; if placing then fails, that
+    tensor is left without values. Keys and shapes are checked before anything is read; if reading fails
+    later (damaged data), the tensors already handed over stay restored."""
     options = options or RestoreOptions()
+    if release_targets and take is None:
+        raise TypeError("release_targets needs take: the caller must put the new values in place")
     loc = storage.location(path)
     if isinstance(target, ShardedArray):
         raise UnsupportedValueError("the restore target must be a tree (dict, list or tuple), not a ShardedArray")
@@ -125,7 +131,8 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
         # Byte ranges and local chunk reads fetch exactly what is asked, each chunk once.
         amplification = (math.inf if manifest.store.kind == "safetensors" or direct is not None
                          else MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0)
-        values = read_arrays(loc, manifest.store, _read_jobs(saved, wanted, amplification), options, take, direct)
+        values = read_arrays(loc, manifest.store, _read_jobs(saved, wanted, amplification), options, take, direct,
+                             release_targets=release_targets)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 
@@ -209,11 +216,13 @@ def _read_jobs(saved: dict, wanted: dict, max_amplification: float) -> list[_Rea
 
 
 def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJob], options: RestoreOptions,
-                take: Callable[[dict], None] | None = None, direct: local_chunks.Opener | None = None) -> dict:
-    """Read every job's regions and build its tensor; the reads of the next batch overlap building this one.
-    Arrays `direct` opens are read by `local_chunks`, the others through tensorstore. The tensors are
-    returned, or with `take` handed to it batch by batch (see `read_item`). On error, outstanding reads are
-    waited for before the error propagates."""
+                take: Callable[[dict], None] | None = None, direct: local_chunks.Opener | None = None, *,
+                release_targets: bool = False) -> dict:
+    """Read every job's regions and build its tensor; the reads of the next batch overlap building this one
+    (unless both batches together exceed `options.max_host_bytes`). Arrays `direct` opens are read by
+    `local_chunks`, the others through tensorstore. The tensors are returned, or with `take` handed to it one
+    by one (see `read_item`, also for `release_targets`). On error, outstanding reads are waited for before the
+    error propagates."""
     limit = _memory_limit()
     for job in jobs:
         if job.read_bytes > limit:
@@ -226,20 +235,27 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
         local = direct.open(job.meta) if direct is not None else None
         opened[job.key_path] = (arrays.Ready(local) if local is not None else
                                 arrays.open_existing(arrays.ArrayRef(loc, job.meta.path, store, context), job.meta))
-    groups = list(grid.batches(jobs, lambda job: job.read_bytes, options.read_batch_bytes))
+    budget = options.max_host_bytes
+    groups = list(grid.batches(jobs, lambda job: job.read_bytes, min(options.read_batch_bytes, budget or math.inf)))
+    sizes = [sum(job.read_bytes for job in group) for group in groups]
     results: dict[layout.KeyPath, torch.Tensor] = {}
     current: list[dict] = []
     following: list[dict] = []
     try:
         current = _issue_reads(loc, groups[0], opened) if groups else []
         for k, group in enumerate(groups):
-            following = _issue_reads(loc, groups[k + 1], opened) if k + 1 < len(groups) else []
-            built = {job.key_path: _build(job, {index: r.result() for index, r in reads.items()})
-                     for job, reads in zip(group, current)}
-            if take is None:
-                results.update(built)
-            else:
-                take(built)
+            ahead = k + 1 < len(groups) and (budget is None or sizes[k] + sizes[k + 1] <= budget)
+            following = _issue_reads(loc, groups[k + 1], opened) if ahead else []
+            for i, job in enumerate(group):
+                value = _build(job, {index: r.result() for index, r in current[i].items()},
+                               release=release_targets)
+                current[i] = {}  # its host buffers are not needed any more
+                if take is None:
+                    results[job.key_path] = value
+                else:
+                    take({job.key_path: value})
+            if k + 1 < len(groups) and not ahead:
+                following = _issue_reads(loc, groups[k + 1], opened)
             current, following = following, []
     except BaseException:
         arrays.drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
@@ -284,7 +300,9 @@ def _region(index: Index, reads: dict) -> Any:
     raise AssertionError(f"no read covers {index}")  # the reads are planned to cover every shard
 
 
-def _build(job: _ReadJob, regions: dict) -> torch.Tensor | ShardedArray:
+def _build(job: _ReadJob, regions: dict, *, release: bool = False) -> torch.Tensor | ShardedArray:
+    """The tensor of `job` from its read `regions`; with `release`, an XLA reference's device data is released
+    first (see `read_item`)."""
     saved_dtype = dtypes.by_name(job.meta.dtype).torch
     lay = job.layout
     if lay.placement is Placement.HOST:
@@ -303,7 +321,7 @@ def _build(job: _ReadJob, regions: dict) -> torch.Tensor | ShardedArray:
             return data
         from . import sharding
 
-        return sharding.build(job.reference, lay, [data])
+        return sharding.build(job.reference, lay, [data], release_target=release)
     padded: dict[Any, torch.Tensor] = {}
     shards = []
     for shard in lay.shards:
@@ -313,7 +331,7 @@ def _build(job: _ReadJob, regions: dict) -> torch.Tensor | ShardedArray:
         shards.append(padded[shard.index])
     from . import sharding
 
-    return sharding.build(job.reference, lay, shards)
+    return sharding.build(job.reference, lay, shards, release_target=release)
 
 
 def _pad(region: Any, shard: LocalShard, shard_shape: tuple[int, ...], saved_dtype: torch.dtype,

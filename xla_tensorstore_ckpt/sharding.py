@@ -113,13 +113,28 @@ def fetch(tensors: Sequence[torch.Tensor], tensor_layouts: Sequence[TensorLayout
     return out
 
 
-def build(target: torch.Tensor, layout: TensorLayout, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+def build(target: torch.Tensor, layout: TensorLayout, shards: Sequence[torch.Tensor], *,
+          release_target: bool = False) -> torch.Tensor:
     """A new XLA tensor with `target`'s sharding and device from host `shards` (one per local shard of
-    `layout`, padded to `layout.shard_shape`). Transfers data; runs no computation."""
+    `layout`, padded to `layout.shard_shape`). With `release_target`, `target`'s own device data is dropped
+    first (it holds a lazy placeholder until the caller puts the new tensor in its place), so that its memory
+    can hold the new one. Transfers data; runs no computation."""
     target = unwrap(target)
     if layout.placement is Placement.UNSHARDED:
+        if release_target:
+            _release(target)
         return shards[0].to(target.device)
-    return _X._global_tensor_from_cpu_shards(list(shards), _X._get_xla_op_sharding(target), list(layout.shape))
+    op_sharding = _X._get_xla_op_sharding(target)
+    if release_target:
+        _release(target)
+    return _X._global_tensor_from_cpu_shards(list(shards), op_sharding, list(layout.shape))
+
+
+def _release(tensor: torch.Tensor) -> None:
+    """Drop `tensor`'s device data: it holds an uncomputed (lazy) empty tensor instead, which allocates nothing
+    unless it is computed."""
+    with torch.no_grad():
+        _X._replace_xla_tensor(tensor, torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device))
 
 
 def parse_hlo_sharding(spec: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:

@@ -181,7 +181,7 @@ def _restore_in_place(item_loc: Location, target: Any, strict: bool, options: Re
                       key_map: KeyMap | None) -> None:
     rest = restoring.read_item(item_loc, target, strict=strict, options=options, key_map=key_map,
                                manifest=checkpointer.read_manifest(item_loc),
-                               take=lambda values: assign_in_place(target, values))
+                               take=lambda values: assign_in_place(target, values), release_targets=True)
     assign_in_place(target, rest)
 
 

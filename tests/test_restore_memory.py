@@ -1,0 +1,86 @@
+"""Memory of restores: a restore in place releases each target's device data right before its new value is
+placed (tied parameters included), and `RestoreOptions.max_host_bytes` keeps the reads in flight within it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_xla
+from conftest import make_mesh, sharded
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import restoring, sharding
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.body = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        self.head.weight = self.embed.weight  # tied, as language models do
+
+
+def _on_mesh(module, mesh):
+    module = module.to("xla")
+    module.head.weight = module.embed.weight  # moving to the device made two parameters of it
+    for p in module.parameters():
+        torch_xla.distributed.spmd.mark_sharding(p, mesh, ("x",) + (None,) * (p.dim() - 1))
+    torch_xla.sync()
+    return module
+
+
+def test_restore_in_place_releases_each_target_before_placing_it(tmp_path, monkeypatch):
+    mesh = make_mesh((8,), ("x",))
+    torch.manual_seed(0)
+    saved = _on_mesh(Tied(), mesh)
+    expected = {k: v.cpu() for k, v in saved.state_dict().items()}
+    with xtc.CheckpointManager(tmp_path / "root", xtc.CheckpointManagerOptions(save_rng=False)) as manager:
+        manager.save(1, model=saved, force=True)
+        manager.wait_until_finished()
+        torch.manual_seed(1)
+        fresh = _on_mesh(Tied(), mesh)
+        params = {name: p for name, p in fresh.named_parameters()}
+        events = []
+        real_release, real_replace = sharding._release, sharding.replace
+        monkeypatch.setattr(sharding, "_release", lambda t: events.append(("release", id(t))) or real_release(t))
+        monkeypatch.setattr(sharding, "replace", lambda targets, new: events.extend(
+            ("replace", id(t)) for t in targets) or real_replace(targets, new))
+        assert manager.restore(1, model=fresh, restore_rng=False) == 1
+    assert {name: p for name, p in fresh.named_parameters()} == params  # the same objects
+    assert fresh.head.weight is fresh.embed.weight
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value.cpu(), expected[key]), key
+        assert sharding.specs([value]) == sharding.specs([saved.state_dict()[key]]), key
+    # Every target is released, then replaced, before the next one is touched (the tied weight twice over).
+    assert len(events) == 2 * len(fresh.state_dict())
+    assert all(a[0] == "release" and b[0] == "replace" and a[1] == b[1] for a, b in zip(events[::2], events[1::2]))
+
+
+@pytest.mark.parametrize("budget", [None, (1 << 20) - 1], ids=["read-ahead", "within-budget"])
+def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget):
+    mesh = make_mesh((4, 2), ("x", "y"))
+    state = {f"w{i}": sharded(torch.randn(256, 512), mesh, ("x", "y")) for i in range(4)}  # 512 KiB each
+    xtc.save(tmp_path / "ck", state)
+    events = []
+    real_issue, real_build = restoring._issue_reads, restoring._build
+    monkeypatch.setattr(restoring, "_issue_reads", lambda loc, group, opened: events.append(
+        ("read", tuple(j.key_path[0] for j in group))) or real_issue(loc, group, opened))
+    monkeypatch.setattr(restoring, "_build", lambda job, regions, **kw: events.append(
+        ("place", job.key_path[0])) or real_build(job, regions, **kw))
+    options = xtc.RestoreOptions(read_batch_bytes=512 << 10, max_host_bytes=budget)
+    out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(256, 512), mesh, ("y", "x")) for k in state},
+                      options=options)
+    for key, value in state.items():
+        assert torch.equal(out[key].cpu(), value.cpu()), key
+    reads = [e for e in events if e[0] == "read"]
+    assert [r[1] for r in reads] == [("w0",), ("w1",), ("w2",), ("w3",)]
+    if budget is None:  # the next tensor is read while this one is placed
+        assert events[:3] == [("read", ("w0",)), ("read", ("w1",)), ("place", "w0")]
+    else:  # two tensors (1 MiB) do not fit the budget: read, place, read, place
+        assert events == [e for k in range(4) for e in (("read", (f"w{k}",)), ("place", f"w{k}"))]
+
+
+def test_max_host_bytes_is_validated():
+    with pytest.raises(ValueError, match="max_host_bytes"):
+        xtc.RestoreOptions(max_host_bytes=0)
