@@ -215,11 +215,28 @@ def test_a_flipped_digit_in_a_local_data_loader_position_is_skipped(trained, mes
     assert text.count('{"value":60}') == 1
     with open(metadata, "w") as f:
         f.write(text.replace('{"value":60}', '{"value":61}'))
+    with pytest.raises(xtc.CorruptCheckpointError, match="damaged") as err:
+        xtc.restore(os.path.join(local, "6", "data_loader"))
+    assert metadata in str(err.value)
     step, model, loader, extra, _, messages = resume(root, local, mesh)
     assert step == 5 and loader.position == 50 and extra == {"step": 5}  # never 61
     assert_state(model, 5)
     assert any("skipping step 6 of the local tier" in m and metadata in m and "damaged" in m for m in messages), \
         messages
+
+
+def test_the_command_line_reports_a_flipped_digit_in_a_local_step(trained, capsys):
+    from xla_tensorstore_ckpt import cli
+
+    _, local, _ = trained
+    metadata = os.path.join(local, "6", "data_loader", "_METADATA")
+    with open(metadata) as f:
+        text = f.read()
+    with open(metadata, "w") as f:
+        f.write(text.replace('{"value":60}', '{"value":61}'))
+    assert cli.main(["verify", os.path.join(local, "6")]) == cli.EXIT_DATA
+    out = capsys.readouterr().out
+    assert f"FAIL step 6: data_loader: {metadata}: the file is damaged" in out
 
 
 def test_training_goes_on_after_a_fallback(trained, mesh):
