@@ -3,9 +3,11 @@ same run.
 
 Orbax (in a JAX process, 8 CPU devices) saves a manager step of float32 arrays (OCDBT, its default), then each
 contender restores it `--repeats` times onto a (2, 4) mesh with the axes' roles changed: Orbax with
-StandardCheckpointer and NamedShardings, this library with `xtc.restore` onto torch_xla SPMD tensors on 8
-devices. Each restore runs in a fresh process, after the checkpoint's files have been evicted from the page
-cache (a resume); the reported figure is the time of the restore call alone. Prints one JSON line.
+StandardCheckpointer and NamedShardings, this library onto torch_xla SPMD tensors on 8 devices, twice: with
+`xtc.restore` (new tensors beside the target) and, as a trainer resumes, with its CheckpointManager restoring the
+step in place into the built model. Each restore runs in a fresh process, after the checkpoint's files have
+been evicted from the page cache (a resume); the reported figure is the time of the restore call alone. Prints
+one JSON line.
 
     python benchmarks/bench_orbax_interop.py [--gib 1.0] [--repeats 3] [--dir DIR]
 """
@@ -40,7 +42,12 @@ for name, shape in orbax_trees.large_shapes({gib}).items():
     target[name] = t
 torch_xla.sync()
 start = time.perf_counter()
-out = xtc.restore({item!r}, target)  # returns once every shard is on its device
+if {in_place!r}:  # as a trainer resumes: the manager restores the step into the built model
+    with xtc.CheckpointManager({root!r}, xtc.CheckpointManagerOptions(save_rng=False)) as manager:
+        manager.restore(1, model=target, restore_rng=False)
+    out = target
+else:
+    out = xtc.restore({item!r}, target)  # returns once every shard is on its device
 seconds = time.perf_counter() - start
 shapes = orbax_trees.large_shapes({gib})
 for name in out:
@@ -56,15 +63,21 @@ def measure(gib: float, repeats: int, directory: str) -> dict:
     root = os.path.join(directory, "orbax-root")
     run_json([sys.executable, TOOL, "large", root, str(gib)], jax_env, "Orbax writing")
     item = os.path.join(root, "1", "model")
-    ours_script = _OURS.format(tests=os.path.join(HERE, "..", "tests"), gib=gib, item=item)
-    orbax_s, ours_s = [], []
-    for _ in range(repeats):  # alternated, so that both see the same machine
+    scripts = {mode: _OURS.format(tests=os.path.join(HERE, "..", "tests"), gib=gib, item=item, root=root,
+                                  in_place=mode == "in_place") for mode in ("new", "in_place")}
+    orbax_s, ours_s, in_place_s = [], [], []
+    for _ in range(repeats):  # alternated, so that all see the same machine
         evict(root)
         orbax_s.append(run_json([sys.executable, TOOL, "restore_sharded", item], jax_env, "Orbax restore")["seconds"])
         evict(root)
-        ours_s.append(run_json([sys.executable, "-c", ours_script], xla_env, "our restore")["seconds"])
-    return {"gib": gib, "orbax_restore_s": orbax_s, "xtc_restore_s": ours_s,
-            "orbax_over_xtc": statistics.median(orbax_s) / statistics.median(ours_s)}
+        ours_s.append(run_json([sys.executable, "-c", scripts["new"]], xla_env, "our restore")["seconds"])
+        evict(root)
+        in_place_s.append(run_json([sys.executable, "-c", scripts["in_place"]], xla_env, "our manager's restore")
+                          ["seconds"])
+    orbax = statistics.median(orbax_s)
+    return {"gib": gib, "orbax_restore_s": orbax_s, "xtc_restore_s": ours_s, "xtc_in_place_restore_s": in_place_s,
+            "orbax_over_xtc": orbax / statistics.median(ours_s),
+            "orbax_over_xtc_in_place": orbax / statistics.median(in_place_s)}
 
 
 def main() -> None:

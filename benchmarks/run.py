@@ -46,7 +46,7 @@ import workloads  # noqa: E402
 
 DEFAULT_CONTENDERS = ("xtc", "xtc-nofsync", "xtc-async", "torch_xla", "torch_xla-async", "torch.save", "orbax")
 RESTORE_ON_4 = ("xtc", "torch_xla", "orbax")
-RESUME_CONTENDERS = ("xtc", "torch_xla", "orbax", "torch.save")
+RESUME_CONTENDERS = ("xtc", "xtc-async", "torch_xla", "orbax", "torch.save")
 RESUME_WORKLOADS = ("large", "model")
 SWEEP_CONTENDERS = ("xtc", "torch_xla")
 BASELINE = "torch_xla"
@@ -363,8 +363,10 @@ def main() -> None:
     if interop is not None:
         text += (f"\n\norbax-interop: a {interop['gib']:.2f} GiB step Orbax wrote (OCDBT), restored onto a (2, 4) mesh "
                  f"in a fresh process, page cache evicted\n"
-                 f"  Orbax in JAX {median(interop['orbax_restore_s']):.3f} s, this library onto torch_xla "
-                 f"{median(interop['xtc_restore_s']):.3f} s: {interop['orbax_over_xtc']:.2f}x Orbax's speed")
+                 f"  Orbax in JAX {median(interop['orbax_restore_s']):.3f} s; this library onto torch_xla: "
+                 f"xtc.restore {median(interop['xtc_restore_s']):.3f} s ({interop['orbax_over_xtc']:.2f}x Orbax's "
+                 f"speed), the manager in place {median(interop['xtc_in_place_restore_s']):.3f} s "
+                 f"({interop['orbax_over_xtc_in_place']:.2f}x)")
     if hf_import is not None:
         text += "\n\n" + bench_hf_import.describe(hf_import)
     text += sweep_summary(results)

@@ -55,8 +55,6 @@ def open_checkpoint(path: str | storage.Location) -> Checkpoint:
     """Resolve `path` to a committed step or an item directory. Raises `CheckpointNotFoundError` if it is
     neither (an uncommitted step included), `CorruptCheckpointError`/`FormatVersionError` for a bad marker."""
     loc = storage.location(path)
-    if loc.name.endswith(safetensors.SUFFIX):
-        return Checkpoint(loc, None, ("",))
     marker = formats.read_step(loc)
     if marker is not None:
         return Checkpoint(loc, marker, marker.items)
