@@ -301,9 +301,9 @@ class CheckpointManager:
         `xtc.save` or Orbax wrote), with `strict` and `key_map` as above, and None is returned, as no step was
         restored. Once a step is committed, it wins: a restarted run resumes from its own checkpoints.
 
-        Tensors are swapped in batch by batch (`RestoreOptions.read_batch_bytes`), so the restore needs about
-        one batch of device memory beyond the state. Mismatches are found before anything changes; damaged
-        data found part-way leaves the tensors of the batches before it restored.
+        A module's tensors are replaced one by one, each old device buffer released right before its new data
+        is placed, so the restore needs no device memory beyond the state. Mismatches are found before anything
+        changes; damaged data found part-way leaves the tensors before it restored.
         """
         self._check_open()
         if init_from is not None and model is None:

@@ -102,8 +102,8 @@ def _parent(root: Any, path: KeyPath) -> tuple[Any, Any]:
 def restore_object(item_loc: Location, obj: Any, *, strict: bool, options: RestoreOptions,
                    key_map: KeyMap | None = None) -> None:
     """Restore a training object in place from the item at `item_loc`: a module's parameters and buffers keep
-    their identity, device and sharding (swapped in batch by batch, so the old device buffers are freed as the
-    restore goes); an optimizer (a fresh one too) is rebuilt with each state tensor on its parameter's
+    their identity, device and sharding (replaced one by one, each old device buffer released right before its
+    new data is placed); an optimizer (a fresh one too) is rebuilt with each state tensor on its parameter's
     sharding, then ``load_state_dict``; other objects with ``load_state_dict`` get the saved tree; a dict or
     list is updated in place. `key_map` renames the checkpoint's keys (see `checkpointer.restore`). Raises
     what `checkpointer.restore` raises."""
