@@ -128,7 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scale", type=float, default=1.0, help="the states: 1 GiB x scale")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--loop-steps", type=int, default=10)
+    parser.add_argument("--loop-steps", type=int, default=10, help="0: no training loop")
     parser.add_argument("--loop-repeats", type=int, default=3)
     parser.add_argument("--persistent-every", type=int, default=5,
                         help="the loop's persistent interval; two persistent saves in a 10-step loop")
@@ -161,6 +161,8 @@ def main() -> None:
             ratio = statistics.median(times["persistent tier"]) / statistics.median(times["local tier"])
             print(f"  the local tier resumes {ratio:.2f}x faster")
             del state
+            if args.loop_steps == 0:
+                return
             width = args.width or loop_width(args.scale)
             times = loops(root, tmp, args, width)
             without = statistics.median(times["without checkpoints"])
