@@ -1,7 +1,12 @@
 """Memory of restores: a restore in place releases each target's device data right before its new value is
-placed (tied parameters included), and `RestoreOptions.max_host_bytes` keeps the reads in flight within it."""
+placed (tied parameters included), and `RestoreOptions.max_host_bytes` keeps the reads in flight within it and
+returns freed host memory to the OS after each batch."""
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
 
 import pytest
 import torch
@@ -9,7 +14,7 @@ import torch_xla
 from conftest import make_mesh, sharded
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import restoring, sharding
+from xla_tensorstore_ckpt import host_memory, restoring, sharding
 
 
 class Tied(torch.nn.Module):
@@ -68,6 +73,7 @@ def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget
         ("read", tuple(j.key_path[0] for j in group))) or real_issue(loc, group, opened))
     monkeypatch.setattr(restoring, "_build", lambda job, regions, **kw: events.append(
         ("place", job.key_path[0])) or real_build(job, regions, **kw))
+    monkeypatch.setattr(host_memory, "return_free_memory", lambda: events.append(("trim",)))
     options = xtc.RestoreOptions(read_batch_bytes=512 << 10, max_host_bytes=budget)
     out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(256, 512), mesh, ("y", "x")) for k in state},
                       options=options)
@@ -77,8 +83,34 @@ def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget
     assert [r[1] for r in reads] == [("w0",), ("w1",), ("w2",), ("w3",)]
     if budget is None:  # the next tensor is read while this one is placed
         assert events[:3] == [("read", ("w0",)), ("read", ("w1",)), ("place", "w0")]
-    else:  # two tensors (1 MiB) do not fit the budget: read, place, read, place
-        assert events == [e for k in range(4) for e in (("read", (f"w{k}",)), ("place", f"w{k}"))]
+        assert ("trim",) not in events  # no budget, no page faults spent on keeping memory low
+    else:  # two tensors (1 MiB) do not fit the budget: read, place, return the freed memory, read, ...
+        assert events == [e for k in range(4) for e in (("read", (f"w{k}",)), ("place", f"w{k}"), ("trim",))]
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not ctypes.util.find_library("c"), reason="glibc only")
+def test_return_free_memory_gives_freed_heap_pages_back():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    # 64 KiB blocks stay below glibc's mmap threshold: they live in the heap, as a restore's staging copies do.
+    blocks = [libc.malloc(64 << 10) for _ in range(640)]
+    for block in blocks:
+        ctypes.memset(block, 1, 64 << 10)  # resident
+    before = _resident_bytes()
+    for block in blocks[:-1]:  # the last one pins the heap's top: glibc does not shrink it on its own
+        libc.free(block)
+    freed = _resident_bytes()
+    host_memory.return_free_memory()
+    after = _resident_bytes()
+    libc.free(blocks[-1])
+    assert before - freed < 8 << 20  # glibc kept the freed 40 MiB
+    assert freed - after > 32 << 20  # and gave them back
 
 
 def test_max_host_bytes_is_validated():

@@ -9,8 +9,6 @@ data (corrupt chunks, failed verification).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import datetime
 import json
 import math
@@ -21,7 +19,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from . import convert, export, inspection, scans, storage
+from . import convert, export, host_memory, inspection, scans, storage
 from .errors import CheckpointError, CheckpointNotFoundError, UsageError
 
 EXIT_DATA, EXIT_USAGE = 1, 2
@@ -233,21 +231,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_DATA if report.problems else 0
 
 
-def release_large_buffers_at_once() -> None:
-    """Have glibc give every allocation of 1 MiB or more back to the OS when it is freed. Its default keeps
-    freed buffers of up to 32 MiB in per-thread arenas, so a streaming copy whose chunk buffers are allocated on
-    several threads grew 2-3x beyond the data in flight (measured in tests/test_convert.py). Set by the command
-    line for the commands that stream (it owns its process); the library never changes process-wide settings."""
-    name = ctypes.util.find_library("c")
-    if sys.platform != "linux" or not name:
-        return
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None)
-    if mallopt is not None:
-        mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixing it also stops glibc's dynamic raising of it)
-
-
 def cmd_export(args: argparse.Namespace) -> int:
-    release_large_buffers_at_once()
+    host_memory.release_large_buffers_at_once()
     checkpoint = inspection.open_checkpoint(args.path)
     items = tuple(args.items.split(",")) if args.items else (("model",) if "model" in checkpoint.items else
                                                              checkpoint.items)
@@ -267,7 +252,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    release_large_buffers_at_once()
+    host_memory.release_large_buffers_at_once()
     if args.to in ("safetensors", "torch"):
         args.path, args.out, args.format = args.source, args.destination, args.to
         return cmd_export(args)

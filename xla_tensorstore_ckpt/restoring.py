@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import arrays, dtypes, formats, grid, layout, local_chunks, storage, tree
+from . import arrays, dtypes, formats, grid, host_memory, layout, local_chunks, storage, tree
 from .errors import (
     CorruptCheckpointError,
     KeyMismatchError,
@@ -219,7 +219,8 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                 take: Callable[[dict], None] | None = None, direct: local_chunks.Opener | None = None, *,
                 release_targets: bool = False) -> dict:
     """Read every job's regions and build its tensor; the reads of the next batch overlap building this one
-    (unless both batches together exceed `options.max_host_bytes`). Arrays `direct` opens are read by
+    (unless both batches together exceed `options.max_host_bytes`; with a budget, the freed host memory is
+    returned to the OS after each batch: see `host_memory`). Arrays `direct` opens are read by
     `local_chunks`, the others through tensorstore. The tensors are returned, or with `take` handed to it one
     by one (see `read_item`, also for `release_targets`). On error, outstanding reads are waited for before the
     error propagates."""
@@ -254,6 +255,8 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                     results[job.key_path] = value
                 else:
                     take({job.key_path: value})
+            if budget is not None:
+                host_memory.return_free_memory()  # this batch's staging buffers are free: keep RSS in budget
             if k + 1 < len(groups) and not ahead:
                 following = _issue_reads(loc, groups[k + 1], opened)
             current, following = following, []

@@ -1,0 +1,47 @@
+"""The process's host memory as glibc's allocator holds it, for the streaming parts that promise a host-memory
+budget. Linux with glibc only (through ctypes); elsewhere every function does nothing.
+
+glibc keeps memory that was freed in its heaps for reuse instead of returning it. A restore frees a stream of
+staging buffers of varying sizes (our read buffers, torch_xla's copy of each shard on its way to the device)
+between long-lived allocations (the new device buffers, on CPU devices host memory too), so the free space
+fragments and the process's resident memory grew by ~900 MiB while loading a 2.4 GiB model whose reads in
+flight were bounded (benchmarks/bench_hf_import.py). Returning free pages keeps resident memory within the
+budget, at the price of page faults when the memory is used again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+_M_MMAP_THRESHOLD = -3
+
+
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c") if sys.platform == "linux" else None
+    if not name:
+        return None
+    libc = ctypes.CDLL(name)
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+_LIBC = _glibc()
+
+
+def return_free_memory() -> None:
+    """Give the free pages of glibc's heaps back to the operating system (``malloc_trim(0)``). Called by
+    restores under `RestoreOptions.max_host_bytes` after each batch; blocks for a few milliseconds; never
+    raises."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def release_large_buffers_at_once() -> None:
+    """Have glibc give every allocation of 1 MiB or more back to the OS when it is freed. Its default keeps
+    freed buffers of up to 32 MiB in per-thread arenas, so a streaming copy whose chunk buffers are allocated on
+    several threads grew 2-3x beyond the data in flight (measured in tests/test_convert.py). A process-wide
+    setting: called by the command line for the commands that stream (it owns its process), never by the
+    library. Never raises."""
+    if _LIBC is not None:
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, 1 << 20)  # fixing it also stops glibc's dynamic raising of it
