@@ -51,3 +51,33 @@ def test_manager_saves_with_the_cache_restore_their_own_values(tmp_path, mesh_4x
         expected = state(mesh_4x2, step)
         assert torch.equal(restored["w"], expected["w"].cpu()) and torch.equal(restored["cpu"], expected["cpu"])
         assert restored["n"] == step and restored["s"] == f"run-{step}"
+
+
+def test_a_new_global_mesh_plans_afresh(mesh_4x2):
+    import torch_xla.distributed.spmd as xs
+    from conftest import make_mesh
+
+    before = xs.get_global_mesh()
+    cache = saving.PlanCache()
+    try:
+        xs.set_global_mesh(mesh_4x2)
+        saving.plan_save(state(mesh_4x2, 1), cache=cache)
+        key = cache.key
+        renamed = make_mesh((4, 2), ("data", "model"))  # the same shardings; the saved mesh names differ
+        xs.set_global_mesh(renamed)
+        got = saving.plan_save(state(renamed, 2, spec=("data", "model")), cache=cache)
+        assert cache.key != key
+        assert got.manifest == saving.plan_save(state(renamed, 2, spec=("data", "model"))).manifest
+    finally:
+        xs.set_global_mesh(before)
+
+
+def test_local_shards_cache_their_hash_but_do_not_carry_it_to_other_processes():
+    import pickle
+
+    from xla_tensorstore_ckpt.plan import LocalShard
+
+    shard = LocalShard(3, "xla:3", ((0, 4), (2, 6)), 1)
+    assert hash(shard) == hash(LocalShard(3, "xla:3", ((0, 4), (2, 6)), 1)) and shard.size == 16
+    copied = pickle.loads(pickle.dumps(shard))  # noqa: S301 (what torch.distributed's object exchange does)
+    assert copied == shard and "_hash" not in vars(copied) and "size" not in vars(copied)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 from .formats.records import SavedSharding
 from .sharded_array import ShardedArray
@@ -34,15 +35,28 @@ class LocalShard:
     index: Index
     replica_id: int
 
+    # Cached: a save of thousands of small tensors hashes and measures its shards tens of thousands of times
+    # while the training loop waits.
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.position, self.device, self.index, self.replica_id))
+
+    def __getstate__(self) -> dict:
+        # Only the fields: a string's hash differs between processes, so a cached one must not travel.
+        return {"position": self.position, "device": self.device, "index": self.index, "replica_id": self.replica_id}
+
     @property
     def region(self) -> tuple[slice, ...]:
         return tuple(slice(a, b) for a, b in self.index)
 
-    @property
+    @cached_property
     def extent(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in self.index)
 
-    @property
+    @cached_property
     def size(self) -> int:
         return math.prod(self.extent)
 

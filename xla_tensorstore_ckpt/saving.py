@@ -16,6 +16,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -56,21 +57,21 @@ class ArrayPlan:
     single_file: bool
     writes_metadata: bool
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
         return dtypes.by_name(self.meta.dtype).itemsize
 
-    @property
+    @cached_property
     def sources(self) -> tuple[LocalShard, ...]:
         """The distinct local shards the writes read from."""
         return tuple(dict.fromkeys(w.source for w in self.writes))
 
-    @property
+    @cached_property
     def staged_bytes(self) -> int:
         """Host bytes held until written."""
         return sum(s.size for s in self.sources) * self.itemsize
 
-    @property
+    @cached_property
     def host_bytes(self) -> int:
         """Bytes one fetch brings to the host (torch_xla fetches every local shard of a tiled tensor)."""
         if self.layout.placement is Placement.TILED:
@@ -139,7 +140,9 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     specs = _sharding_specs([v for _, v in values])
     key = None
     if cache is not None:
-        key = (tuple(p for p, _ in leaves), tuple((p, *_signature(v, spec)) for (p, v), spec in zip(values, specs)),
+        mesh = _mesh_key([v for _, v in values])  # once: it is the same for every tensor
+        key = (tuple(p for p, _ in leaves), tuple((p, *_signature(v, spec, mesh)) for (p, v), spec in
+                                                  zip(values, specs)),
                tuple((p, t.dtype) for p, t in scalars), options, coordinator.index, coordinator.count, own_copy)
     hit = key is not None and cache is not None and cache.key == key
     if coordinator.distributed and not own_copy:
@@ -220,14 +223,22 @@ def _sharding_specs(values: Sequence[ArrayLike]) -> list[str | None]:
     return out
 
 
-def _signature(value: ArrayLike, spec: str | None) -> tuple:
-    """What a value's plan depends on besides its key: kind, shape, dtype and how it is laid out."""
+def _mesh_key(values: Sequence[ArrayLike]) -> tuple | None:
+    """The global mesh XLA values are laid out on (`sharding.mesh_key`), None without XLA values."""
+    if not any(isinstance(v, torch.Tensor) and v.device.type == "xla" for v in values):
+        return None
+    from . import sharding
+
+    return sharding.mesh_key()
+
+
+def _signature(value: ArrayLike, spec: str | None, mesh: tuple | None) -> tuple:
+    """What a value's plan depends on besides its key: kind, shape, dtype and how it is laid out (`mesh`: the
+    global mesh, from `_mesh_key`)."""
     if isinstance(value, ShardedArray):
         return ("host", value.shape, value.dtype, value.shard_shape, tuple(index for index, _ in value.shards))
     if value.device.type == "xla":
-        from . import sharding
-
-        return ("xla", tuple(value.shape), value.dtype, spec, str(value.device), sharding.mesh_key())
+        return ("xla", tuple(value.shape), value.dtype, spec, value.device, mesh)
     return ("cpu", tuple(value.shape), value.dtype)
 
 
