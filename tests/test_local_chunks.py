@@ -30,6 +30,22 @@ def _slices(index):
     return tuple(slice(a, b) for a, b in index)
 
 
+@pytest.fixture(autouse=True)
+def small_chunks_read_here(monkeypatch):
+    """These tests exercise the reader on small arrays, which restores leave to tensorstore."""
+    monkeypatch.setattr(local_chunks, "MIN_CHUNK_BYTES", 0)
+
+
+def test_small_chunks_are_left_to_tensorstore(tmp_path, monkeypatch, counted):
+    monkeypatch.setattr(local_chunks, "MIN_CHUNK_BYTES", 1 << 20)
+    state = {"small": _values((64, 64), torch.float32), "large": _values((1024, 512), torch.float32)}
+    xtc.save(tmp_path / "ck", state, options=xtc.SaveOptions(use_ocdbt=False))
+    out = xtc.restore(tmp_path / "ck", {k: torch.zeros_like(v) for k, v in state.items()})
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert counted["chunks"] == [(0, 0)]  # the 2 MiB array's one chunk, read here
+    assert counted["tensorstore"] == [(slice(0, 64), slice(0, 64))]  # the 16 KiB one
+
+
 @pytest.fixture
 def counted(monkeypatch):
     """The chunk positions read by `local_chunks`, and the regions read through tensorstore."""
