@@ -87,7 +87,7 @@ class _ReadJob:
             total *= min(n, -(-b // chunk) * chunk) - (a // chunk) * chunk
         return total
 
-    @property
+    @cached_property
     def read_bytes(self) -> int:
         itemsize = dtypes.by_name(self.meta.dtype).itemsize
         return sum(math.prod(b - a for a, b in r) for r in self.reads) * itemsize
