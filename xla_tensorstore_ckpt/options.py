@@ -63,8 +63,8 @@ class RestoreOptions:
         it, and batches are at most this large: host buffers stay within it (or within one tensor's local
         shards, if larger), at the price of reading and placing large tensors one after the other; after
         each batch the freed host memory is returned to the OS, so that the process's resident memory stays
-        within it too (a 2.4 GiB model onto CPU devices with 256 MiB: +302 MiB at most instead of +865 MiB,
-        ~1.4x slower from the page faults of reused memory).
+        within it too (a 2.4 GiB model onto CPU devices with 256 MiB: +290 MiB at most instead of +887 MiB,
+        1.2x slower from the page faults of reused memory; benchmarks/bench_hf_import.py).
     """
 
     read_batch_bytes: int = 64 * _MiB

@@ -8,7 +8,7 @@ tensors, so the checkpointer never touches torch_xla itself. Pure Python.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from functools import cached_property
 
@@ -42,11 +42,11 @@ class LocalShard:
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.position, self.device, self.index, self.replica_id))
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
 
     def __getstate__(self) -> dict:
         # Only the fields: a string's hash differs between processes, so a cached one must not travel.
-        return {"position": self.position, "device": self.device, "index": self.index, "replica_id": self.replica_id}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def region(self) -> tuple[slice, ...]:

@@ -140,7 +140,7 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     specs = _sharding_specs([v for _, v in values])
     key = None
     if cache is not None:
-        mesh = _mesh_key([v for _, v in values])  # once: it is the same for every tensor
+        mesh = _mesh_key(specs)  # once: it is the same for every tensor
         key = (tuple(p for p, _ in leaves), tuple((p, *_signature(v, spec, mesh)) for (p, v), spec in
                                                   zip(values, specs)),
                tuple((p, t.dtype) for p, t in scalars), options, coordinator.index, coordinator.count, own_copy)
@@ -223,9 +223,10 @@ def _sharding_specs(values: Sequence[ArrayLike]) -> list[str | None]:
     return out
 
 
-def _mesh_key(values: Sequence[ArrayLike]) -> tuple | None:
-    """The global mesh XLA values are laid out on (`sharding.mesh_key`), None without XLA values."""
-    if not any(isinstance(v, torch.Tensor) and v.device.type == "xla" for v in values):
+def _mesh_key(specs: Sequence[str | None]) -> tuple | None:
+    """The global mesh XLA values are laid out on (`sharding.mesh_key`), None without XLA values (`specs` from
+    `_sharding_specs`: None for every other value)."""
+    if all(spec is None for spec in specs):
         return None
     from . import sharding
 
