@@ -268,10 +268,8 @@ def test_restore_pauses_the_garbage_collector_and_restores_its_state(tmp_path, m
     (it would walk every object of the process again and again) and left as it was found."""
     import gc
 
-    from xla_tensorstore_ckpt import local_chunks
     from xla_tensorstore_ckpt.local_chunks import LocalChunkArray
 
-    monkeypatch.setattr(local_chunks, "MIN_CHUNK_BYTES", 0)  # read these small arrays here, not by tensorstore
     xtc.save(tmp_path / "ck", {"a": torch.ones(4), "b": torch.zeros(3)})
     seen = []
     real_read = LocalChunkArray.read_regions

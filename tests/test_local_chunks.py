@@ -30,20 +30,31 @@ def _slices(index):
     return tuple(slice(a, b) for a, b in index)
 
 
-@pytest.fixture(autouse=True)
-def small_chunks_read_here(monkeypatch):
-    """These tests exercise the reader on small arrays, which restores leave to tensorstore."""
-    monkeypatch.setattr(local_chunks, "MIN_CHUNK_BYTES", 0)
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+def test_small_chunks_are_read_on_the_restoring_thread(tmp_path, monkeypatch, layout_name):
+    """Chunks under `INLINE_CHUNK_BYTES` are read at once by the thread that restores (worker threads would hold
+    the GIL against it); larger ones on the reader's worker threads. Nothing goes through tensorstore."""
+    import threading
 
-
-def test_small_chunks_are_left_to_tensorstore(tmp_path, monkeypatch, counted):
-    monkeypatch.setattr(local_chunks, "MIN_CHUNK_BYTES", 1 << 20)
     state = {"small": _values((64, 64), torch.float32), "large": _values((1024, 512), torch.float32)}
-    xtc.save(tmp_path / "ck", state, options=xtc.SaveOptions(use_ocdbt=False))
+    xtc.save(tmp_path / "ck", state, options=LAYOUTS[layout_name])
+    threads, tensorstore_reads = {}, []
+    real_chunk, real_read = LocalChunkArray._read_chunk, arrays.read
+    monkeypatch.setattr(LocalChunkArray, "_read_chunk", lambda self, position, targets: threads.setdefault(
+        self.meta.path, threading.current_thread()) and real_chunk(self, position, targets))
+    monkeypatch.setattr(arrays, "read", lambda *args: tensorstore_reads.append(args) or real_read(*args))
     out = xtc.restore(tmp_path / "ck", {k: torch.zeros_like(v) for k, v in state.items()})
     assert all(torch.equal(out[k], v) for k, v in state.items())
-    assert counted["chunks"] == [(0, 0)]  # the 2 MiB array's one chunk, read here
-    assert counted["tensorstore"] == [(slice(0, 64), slice(0, 64))]  # the 16 KiB one
+    assert threads["small"] is threading.main_thread() and threads["large"] is not threading.main_thread()
+    assert tensorstore_reads == []
+
+
+@pytest.fixture(params=["inline", "workers"])
+def reading_thread(request, monkeypatch):
+    """Read the (small) chunks of a test on the restoring thread, or on the worker threads as large ones are."""
+    if request.param == "workers":
+        monkeypatch.setattr(local_chunks, "INLINE_CHUNK_BYTES", 0)
+    return request.param
 
 
 @pytest.fixture
@@ -72,7 +83,8 @@ GRIDS = {  # shape, saved chunk grid, restored shard grid
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float8_e4m3fn],
                          ids=str)
 @pytest.mark.parametrize("grid", list(GRIDS))
-def test_every_region_holds_the_saved_values(tmp_path, monkeypatch, counted, layout_name, dtype, grid):
+def test_every_region_holds_the_saved_values(tmp_path, monkeypatch, counted, reading_thread, layout_name,
+                                              dtype, grid):
     monkeypatch.setattr(local_chunks, "PIECE_BYTES", 40)  # several pieces per chunk, and rows split across them
     shape, saved, restored = GRIDS[grid]
     full = _values(shape, dtype)
@@ -133,7 +145,7 @@ def _rewrite(path, edit):
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "longer", "removed"])
-def test_a_damaged_chunk_file_is_an_error_naming_array_chunk_and_file(tmp_path, damage):
+def test_a_damaged_chunk_file_is_an_error_naming_array_chunk_and_file(tmp_path, reading_thread, damage):
     item = _save(tmp_path, PLAIN)
     chunk = _chunk_files(item)[1]
     edits = {"flipped": lambda d: d[:100] + bytes([d[100] ^ 0x10]) + d[101:], "truncated": lambda d: d[:-10],
@@ -151,7 +163,7 @@ def test_a_damaged_chunk_file_is_an_error_naming_array_chunk_and_file(tmp_path, 
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "removed"])
-def test_damaged_ocdbt_data_is_an_error_naming_the_array(tmp_path, damage):
+def test_damaged_ocdbt_data_is_an_error_naming_the_array(tmp_path, reading_thread, damage):
     item = _save(tmp_path, xtc.SaveOptions())
     data_file = _data_files(item)[-1]
     if damage == "removed":
@@ -173,3 +185,25 @@ def test_an_ocdbt_reference_outside_the_item_is_refused(tmp_path, where):
 
     with pytest.raises(xtc.CorruptCheckpointError, match="outside its directory"):
         arrays._indirect(storage.location(tmp_path), where)
+
+
+def test_a_restore_leaves_no_data_file_open(tmp_path, reading_thread):
+    """The data files the reads keep open are closed when the restore ends, also when it fails."""
+    item = _save(tmp_path, xtc.SaveOptions())
+
+    def open_data_files():
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                names.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except FileNotFoundError:  # the descriptor listdir itself had open
+                pass
+        return [n for n in names if n.startswith(str(item))]
+
+    xtc.restore(item)
+    assert open_data_files() == []
+    data_file = _data_files(item)[-1]
+    _rewrite(data_file, lambda d: d[:len(d) // 2] + bytes([d[len(d) // 2] ^ 0x01]) + d[len(d) // 2 + 1:])
+    with pytest.raises(xtc.CorruptCheckpointError):
+        xtc.restore(item)
+    assert open_data_files() == []

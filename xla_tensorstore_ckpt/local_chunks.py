@@ -13,8 +13,7 @@ Why not tensorstore here: it maps the files into memory and takes a page fault p
 cold (a quarter of a million per GiB, at several microseconds each on a busy VM); its CRC32C is the portable one
 (about 3 GB/s per core, against 15 here); and a chunk feeding two target shards is decoded twice. Arrays this does
 not cover (object stores, other codecs, zarr v2, Orbax's arrays, single-file arrays) are read by `arrays` through
-tensorstore: `opener` and `Opener.open` say which, and so are chunks smaller than `MIN_CHUNK_BYTES`. No
-tensorstore and no torch_xla here.
+tensorstore: `opener` and `Opener.open` say which. No tensorstore and no torch_xla here.
 """
 
 from __future__ import annotations
@@ -37,10 +36,12 @@ from .formats.records import ArrayMetadata, ArrayStore
 
 Index = tuple[tuple[int, int], ...]
 
-# Smaller chunks are left to tensorstore: here each chunk costs ~30 us of Python on the worker threads, and with
-# thousands of them the workers' hold on the GIL slowed the restoring thread's own work 4-7x (2,000 small tensors:
-# 1.5-2.0 s against 1.2-1.5 s through tensorstore), while page faults and a slower CRC cost little on small chunks.
-MIN_CHUNK_BYTES = 1 << 20
+# Smaller chunks are read at once on the restoring thread. Each chunk costs some microseconds of Python: on worker
+# threads, thousands of small ones held the GIL against the restoring thread's own work and slowed it 4-7x (2,000
+# small tensors: 1.5-2.0 s); through tensorstore, its threads slowed that work too (0.3 s of no-op dtype casts
+# and copies, 0.06 s without them). Measured on that workload: median 1.07 s read here inline against 1.35 s
+# for format 1 (tensorstore, a directory per array). Larger chunks are mostly data, read with the GIL released.
+INLINE_CHUNK_BYTES = 512 << 10
 PIECE_BYTES = 8 << 20  # what a worker reads at once when a chunk is cut up: fits the caches, kept per thread
 _CHECKSUM_BYTES = 4
 _WORKERS = ThreadPoolExecutor(4, thread_name_prefix="xtc-chunk-read")  # reads overlap; checksums need 2 cores
@@ -57,20 +58,23 @@ def opener(item: storage.Location, store: ArrayStore) -> Opener | None:
 
 
 class Opener:
-    """Opens the arrays of one item for local chunk reads. Used by one restore, on its thread."""
+    """Opens the arrays of one item for local chunk reads. Used by one restore, on its thread, which closes it
+    once every read has finished (`close`: the OCDBT data files stay open until then)."""
 
     def __init__(self, item: storage.Location, store: ArrayStore):
         self.item = item
         self.store = store
         self._index: dict[str, arrays.StoredValue] | None = None
+        self._files = _OpenFiles()
+
+    def close(self) -> None:
+        """Close the data files the reads opened. Call it when no read is in flight any more."""
+        self._files.close()
 
     def open(self, meta: ArrayMetadata) -> LocalChunkArray | None:
         """The array `meta` describes, or None where its ``zarr.json`` is not exactly what this module reads
         (then tensorstore reads it, and reports what is wrong with it). Reads the array's metadata (and, the
-        first time, the item's OCDBT index); blocks. None too for chunks of fewer than `MIN_CHUNK_BYTES`. Raises
-        `CorruptCheckpointError` for an unreadable index."""
-        if math.prod(meta.chunk_shape) * dtypes.by_name(meta.dtype).itemsize < MIN_CHUNK_BYTES:
-            return None
+        first time, the item's OCDBT index); blocks. Raises `CorruptCheckpointError` for an unreadable index."""
         if self.store.kind == "directories":
             where = self.item.child(meta.path)
             try:
@@ -98,7 +102,7 @@ class Opener:
         if value.inline is not None:
             return _Source("", 0, len(value.inline), inline=value.inline)
         path = self.item.local_file(value.file)
-        return None if path is None else _Source(path, value.offset, value.length)
+        return None if path is None else _Source(path, value.offset, value.length, files=self._files)
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,7 @@ class _Source:
     length: int
     whole_file: bool = False
     inline: bytes | None = None
+    files: _OpenFiles | None = None  # keeps `file` open for the chunks after this one (a shared data file)
 
     @property
     def where(self) -> str:
@@ -156,8 +161,9 @@ class LocalChunkArray:
         self.stored_bytes = math.prod(meta.chunk_shape) * self._row.itemsize + _CHECKSUM_BYTES
 
     def read_regions(self, regions: Sequence[Index]) -> dict[Index, RegionRead]:
-        """Start reading `regions` (each within the shape); each chunk they touch is read once. Returns at once:
-        the reads run on a small thread pool."""
+        """Start reading `regions` (each within the shape); each chunk they touch is read once. Chunks of
+        `INLINE_CHUNK_BYTES` or more are read on a small thread pool and this returns at once; smaller ones are
+        read before it returns. Errors are raised by the `RegionRead` that needs the chunk."""
         outs = {r: np.empty(tuple(b - a for a, b in r), dtype=self._row.copy_dtype) for r in regions}
         needed: dict[tuple[int, ...], list[Index]] = {}
         for region in regions:
@@ -167,8 +173,11 @@ class LocalChunkArray:
             for position in itertools.product(*spans):
                 needed.setdefault(position, []).append(region)
         reads = {r: RegionRead(self, outs[r]) for r in regions}
+        inline = self.stored_bytes < INLINE_CHUNK_BYTES
         for position, users in needed.items():
-            future = _WORKERS.submit(self._read_chunk, position, [(r, outs[r]) for r in users])
+            targets = [(r, outs[r]) for r in users]
+            future = _read_now(self._read_chunk, position, targets) if inline else \
+                _WORKERS.submit(self._read_chunk, position, targets)
             for region in users:
                 reads[region].futures.append(future)
         return reads
@@ -231,6 +240,30 @@ class LocalChunkArray:
                                          f"(computed {checksum:#010x}, stored {expected:#010x}; {source.where})")
 
 
+class _Done:
+    """A chunk read that ran at once, shaped like a `Future` for `RegionRead`."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None):
+        self.error = error
+
+    def result(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+_DONE = _Done(None)
+
+
+def _read_now(read: Callable, position: tuple[int, ...], targets: list) -> _Done:
+    try:
+        read(position, targets)
+    except (CorruptCheckpointError, StorageError) as exc:
+        return _Done(exc)
+    return _DONE
+
+
 class RegionRead:
     """A region read in flight, shaped like `arrays.Pending`: `result()` blocks and returns the numpy array or
     raises the `CheckpointError` of a chunk it needed."""
@@ -240,7 +273,7 @@ class RegionRead:
     def __init__(self, array: LocalChunkArray, out: np.ndarray):
         self.dtype = array._row.numpy
         self.out = out
-        self.futures: list[Future] = []
+        self.futures: list[Future | _Done] = []
 
     def result(self) -> np.ndarray:
         for future in self.futures:
@@ -257,22 +290,27 @@ class _Reader:
         self._fd: int | None = None
 
     def __enter__(self) -> _Reader:
-        if self.source.inline is not None:
+        source = self.source
+        if source.inline is not None:
             return self
         try:
-            self._fd = os.open(self.source.file, os.O_RDONLY)
+            if source.files is not None:
+                self._fd, size = source.files.get(source.file)
+            else:
+                self._fd = os.open(source.file, os.O_RDONLY)
+                size = os.fstat(self._fd).st_size
         except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{self._what} is missing ({self.source.file})") from exc
-        size = os.fstat(self._fd).st_size
-        if size != self.source.length if self.source.whole_file else size < self.source.offset + self.source.length:
-            os.close(self._fd)
-            raise CorruptCheckpointError(f"{self._what} should be {self.source.length} bytes at byte "
-                                         f"{self.source.offset} of {self.source.file}, which holds {size}")
+            raise CorruptCheckpointError(f"{self._what} is missing ({source.file})") from exc
+        if size != source.length if source.whole_file else size < source.offset + source.length:
+            self.__exit__()
+            raise CorruptCheckpointError(f"{self._what} should be {source.length} bytes at byte "
+                                         f"{source.offset} of {source.file}, which holds {size}")
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self.source.files is None:
             os.close(self._fd)
+        self._fd = None
 
     def read_into(self, buffers: list, at: int) -> None:
         """Fill `buffers` (writable buffers, in order) from `at` bytes into the chunk."""
@@ -295,6 +333,31 @@ class _Reader:
                 views[0] = views[0][done:]
 
 
+class _OpenFiles:
+    """The data files one restore has open, with their sizes; shared by its reading threads."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> tuple[int, int]:
+        """The descriptor and size of `path`, opened the first time. Raises OSError."""
+        found = self._open.get(path)
+        if found is not None:
+            return found
+        with self._lock:
+            if path not in self._open:
+                fd = os.open(path, os.O_RDONLY)
+                self._open[path] = (fd, os.fstat(fd).st_size)
+            return self._open[path]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._open.values():
+                os.close(fd)
+            self._open.clear()
+
+
 def _contiguous_block(box: Index, region: Index, out: np.ndarray) -> memoryview | None:
     """The bytes of `out` (the buffer of `region`) that chunk `box` fills, if the chunk lies wholly inside the
     region and is one contiguous block of it (every dimension after its first of length > 1 spans the region);
@@ -306,7 +369,9 @@ def _contiguous_block(box: Index, region: Index, out: np.ndarray) -> memoryview 
     first = next((d for d, n in enumerate(extent) if n > 1), len(extent))
     if any(extent[d] != width[d] for d in range(first + 1, len(extent))):
         return None
-    offset = int(np.ravel_multi_index([a - ra for (a, _), (ra, _) in zip(box, region)], width)) if box else 0
+    offset = 0
+    for (a, _), (ra, _), n in zip(box, region, width):
+        offset = offset * n + a - ra
     flat = out.reshape(-1)
     return memoryview(flat[offset:offset + math.prod(extent)].view(np.uint8))
 

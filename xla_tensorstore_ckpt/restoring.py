@@ -131,8 +131,12 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
         # Byte ranges and local chunk reads fetch exactly what is asked, each chunk once.
         amplification = (math.inf if manifest.store.kind == "safetensors" or direct is not None
                          else MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0)
-        values = read_arrays(loc, manifest.store, _read_jobs(saved, wanted, amplification), options, take, direct,
-                             release_targets=release_targets)
+        try:
+            values = read_arrays(loc, manifest.store, _read_jobs(saved, wanted, amplification), options, take,
+                                 direct, release_targets=release_targets)
+        finally:
+            if direct is not None:
+                direct.close()  # every read has finished: read_arrays waits for them, also on errors
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 
