@@ -4,7 +4,7 @@ A chunk of ours is its elements in C order, little-endian, followed by their CRC
 codecs), in a file of its own or at a byte range of an OCDBT data file (`arrays.ocdbt_index` says where). A read
 of some regions of an array reads each chunk they touch once, however many regions share it, with positioned
 reads: straight into the destination where the chunk is one contiguous block of it (a restore onto the sharding
-it was saved with), else in pieces of at most `PIECE_BYTES` through a buffer each worker thread keeps, copying out
+it was saved with), else in pieces of at most `PIECE_BYTES` through a buffer each reading thread keeps, copying out
 of each piece what each region needs. The checksum is computed with the processor's CRC32C instruction (the
 `crc32c` package) as the pieces pass, and a chunk that fails it, is missing or has the wrong size is an error
 naming the array and the chunk.
@@ -42,7 +42,7 @@ Index = tuple[tuple[int, int], ...]
 # and copies, 0.06 s without them). Measured on that workload: median 1.07 s read here inline against 1.35 s
 # for format 1 (tensorstore, a directory per array). Larger chunks are mostly data, read with the GIL released.
 INLINE_CHUNK_BYTES = 512 << 10
-PIECE_BYTES = 8 << 20  # what a worker reads at once when a chunk is cut up: fits the caches, kept per thread
+PIECE_BYTES = 8 << 20  # what a reading thread reads at once when a chunk is cut up: fits the caches, kept per thread
 _CHECKSUM_BYTES = 4
 _WORKERS = ThreadPoolExecutor(4, thread_name_prefix="xtc-chunk-read")  # reads overlap; checksums need 2 cores
 _scratch = threading.local()
@@ -294,11 +294,7 @@ class _Reader:
         if source.inline is not None:
             return self
         try:
-            if source.files is not None:
-                self._fd, size = source.files.get(source.file)
-            else:
-                self._fd = os.open(source.file, os.O_RDONLY)
-                size = os.fstat(self._fd).st_size
+            self._fd, size = source.files.get(source.file) if source.files is not None else _open_sized(source.file)
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"{self._what} is missing ({source.file})") from exc
         if size != source.length if source.whole_file else size < source.offset + source.length:
@@ -347,8 +343,7 @@ class _OpenFiles:
             return found
         with self._lock:
             if path not in self._open:
-                fd = os.open(path, os.O_RDONLY)
-                self._open[path] = (fd, os.fstat(fd).st_size)
+                self._open[path] = _open_sized(path)
             return self._open[path]
 
     def close(self) -> None:
@@ -356,6 +351,12 @@ class _OpenFiles:
             for fd, _ in self._open.values():
                 os.close(fd)
             self._open.clear()
+
+
+def _open_sized(path: str) -> tuple[int, int]:
+    """A read-only descriptor of `path` and the file's size. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY)
+    return fd, os.fstat(fd).st_size
 
 
 def _contiguous_block(box: Index, region: Index, out: np.ndarray) -> memoryview | None:
