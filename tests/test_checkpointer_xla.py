@@ -207,8 +207,8 @@ def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4, monkeypat
     xtc.save("memory://reads-once/ck", {"w": sharded(src, mesh_4x2, ("x", "y"))})
     regions = []
     real_read = arrays.read
-    monkeypatch.setattr(arrays, "read", lambda store, loc, region: regions.append(region) or real_read(
-        store, loc, region))
+    monkeypatch.setattr(arrays, "read", lambda store, loc, region, empty: regions.append(region) or real_read(
+        store, loc, region, empty))
     assert torch.equal(xtc.restore("memory://reads-once/ck", target)["w"].cpu(), src)
     assert [(r[0].start, r[0].stop, r[1].start, r[1].stop) for r in regions] == [(0, 16, 0, 8)]
 

@@ -1,6 +1,7 @@
 """Memory of restores: a restore in place releases each target's device data right before its new value is
-placed (tied parameters included), and `RestoreOptions.max_host_bytes` keeps the reads in flight within it and
-returns freed host memory to the OS after each batch."""
+placed (tied parameters included); data bound for the devices is read into two reused arenas (`staging`);
+`RestoreOptions.max_host_bytes` keeps the reads in flight within it and returns freed host memory to the OS after
+each batch."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import ctypes
 import ctypes.util
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch_xla
 from conftest import make_mesh, sharded
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import host_memory, restoring, sharding
+from xla_tensorstore_ckpt import host_memory, restoring, sharding, staging
 
 
 class Tied(torch.nn.Module):
@@ -69,8 +71,8 @@ def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget
     xtc.save(tmp_path / "ck", state)
     events = []
     real_issue, real_build = restoring._issue_reads, restoring._build
-    monkeypatch.setattr(restoring, "_issue_reads", lambda loc, group, opened: events.append(
-        ("read", tuple(j.key_path[0] for j in group))) or real_issue(loc, group, opened))
+    monkeypatch.setattr(restoring, "_issue_reads", lambda loc, group, opened, arena: events.append(
+        ("read", tuple(j.key_path[0] for j in group))) or real_issue(loc, group, opened, arena))
     monkeypatch.setattr(restoring, "_build", lambda job, regions, **kw: events.append(
         ("place", job.key_path[0])) or real_build(job, regions, **kw))
     monkeypatch.setattr(host_memory, "return_free_memory", lambda: events.append(("trim",)))
@@ -86,6 +88,67 @@ def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget
         assert ("trim",) not in events  # no budget, no page faults spent on keeping memory low
     else:  # two tensors (1 MiB) do not fit the budget: read, place, return the freed memory, read, ...
         assert events == [e for k in range(4) for e in (("read", (f"w{k}",)), ("place", f"w{k}"), ("trim",))]
+
+
+def _spy_arenas(monkeypatch) -> tuple[list, list]:
+    """Record every arena buffer and every array an arena hands out (in it or not)."""
+    buffers, handed = [], []
+    real_empty, real_release = staging.Arena.empty, staging.Arena.release
+
+    def empty(arena, shape, dtype):
+        out = real_empty(arena, shape, dtype)
+        if arena._buffer is not None and not any(b is arena._buffer for b in buffers):
+            buffers.append(arena._buffer)
+        handed.append(out)
+        return out
+
+    monkeypatch.setattr(staging.Arena, "empty", empty)
+    monkeypatch.setattr(staging.Arena, "release", lambda arena: handed.append("release") or real_release(arena))
+    return buffers, handed
+
+
+def test_device_data_is_read_into_two_reused_arenas_and_host_results_own_theirs(tmp_path, monkeypatch):
+    mesh = make_mesh((4, 2), ("x", "y"))
+    torch.manual_seed(0)
+    state = {f"w{i}": sharded(torch.randn(64, 512), mesh, ("x", "y")) for i in range(8)}  # 128 KiB each
+    state["replicated"] = sharded(torch.randn(64, 64), mesh, (None, None))
+    state["unsharded"] = sharded(torch.randn(32, 32), None, None)
+    cpu = {f"c{i}": torch.randn(64, 512) for i in range(4)}
+    xtc.save(tmp_path / "ck", {**state, **cpu})
+    buffers, handed = _spy_arenas(monkeypatch)
+    target = {k: sharded(torch.zeros(tuple(v.shape)), mesh, ("y", "x") if k.startswith("w") else (None, None))
+              if k != "unsharded" else sharded(torch.zeros(32, 32), None, None) for k, v in state.items()}
+    out = xtc.restore(tmp_path / "ck", {**target, **{k: torch.zeros(64, 512) for k in cpu}},
+                      options=xtc.RestoreOptions(read_batch_bytes=256 << 10))
+    for key, value in {**state, **cpu}.items():  # later batches reusing an arena changed nothing restored before
+        assert torch.equal(out[key].cpu(), value.cpu()), key
+    assert len(buffers) == 2  # two arenas, each allocated once for the whole restore
+    in_arena = [a for a in handed if not isinstance(a, str) and any(np.shares_memory(a, b) for b in buffers)]
+    assert sum(a.nbytes for a in in_arena) == sum(v.numel() * 4 for v in state.values())  # all device data
+    for key in cpu:  # CPU results are returned as read: never arena memory
+        assert not any(np.shares_memory(out[key].numpy(), b) for b in buffers), key
+
+
+def test_under_a_budget_a_tensor_larger_than_a_batch_is_read_alone_without_arenas(tmp_path, monkeypatch):
+    mesh = make_mesh((4, 2), ("x", "y"))
+    torch.manual_seed(0)
+    state = {"a_small": torch.randn(64, 256), "b_big": torch.randn(512, 512), "c_small": torch.randn(64, 256)}
+    xtc.save(tmp_path / "ck", {k: sharded(v, mesh, ("x", "y")) for k, v in state.items()})
+    _, handed = _spy_arenas(monkeypatch)
+    events = []
+    real_issue = restoring._issue_reads
+    monkeypatch.setattr(restoring, "_issue_reads", lambda loc, group, opened, arena: events.append(
+        (group[0].key_path[0], arena is not None)) or real_issue(loc, group, opened, arena))
+    # Budget 1 MiB: batches of 256 KiB (64 KiB a small tensor); the 1 MiB tensor is a batch of its own.
+    out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(tuple(v.shape)), mesh, ("y", "x"))
+                                        for k, v in state.items()},
+                      options=xtc.RestoreOptions(max_host_bytes=1 << 20))
+    for key, value in state.items():
+        assert torch.equal(out[key].cpu(), value), key
+    # One at a time (a small batch, torch_xla's copy and the large tensor exceed the budget), the large one
+    # into buffers of its own after both arenas were given up.
+    assert events == [("a_small", True), ("b_big", False), ("c_small", True)]
+    assert sum(isinstance(h, str) for h in handed) == 2  # releases
 
 
 def _resident_bytes() -> int:

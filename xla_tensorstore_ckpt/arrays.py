@@ -31,6 +31,7 @@ import tensorstore as ts
 from . import layout, raw_arrays, storage
 from .errors import CorruptCheckpointError, StorageError
 from .formats.records import ArrayMetadata, ArrayStore
+from .staging import Empty
 
 Region = tuple[slice, ...]
 
@@ -379,19 +380,19 @@ class Ready:
         return self.value
 
 
-def read(store: ts.TensorStore | raw_arrays.RawArray, loc: storage.Location, region: Region
-         ) -> Pending | raw_arrays.RawRead:
-    """Start reading `region` (only the chunks it touches, each checksum verified); the result is a numpy
-    array.
+def read(store: ts.TensorStore | raw_arrays.RawArray, loc: storage.Location, region: Region,
+         empty: Empty = np.empty) -> Pending | raw_arrays.RawRead:
+    """Start reading `region` (only the chunks it touches, each checksum verified) into a buffer from `empty`;
+    the result is a numpy array.
 
     The array is allocated here, on the caller's thread, and tensorstore copies into it. Arrays tensorstore
     allocates itself come from its worker threads' heaps, which gave every restore fresh memory from the OS:
     1-2 GiB of page faults per GiB restored, measured, the largest cost of a restore on the benchmark VM. Memory
     allocated here is recycled from one batch (and one restore) to the next."""
     if isinstance(store, raw_arrays.RawArray):
-        return store.read(region)
+        return store.read(region, empty)
     view = store[region]
-    out = np.empty(view.shape, dtype=view.dtype.numpy_dtype)
+    out = empty(tuple(view.shape), view.dtype.numpy_dtype)
     future = ts.array(out, copy=False, write=True).write(view).commit
     return Pending(future, f"cannot read region {_format_region(region)} of array", loc, output=out)
 

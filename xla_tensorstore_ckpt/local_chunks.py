@@ -33,6 +33,7 @@ import numpy as np
 from . import arrays, dtypes, layout, storage
 from .errors import CorruptCheckpointError, StorageError
 from .formats.records import ArrayMetadata, ArrayStore
+from .staging import Empty
 
 Index = tuple[tuple[int, int], ...]
 
@@ -160,11 +161,13 @@ class LocalChunkArray:
         self._locate = locate
         self.stored_bytes = math.prod(meta.chunk_shape) * self._row.itemsize + _CHECKSUM_BYTES
 
-    def read_regions(self, regions: Sequence[Index]) -> dict[Index, RegionRead]:
-        """Start reading `regions` (each within the shape); each chunk they touch is read once. Chunks of
+    def read_regions(self, regions: Sequence[Index], empty: Empty = np.empty
+                     ) -> dict[Index, RegionRead]:
+        """Start reading `regions` (each within the shape) into buffers from `empty`; each chunk they touch is
+        read once. Chunks of
         `INLINE_CHUNK_BYTES` or more are read on a small thread pool and this returns at once; smaller ones are
         read before it returns. Errors are raised by the `RegionRead` that needs the chunk."""
-        outs = {r: np.empty(tuple(b - a for a, b in r), dtype=self._row.copy_dtype) for r in regions}
+        outs = {r: empty(tuple(b - a for a, b in r), self._row.copy_dtype) for r in regions}
         needed: dict[tuple[int, ...], list[Index]] = {}
         for region in regions:
             if any(b <= a for a, b in region):

@@ -57,14 +57,15 @@ class RestoreOptions:
 
     read_batch_bytes: bytes read per batch (a tensor larger than this is a batch of its own); the reads of one
         batch overlap placing the previous one on the devices, so host memory holds about two batches beyond
-        the restored tensors. Smaller batches overlap better (a 1 GiB resume: 1.11-1.25 s with 256 MiB, 1.03 s
-        with 64 MiB, on 2 cores).
-    max_host_bytes: if set, the next batch is read ahead only while both batches' bytes together stay within
-        it, and batches are at most this large: host buffers stay within it (or within one tensor's local
-        shards, if larger), at the price of reading and placing large tensors one after the other; after
-        each batch the freed host memory is returned to the OS, so that the process's resident memory stays
-        within it too (a 2.4 GiB model onto CPU devices with 256 MiB: +290 MiB at most instead of +887 MiB,
-        1.2x slower from the page faults of reused memory; benchmarks/bench_hf_import.py).
+        the restored tensors (data bound for XLA devices is read into two arenas of this size, reused batch
+        after batch: `staging`). Smaller batches overlap better (a 1 GiB resume: 1.11-1.25 s with 256 MiB,
+        1.03 s with 64 MiB, on 2 cores).
+    max_host_bytes: if set, host memory stays within it (or within twice one tensor's local shards, if
+        larger): batches are at most a quarter of it, and the next is read ahead only while two batches and
+        torch_xla's copy of the tensor being placed fit; a tensor larger than a batch is read into buffers of
+        its own, with the arenas given up meanwhile; after each batch the freed host memory is returned to the
+        OS, so that the process's resident memory stays within it too (a 2.4 GiB model onto CPU devices with
+        256 MiB: +250 MiB instead of +867 MiB, medians, and no slower; benchmarks/bench_hf_import.py).
     """
 
     read_batch_bytes: int = 64 * _MiB

@@ -24,6 +24,7 @@ import numpy as np
 from . import dtypes, storage
 from .errors import CheckpointError, CorruptCheckpointError, StorageError
 from .formats.safetensors import SafetensorsTensor
+from .staging import Empty
 
 Region = tuple[slice, ...]
 
@@ -52,9 +53,9 @@ class RawArray:
     def where(self) -> str:
         return f"{self.file} [{self.key}]"
 
-    def read(self, region: Region) -> RawRead:
-        """Start reading `region` (unit-step slices, within the shape)."""
-        out = np.empty(tuple(s.stop - s.start for s in region), dtype=self._row.copy_dtype)
+    def read(self, region: Region, empty: Empty = np.empty) -> RawRead:
+        """Start reading `region` (unit-step slices, within the shape) into a buffer from `empty`."""
+        out = empty(tuple(s.stop - s.start for s in region), self._row.copy_dtype)
         if out.size == 0:
             return RawRead(self, out, [], None)
         if self._local is not None:

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 
-from . import arrays, dtypes, formats, grid, host_memory, layout, local_chunks, storage, tree
+from . import arrays, dtypes, formats, grid, host_memory, layout, local_chunks, staging, storage, tree
 from .errors import (
     CorruptCheckpointError,
     KeyMismatchError,
@@ -38,6 +39,7 @@ PathLike = str | storage.Location
 # less than that, up to about this factor. Over a network, each chunk is fetched once.
 MAX_READ_AMPLIFICATION = 2.0
 SMALL_READ_BYTES = 4 << 20
+_XLA_PLACEMENTS = (Placement.TILED, Placement.REPLICATED, Placement.UNSHARDED)
 
 
 @dataclass(frozen=True)
@@ -241,16 +243,31 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
         opened[job.key_path] = (arrays.Ready(local) if local is not None else
                                 arrays.open_existing(arrays.ArrayRef(loc, job.meta.path, store, context), job.meta))
     budget = options.max_host_bytes
-    groups = list(grid.batches(jobs, lambda job: job.read_bytes, min(options.read_batch_bytes, budget or math.inf)))
+    # Under a budget: two batches of reads in flight, torch_xla's copy of the one being placed, and glibc's slack.
+    batch_bytes = min(options.read_batch_bytes, math.inf if budget is None else max(1, budget // 4))
+    groups = list(grid.batches(jobs, lambda job: job.read_bytes, batch_bytes))
     sizes = [sum(job.read_bytes for job in group) for group in groups]
+    # A tensor larger than a batch (a group of its own) is read into buffers of its own (not an arena); under a
+    # budget the arenas not in use are given up while it is read and placed.
+    alone = [budget is not None and size > batch_bytes for size in sizes]
+    staged = [size if big else batch_bytes for size, big in zip(sizes, alone)]  # host bytes a batch holds
+    # torch_xla copies one tensor at a time: its largest tensor's bytes more while a batch is placed.
+    placing = [max(job.read_bytes for job in group) for group in groups]
+    arenas = (staging.Arena(batch_bytes), staging.Arena(batch_bytes))  # batch k reads into arenas[k % 2]
+
+    def issue(k: int) -> list[dict]:
+        if alone[k]:
+            arenas[k % 2].release()  # batch k - 2 read into it and is placed
+        return _issue_reads(loc, groups[k], opened, None if alone[k] else arenas[k % 2])
+
     results: dict[layout.KeyPath, torch.Tensor] = {}
     current: list[dict] = []
     following: list[dict] = []
     try:
-        current = _issue_reads(loc, groups[0], opened) if groups else []
+        current = issue(0) if groups else []
         for k, group in enumerate(groups):
-            ahead = k + 1 < len(groups) and (budget is None or sizes[k] + sizes[k + 1] <= budget)
-            following = _issue_reads(loc, groups[k + 1], opened) if ahead else []
+            ahead = k + 1 < len(groups) and (budget is None or staged[k] + placing[k] + staged[k + 1] <= budget)
+            following = issue(k + 1) if ahead else []
             for i, job in enumerate(group):
                 value = _build(job, {index: r.result() for index, r in current[i].items()},
                                release=release_targets)
@@ -260,9 +277,11 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                 else:
                     take({job.key_path: value})
             if budget is not None:
+                if k + 1 < len(groups) and alone[k + 1]:
+                    arenas[k % 2].release()  # unused until after the large tensor is placed
                 host_memory.return_free_memory()  # this batch's staging buffers are free: keep RSS in budget
             if k + 1 < len(groups) and not ahead:
-                following = _issue_reads(loc, groups[k + 1], opened)
+                following = issue(k + 1)
             current, following = following, []
     except BaseException:
         arrays.drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
@@ -270,16 +289,24 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
     return results
 
 
-def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict) -> list[dict]:
+def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict, arena: staging.Arena | None
+                 ) -> list[dict]:
+    """Start the reads of `group`. Data bound for XLA devices is read into `arena` if given (torch_xla copies
+    it before `_build` returns, so the arena is free again once the group is built); CPU and host results own
+    theirs."""
+    if arena is not None:
+        arena.reset()  # the group that read into it before has been built (or abandoned after an error)
     issued = []
     for job in group:
         store = opened[job.key_path].result()
         _check_stored(loc, job, store)
+        empty = arena.empty if arena is not None and job.layout.placement in _XLA_PLACEMENTS else np.empty
         if isinstance(store, local_chunks.LocalChunkArray):
-            issued.append(store.read_regions(job.reads))
+            issued.append(store.read_regions(job.reads, empty))
             continue
         array_loc = loc.child(job.meta.path)
-        issued.append({r: arrays.read(store, array_loc, tuple(slice(a, b) for a, b in r)) for r in job.reads})
+        issued.append({r: arrays.read(store, array_loc, tuple(slice(a, b) for a, b in r), empty)
+                       for r in job.reads})
     return issued
 
 
