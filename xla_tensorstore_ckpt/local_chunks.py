@@ -164,9 +164,9 @@ class LocalChunkArray:
     def read_regions(self, regions: Sequence[Index], empty: Empty = np.empty
                      ) -> dict[Index, RegionRead]:
         """Start reading `regions` (each within the shape) into buffers from `empty`; each chunk they touch is
-        read once. Chunks of
-        `INLINE_CHUNK_BYTES` or more are read on a small thread pool and this returns at once; smaller ones are
-        read before it returns. Errors are raised by the `RegionRead` that needs the chunk."""
+        read once. Chunks of `INLINE_CHUNK_BYTES` or more are read on a small thread pool and this returns at
+        once; smaller ones are read before it returns. Errors are raised by the `RegionRead` that needs the
+        chunk."""
         outs = {r: empty(tuple(b - a for a, b in r), self._row.copy_dtype) for r in regions}
         needed: dict[tuple[int, ...], list[Index]] = {}
         for region in regions:

@@ -4,9 +4,9 @@ batch slot and reused batch after batch.
 A restore onto XLA devices reads each region into a host buffer, hands it to torch_xla (which copies it on its
 way to the device) and drops it. Allocating these buffers afresh per region made them fresh memory again and
 again: freed to glibc between the long-lived device buffers (host memory too on CPU devices), trimmed away under
-a host budget (`host_memory`), then faulted in anew; on the benchmark VM that was half the CPU time of a
-budgeted Hugging Face load (benchmarks/bench_hf_import.py). An arena is faulted in once and stays out of
-glibc's heap.
+a host budget (`host_memory`), then faulted in anew: on the benchmark VM a budgeted Hugging Face load took
+4.3-4.6 s from the page cache that way, 2.0-2.9 s with arenas (benchmarks/bench_hf_import.py's files). An arena
+is faulted in once and stays out of glibc's heap.
 
 Only for regions whose data no result keeps: XLA placements, whose host data torch_xla copies before
 `sharding.build` returns. Used by `restoring` on its own thread; not thread-safe.
