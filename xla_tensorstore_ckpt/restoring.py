@@ -256,9 +256,12 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
     arenas = (staging.Arena(batch_bytes), staging.Arena(batch_bytes))  # batch k reads into arenas[k % 2]
 
     def issue(k: int) -> list[dict]:
+        arena = arenas[k % 2]  # batch k - 2 read into it and is placed (or abandoned after an error)
         if alone[k]:
-            arenas[k % 2].release()  # batch k - 2 read into it and is placed
-        return _issue_reads(loc, groups[k], opened, None if alone[k] else arenas[k % 2])
+            arena.release()
+            return _issue_reads(loc, groups[k], opened, None)
+        arena.reset()
+        return _issue_reads(loc, groups[k], opened, arena)
 
     results: dict[layout.KeyPath, torch.Tensor] = {}
     current: list[dict] = []
@@ -294,8 +297,6 @@ def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict,
     """Start the reads of `group`. Data bound for XLA devices is read into `arena` if given (torch_xla copies
     it before `_build` returns, so the arena is free again once the group is built); CPU and host results own
     theirs."""
-    if arena is not None:
-        arena.reset()  # the group that read into it before has been built (or abandoned after an error)
     issued = []
     for job in group:
         store = opened[job.key_path].result()
