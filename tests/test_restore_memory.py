@@ -1,7 +1,7 @@
 """Memory of restores: a restore in place releases each target's device data right before its new value is
 placed (tied parameters included); data bound for the devices is read into two reused arenas (`staging`);
-`RestoreOptions.max_host_bytes` keeps the reads in flight within it and returns freed host memory to the OS after
-each batch."""
+`RestoreOptions.max_host_bytes` keeps the reads in flight within it, waits for each transfer to the devices, and
+returns freed host memory to the OS after each batch."""
 
 from __future__ import annotations
 
@@ -76,6 +76,8 @@ def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget
     monkeypatch.setattr(restoring, "_build", lambda job, regions, **kw: events.append(
         ("place", job.key_path[0])) or real_build(job, regions, **kw))
     monkeypatch.setattr(host_memory, "return_free_memory", lambda: events.append(("trim",)))
+    real_wait = sharding.wait_transferred
+    monkeypatch.setattr(sharding, "wait_transferred", lambda t: events.append(("wait",)) or real_wait(t))
     options = xtc.RestoreOptions(read_batch_bytes=512 << 10, max_host_bytes=budget)
     out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(256, 512), mesh, ("y", "x")) for k in state},
                       options=options)
@@ -86,8 +88,24 @@ def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget
     if budget is None:  # the next tensor is read while this one is placed
         assert events[:3] == [("read", ("w0",)), ("read", ("w1",)), ("place", "w0")]
         assert ("trim",) not in events  # no budget, no page faults spent on keeping memory low
-    else:  # two tensors (1 MiB) do not fit the budget: read, place, return the freed memory, read, ...
-        assert events == [e for k in range(4) for e in (("read", (f"w{k}",)), ("place", f"w{k}"), ("trim",))]
+        assert ("wait",) not in events  # nor waits for transfers
+    else:  # two tensors (1 MiB) do not fit the budget: read, place, wait for the transfer (torch_xla's host
+        # copy is freed then), return the freed memory, read, ...
+        assert events == [e for k in range(4)
+                          for e in (("read", (f"w{k}",)), ("place", f"w{k}"), ("wait",), ("trim",))]
+
+
+@pytest.mark.parametrize("spec", [("x", "y"), (None, None), None], ids=["tiled", "replicated", "unsharded"])
+def test_wait_transferred_returns_once_the_placed_tensor_is_on_its_devices(spec):
+    mesh = make_mesh((4, 2), ("x", "y"))
+    value = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    target = sharded(torch.zeros(64, 32), mesh if spec else None, spec)
+    lay = sharding.layouts([target])[0]
+    shards = [value[tuple(slice(a, b) for a, b in s.index)].contiguous() for s in lay.shards]
+    placed = sharding.build(target, lay, shards)
+    sharding.wait_transferred(placed)
+    sharding.wait_transferred(placed)  # already there: returns at once
+    assert torch.equal(placed.cpu(), value)
 
 
 def _spy_arenas(monkeypatch) -> tuple[list, list]:

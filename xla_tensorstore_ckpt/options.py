@@ -63,9 +63,10 @@ class RestoreOptions:
     max_host_bytes: if set, host memory stays within it (or within twice one tensor's local shards, if
         larger): batches are at most a quarter of it, and the next is read ahead only while two batches and
         torch_xla's copy of the tensor being placed fit; a tensor larger than a batch is read into buffers of
-        its own, with the arenas given up meanwhile; after each batch the freed host memory is returned to the
-        OS, so that the process's resident memory stays within it too (a 2.4 GiB model onto CPU devices with
-        256 MiB: +250 MiB instead of +867 MiB, medians, and no slower; benchmarks/bench_hf_import.py).
+        its own, with the arenas given up meanwhile; each tensor's transfer to its devices is waited for before
+        the next is placed (torch_xla holds a host copy until then); after each batch the freed host memory is
+        returned to the OS, so that the process's resident memory stays within it too (a 2.4 GiB model onto
+        CPU devices with 256 MiB: +250 MiB instead of +867 MiB, medians; benchmarks/bench_hf_import.py).
     """
 
     read_batch_bytes: int = 64 * _MiB

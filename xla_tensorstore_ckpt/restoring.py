@@ -225,8 +225,9 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                 take: Callable[[dict], None] | None = None, direct: local_chunks.Opener | None = None, *,
                 release_targets: bool = False) -> dict:
     """Read every job's regions and build its tensor; the reads of the next batch overlap building this one
-    (unless both batches together exceed `options.max_host_bytes`; with a budget, the freed host memory is
-    returned to the OS after each batch: see `host_memory`). Arrays `direct` opens are read by
+    (unless both batches together exceed `options.max_host_bytes`; with a budget, each tensor's transfer to
+    its devices is waited for before the next is placed, and the freed host memory is returned to the OS after
+    each batch: see `host_memory`). Arrays `direct` opens are read by
     `local_chunks`, the others through tensorstore. The tensors are returned, or with `take` handed to it one
     by one (see `read_item`, also for `release_targets`). On error, outstanding reads are waited for before the
     error propagates."""
@@ -275,6 +276,10 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                 value = _build(job, {index: r.result() for index, r in current[i].items()},
                                release=release_targets)
                 current[i] = {}  # its host buffers are not needed any more
+                if budget is not None and job.layout.placement in _XLA_PLACEMENTS:
+                    from . import sharding
+
+                    sharding.wait_transferred(value)  # torch_xla's host copy is freed: one tensor's at a time
                 if take is None:
                     results[job.key_path] = value
                 else:
