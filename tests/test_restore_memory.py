@@ -75,7 +75,7 @@ def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget
         ("read", tuple(j.key_path[0] for j in group))) or real_issue(loc, group, opened, arena))
     monkeypatch.setattr(restoring, "_build", lambda job, regions, **kw: events.append(
         ("place", job.key_path[0])) or real_build(job, regions, **kw))
-    monkeypatch.setattr(host_memory, "return_free_memory", lambda: events.append(("trim",)))
+    monkeypatch.setattr(host_memory, "keep_within", lambda start, limit: events.append(("trim",)))
     real_wait = sharding.wait_transferred
     monkeypatch.setattr(sharding, "wait_transferred", lambda t: events.append(("wait",)) or real_wait(t))
     options = xtc.RestoreOptions(read_batch_bytes=512 << 10, max_host_bytes=budget)
@@ -192,6 +192,30 @@ def test_return_free_memory_gives_freed_heap_pages_back():
     libc.free(blocks[-1])
     assert before - freed < 8 << 20  # glibc kept the freed 40 MiB
     assert freed - after > 32 << 20  # and gave them back
+
+
+def test_keep_within_returns_free_memory_only_past_the_limit(monkeypatch):
+    resident, trims = [100 << 20], []
+    monkeypatch.setattr(host_memory, "resident_bytes", lambda: resident[0])
+    monkeypatch.setattr(host_memory, "return_free_memory", lambda: trims.append(resident[0]))
+    host_memory.keep_within(60 << 20, 40 << 20)  # grown by exactly the limit: the next batch fits
+    assert trims == []
+    resident[0] += 1
+    host_memory.keep_within(60 << 20, 40 << 20)
+    assert trims == [resident[0]]
+    host_memory.keep_within(None, 1 << 30)  # resident memory unknown: always return it
+    resident[0] = None
+    host_memory.keep_within(60 << 20, 1 << 30)
+    assert len(trims) == 3
+
+
+def test_resident_bytes_sees_memory_being_touched():
+    before = host_memory.resident_bytes()
+    if before is None:
+        pytest.skip("no /proc/self/statm here")
+    block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, written: resident
+    assert host_memory.resident_bytes() - before > 48 << 20
+    del block
 
 
 def test_max_host_bytes_is_validated():

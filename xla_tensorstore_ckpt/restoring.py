@@ -226,8 +226,8 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                 release_targets: bool = False) -> dict:
     """Read every job's regions and build its tensor; the reads of the next batch overlap building this one
     (unless both batches together exceed `options.max_host_bytes`; with a budget, each tensor's transfer to
-    its devices is waited for before the next is placed, and the freed host memory is returned to the OS after
-    each batch: see `host_memory`). Arrays `direct` opens are read by
+    its devices is waited for before the next is placed, and after a batch the freed host memory is returned to
+    the OS unless the next batch fits beside it: see `host_memory`). Arrays `direct` opens are read by
     `local_chunks`, the others through tensorstore. The tensors are returned, or with `take` handed to it one
     by one (see `read_item`, also for `release_targets`). On error, outstanding reads are waited for before the
     error propagates."""
@@ -255,6 +255,7 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
     # torch_xla copies one tensor at a time: its largest tensor's bytes more while a batch is placed.
     placing = [max(job.read_bytes for job in group) for group in groups]
     arenas = (staging.Arena(batch_bytes), staging.Arena(batch_bytes))  # batch k reads into arenas[k % 2]
+    resident_at_start = host_memory.resident_bytes() if budget is not None else None
 
     def issue(k: int) -> list[dict]:
         arena = arenas[k % 2]  # batch k - 2 read into it and is placed (or abandoned after an error)
@@ -285,9 +286,13 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                 else:
                     take({job.key_path: value})
             if budget is not None:
-                if k + 1 < len(groups) and alone[k + 1]:
-                    arenas[k % 2].release()  # unused until after the large tensor is placed
-                host_memory.return_free_memory()  # this batch's staging buffers are free: keep RSS in budget
+                upcoming = 0
+                if k + 1 < len(groups):
+                    if alone[k + 1]:
+                        arenas[k % 2].release()  # unused until after the large tensor is placed
+                    upcoming = staged[k + 1] + placing[k + 1]
+                # This batch's staging copies are free: give them back unless the next batch fits beside them.
+                host_memory.keep_within(resident_at_start, budget - upcoming)
             if k + 1 < len(groups) and not ahead:
                 following = issue(k + 1)
             current, following = following, []
