@@ -95,6 +95,29 @@ def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget
                           for e in (("read", (f"w{k}",)), ("place", f"w{k}"), ("wait",), ("trim",))]
 
 
+def test_under_a_budget_one_transfer_runs_while_the_next_tensor_is_placed(tmp_path, monkeypatch):
+    mesh = make_mesh((4, 2), ("x", "y"))
+    state = {f"w{i}": sharded(torch.randn(64, 256), mesh, ("x", "y")) for i in range(4)}  # 64 KiB each
+    xtc.save(tmp_path / "ck", state)
+    events = []
+    real_build, real_wait = restoring._build, sharding.wait_transferred
+    monkeypatch.setattr(restoring, "_build", lambda job, regions, **kw: (lambda v: events.append(
+        ("place", job.key_path[0], v)) or v)(real_build(job, regions, **kw)))
+    monkeypatch.setattr(sharding, "wait_transferred", lambda t: events.append(("wait", t)) or real_wait(t))
+    monkeypatch.setattr(host_memory, "keep_within", lambda start, limit: events.append(("trim",)))
+    out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(64, 256), mesh, ("y", "x")) for k in state},
+                      options=xtc.RestoreOptions(max_host_bytes=1 << 20))  # one batch of 256 KiB
+    for key, value in state.items():
+        assert torch.equal(out[key].cpu(), value.cpu()), key
+    placed = {e[1]: e[2] for e in events if e[0] == "place"}
+    # Each tensor's transfer is waited for once the next is placed; the last one's at the end of the batch.
+    assert [(e[0], e[1]) if e[0] == "place" else e[:1] for e in events] == [
+        ("place", "w0"), ("place", "w1"), ("wait",), ("place", "w2"), ("wait",), ("place", "w3"), ("wait",),
+        ("wait",), ("trim",)]
+    waited = [e[1] for e in events if e[0] == "wait"]
+    assert len(waited) == 4 and all(w is placed[f"w{i}"] for i, w in enumerate(waited))  # each once, in order
+
+
 @pytest.mark.parametrize("spec", [("x", "y"), (None, None), None], ids=["tiled", "replicated", "unsharded"])
 def test_wait_transferred_returns_once_the_placed_tensor_is_on_its_devices(spec):
     mesh = make_mesh((4, 2), ("x", "y"))

@@ -62,12 +62,13 @@ class RestoreOptions:
         1.03 s with 64 MiB, on 2 cores).
     max_host_bytes: if set, host memory stays within it (or within twice one tensor's local shards, if
         larger): batches are at most a quarter of it, and the next is read ahead only while two batches and
-        torch_xla's copy of the tensor being placed fit; a tensor larger than a batch is read into buffers of
-        its own, with the arenas given up meanwhile; each tensor's transfer to its devices is waited for before
-        the next is placed (torch_xla holds a host copy until then); after a batch the freed host memory is
-        returned to the OS if the process has grown too much for the next one, so that its resident memory
-        stays within the budget too, short of the restore's own bookkeeping (a 2.4 GiB model onto CPU devices
-        with 256 MiB: +265 MiB instead of +840 MiB, medians; benchmarks/bench_hf_import.py).
+        torch_xla's copies of two tensors (one being placed, one on its way) fit; a tensor larger than a batch
+        is read into buffers of its own, with the arenas given up meanwhile; each tensor's transfer to its
+        devices is waited for before the one after the next is placed (torch_xla holds a host copy until
+        then); after a batch the freed host memory is returned to the OS if the process has grown too much for
+        the next one, so that its resident memory stays within the budget too, short of the restore's own
+        bookkeeping (a 2.4 GiB model onto CPU devices with 256 MiB: +265 MiB instead of +840 MiB, medians;
+        benchmarks/bench_hf_import.py).
     """
 
     read_batch_bytes: int = 64 * _MiB

@@ -226,9 +226,9 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                 release_targets: bool = False) -> dict:
     """Read every job's regions and build its tensor; the reads of the next batch overlap building this one
     (unless both batches together exceed `options.max_host_bytes`; with a budget, each tensor's transfer to
-    its devices is waited for before the next is placed, and after a batch the freed host memory is returned to
-    the OS unless the next batch fits beside it: see `host_memory`). Arrays `direct` opens are read by
-    `local_chunks`, the others through tensorstore. The tensors are returned, or with `take` handed to it one
+    its devices is waited for before the one after the next is placed, and after a batch the freed host memory
+    is returned to the OS unless the next batch fits beside it: see `host_memory`). Arrays `direct` opens are
+    read by `local_chunks`, the others through tensorstore. The tensors are returned, or with `take` handed to it one
     by one (see `read_item`, also for `release_targets`). On error, outstanding reads are waited for before the
     error propagates."""
     limit = _memory_limit()
@@ -252,8 +252,9 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
     # budget the arenas not in use are given up while it is read and placed.
     alone = [budget is not None and size > batch_bytes for size in sizes]
     staged = [size if big else batch_bytes for size, big in zip(sizes, alone)]  # host bytes a batch holds
-    # torch_xla copies one tensor at a time: its largest tensor's bytes more while a batch is placed.
-    placing = [max(job.read_bytes for job in group) for group in groups]
+    # torch_xla copies a tensor's data on its way to the devices and holds the copy until the transfer ends;
+    # under a budget one transfer runs while the next tensor is copied: its two largest tensors' bytes more.
+    placing = [sum(sorted(job.read_bytes for job in group)[-2:]) for group in groups]
     arenas = (staging.Arena(batch_bytes), staging.Arena(batch_bytes))  # batch k reads into arenas[k % 2]
     resident_at_start = host_memory.resident_bytes() if budget is not None else None
 
@@ -268,6 +269,14 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
     results: dict[layout.KeyPath, torch.Tensor] = {}
     current: list[dict] = []
     following: list[dict] = []
+    transferring: list[torch.Tensor] = []  # under a budget: the placed tensor whose transfer may still run
+
+    def settle() -> None:
+        if transferring:
+            from . import sharding
+
+            sharding.wait_transferred(transferring.pop())
+
     try:
         current = issue(0) if groups else []
         for k, group in enumerate(groups):
@@ -278,14 +287,14 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
                                release=release_targets)
                 current[i] = {}  # its host buffers are not needed any more
                 if budget is not None and job.layout.placement in _XLA_PLACEMENTS:
-                    from . import sharding
-
-                    sharding.wait_transferred(value)  # torch_xla's host copy is freed: one tensor's at a time
+                    settle()  # the previous tensor's: its host copy is freed
+                    transferring.append(value)
                 if take is None:
                     results[job.key_path] = value
                 else:
                     take({job.key_path: value})
             if budget is not None:
+                settle()
                 upcoming = 0
                 if k + 1 < len(groups):
                     if alone[k + 1]:
