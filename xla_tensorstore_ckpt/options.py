@@ -67,7 +67,7 @@ class RestoreOptions:
         devices is waited for before the one after the next is placed (torch_xla holds a host copy until
         then); after a batch the freed host memory is returned to the OS if the process has grown too much for
         the next one, so that its resident memory stays within the budget too, short of the restore's own
-        bookkeeping (a 2.4 GiB model onto CPU devices with 256 MiB: +265 MiB instead of +840 MiB, medians;
+        bookkeeping (a 2.4 GiB model onto CPU devices with 256 MiB: +266 MiB instead of +846 MiB, medians;
         benchmarks/bench_hf_import.py).
     """
 
