@@ -1,5 +1,6 @@
 """The process's host memory as glibc's allocator holds it, for the streaming parts that promise a host-memory
-budget. Linux with glibc only (through ctypes); elsewhere every function does nothing.
+budget. Linux with glibc only (through ctypes and /proc); elsewhere nothing is returned to the OS and the
+resident memory is unknown.
 
 glibc keeps memory that was freed in its heaps for reuse instead of returning it. A restore frees a stream of
 staging buffers of varying sizes (our read buffers, torch_xla's copy of each shard on its way to the device)

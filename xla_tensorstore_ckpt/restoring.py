@@ -228,9 +228,9 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
     (unless both batches together exceed `options.max_host_bytes`; with a budget, each tensor's transfer to
     its devices is waited for before the one after the next is placed, and after a batch the freed host memory
     is returned to the OS unless the next batch fits beside it: see `host_memory`). Arrays `direct` opens are
-    read by `local_chunks`, the others through tensorstore. The tensors are returned, or with `take` handed to it one
-    by one (see `read_item`, also for `release_targets`). On error, outstanding reads are waited for before the
-    error propagates."""
+    read by `local_chunks`, the others through tensorstore. The tensors are returned, or with `take` handed to
+    it one by one (see `read_item`, also for `release_targets`). On error, outstanding reads are waited for
+    before the error propagates."""
     limit = _memory_limit()
     for job in jobs:
         if job.read_bytes > limit:

@@ -141,10 +141,10 @@ def wait_transferred(tensor: torch.Tensor) -> None:
     """Block until the host-to-device copy of `tensor` (made by `build`) has finished. torch_xla copies the
     host data before it hands it to PJRT, and that copy lives until PJRT's asynchronous transfer completes: a
     restore that keeps placing tensors meanwhile holds the copies of every transfer still queued (on CPU
-    devices, 2.4 GiB onto 8 devices under a 256 MiB budget peaked at +290 to +404 MiB that way; +240 to +254
-    MiB with this wait, benchmarks/bench_hf_import.py's files). torch_xla signals only the first shard of a
-    sharded tensor; the other shards' copies were queued with it, so at most the transfers PJRT's threads are
-    running can still be in flight. Called by restores under a host budget; raises nothing of its own."""
+    devices, 2.4 GiB onto 8 devices under a 256 MiB budget peaked at +290 to +404 MiB that way;
+    benchmarks/bench_hf_import.py's files). torch_xla signals only the first shard of a sharded tensor; the
+    other shards' copies were queued with it, so at most the transfers PJRT's threads are running can still be
+    in flight. Called by restores under a host budget; raises nothing of its own."""
     done = threading.Event()
     _X._on_ready_callback(unwrap(tensor), done.set)
     done.wait()
