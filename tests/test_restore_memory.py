@@ -1,7 +1,7 @@
 """Memory of restores: a restore in place releases each target's device data right before its new value is
 placed (tied parameters included); data bound for the devices is read into two reused arenas (`staging`);
 `RestoreOptions.max_host_bytes` keeps the reads in flight within it, waits for each transfer to the devices, and
-returns freed host memory to the OS after each batch."""
+after each batch returns freed host memory to the OS unless the next batch fits beside it."""
 
 from __future__ import annotations
 
