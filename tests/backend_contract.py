@@ -128,3 +128,24 @@ class BackendContract:
         if not location.capabilities.durable_writes:
             with pytest.raises(StorageError, match="missing"):
                 location.sync_files(["s/missing"])
+
+    def test_replace_puts_a_complete_directory_in_place(self, location):
+        for name, data in (("old/_MARKER", b"old"), ("old/data/x", b"old x"), ("old/gone", b".")):
+            self.raw_put(location, name, data)
+        for name, data in (("new/_MARKER", b"new"), ("new/data/x", b"new x"), ("new/deep/y", b"new y")):
+            self.raw_put(location, name, data)
+        location.child("new").replace(location.child("old"), commit_files=("_MARKER",))
+        assert location.list() == ["old"]
+        assert location.backend.list_files(location.child("old").path) == ["_MARKER", "data/x", "deep/y"]
+        assert [self.raw_get(location, f"old/{n}") for n in ("_MARKER", "data/x", "deep/y", "gone")] == [
+            b"new", b"new x", b"new y", None]
+        location.child("old").replace(location.child("fresh"))  # into nothing: a move
+        assert location.list() == ["fresh"] and self.raw_get(location, "fresh/deep/y") == b"new y"
+
+    def test_overlaps_tells_nested_locations(self, location):
+        a = location.child("a")
+        assert a.overlaps(a) and a.overlaps(a.child("b", "c")) and a.child("b").overlaps(a)
+        assert not a.overlaps(location.child("ab")) and not a.overlaps(location.child("b"))
+        assert location.child("x").is_file() is False
+        self.raw_put(location, "x", b".")
+        assert location.child("x").is_file() and not location.is_file()

@@ -27,6 +27,11 @@ _warm = torch.ones(1, device="xla", requires_grad=True)
 torch_xla.sync()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--hostile-cases", type=int, default=300,
+                     help="how many generated hostile checkpoints tests/test_hostile_inputs.py runs (default 300)")
+
+
 @pytest.fixture(scope="session")
 def num_devices() -> int:
     return xr.global_runtime_device_count()

@@ -98,6 +98,24 @@ class HookedBackend(Backend):
     def rename_dir(self, source, target):
         self._around("rename_dir", source, lambda: self.inner.rename_dir(source, target))
 
+    def replace_dir(self, source, target, *, commit_files=()):
+        self._around("replace_dir", source, lambda: self.inner.replace_dir(source, target, commit_files=commit_files))
+
+    def resolve(self, path):
+        return self.inner.resolve(path)
+
+    def is_link(self, path):
+        return self.inner.is_link(path)
+
+    def is_file(self, path):
+        return self._around("is_file", path, lambda: self.inner.is_file(path))
+
+    def list_files(self, path):
+        return self._around("list_files", path, lambda: self.inner.list_files(path))
+
+    def copy_file(self, source, target):
+        self._around("copy_file", source, lambda: self.inner.copy_file(source, target))
+
 
 def hooked(path, hook: Hook, after: Hook | None = None) -> storage.Location:
     """The location `path` (any URL) seen through a `HookedBackend` running `hook` (and `after`)."""

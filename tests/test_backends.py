@@ -16,6 +16,7 @@ from backend_contract import BackendContract
 from conftest import GCS_BUCKET, S3_BUCKET
 
 from xla_tensorstore_ckpt import storage
+from xla_tensorstore_ckpt.errors import StorageError
 
 _unique = itertools.count()
 
@@ -94,3 +95,35 @@ class TestS3(BackendContract):
             return self.client.get_object(Bucket=S3_BUCKET, Key=f"{loc.path}/{name}")["Body"].read()
         except self.client.exceptions.NoSuchKey:
             return None
+
+
+def test_local_paths_are_compared_with_their_links_resolved(tmp_path):
+    (tmp_path / "real" / "item").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    real, link = storage.location(tmp_path / "real" / "item"), storage.location(tmp_path / "link" / "item")
+    assert real.overlaps(link) and link.overlaps(storage.location(tmp_path / "real"))
+    assert link.child("x").is_link() is False and storage.location(tmp_path / "link").is_link()
+
+
+def test_local_replace_follows_nothing_and_removes_only_links(tmp_path):
+    """A symbolic link at the target is replaced by the new directory; what it pointed to is untouched."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep").write_text("mine")
+    (tmp_path / "target").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "f").write_text("new")
+    storage.location(tmp_path / "new").replace(storage.location(tmp_path / "target"))
+    assert not (tmp_path / "target").is_symlink() and (tmp_path / "target" / "f").read_text() == "new"
+    assert (tmp_path / "elsewhere" / "keep").read_text() == "mine" and not (tmp_path / "new").exists()
+    (tmp_path / "link2").symlink_to(tmp_path / "elsewhere")
+    storage.location(tmp_path / "link2").delete_tree()
+    assert not (tmp_path / "link2").exists() and (tmp_path / "elsewhere" / "keep").read_text() == "mine"
+
+
+def test_local_reads_refuse_what_is_not_a_regular_file(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    loc = storage.location(tmp_path)
+    with pytest.raises(StorageError, match="regular file"):
+        loc.read("fifo")
+    with pytest.raises(OSError, match="regular file"):
+        loc.read_range("fifo", 0, 8).result()

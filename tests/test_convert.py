@@ -292,7 +292,7 @@ def test_bad_input_fails_clearly_and_loses_nothing(tmp_path, capsys):
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
-    assert cli.main(["convert", str(tmp_path / "hf"), str(existing)]) == cli.EXIT_DATA
+    assert cli.main(["convert", str(tmp_path / "hf"), str(existing)]) == cli.EXIT_USAGE
     assert "already holds files" in capsys.readouterr().err and (existing / "keep.txt").read_text() == "mine"
     with pytest.raises(CheckpointExistsError):
         convert.convert_item(storage.location(str(tmp_path / "hf")), storage.location(str(existing)))

@@ -206,6 +206,26 @@ def test_damaged_local_step_is_skipped(trained, mesh):
     assert any("deleting steps [6] of the local tier" in m for m in first_messages), first_messages
 
 
+MALFORMED_MANIFESTS = {
+    "Orbax's, malformed": {"tree_metadata": {"('w',)": 5}},
+    "Orbax's, a look-alike index": {"tree_metadata": {"('w',)": {"key_metadata": [{"key": "\u00b2", "key_type": 1}],
+                                                                  "value_metadata": {"value_type": "jax.Array"}}}},
+    "a newer format": {"format_version": 99, "tree": {}},
+    "not an object": [1, 2],
+}
+
+
+@pytest.mark.parametrize("damage", list(MALFORMED_MANIFESTS))
+def test_a_malformed_local_step_is_skipped_like_a_corrupt_one(trained, mesh, damage):
+    root, local, _ = trained
+    with open(os.path.join(local, "6", "model", "_METADATA"), "w") as f:
+        json.dump(MALFORMED_MANIFESTS[damage], f)
+    step, model, _, _, _, messages = resume(root, local, mesh)
+    assert step == 5
+    assert_state(model, 5)
+    assert any("skipping step 6 of the local tier" in m and "_METADATA" in m for m in messages), messages
+
+
 def test_a_flipped_digit_in_a_local_data_loader_position_is_skipped(trained, mesh):
     """The position lives in the item's _METADATA (no array chunk holds it for us): its checksum finds the flip."""
     root, local, _ = trained

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import tensorstore as ts
 
-from . import layout, raw_arrays, storage
-from .errors import CorruptCheckpointError, StorageError
+from . import bounds, layout, raw_arrays, storage
+from .errors import CheckpointError, CorruptCheckpointError, StorageError
 from .formats.records import ArrayMetadata, ArrayStore
 from .staging import Empty
 
@@ -135,6 +135,7 @@ def ocdbt_index(item: storage.Location, context: ts.Context | None = None) -> di
     data files. Raises `CorruptCheckpointError` for a store that cannot be read or whose data files lie outside
     the item directory. Blocks."""
     context = context or operation_context()
+    item.read_range(layout.OCDBT_MANIFEST, 0, 0).result()  # a FIFO there would block tensorstore: refused
     try:
         base = ts.KvStore.open(item.kvstore_spec(), context=context).result()
         manifest = ts.ocdbt.dump(base, context=context).result()
@@ -354,18 +355,100 @@ def _submit(work) -> None:  # noqa: ANN001 - a callable of no arguments
         pass  # the interpreter is shutting down; the save's final sync decides durability anyway
 
 
-def open_existing(ref: ArrayRef, meta: ArrayMetadata | None = None) -> Pending | Ready:
+def open_existing(ref: ArrayRef, meta: ArrayMetadata | None = None) -> _Opening | Ready:
     """Start opening the stored array of `ref` for reading; reading a missing chunk will be an error (or the
     fill value, where the item's store says chunks equal to it were not stored). `meta` is the array's entry in
-    its manifest: raw arrays (safetensors) are known only from it; zarr arrays carry their own metadata."""
+    its manifest: raw arrays (safetensors) are known only from it; zarr arrays carry their own metadata.
+
+    The array's zarr metadata (``zarr.json``, or ``.zarray`` for zarr v2) is read and checked here, bounded in
+    size and depth, and handed to tensorstore as parsed JSON: tensorstore never parses a stored metadata file
+    itself (a deeply nested one crashed it). `result()` raises `CorruptCheckpointError` for missing or
+    malformed metadata, naming the file."""
     if ref.store.kind == "safetensors":
         if meta is None:
             raise TypeError("a safetensors tensor is opened from its manifest entry")
         return Ready(raw_arrays.RawArray(ref.item, meta))
-    driver = "zarr3" if ref.store.zarr_format == 3 else "zarr"
-    spec = {"driver": driver, "kvstore": ref.kvstore_spec(), "open": True,
-            "fill_missing_data_reads": ref.store.fill_missing}
-    return Pending(ts.open(spec, context=ref.context_or_default, read=True), "cannot open array", ref.location)
+    zarr3 = ref.store.zarr_format == 3
+    name = layout.ZARR_METADATA if zarr3 else _ZARR2_METADATA
+    if ref.item.local_file("") is not None:
+        # Local files are read through the backend, which refuses a FIFO or a device where a file belongs
+        # (tensorstore's file driver would block on it); for OCDBT, the store's manifest is checked likewise.
+        if ref.store.kind == "ocdbt":
+            ref.item.read_range(layout.OCDBT_MANIFEST, 0, 0).result()
+        else:
+            return _Opening(ref, Ready(ref.location.read(name)), name, "zarr3" if zarr3 else "zarr")
+    try:
+        kvstore = ts.KvStore.open(ref.kvstore_spec(), context=ref.context_or_default).result()
+        reading = kvstore.read(name)
+    except ValueError as exc:
+        raise _error("cannot open array", ref.location, exc, writing=False) from exc
+    return _Opening(ref, reading, name, "zarr3" if zarr3 else "zarr")
+
+
+_ZARR2_METADATA = ".zarray"
+
+
+class _Opening:
+    """An array being opened: its metadata file being read (`open_existing`): a kvstore read, or the bytes
+    (None: missing) read already."""
+
+    __slots__ = ("ref", "reading", "name", "driver")
+
+    def __init__(self, ref: ArrayRef, reading: ts.Future | Ready, name: str, driver: str):
+        self.ref, self.reading, self.name, self.driver = ref, reading, name, driver
+
+    def result(self) -> ts.TensorStore:
+        where = f"{self.ref.location}/{self.name}"
+        try:
+            stored = self.reading.result()
+        except ValueError as exc:
+            raise _error("cannot open array", self.ref.location, exc, writing=False) from exc
+        data = stored if isinstance(self.reading, Ready) else stored.value if stored.state == "value" else None
+        if data is None:
+            raise CorruptCheckpointError(f"cannot open array {self.ref.location}: {where} is missing")
+        doc = bounds.load_json(data, where=where, max_bytes=bounds.MAX_ARRAY_JSON_BYTES,
+                               max_depth=bounds.MAX_ARRAY_JSON_DEPTH)
+        _check_zarr_grid(doc, self.driver, where)
+        spec = {"driver": self.driver, "kvstore": self.ref.kvstore_spec(), "metadata": doc, "assume_metadata": True,
+                "fill_missing_data_reads": self.ref.store.fill_missing}
+        try:
+            return ts.open(spec, context=self.ref.context_or_default, read=True).result()
+        except (ValueError, TypeError, OverflowError) as exc:  # the last two: numbers beyond int64
+            raise CorruptCheckpointError(f"cannot open array {self.ref.location}: {where} is malformed: "
+                                         f"{_SPEC_DUMP.sub('', str(exc))}"[:1000]) from exc
+
+
+def _check_zarr_grid(doc: dict, driver: str, where: str) -> None:
+    """`CorruptCheckpointError` unless the zarr metadata declares a sane shape and chunk grid (`bounds.check_grid`,
+    for the chunks inside shards too): a chunk larger than this process may allocate would abort tensorstore."""
+    shape, itemsize = doc.get("shape"), _itemsize(doc.get("dtype" if driver == "zarr" else "data_type"), driver)
+    if driver == "zarr":
+        chunks, inner = doc.get("chunks"), None
+    else:
+        grid = doc.get("chunk_grid")
+        config = grid.get("configuration") if isinstance(grid, dict) else None
+        chunks = config.get("chunk_shape") if isinstance(config, dict) else None
+        codecs = doc.get("codecs")
+        first = codecs[0] if isinstance(codecs, list) and codecs and isinstance(codecs[0], dict) else {}
+        inner = first.get("configuration", {}).get("chunk_shape", False) if first.get("name") == "sharding_indexed" \
+            and isinstance(first.get("configuration"), dict) else None
+    if not isinstance(shape, list) or not isinstance(chunks, list) or not (inner is None or isinstance(inner, list)):
+        raise CorruptCheckpointError(f"{where}: no shape and chunk shape")
+    bounds.check_grid(tuple(shape), tuple(chunks), itemsize, where, shard=inner is not None)
+    if inner is not None:
+        bounds.check_grid(tuple(shape), tuple(inner), itemsize, where)
+
+
+def _itemsize(dtype: object, driver: str) -> int:
+    """The element size of a zarr data type, as far as it is known (8 otherwise: the largest common one)."""
+    try:
+        if driver == "zarr":
+            return max(1, np.dtype(dtype).itemsize)
+        from .dtypes import by_name
+
+        return by_name(dtype).itemsize if isinstance(dtype, str) else 8
+    except (TypeError, ValueError, CheckpointError):
+        return 8
 
 
 class Ready:

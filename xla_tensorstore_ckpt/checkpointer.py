@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import commit, formats, storage, tree
+from . import commit, formats, layout, storage, tree
 from .distributed import Coordinator, default_coordinator
 from .formats import ItemManifest, checksums
 from .options import RestoreOptions, SaveOptions
@@ -31,18 +31,28 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     Raises `UnsupportedValueError` before writing anything if a leaf cannot be stored,
     `CheckpointExistsError` if `path` already holds data and `overwrite` is False, `StorageError` /
     `CorruptCheckpointError` if storage fails and `CoordinationError` if another process fails (then no
-    ``_METADATA`` is written).
+    ``_METADATA`` is written). With `overwrite`, the new item is written beside the old one and replaces it
+    once committed: a failed save leaves the old item as it was.
     """
     options = options or SaveOptions()
     coordinator = coordinator or default_coordinator()
     loc = storage.location(path)
     plan = plan_save(state, options, coordinator)
-    coordinator.on_primary(f"preparing {loc}", lambda: prepare_directory(loc, overwrite=overwrite))
-    # Nothing needs the staged data once written: hold at most the batch being written and the next.
-    commit.finish_writes(coordinator, loc, lambda: issue_writes(
-        loc, plan, options, writer=coordinator.index, max_host_bytes=2 * options.host_batch_bytes),
-        fsync=options.fsync, what=str(loc))
-    commit.commit(coordinator, loc, {"": plan}, [], fsync=options.fsync, what=str(loc))
+    staging = coordinator.on_primary(f"preparing {loc}", lambda: prepare_directory(loc, overwrite=overwrite),
+                                     share=True)
+    target = loc if staging is None else loc.resolved().parent.child(staging)
+    publish = None if staging is None else lambda: target.replace(
+        loc.resolved(), commit_files=(layout.ITEM_METADATA, layout.COMMIT_SUCCESS))
+    try:
+        # Nothing needs the staged data once written: hold at most the batch being written and the next.
+        commit.finish_writes(coordinator, target, lambda: issue_writes(
+            target, plan, options, writer=coordinator.index, max_host_bytes=2 * options.host_batch_bytes),
+            fsync=options.fsync, what=str(loc))
+        commit.commit(coordinator, target, {"": plan}, [], fsync=options.fsync, what=str(loc), publish=publish)
+    except BaseException:
+        if staging is not None and coordinator.is_primary:
+            target.delete_tree()  # the replacement that failed; the old item is untouched
+        raise
 
 
 def restore(path: PathLike, target: Any = None, *, strict: bool = True, key_map: KeyMap | None = None,

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from . import convert, export, host_memory, inspection, scans, storage
-from .errors import CheckpointError, CheckpointNotFoundError, UsageError
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UsageError
 
 EXIT_DATA, EXIT_USAGE = 1, 2
 
@@ -239,10 +239,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     draw = progress_bar(args.format, in_bytes=True)
     if args.format == "safetensors":
         files = export.export_safetensors(checkpoint, items, args.out, max_file_bytes=args.max_file_size,
-                                          max_host_bytes=args.max_host_bytes, progress=draw)
+                                          max_host_bytes=args.max_host_bytes, overwrite=args.overwrite,
+                                          progress=draw)
     else:
         files = [export.export_torch(checkpoint, items, args.out, max_host_bytes=args.max_host_bytes,
-                                     progress=draw)]
+                                     overwrite=args.overwrite, progress=draw)]
     if args.json:
         _print_json({"files": files})
     else:
@@ -344,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-file-size", type=parse_size, default=parse_size("5GB"),
                    help="safetensors: largest file, e.g. 5GB (default), 500MiB")
     p.add_argument("--no-ocdbt", action="store_true", help="one zarr directory per array instead of OCDBT")
-    p.add_argument("--overwrite", action="store_true", help="replace what the destination holds")
+    p.add_argument("--overwrite", action="store_true", help="replace what the destination holds (the new output is "
+                   "complete before the old one is removed)")
     p = command("export", "a consolidated single-host copy (safetensors or torch): convert --to FORMAT",
                 cmd_export)
     p.add_argument("path")
@@ -355,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest safetensors file, e.g. 5GB (default), 500MiB")
     p.add_argument("--max-host-bytes", type=parse_size, default=convert.DEFAULT_MAX_HOST_BYTES,
                    help="host memory for data in flight (default 2GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export at the destination")
     return parser
 
 
@@ -364,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (UsageError, CheckpointNotFoundError) as exc:
+    except (UsageError, CheckpointNotFoundError, CheckpointExistsError) as exc:
         print(f"xtckpt: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except (CheckpointError, OSError, ValueError) as exc:

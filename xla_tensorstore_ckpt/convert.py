@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import arrays, commit, dtypes, formats, grid, layout, raw_arrays, saving, storage, tree
+from . import arrays, commit, dtypes, formats, grid, layout, outputs, raw_arrays, saving, storage, tree
 from .distributed import Coordinator
-from .errors import CheckpointExistsError, UsageError
+from .errors import UsageError
 from .formats import ArrayMetadata, ItemManifest, StepMetadata
 from .inspection import Progress
 from .options import SaveOptions
@@ -82,20 +82,21 @@ class ConvertOptions:
 def convert_item(source: storage.Location, destination: storage.Location, *, options: ConvertOptions | None = None,
                  overwrite: bool = False, progress: Progress | None = None) -> ItemManifest:
     """Copy the item at `source` (see the module) to a new item at `destination`; return its manifest.
-    `progress(bytes_done, bytes_total)` is called as chunks are written. Raises `CheckpointExistsError` if
-    `destination` holds anything and not `overwrite`, `UsageError` (naming the array, its chunks and the budget
-    needed) if a chunk or a unit of the copy would not fit the budget, before anything is written, and what
-    reading the source raises (`CorruptCheckpointError` naming file and key)."""
+    `progress(bytes_done, bytes_total)` is called as chunks are written. The item is written beside
+    `destination` and put in its place once complete (`outputs.staged_directory`): an existing destination is
+    untouched until then, and untouched if anything fails. Raises `UsageError` if `destination` is, holds or
+    lies inside `source`, `CheckpointExistsError` if `destination` holds anything and not `overwrite`,
+    `UsageError` (naming the array, its chunks and the budget needed) if a chunk or a unit of the copy would not
+    fit the budget, all before anything is written, and what reading the source raises
+    (`CorruptCheckpointError` naming file and key)."""
     options = options or ConvertOptions()
-    manifest = formats.read_item(source)
-    sources = _open_sources(source, manifest)
-    plan, units = _plan(manifest, sources, options)
-    if not destination.is_empty():
-        if not overwrite:
-            raise CheckpointExistsError(f"{destination} already holds files; pass overwrite to replace them")
-        destination.delete_tree()
-    _copy(source, sources, destination, plan, units, options, progress)
-    commit.finish_item(destination, plan, fsync=options.fsync)
+    outputs.check_separate(source, destination)
+    outputs.check_vacant(destination, overwrite=overwrite)
+    sources, plan, units = _prepare(source, options)
+    with outputs.staged_directory(destination, overwrite=overwrite,
+                                  commit_files=(layout.ITEM_METADATA, layout.COMMIT_SUCCESS)) as staged:
+        _copy(source, sources, staged, plan, units, options, progress)
+        commit.commit(Coordinator.single(), staged, {"": plan}, [], fsync=options.fsync, what=str(destination))
     return plan.manifest
 
 
@@ -103,22 +104,39 @@ def convert_to_step(source: storage.Location, step_dir: storage.Location, *, ite
                     options: ConvertOptions | None = None, overwrite: bool = False,
                     progress: Progress | None = None) -> StepMetadata:
     """`convert_item` into item `item` of a new committed step at `step_dir` (``<root>/<step>``), which a
-    `CheckpointManager` on ``<root>`` then lists and restores; its commit marker is written last."""
+    `CheckpointManager` on ``<root>`` then lists and restores. The step is committed by the protocol a
+    manager's steps are (`commit.commit`: the item's files, then the step's marker and Orbax's completion mark),
+    under a temporary step name that a manager treats as partial, and put in place once committed. Raises as
+    `convert_item` does, and `UsageError` if `step_dir` is not named by a step number."""
     options = options or ConvertOptions()
     step = layout.parse_step_name(step_dir.name, None, any_prefix=False)
     if step is None:
         raise UsageError(f"{step_dir}: a step directory is named by its step number (e.g. <root>/0)")
-    if not step_dir.is_empty():
-        if not overwrite:
-            raise CheckpointExistsError(f"{step_dir} already holds files; pass overwrite to replace them")
-        step_dir.delete_tree()
+    if not layout.is_safe_relative_path(item) or "/" in item:
+        raise UsageError(f"{item!r} is not an item name (one path segment)")
+    outputs.check_separate(source, step_dir)
+    outputs.check_vacant(step_dir, overwrite=overwrite)
     created = time.time()
-    convert_item(source, step_dir.child(item), options=options, progress=progress)
-    marker = StepMetadata(step=step, items=(item,), created_at=created, committed_at=time.time(),
-                          custom={"converted_from": str(source)}, versions=formats.writer_versions(),
-                          format_version=formats.WRITE_VERSION)
-    step_dir.write(layout.CHECKPOINT_METADATA, formats.encode_step(marker), fsync=options.fsync)
+    sources, plan, units = _prepare(source, options)
+    with outputs.staged_directory(step_dir, overwrite=overwrite, step=True,
+                                  commit_files=(layout.CHECKPOINT_METADATA, layout.COMMIT_SUCCESS)) as staged:
+        _copy(source, sources, staged.child(item), plan, units, options, progress)
+        marker = StepMetadata(step=step, items=(item,), created_at=created, committed_at=time.time(),
+                              custom={"converted_from": str(source)}, versions=formats.writer_versions(),
+                              format_version=formats.WRITE_VERSION)
+        commit.commit(Coordinator.single(), staged, {item: plan},
+                      [(layout.CHECKPOINT_METADATA, formats.encode_step(marker)),
+                       (layout.COMMIT_SUCCESS, commit.COMMITTED)], fsync=options.fsync, what=f"step {step_dir}")
     return marker
+
+
+def _prepare(source: storage.Location, options: ConvertOptions
+             ) -> tuple[dict[layout.KeyPath, Any], saving.SavePlan, dict[layout.KeyPath, tuple[int, ...]]]:
+    """The source's arrays, open, and the plan of the copy (`_plan`). Reads only metadata."""
+    manifest = formats.read_item(source)
+    sources = _open_sources(source, manifest)
+    plan, units = _plan(manifest, sources, options)
+    return sources, plan, units
 
 
 def _open_sources(source: storage.Location, manifest: ItemManifest) -> dict[layout.KeyPath, Any]:

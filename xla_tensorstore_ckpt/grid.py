@@ -3,7 +3,6 @@ inspection and `ShardedArray`, so that all of them cut arrays the same way."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -11,13 +10,25 @@ Index = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in global co
 T = TypeVar("T")
 
 
-def chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], Index]]:
+def chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], Index]]:
     """(grid position, region) of every chunk of `shape` cut into `chunk_shape` chunks, in C order; edge chunks
-    are partial. None if a dimension is empty; one, at position (), for a 0-d array."""
+    are partial. None if a dimension is empty; one, at position (), for a 0-d array. Lazy: memory stays
+    constant however many chunks there are (a reader walking a hostile array's grid must not hold it)."""
     if 0 in shape:
-        return []
-    axes = [[(k, (k * c, min((k + 1) * c, n))) for k in range(-(-n // c))] for n, c in zip(shape, chunk_shape)]
-    return [(tuple(k for k, _ in cell), tuple(r for _, r in cell)) for cell in itertools.product(*axes)]
+        return
+    counts = [-(-n // c) for n, c in zip(shape, chunk_shape)]
+    position = [0] * len(shape)
+    while True:
+        yield tuple(position), tuple((k * c, min((k + 1) * c, n)) for k, c, n in zip(position, chunk_shape, shape))
+        d = len(shape) - 1
+        while d >= 0:
+            position[d] += 1
+            if position[d] < counts[d]:
+                break
+            position[d] = 0
+            d -= 1
+        if d < 0:
+            return
 
 
 def regions(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> list[Index]:

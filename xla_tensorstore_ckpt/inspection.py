@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import arrays, formats, layout, local_tier, storage, tree
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, UsageError
+from .errors import CheckpointError, CheckpointNotFoundError, UsageError
 from .formats import ArrayMetadata, ItemManifest, StepMetadata, safetensors
 from .steps import ANY_PREFIX, StepIndex
 
@@ -146,7 +146,7 @@ def _steps_of(root: str, tier: str) -> list[StepInfo]:
         try:
             nbytes = sum(meta.nbytes for item in entry.marker.items
                          for _, meta in formats.read_item(storage.location(root).child(entry.name, item)).arrays())
-        except (CorruptCheckpointError, FormatVersionError, CheckpointNotFoundError) as exc:
+        except CheckpointError as exc:  # one damaged or malformed step: reported, and the listing goes on
             out.append(StepInfo(entry.step, entry.name, "invalid", None, None, None, str(exc), tier))
             continue
         out.append(StepInfo(entry.step, entry.name, "committed", entry.marker.committed_at, nbytes,

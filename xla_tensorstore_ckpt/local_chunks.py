@@ -18,10 +18,11 @@ tensorstore: `opener` and `Opener.open` say which. No tensorstore and no torch_x
 
 from __future__ import annotations
 
+import errno
 import itertools
-import json
 import math
 import os
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import crc32c
 import numpy as np
 
-from . import arrays, dtypes, layout, storage
+from . import arrays, bounds, dtypes, layout, storage
 from .errors import CorruptCheckpointError, StorageError
 from .formats.records import ArrayMetadata, ArrayStore
 from .staging import Empty
@@ -128,13 +129,11 @@ class _Source:
 def _is_plain(raw: bytes | None, meta: ArrayMetadata) -> bool:
     """True if ``zarr.json`` `raw` describes `meta`'s array in the layout read here: a regular chunk grid of
     `meta.chunk_shape`, default chunk keys, little-endian elements then a CRC32C, nothing else."""
-    if raw is None or len(raw) > 1 << 20:
+    if raw is None:
         return False
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return False
-    if not isinstance(doc, dict):
+    try:  # a malformed one is reported by `arrays.open_existing`, which checks it the same way
+        doc = bounds.load_json(raw, where=layout.ZARR_METADATA, max_bytes=bounds.MAX_ARRAY_JSON_BYTES)
+    except CorruptCheckpointError:
         return False
     codecs = [[{"configuration": {"endian": "little"}, "name": "bytes"}, {"name": "crc32c"}]]
     if dtypes.by_name(meta.dtype).itemsize == 1:
@@ -357,9 +356,15 @@ class _OpenFiles:
 
 
 def _open_sized(path: str) -> tuple[int, int]:
-    """A read-only descriptor of `path` and the file's size. Raises OSError."""
-    fd = os.open(path, os.O_RDONLY)
-    return fd, os.fstat(fd).st_size
+    """A read-only descriptor of the regular file `path` and its size. Raises OSError (also for a FIFO or a
+    device, which a read would block on or never finish)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd, info.st_size
 
 
 def _contiguous_block(box: Index, region: Index, out: np.ndarray) -> memoryview | None:

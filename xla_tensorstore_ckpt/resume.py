@@ -24,17 +24,18 @@ from dataclasses import dataclass
 
 from . import formats
 from .distributed import Coordinator
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, StorageError
 from .formats import StepMetadata
 from .lanes import LOCAL, PERSISTENT
 from .tier import Tier
 
 log = logging.getLogger("xla_tensorstore_ckpt")
 
-# What makes a local step unusable for this process: damaged or missing data (CheckpointNotFoundError: an item its
-# marker lists is not there). Anything else would fail on every tier alike and is raised: a target that does not
-# match the checkpoint, or an object the step has no item for (ItemNotFoundError, a KeyMismatchError).
-DAMAGE = (CorruptCheckpointError, StorageError, CheckpointNotFoundError)
+# What makes a local step unusable for this process: damaged, malformed or missing data (CheckpointNotFoundError:
+# an item its marker lists is not there), or metadata of a format this reader does not know. Anything else would
+# fail on every tier alike and is raised: a target that does not match the checkpoint, or an object the step has
+# no item for (ItemNotFoundError, a KeyMismatchError).
+DAMAGE = (CorruptCheckpointError, StorageError, CheckpointNotFoundError, FormatVersionError)
 
 
 @dataclass(frozen=True)

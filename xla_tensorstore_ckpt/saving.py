@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import arrays, dtypes, formats, grid, layout, storage, tree
+from . import arrays, dtypes, formats, grid, layout, outputs, storage, tree
 from .distributed import Coordinator, balance
 from .errors import CheckpointExistsError, UnsupportedValueError
 from .formats import ArrayMetadata, ArrayStore, ItemManifest, orbax
@@ -551,12 +551,14 @@ class ChunkWriter:
         return out
 
 
-def prepare_directory(loc: storage.Location, *, overwrite: bool) -> None:
-    """Make sure `loc` is empty: delete it if `overwrite`, else raise `CheckpointExistsError` if it holds
-    anything."""
-    if loc.is_empty():
-        return
+def prepare_directory(loc: storage.Location, *, overwrite: bool) -> str | None:
+    """Where an item saved to `loc` is written: None for `loc` itself when it is empty; when it holds something
+    and `overwrite`, the name of a new temporary directory beside it (in the parent of `loc.resolved()`; see
+    `outputs`), which replaces it once the item is committed, so that a failed save leaves the old item as it
+    was. Raises `CheckpointExistsError` if `loc` holds anything and not `overwrite`."""
+    if loc.is_empty() and not loc.is_file():
+        return None
     if not overwrite:
         what = "a checkpoint" if loc.read(layout.ITEM_METADATA) is not None else "other files"
         raise CheckpointExistsError(f"{loc} already holds {what}; pass overwrite=True to replace it")
-    loc.delete_tree()
+    return outputs.temporary_sibling(loc.resolved()).name

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import arrays, grid, layout, storage
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .formats import ArrayMetadata, ArrayStore, checksums
 from .inspection import (
     Checkpoint,
@@ -29,20 +29,20 @@ from .inspection import (
 Cell = tuple[int, ...]
 
 
-def chunk_regions(meta: ArrayMetadata) -> list[tuple[Cell, tuple[slice, ...]]]:
-    """(chunk grid position, region) of every chunk of an array, in C order."""
-    return [(position, tuple(slice(a, b) for a, b in region))
-            for position, region in grid.chunks(meta.shape, meta.chunk_shape)]
+def chunk_regions(meta: ArrayMetadata) -> Iterator[tuple[Cell, tuple[slice, ...]]]:
+    """(chunk grid position, region) of every chunk of an array, in C order, lazily."""
+    for position, region in grid.chunks(meta.shape, meta.chunk_shape):
+        yield position, tuple(slice(a, b) for a, b in region)
 
 
-def iter_chunks(ref: arrays.ArrayRef, meta: ArrayMetadata, *, regions: list | None = None, window: int = 8
+def iter_chunks(ref: arrays.ArrayRef, meta: ArrayMetadata, *, regions: Iterable | None = None, window: int = 8
                 ) -> Iterator[tuple[Cell, np.ndarray | Exception]]:
     """Every chunk's data, or with `regions` ((position, region) pairs) those regions' data, or the error
-    reading it; a few reads in flight at a time."""
+    reading it; a few reads in flight at a time (memory stays near `window` chunks)."""
     loc = ref.location
     try:
         store = arrays.open_existing(ref, meta).result()
-    except (CorruptCheckpointError, OSError) as exc:
+    except (CheckpointError, OSError) as exc:
         yield (), exc
         return
     if tuple(store.shape) != meta.shape or arrays.stored_dtype_name(store) != meta.dtype:
@@ -64,7 +64,7 @@ def _take(entry: tuple[Cell, arrays.Pending]) -> tuple[Cell, np.ndarray | Except
     cell, pending = entry
     try:
         return cell, pending.result()
-    except (CorruptCheckpointError, OSError) as exc:
+    except (CheckpointError, OSError) as exc:
         return cell, exc
 
 
@@ -163,9 +163,9 @@ def _describe(row: TreeRow) -> Any:
 
 def _array_diff(a: Checkpoint, b: Checkpoint, key: str, ma: ArrayMetadata, mb: ArrayMetadata
                 ) -> DiffEntry | None:
-    cells = chunk_regions(ma)  # b may be chunked otherwise: it is read by a's chunks
-    chunks_a = iter_chunks(a.array_ref(split_key(key, a)[0], ma), ma, regions=cells)
-    chunks_b = iter_chunks(b.array_ref(split_key(key, b)[0], mb), mb, regions=cells)
+    # b may be chunked otherwise: it is read by a's chunks (each side walks a's grid lazily, on its own)
+    chunks_a = iter_chunks(a.array_ref(split_key(key, a)[0], ma), ma, regions=chunk_regions(ma))
+    chunks_b = iter_chunks(b.array_ref(split_key(key, b)[0], mb), mb, regions=chunk_regions(ma))
     max_abs = 0.0
     diff_sq = ref_sq = 0.0
     differs = False
@@ -221,12 +221,12 @@ def verify(path: str, progress: Progress | None = None) -> Verification:
     Raises `CheckpointNotFoundError` if `path` is none of these."""
     try:
         return _verify_all([open_checkpoint(path)], [], progress)
-    except (CorruptCheckpointError, FormatVersionError) as exc:  # a step whose marker does not decode
-        return Verification(0, [Problem(str(path), str(exc))], [])
     except CheckpointNotFoundError:
         steps = list_steps(path)
         if not steps:
             raise
+    except CheckpointError as exc:  # a step whose marker does not decode
+        return Verification(0, [Problem(str(path), str(exc))], [])
     loc = storage.location(path)
     problems = [Problem(f"step {s.step}", s.problem or "invalid commit marker")
                 for s in steps if s.status == "invalid"]  # partial steps are not checkpoints: skipped
@@ -243,7 +243,7 @@ def _verify_all(targets: list[Checkpoint], problems: list[Problem], progress: Pr
             try:
                 manifest = checkpoint.manifest(item)
                 checksums.verify_strings(checkpoint.item_location(item), manifest)
-            except (CorruptCheckpointError, FormatVersionError, CheckpointNotFoundError) as exc:
+            except CheckpointError as exc:
                 problems.append(Problem(prefix + (item or "item"), str(exc)))
                 continue
             if not manifest.store.checksums and manifest.arrays():

@@ -9,6 +9,11 @@ directory has its final name (storage that renames) or holds ``commit_success.tx
 steps that hold Orbax's items are never deleted (they may be another program's). Step numbers may be zero-padded
 (Orbax's ``step_format_fixed_length``: ``0023``); new steps are named with the padding the root's steps already
 have. Everything blocks; the index holds no state beyond its root and that padding, learned from a listing.
+
+A step directory that is a symbolic link (to a step of another run's root, say) is a step like the others: it
+is listed, and restored through the link. Nothing is ever renamed or deleted through a link: retention and
+`delete` remove the link alone, and partial-step cleanup leaves a linked partial step (and what it points to)
+alone.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from . import formats, layout
-from .errors import CorruptCheckpointError, FormatVersionError, StorageError
+from . import bounds, formats, layout
+from .errors import CorruptCheckpointError, FormatVersionError, StorageError, UnsupportedValueError
 from .formats import StepMetadata
 from .storage import Location
 
@@ -81,8 +86,8 @@ class StepIndex:
             return StepEntry(step, name, "partial")
         try:
             marker = formats.read_step(loc, step)
-        except (CorruptCheckpointError, FormatVersionError) as exc:
-            return StepEntry(step, name, "invalid", problem=str(exc))
+        except (CorruptCheckpointError, FormatVersionError, UnsupportedValueError) as exc:
+            return StepEntry(step, name, "invalid", problem=str(exc))  # a storage failure is raised: it may pass
         if marker is None:
             return StepEntry(step, name, "partial")
         if marker.step != step:
@@ -100,7 +105,7 @@ class StepIndex:
         for entry in entries:
             loc = self.root.child(entry.name)
             try:
-                if entry.status != "partial" or _holds_orbax_items(loc):
+                if entry.status != "partial" or loc.is_link() or _holds_orbax_items(loc):
                     continue
                 if layout.is_tmp_step_name(entry.name) or loc.read(layout.CHECKPOINT_METADATA) is None:
                     loc.delete_tree()
@@ -113,8 +118,11 @@ class StepIndex:
         """Uncommit `step`, then delete its files: where the storage renames, by renaming the step to a
         temporary name first (no reader, Orbax included, sees it committed after that); elsewhere by deleting
         Orbax's completion mark and the marker first. Retried; a step is never left committed but half deleted.
-        Raises `StorageError` if it cannot be deleted."""
+        Raises `StorageError` if it cannot be deleted. A step that is a symbolic link loses only the link."""
         loc = self.location(step)
+        if loc.is_link():  # linked in from elsewhere (another run's root): what it points to is not ours
+            loc.delete_tree()
+            return
         for attempt in range(3):
             try:
                 if self.root.capabilities.renames and loc.exists():
@@ -138,7 +146,7 @@ def _holds_orbax_items(loc: Location) -> bool:
         if data is None:
             continue
         try:
-            doc = formats.load_json(data, where=str(loc.child(name, layout.ITEM_METADATA)))
+            doc = bounds.load_json(data, where=str(loc.child(name, layout.ITEM_METADATA)))
         except CorruptCheckpointError:
             continue
         if "tree_metadata" in doc and formats.v2.KEY not in doc:

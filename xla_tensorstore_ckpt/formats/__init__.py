@@ -14,30 +14,18 @@ records). A version newer than this reader knows is a `FormatVersionError`; a fi
 
 from __future__ import annotations
 
-import json
-
 from .. import layout
+from ..bounds import load_json
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 from ..storage import Location
 from . import orbax, safetensors, v1, v2
 from .records import ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
 
 __all__ = ["ArrayMetadata", "ArrayStore", "ItemManifest", "SavedSharding", "StepMetadata", "WRITE_VERSION",
-           "encode_item", "encode_step", "load_json", "read_item", "read_step", "writer_versions"]
+           "encode_item", "encode_step", "read_item", "read_step", "writer_versions"]
 
 WRITE_VERSION = v2.VERSION
 NEWEST_VERSION = v2.VERSION
-
-
-def load_json(data: bytes, *, where: str) -> dict:
-    """Parse a JSON object read from a checkpoint; `CorruptCheckpointError` naming `where` if it is not one."""
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{where}: not a JSON object")
-    return doc
 
 
 def read_item(loc: Location) -> ItemManifest:
@@ -53,11 +41,7 @@ def read_item(loc: Location) -> ItemManifest:
         json_item = loc.read(layout.ORBAX_JSON_ITEM)
         if json_item is not None:  # Orbax's JsonCheckpointHandler: the item is one JSON document
             where = str(loc.child(layout.ORBAX_JSON_ITEM))
-            try:
-                doc = json.loads(json_item.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-                raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from None
-            return orbax.decode_json_item(doc, where=where)
+            return orbax.decode_json_item(load_json(json_item, where=where, expect=object), where=where)
         if safetensors.is_checkpoint(loc):
             return safetensors.read_item(loc)
         raise CheckpointNotFoundError(f"{loc} holds no checkpoint item ({layout.ITEM_METADATA} is missing)")
@@ -66,6 +50,8 @@ def read_item(loc: Location) -> ItemManifest:
     if orbax.is_item(doc):
         if v2.KEY not in doc:
             return orbax.decode_item(doc, loc, where=where)
+        if not isinstance(doc[v2.KEY], dict):
+            raise CorruptCheckpointError(f"{where}: malformed {v2.KEY!r} entry")
         _check_version(v2.ours(doc), where)
         return v2.decode_item(doc, where=where)
     _check_version(doc, where)

@@ -12,11 +12,12 @@ Orbax, which is where this library keeps what Orbax's schema cannot say (see `v2
 
 from __future__ import annotations
 
-import json
+import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import layout, tree
+from .. import bounds, layout, tree
 from ..errors import CorruptCheckpointError
 from ..storage import Location
 from .records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
@@ -26,6 +27,7 @@ SEQUENCE, MAPPING = 1, 2  # key_type
 ARRAY, SCALAR, STRING = "jax.Array", "scalar", "string"
 _EMPTY = {"None": None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": tuple}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_INDEX = re.compile(r"[0-9]{1,18}")  # a sequence index: ASCII digits ("²".isdigit() is true), of int64 size
 
 
 def scalar_dtype(value: Any) -> str | None:
@@ -151,12 +153,18 @@ def decode_item(doc: dict, loc: Location, *, where: str) -> ItemManifest:
         kind = value.get("value_type")
         if path in opened:
             stored = opened[path]
+            meta = ArrayMetadata(names[path], tuple(stored.shape), arrays.stored_dtype_name(stored),
+                                 arrays.chunk_shape(stored))
+            array_where = f"{loc.child(names[path])} (key {_key_text(path)})"
+            bounds.check_array(meta.path, meta.shape, meta.dtype, meta.chunk_shape, array_where, foreign=True)
             if kind == SCALAR:
+                if math.prod(meta.shape) != 1:  # read only a single element: never an array's data
+                    raise CorruptCheckpointError(f"{array_where}: a scalar leaf stored as an array of shape "
+                                                 f"{list(meta.shape)}")
                 leaves.append((path, arrays.read_index(stored, arrays.ArrayRef(loc, names[path], store).location,
                                                        ()).result().item()))
             else:
-                leaves.append((path, ArrayMetadata(names[path], tuple(stored.shape),
-                                                   arrays.stored_dtype_name(stored), arrays.chunk_shape(stored))))
+                leaves.append((path, meta))
         elif kind == STRING:
             if names[path] not in strings:
                 raise CorruptCheckpointError(f"{where}: string {names[path]!r} is missing from {layout.STRINGS}")
@@ -172,7 +180,7 @@ def _check_array_name(path: layout.KeyPath, name: str, where: str) -> None:
     ``/`` within a name is allowed: Orbax stores the key ``"a/b"`` as the nested directory ``a/b`` and restores
     it; a name that leaves the item (``..`` or ``.`` or empty components, a leading ``/``, ``\\``, NUL) is not."""
     if not layout.is_safe_relative_path(name):
-        raise CorruptCheckpointError(f"{where}: the array of key {str(tuple(str(k) for k in path))} would be read "
+        raise CorruptCheckpointError(f"{where}: the array of key {_key_text(path)} would be read "
                                      f"from {name!r}, which is not a path inside the item")
 
 
@@ -185,17 +193,18 @@ def decode_json_item(doc: Any, *, where: str) -> ItemManifest:
 
 def _entries(tree_doc: dict, where: str) -> list[tuple[layout.KeyPath, dict]]:
     out = []
-    for entry in tree_doc.values():
+    for name, entry in tree_doc.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("key_metadata"), list) or not isinstance(
-                entry.get("value_metadata"), dict):
-            raise CorruptCheckpointError(f"{where}: malformed tree_metadata entry {str(entry)[:200]}")
+                entry.get("value_metadata"), dict) or not isinstance(entry["value_metadata"].get("value_type"), str):
+            raise CorruptCheckpointError(f"{where}: malformed tree_metadata entry {name[:200]!r}")
+        bounds.check_key_path(len(entry["key_metadata"]), f"{where} ({name[:200]!r})")
         path: list[layout.KeyEntry] = []
         for key in entry["key_metadata"]:
             if not isinstance(key, dict) or not isinstance(key.get("key"), str):
-                raise CorruptCheckpointError(f"{where}: malformed key {str(key)[:200]}")
+                raise CorruptCheckpointError(f"{where}: malformed key in tree_metadata entry {name[:200]!r}")
             if key.get("key_type") == SEQUENCE:
-                if not key["key"].isdigit():
-                    raise CorruptCheckpointError(f"{where}: sequence index {key['key']!r} is not a number")
+                if not _INDEX.fullmatch(key["key"]):
+                    raise CorruptCheckpointError(f"{where}: sequence index {key['key'][:40]!r} is not a number")
                 path.append(int(key["key"]))
             else:
                 path.append(key["key"])
@@ -203,16 +212,20 @@ def _entries(tree_doc: dict, where: str) -> list[tuple[layout.KeyPath, dict]]:
     return out
 
 
-def _strings(loc: Location, where: str) -> dict:
+def _key_text(path: layout.KeyPath) -> str:
+    return str(tuple(str(k) for k in path))[:300]
+
+
+def _strings(loc: Location, where: str) -> dict[str, str]:
+    """The string leaves of ``_strings.json``: an object of strings, by array name."""
     data = loc.read(layout.STRINGS)
     if data is None:
         raise CorruptCheckpointError(f"{where}: string leaves, but no {layout.STRINGS}")
-    try:
-        strings = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{loc.child(layout.STRINGS)}: not valid JSON ({exc})") from None
-    if not isinstance(strings, dict):
-        raise CorruptCheckpointError(f"{loc.child(layout.STRINGS)}: not a JSON object")
+    file = str(loc.child(layout.STRINGS))
+    strings = bounds.load_json(data, where=file, unique_keys=True)
+    bad = next((k for k, v in strings.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise CorruptCheckpointError(f"{file}: the value of {bad!r} is not a string")
     return strings
 
 

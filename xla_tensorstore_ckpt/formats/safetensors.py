@@ -17,12 +17,13 @@ import json
 import math
 import re
 import struct
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .. import dtypes
+from .. import bounds, dtypes
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 from ..storage import Location, RangeNotSatisfiableError
 from .records import ArrayMetadata, ArrayStore, ItemManifest
@@ -42,7 +43,7 @@ TO_ZARR = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "
 FROM_ZARR = {zarr: st for st, zarr in TO_ZARR.items()}
 
 STORE = ArrayStore(kind="safetensors", zarr_format=0, checksums=False)
-_SAFE_FILE_NAME = re.compile(r"[^/\\]+")
+_SAFE_FILE_NAME = re.compile(r"[^/\\\x00-\x1f]+")
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,12 @@ def read_item(loc: Location) -> ItemManifest:
         if loc.read_range(SINGLE_NAME, 0, 0).result() is None:
             raise CheckpointNotFoundError(f"{loc} holds no {INDEX_NAME} and no {SINGLE_NAME}")
         return ItemManifest(_tensors(loc, SINGLE_NAME, SINGLE_NAME), format_version=0, store=STORE)
-    weight_map = _weight_map(index, f"{loc.child(INDEX_NAME)}")
-    files = sorted(set(weight_map.values()))
-    keys_in = {name: [key for key, file in weight_map.items() if file == name] for name in files}
-    with ThreadPoolExecutor(min(16, len(files) or 1)) as pool:  # object stores: one header at a time is slow
-        by_file = dict(zip(files, pool.map(lambda name: _tensors(loc, name, name, listed=keys_in[name]), files)))
+    weight_map = weight_map_of(index, f"{loc.child(INDEX_NAME)}")
+    keys_in: dict[str, list[str]] = {}
+    for key, name in weight_map.items():
+        keys_in.setdefault(name, []).append(key)
+    files = sorted(keys_in)
+    by_file = _headers(loc, files, keys_in)
     tree: dict[str, SafetensorsTensor] = {}
     for key, name in weight_map.items():
         if key not in by_file[name]:
@@ -94,8 +96,28 @@ def read_item(loc: Location) -> ItemManifest:
     return ItemManifest(tree, format_version=0, store=STORE)
 
 
-def _weight_map(data: bytes, where: str) -> dict[str, str]:
-    doc = _load_json(data, where)
+def _headers(loc: Location, files: list[str], keys_in: dict[str, list[str]]) -> dict[str, dict[str, SafetensorsTensor]]:
+    """The tensors of every file of an index, a few headers read at a time (object stores: one at a time is
+    slow); the first file that fails stops the reading (an index of 200,000 missing files fails at the first,
+    without queuing the rest)."""
+    workers = min(16, len(files) or 1)
+    out: dict[str, dict[str, SafetensorsTensor]] = {}
+    with ThreadPoolExecutor(workers) as pool:
+        window: deque = deque()
+        for name in files:
+            window.append((name, pool.submit(_tensors, loc, name, name, listed=keys_in[name])))
+            if len(window) >= 2 * workers:
+                done, future = window.popleft()
+                out[done] = future.result()
+        for done, future in window:
+            out[done] = future.result()
+    return out
+
+
+def weight_map_of(data: bytes, where: str) -> dict[str, str]:
+    """The validated ``weight_map`` of an index file: tensor name -> file name (a plain name in the index's
+    directory)."""
+    doc = bounds.load_json(data, where=where, unique_keys=True)
     weight_map = doc.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                    for k, v in weight_map.items()):
@@ -130,7 +152,7 @@ def _tensors(directory: Location, name: str, file: str, *, listed: list[str] | N
                                      f"file{_size_text(exc.size)}") from None
     if header is None:
         raise CorruptCheckpointError(f"{where}: disappeared while being read")
-    doc = _load_json(header, where)
+    doc = bounds.load_json(header, where=where, unique_keys=True)
     data_start = 8 + length
     entries = _entries(doc, where)
     _check_layout(entries, where)
@@ -168,11 +190,14 @@ def _entries(doc: dict, where: str) -> list[tuple[str, str, tuple[int, ...], tup
         if st_dtype not in TO_ZARR:
             raise UnsupportedValueError(f"{where}: tensor {key!r} has dtype {st_dtype!r}, which this library "
                                         f"cannot hold (it reads {', '.join(TO_ZARR)})")
-        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
-            raise CorruptCheckpointError(f"{where}: tensor {key!r}: shape {shape!r} is not a list of sizes")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(n) for n in offsets)
+        if not isinstance(shape, list):
+            raise CorruptCheckpointError(f"{where}: tensor {key!r}: shape {shape!r} is not a list of sizes"[:500])
+        if len(shape) > bounds.MAX_RANK or not all(type(n) is int and 0 <= n <= bounds.MAX_DIMENSION for n in shape):
+            bounds.check_shape(tuple(shape), f"{where}: tensor {key!r}")  # raises, naming the bound
+        if not (type(offsets) is list and len(offsets) == 2 and _is_count(offsets[0]) and _is_count(offsets[1])
                 and offsets[0] <= offsets[1]):
-            raise CorruptCheckpointError(f"{where}: tensor {key!r}: data_offsets {offsets!r} are not [begin, end]")
+            raise CorruptCheckpointError(f"{where}: tensor {key!r}: data_offsets {offsets!r} are not [begin, end] "
+                                         f"within {bounds.MAX_ARRAY_BYTES} bytes"[:500])
         dtype = TO_ZARR[st_dtype]
         expected = math.prod(shape) * dtypes.by_name(dtype).itemsize
         if offsets[1] - offsets[0] != expected:
@@ -202,7 +227,7 @@ def _row_block(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= bounds.MAX_ARRAY_BYTES
 
 
 def _some_keys(keys: list[str], shown: int = 3) -> str:
@@ -213,25 +238,6 @@ def _some_keys(keys: list[str], shown: int = 3) -> str:
 
 def _size_text(size: int | None) -> str:
     return f" ({size} bytes)" if size is not None else ""
-
-
-def _load_json(data: bytes, where: str) -> dict:
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-        keys = [k for k, _ in pairs]
-        if len(set(keys)) != len(keys):
-            duplicate = next(k for k in keys if keys.count(k) > 1)
-            raise CorruptCheckpointError(f"{where}: key {duplicate!r} appears twice")
-        return dict(pairs)
-
-    try:
-        doc = json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        if isinstance(exc, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{where}: not a JSON object")
-    return doc
 
 
 def encode_header(tensors: Iterable[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None

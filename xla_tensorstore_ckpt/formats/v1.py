@@ -13,16 +13,13 @@ or damaged file is a `CorruptCheckpointError`.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
-from .. import dtypes, layout, tree
-from ..errors import CorruptCheckpointError, UnsupportedValueError
+from .. import bounds, layout, tree
+from ..errors import CorruptCheckpointError
 from .records import ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
 
 VERSION = 1
-MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: anything larger is a damaged or hostile manifest.
-MAX_RANK = 32
 
 
 def is_item(doc: dict) -> bool:
@@ -91,23 +88,9 @@ def _array(data: Any, *, where: str) -> ArrayMetadata:
     shape = integers(data.get("shape"), where, minimum=0)
     chunk_shape = integers(data.get("chunk_shape"), where, minimum=1)
     dtype = string(data.get("dtype"), where)
-    check_array(path, shape, dtype, chunk_shape, where)
+    bounds.check_array(path, shape, dtype, chunk_shape, where)
     sharding = data.get("sharding")
     return ArrayMetadata(path, shape, dtype, chunk_shape, None if sharding is None else _sharding(sharding, where))
-
-
-def check_array(path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], where: str) -> None:
-    """Reject array metadata that no real checkpoint has: an unknown dtype, chunks that do not fit the shape, an
-    absurd size (which a reader would otherwise try to allocate)."""
-    try:
-        itemsize = dtypes.by_name(dtype).itemsize
-    except UnsupportedValueError:
-        raise CorruptCheckpointError(f"{where}: unknown dtype {dtype!r} for {path}") from None
-    if len(shape) > MAX_RANK or len(chunk_shape) != len(shape) or any(
-            c > max(1, n) for c, n in zip(chunk_shape, shape)):
-        raise CorruptCheckpointError(f"{where}: array {path} has shape {shape} and chunk shape {chunk_shape}")
-    if math.prod(shape) * itemsize > MAX_ARRAY_BYTES:
-        raise CorruptCheckpointError(f"{where}: array {path} claims an absurd shape {shape}")
 
 
 def _sharding_json(sharding: SavedSharding) -> dict:
@@ -181,8 +164,8 @@ def integer(value: Any, where: str, *, minimum: int) -> int:
 
 def integers(value: Any, where: str, *, minimum: int) -> tuple[int, ...]:
     items = listing(value, where)
-    if len(items) > MAX_RANK:
-        raise CorruptCheckpointError(f"{where}: rank {len(items)} exceeds {MAX_RANK}")
+    if len(items) > bounds.MAX_RANK:
+        raise CorruptCheckpointError(f"{where}: rank {len(items)} exceeds {bounds.MAX_RANK}")
     return tuple(integer(v, where, minimum=minimum) for v in items)
 
 

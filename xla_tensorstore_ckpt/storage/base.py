@@ -13,7 +13,8 @@ thread-safe and raises `StorageError` naming the object.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -132,6 +133,54 @@ class Backend(ABC):
         `capabilities.renames`."""
         raise NotImplementedError(f"{self.scheme} storage cannot rename directories")
 
+    def resolve(self, path: str) -> str:
+        """`path` with every symbolic link in it resolved (local file systems); `path` itself elsewhere."""
+        return path
+
+    def is_link(self, path: str) -> bool:
+        """True if `path` itself is a symbolic link (only local file systems have them)."""
+        return False
+
+    def is_file(self, path: str) -> bool:
+        """True if `path` is a file (a directory, or nothing, is not)."""
+        return self.read_range(path, 0, 0).result() is not None
+
+    def list_files(self, path: str) -> list[str]:
+        """Every file below the directory `path`, as paths relative to it, sorted."""
+        out = []
+        for name in self.list_dir(path):
+            child = _join(path, name)
+            below = self.list_files(child)
+            out.extend(_join(name, f) for f in below) if below else out.append(name)
+        return sorted(out)
+
+    def copy_file(self, source: str, target: str) -> None:
+        """Copy file `source` to `target` (replacing it). Object stores copy on the server."""
+        data = self.read(source)
+        if data is None:
+            raise StorageError(f"cannot copy {self.url(source)}: it does not exist")
+        self.write(target, data, fsync=False)
+
+    def replace_dir(self, source: str, target: str, *, commit_files: Sequence[str] = ()) -> None:
+        """Put the complete directory `source` in place of `target` (which may hold an older version, or
+        nothing); `source` is gone afterwards. Where the storage renames, by renaming (the local backend swaps
+        the two atomically). Elsewhere by copying, in the order that keeps readers safe: `commit_files` are the
+        commit markers (relative to the directory) in the order a commit writes them; the old `target`'s are
+        deleted first, in reverse order, then the rest of it; `source`'s files are copied, its `commit_files`
+        last, in order; then `source` is deleted. A crash in between leaves `target` uncommitted and `source`
+        whole. Blocks."""
+        for name in reversed(commit_files):
+            self.delete(_join(target, name))
+        self.delete_tree(target)
+        files = self.list_files(source)
+        last = [name for name in commit_files if name in files]
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda name: self.copy_file(_join(source, name), _join(target, name)),
+                          [name for name in files if name not in last]))
+        for name in last:
+            self.copy_file(_join(source, name), _join(target, name))
+        self.delete_tree(source)
+
 
 @dataclass(frozen=True)
 class Location:
@@ -207,6 +256,28 @@ class Location:
 
     def rename_to(self, target: Location) -> None:
         self.backend.rename_dir(self.path, target.path)
+
+    def replace(self, target: Location, *, commit_files: Sequence[str] = ()) -> None:
+        """Put this complete directory in place of `target` (`Backend.replace_dir`)."""
+        self.backend.replace_dir(self.path, target.path, commit_files=commit_files)
+
+    def resolved(self) -> Location:
+        """This location with its symbolic links resolved (`Backend.resolve`)."""
+        return Location(self.backend, self.backend.resolve(self.path))
+
+    def is_link(self) -> bool:
+        return self.backend.is_link(self.path)
+
+    def is_file(self) -> bool:
+        return self.backend.is_file(self.path)
+
+    def overlaps(self, other: Location) -> bool:
+        """True if `other` is this location, lies inside it, or holds it, after resolving symbolic links: a
+        write to one may then change the other."""
+        if self.backend != other.backend:
+            return False
+        a, b = self.backend.resolve(self.path).rstrip("/"), other.backend.resolve(other.path).rstrip("/")
+        return a == b or not a or not b or b.startswith(a + "/") or a.startswith(b + "/")
 
     def __str__(self) -> str:
         return self.backend.url(self.path)

@@ -36,6 +36,13 @@ class GcsBackend(BucketBackend):
             raise StorageError(f"cannot create {self.url(path)}: {exc}") from exc
         return True
 
+    def copy_file(self, source: str, target: str) -> None:
+        """A copy on the server (GCS's rewrite): the data never passes through this process."""
+        try:
+            _gcsfs().copy(f"{self.bucket}/{source}", f"{self.bucket}/{target}")
+        except OSError as exc:
+            raise StorageError(f"cannot copy {self.url(source)} to {self.url(target)}: {exc}") from exc
+
     def list_dir(self, path: str) -> list[str]:
         """One delimited listing, not a walk over every object below."""
         prefix = f"{self.bucket}/{path}".rstrip("/")

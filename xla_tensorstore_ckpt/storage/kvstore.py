@@ -85,6 +85,12 @@ class KvstoreBackend(Backend):
             ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()))
         return sorted({key.decode("utf-8")[len(prefix):].split("/", 1)[0] for key in keys})
 
+    def list_files(self, path: str) -> list[str]:
+        prefix = f"{path}/" if path else ""
+        keys = self._run("list", path, lambda kv: kv.list(
+            ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()))
+        return sorted(key.decode("utf-8")[len(prefix):] for key in keys)
+
 
 @dataclass(frozen=True)
 class BucketBackend(KvstoreBackend):

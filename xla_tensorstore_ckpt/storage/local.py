@@ -4,10 +4,12 @@ kvstore for arrays. Writes are made durable by fsync, of exactly the files a sav
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,10 +37,11 @@ class LocalBackend(Backend):
 
     def read(self, path: str) -> bytes | None:
         try:
-            with open(path, "rb") as f:
+            fd = _open_regular(path)
+            if fd is None:
+                return None
+            with os.fdopen(fd, "rb") as f:
                 return f.read()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # a directory is no file
-            return None
         except OSError as exc:
             raise StorageError(f"cannot read {path}: {exc}") from exc
 
@@ -46,15 +49,22 @@ class LocalBackend(Backend):
         # Synchronous: local readers of bulk data memory-map the file (`local_file`); this serves headers.
         done: Future = Future()
         try:
-            with open(path, "rb") as f:
-                data = os.pread(f.fileno(), stop - start, start)
-                size = os.fstat(f.fileno()).st_size
+            fd = _open_regular(path)
+            if fd is None:
+                done.set_result(None)
+                return done
+            try:
+                size = os.fstat(fd).st_size
+                if stop > size:
+                    raise RangeNotSatisfiableError(f"cannot read bytes {start}-{stop} of {path}: it ends before",
+                                                   size=size)
+                data = os.pread(fd, stop - start, start) if stop > start else b""
+            finally:
+                os.close(fd)
             if len(data) < stop - start:
                 raise RangeNotSatisfiableError(f"cannot read bytes {start}-{stop} of {path}: it ends before",
                                                size=size)
             done.set_result(data)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            done.set_result(None)
         except RangeNotSatisfiableError as exc:
             done.set_exception(exc)
         except OSError as exc:
@@ -103,9 +113,10 @@ class LocalBackend(Backend):
             raise StorageError(f"cannot delete {path}: {exc}") from exc
 
     def delete_tree(self, path: str) -> None:
+        """Also removes a symbolic link at `path` (only the link: nothing is ever deleted through one)."""
         try:
-            shutil.rmtree(path)
-        except (FileNotFoundError, NotADirectoryError):
+            _remove(path)
+        except FileNotFoundError:
             return
         except OSError as exc:
             raise StorageError(f"cannot delete {path}: {exc}") from exc
@@ -149,6 +160,43 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise StorageError(f"cannot rename {source} to {target}: {exc}") from exc
 
+    def replace_dir(self, source: str, target: str, *, commit_files: Sequence[str] = ()) -> None:
+        """Swap `source` and `target` atomically (Linux ``renameat2(RENAME_EXCHANGE)``; two renames where the
+        file system cannot), then delete the old `target` from its temporary name. A symbolic link at `target`
+        is replaced by the directory, never written through."""
+        try:
+            if not os.path.lexists(target):
+                os.rename(source, target)
+            elif _exchange(source, target):
+                _remove(source)
+            else:
+                old = f"{source}.old"
+                os.rename(target, old)
+                os.rename(source, target)
+                _remove(old)
+            _fsync(os.path.dirname(target))
+        except OSError as exc:
+            raise StorageError(f"cannot put {source} in place of {target}: {exc}") from exc
+
+    def resolve(self, path: str) -> str:
+        return os.path.realpath(path)
+
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(path)
+
+    def is_file(self, path: str) -> bool:
+        return os.path.lexists(path) and not os.path.isdir(path)
+
+    def list_files(self, path: str) -> list[str]:
+        return sorted(os.path.relpath(os.path.join(root, f), path) for root, _, files in os.walk(path) for f in files)
+
+    def copy_file(self, source: str, target: str) -> None:
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(source, target)
+        except OSError as exc:
+            raise StorageError(f"cannot copy {source} to {target}: {exc}") from exc
+
     def file_written(self, path: str) -> None:
         """Start writing the file's dirty pages (Linux ``sync_file_range``) without waiting, so that disk writes
         overlap the rest of a save and the final `sync_files` finds little left."""
@@ -186,6 +234,43 @@ def _temporary_copy(path: str, data: bytes, *, fsync: bool) -> str:
     return tmp
 
 
+def _open_regular(path: str) -> int | None:
+    """A read-only descriptor of the regular file `path`; None if nothing or a directory is there. Anything
+    else (a FIFO, a device, a socket) is an error, checked before a read could block or never end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        os.set_blocking(fd, True)
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(mode):
+        return None
+    raise OSError(errno.EINVAL, "not a regular file")
+
+
+def _remove(path: str) -> None:
+    """Delete the directory tree, file or symbolic link (the link only) at `path`."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the entries `a` and `b` atomically; False where the file system or the C library cannot."""
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -212,5 +297,8 @@ def _remove_quietly(path: str) -> None:
 
 # fsyncs of many files at once let the file system commit its journal once for all of them.
 _FSYNC_POOL = ThreadPoolExecutor(16, thread_name_prefix="xtc-fsync")
-_SYNC_FILE_RANGE = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
+_RENAMEAT2 = getattr(_LIBC, "renameat2", None)
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 _SYNC_FILE_RANGE_WRITE = 2

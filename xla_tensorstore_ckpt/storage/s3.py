@@ -62,6 +62,15 @@ class S3Backend(BucketBackend):
             time.sleep(0.05 * 2**attempt)  # a concurrent conditional write to the key is in flight
             attempt += 1
 
+    def copy_file(self, source: str, target: str) -> None:
+        """A copy on the server (CopyObject, in parts for large objects): the data never passes through this
+        process."""
+        client, errors = _client()
+        try:
+            client.copy({"Bucket": self.bucket, "Key": source}, self.bucket, target)
+        except errors as exc:
+            raise StorageError(f"cannot copy {self.url(source)} to {self.url(target)}: {exc}") from exc
+
     def list_dir(self, path: str) -> list[str]:
         """Delimited listings (one request per 1,000 names), not a walk over every object below."""
         prefix = f"{path}/" if path else ""

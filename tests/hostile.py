@@ -1,0 +1,262 @@
+"""Hostile checkpoints, made from real ones, and a harness that runs every reader on them in a guarded process.
+
+Seeds are small checkpoints of every format this library reads (ours, format 1 and 2, as OCDBT stores and as
+directories; Orbax's, zarr v3 and v2; a root of steps; a Hugging Face file and directory). A case is a copy of a
+seed with one mutation (`mutate`): bytes flipped, the file truncated, a JSON value replaced by a hostile one
+(huge or negative numbers, deep nesting, wrong types, look-alike digits), a key deleted, the file removed or
+replaced by a FIFO. `Harness` runs each case's reads (`ops_for`) in `tests/scripts/hostile_worker.py` under a
+memory limit (RLIMIT_AS) and a time limit, and `check` says what went wrong: a signal, a hang, a traceback, or a
+file changed outside the destination. Deterministic: case n of a seed is the same on every run.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import random
+import resource
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+WORKER = os.path.join(os.path.dirname(__file__), "scripts", "hostile_worker.py")
+# The worker's address space after importing torch and tensorstore is about 5 GiB (thread stacks and malloc
+# arenas are reserved, not used); a reader may allocate 3 GiB beyond that before the limit stops it.
+MEMORY_LIMIT = 8 << 30
+CASE_TIMEOUT_S = 120  # a hang guard, far beyond what any case takes (tenths of a second)
+
+METADATA_NAMES = ("_METADATA", "_CHECKPOINT_METADATA", "zarr.json", ".zarray", "_strings.json", "metadata",
+                  "model.safetensors.index.json", "manifest.ocdbt", "commit_success.txt")
+
+
+@dataclass(frozen=True)
+class Seed:
+    name: str
+    path: str  # the checkpoint (a directory, or a safetensors file)
+    kind: str  # "item", "step", "root" or "file"
+    array_key: str | None  # a key `xtckpt show` can read
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    seed: Seed
+    description: str
+
+
+def files_of(seed: Seed) -> list[str]:
+    """The seed's files (relative to its directory; the file itself for a file seed)."""
+    if os.path.isfile(seed.path):
+        return [""]
+    return sorted(os.path.relpath(os.path.join(root, f), seed.path)
+                  for root, _, names in os.walk(seed.path) for f in names)
+
+
+HOSTILE_VALUES = [2**40, 2**63, 2**64 + 7, -1, -(2**63), 0, 1e308, "²", "1.5", "", "x" * 5000, None, True, [], {},
+                  [2**40] * 40, [[[]]], {"a": {"b": {}}}, "../../etc", "/abs", "a\x00b", [0] * 3, 3.5]
+
+
+def mutate(seed: Seed, root: str, index: int) -> Case:
+    """Copy `seed` into `root` and apply mutation `index` to the copy; the case describes what was done."""
+    rng = random.Random(f"{seed.name}/{index}")
+    target = os.path.join(root, os.path.basename(seed.path))
+    if os.path.isfile(seed.path):
+        shutil.copy(seed.path, target)
+    else:
+        shutil.copytree(seed.path, target, symlinks=True)
+    files = files_of(seed)
+    metadata = [f for f in files if os.path.basename(f) in METADATA_NAMES or f.endswith(".safetensors") or f == ""]
+    name = rng.choice(metadata if metadata and rng.random() < 0.85 else files)
+    path = os.path.join(target, name) if name else target
+    kind = rng.choices(["flip", "truncate", "json", "json", "json", "delete-key", "remove", "deep", "fifo"],
+                       weights=[3, 2, 4, 4, 4, 2, 1, 1, 0.3])[0]
+    data = open(path, "rb").read()
+    header = None
+    if name.endswith(".safetensors") or name == "":  # a safetensors file: mutate its JSON header
+        length = struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else 0
+        header, body = data[8:8 + length], data[8 + length:]
+    doc = _json(header if header is not None else data)
+    if kind in ("json", "delete-key", "deep") and doc is None:
+        kind = "flip"
+    what = f"{seed.name}: {kind} {name or os.path.basename(seed.path)}"
+    if kind == "flip":
+        buffer = bytearray(data)
+        for _ in range(rng.randint(1, 8)):
+            if buffer:
+                at = rng.randrange(len(buffer))
+                buffer[at] ^= 1 << rng.randrange(8)
+        new = bytes(buffer)
+    elif kind == "truncate":
+        new = data[:rng.randrange(len(data))] if data else b""
+    elif kind == "remove":
+        os.remove(path)
+        return Case(f"{seed.name}-{index}", _moved(seed, target), what)
+    elif kind == "fifo":
+        os.remove(path)
+        os.mkfifo(path)
+        return Case(f"{seed.name}-{index}", _moved(seed, target), what)
+    else:
+        if kind == "deep":
+            encoded = ("[" * 100_000 + "]" * 100_000).encode()
+            what += " (nested 100,000 deep)"
+        else:
+            doc, change = _mutate_json(doc, rng, delete=kind == "delete-key")
+            encoded = json.dumps(doc).encode()
+            what += f" ({change})"
+        if header is not None:
+            encoded += b" " * (-len(encoded) % 8)
+            new = struct.pack("<Q", len(encoded)) + encoded + body
+        else:
+            new = encoded
+    with open(path, "wb") as f:
+        f.write(new)
+    return Case(f"{seed.name}-{index}", _moved(seed, target), what)
+
+
+def _moved(seed: Seed, path: str) -> Seed:
+    return Seed(seed.name, path, seed.kind, seed.array_key)
+
+
+def _json(data: bytes):
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def _mutate_json(doc, rng: random.Random, *, delete: bool):
+    """Replace (or delete) one node of `doc`, chosen at random among all of them; the change, described."""
+    doc = copy.deepcopy(doc)
+    nodes = []  # (container, key) of every value
+
+    def walk(node, depth=0):
+        if depth > 60:
+            return
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            nodes.append((node, key))
+            walk(value, depth + 1)
+
+    walk(doc)
+    if not nodes:
+        return HOSTILE_VALUES[rng.randrange(len(HOSTILE_VALUES))], "the whole document replaced"
+    container, key = rng.choice(nodes)
+    if delete:
+        del container[key]
+        return doc, f"deleted {str(key)[:40]!r}"
+    value = rng.choice(HOSTILE_VALUES)
+    container[key] = value
+    return doc, f"{str(key)[:40]!r} set to {str(value)[:40]!r}"
+
+
+def ops_for(seed: Seed, out: str) -> list[list]:
+    """The reads (and writes into `out`, the only place that may change) run on a case of `seed`."""
+    path = seed.path
+    if seed.kind == "root":
+        return [["cli", "steps", path], ["cli", "verify", path], ["cli", "tree", os.path.join(path, "1")],
+                ["cli", "convert", os.path.join(path, "1"), os.path.join(out, "item")]]
+    ops = [["cli", "tree", path], ["cli", "verify", path], ["cli", "stats", path], ["metadata", path],
+           ["restore", path], ["cli", "convert", path, os.path.join(out, "item"), "--max-host-bytes", "64MiB"],
+           ["cli", "convert", path, os.path.join(out, "hf"), "--to", "safetensors"]]
+    if seed.kind == "step":
+        ops = [op for op in ops if op[0] == "cli"]  # the API reads items; a step's items are read by the CLI
+    if seed.array_key:
+        ops.append(["cli", "show", path, f"{seed.array_key}[0:1]"])
+    return ops
+
+
+def snapshot(path: str) -> dict[str, str]:
+    """Every entry below `path` (or `path` itself) with its type and, for files, a digest of its content."""
+    out = {}
+    paths = [path] if not os.path.isdir(path) or os.path.islink(path) else []
+    for root, dirs, files in os.walk(path):
+        paths.extend(os.path.join(root, n) for n in dirs + files)
+    for p in paths:
+        if os.path.islink(p):
+            out[p] = "link:" + os.readlink(p)
+        elif os.path.isfile(p):
+            with open(p, "rb") as f:
+                out[p] = hashlib.sha1(f.read()).hexdigest()
+        elif os.path.isdir(p):
+            out[p] = "dir"
+        else:
+            out[p] = "special"
+    return out
+
+
+class Harness:
+    """One worker process, restarted after a case kills it or hangs; `run` gives each op's outcome."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self._buffer = b""
+
+    def _start(self) -> None:
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+        self._buffer = b""
+        self.proc = subprocess.Popen([sys.executable, WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=self.env, preexec_fn=limit)
+        assert json.loads(self._line(600))["ready"]
+
+    def _line(self, timeout: float) -> str:
+        """The worker's next line; `TimeoutError` if none comes in `timeout` seconds, `EOFError` if it died.
+        Read through a buffer of our own: a buffered reader would hold a second line where `select` cannot
+        see it."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise EOFError
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode()
+
+    def run(self, case_id: str, ops: list[list]) -> list[dict] | str:
+        """The outcome of each op, or a string saying how the worker failed (a signal, a hang)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"id": case_id, "ops": ops}) + "\n").encode())
+        self.proc.stdin.flush()
+        try:
+            return json.loads(self._line(CASE_TIMEOUT_S))["results"]
+        except TimeoutError:
+            self.proc.kill()
+            self.proc.wait()
+            return f"hung (no answer in {CASE_TIMEOUT_S} s)"
+        except EOFError:
+            code = self.proc.wait()
+            return f"the worker died with {'signal ' + str(-code) if code < 0 else 'status ' + str(code)}"
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def failures(case: Case, outcome: list[dict] | str, before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """What went wrong in one case, as lines naming the case (empty: nothing)."""
+    problems = []
+    if isinstance(outcome, str):
+        problems.append(outcome)
+    else:
+        problems += [f"{' '.join(map(str, r['op']))}: {r['message']}" for r in outcome if r["outcome"] == "escaped"]
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    if changed:
+        problems.append(f"files changed: {changed[:5]}")
+    return [f"[{case.id}] {case.description}: {p}" for p in problems]
