@@ -4,11 +4,10 @@ never listed (by our manager, nor by Orbax's), and the next manager start remove
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from forked import run_forked
 from orbax_process import orbax
 from test_checkpointer_cpu import assert_trees_equal
 
@@ -60,18 +59,12 @@ POINTS = [
 ]
 
 
-def run(root, point, extra):
-    env = dict(os.environ)
-    env.pop("PJRT_DEVICE", None)
-    return subprocess.run([sys.executable, SCRIPT, str(root), "--kill-at", point, *extra], env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory):
     base = tmp_path_factory.mktemp("crash")
-    with ThreadPoolExecutor(3) as pool:
-        procs = list(pool.map(lambda args: run(base / str(args[0]), args[1][0], args[1][1]), enumerate(POINTS)))
+    # Each kill point in a process of its own, forked from one that imported everything once.
+    procs = run_forked(SCRIPT, [[base / str(index), "--kill-at", point, *extra]
+                                for index, (point, extra, _) in enumerate(POINTS)], parallel=3)
     # What Orbax's own CheckpointManager sees of each crashed root, before any manager of ours has cleaned up.
     seen_by_orbax = orbax("steps", *[base / str(index) for index in range(len(POINTS))])
     return base, procs, seen_by_orbax

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch_xla
 from conftest import GCS_BUCKET, make_mesh, sharded
+from forked import run_forked
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import formats, inspection, layout, local_tier, saving, storage
@@ -570,12 +571,11 @@ OBJECT_STORE_POINTS = {
 }
 
 
-def run_crash(root, local, point: str) -> subprocess.CompletedProcess:
-    """The crashing process, run to its end (its exit is the event waited for)."""
-    env = dict(os.environ)
-    env.pop("PJRT_DEVICE", None)
-    return subprocess.run([sys.executable, CRASH, str(root), str(local), point], env=env, capture_output=True,
-                          text=True, timeout=600)
+def run_crashes(runs: dict[str, tuple]) -> dict[str, subprocess.CompletedProcess]:
+    """The crashing processes, by kill point ((root, local) each), each run to its end (its exit is the event
+    waited for), forked from one process that imported everything once."""
+    procs = run_forked(CRASH, [[root, local, point] for point, (root, local) in runs.items()])
+    return dict(zip(runs, procs))
 
 
 def directory_of(point: str) -> str:
@@ -613,8 +613,8 @@ def assert_step_2(model, root: str) -> None:
 @pytest.fixture(scope="module")
 def crashed_copies(tmp_path_factory):
     base = tmp_path_factory.mktemp("crash-tiers")
-    procs = {point: run_crash(base / directory_of(point) / "persistent", base / directory_of(point) / "local",
-                              point) for point in LOCAL_DISK_POINTS}
+    procs = run_crashes({point: (base / directory_of(point) / "persistent", base / directory_of(point) / "local")
+                         for point in LOCAL_DISK_POINTS})
     # What Orbax's own CheckpointManager sees of each crashed root, before any manager of ours has cleaned up.
     seen_by_orbax = orbax("steps", *[base / directory_of(p) / "persistent" for p in LOCAL_DISK_POINTS])
     return base, procs, seen_by_orbax
@@ -643,7 +643,7 @@ def test_kill_during_the_persistent_copy(crashed_copies, point):
 def crashed_copies_on_gcs(tmp_path_factory, gcs_emulator_server):
     base = tmp_path_factory.mktemp("crash-tiers-gcs")
     roots = {point: f"gs://{GCS_BUCKET}/crash-tiers/{base.name}/{directory_of(point)}" for point in OBJECT_STORE_POINTS}
-    procs = {point: run_crash(roots[point], base / directory_of(point), point) for point in OBJECT_STORE_POINTS}
+    procs = run_crashes({point: (roots[point], base / directory_of(point)) for point in OBJECT_STORE_POINTS})
     seen_by_orbax = orbax("steps", *roots.values())
     # The raw objects of each step 2, before any manager of ours has cleaned up.
     objects = {point: [name.split("/2/", 1)[1] for name in gcs_emulator_server.objects(
