@@ -27,22 +27,6 @@ _warm = torch.ones(1, device="xla", requires_grad=True)
 torch_xla.sync()
 
 
-# Tests that run processes of their own (jobs of several processes over gloo, the demo's kill and resume, SIGTERM,
-# soak and device-count runs): run one after another on one worker under `pytest -n N --dist loadgroup` (the
-# README's test command), so that they do not starve each other of the machine's cores; the rest is spread over
-# the other workers.
-_OWN_PROCESSES = {"test_multihost.py", "test_multi_tier_multihost.py", "test_demo.py", "test_device_counts.py",
-                  "test_manager_resume.py", "test_async_save.py::test_sigterm_saves_commits_and_the_run_resumes",
-                  "test_faults.py::test_soak_short"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = os.path.basename(str(item.fspath))
-        if module in _OWN_PROCESSES or f"{module}::{item.originalname}" in _OWN_PROCESSES:
-            item.add_marker(pytest.mark.xdist_group("own-processes"))
-
-
 def pytest_addoption(parser):
     parser.addoption("--hostile-cases", type=int, default=300,
                      help="how many generated hostile checkpoints tests/test_hostile_inputs.py runs (default 300)")
