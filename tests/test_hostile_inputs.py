@@ -328,3 +328,29 @@ def test_metadata_decoders_do_linear_work_on_200k_keys(tmp_path):
     (hf / "model.safetensors.index.json").write_text(text[:-2] + ', "k5": "x.safetensors"}}')
     with pytest.raises(xtc.CorruptCheckpointError, match="'k5' appears twice"):
         xtc.metadata(hf)
+
+
+@pytest.mark.parametrize("damage", ["look-alike index", "not an object", "newer format"])
+def test_one_malformed_step_does_not_sink_a_listing(seeds, tmp_path, capsys, damage):
+    """`xtckpt steps` and `xtckpt verify` of a root list every step; a malformed one is reported as damaged, with
+    the reason, and skipped, like a corrupt one."""
+    from xla_tensorstore_ckpt import cli
+
+    root = tmp_path / "root"
+    shutil.copytree(_seed(seeds, "root").path, root)
+    manifest = root / "3" / "model" / "_METADATA"
+    doc = json.loads(manifest.read_text())
+    if damage == "look-alike index":
+        next(iter(doc["tree_metadata"].values()))["key_metadata"].append({"key": "²", "key_type": 1})
+    elif damage == "not an object":
+        doc = [doc]
+    else:
+        doc = {"format_version": 99, "tree": {}}
+    manifest.write_text(json.dumps(doc))
+    assert cli.main(["steps", str(root), "--json"]) == 0
+    steps = {s["step"]: s for s in json.loads(capsys.readouterr().out)}
+    assert [steps[s]["status"] for s in (1, 2, 3)] == ["committed", "committed", "invalid"]
+    assert str(manifest) in steps[3]["problem"]
+    assert cli.main(["verify", str(root), "--json"]) == cli.EXIT_DATA
+    report = json.loads(capsys.readouterr().out)
+    assert [p["where"].split(":")[0] for p in report["problems"]] == ["step 3"] and report["arrays"] >= 14
