@@ -165,11 +165,10 @@ def _previous_export(out_dir: str) -> list[str]:
         if name in (safetensors.SINGLE_NAME, safetensors.INDEX_NAME) or _SHARD_NAME.fullmatch(name):
             names.add(name)
     if safetensors.INDEX_NAME in names:
-        try:
-            with open(os.path.join(out_dir, safetensors.INDEX_NAME), "rb") as f:
-                data = f.read(safetensors.MAX_HEADER_BYTES)
+        try:  # read through storage, which refuses a FIFO or a device in the file's place
+            data = storage.location(out_dir).read(safetensors.INDEX_NAME) or b""
             weight_map = safetensors.weight_map_of(data, os.path.join(out_dir, safetensors.INDEX_NAME))
-        except (OSError, CheckpointError):
+        except CheckpointError:  # an index that does not decode names nothing more to remove
             weight_map = {}
         names.update(n for n in weight_map.values()
                      if n.endswith(safetensors.SUFFIX) and os.path.isfile(os.path.join(out_dir, n)))

@@ -149,9 +149,11 @@ class Backend(ABC):
         """Every file below the directory `path`, as paths relative to it, sorted."""
         out = []
         for name in self.list_dir(path):
-            child = _join(path, name)
-            below = self.list_files(child)
-            out.extend(_join(name, f) for f in below) if below else out.append(name)
+            below = self.list_files(_join(path, name))
+            if below:  # a directory (object stores have no empty ones)
+                out.extend(_join(name, f) for f in below)
+            else:
+                out.append(name)
         return sorted(out)
 
     def copy_file(self, source: str, target: str) -> None:
