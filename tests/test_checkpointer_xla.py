@@ -227,8 +227,8 @@ def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4, monkeypat
 
 def test_reads_cover_exactly_the_local_shards():
     """On a multi-host pod a process holds only some shards; it reads their regions and nothing else."""
-    from xla_tensorstore_ckpt.formats import ArrayMetadata
     from xla_tensorstore_ckpt.plan import LocalShard, Placement, TensorLayout
+    from xla_tensorstore_ckpt.records import ArrayMetadata
     from xla_tensorstore_ckpt.restoring import _ReadJob
 
     meta = ArrayMetadata("w", (16, 8), "float32", (4, 4))
@@ -249,8 +249,8 @@ def test_large_shards_are_read_into_their_own_buffers():
     """Shards of a large array are read one by one (each straight into the buffer that goes to its device)
     unless that would fetch a chunk more than twice; small arrays are read as one box."""
     from xla_tensorstore_ckpt import storage
-    from xla_tensorstore_ckpt.formats import ArrayMetadata
     from xla_tensorstore_ckpt.plan import LocalShard, Placement, TensorLayout
+    from xla_tensorstore_ckpt.records import ArrayMetadata
     from xla_tensorstore_ckpt.restoring import SMALL_READ_BYTES, _ReadJob
 
     rows = 4096

@@ -24,16 +24,15 @@ from .errors import (
     UnsupportedValueError,
     UsageError,
 )
-from .formats import ArrayMetadata, SavedSharding, StepMetadata
 from .inspection import open_array
 from .manager import CheckpointManager, CheckpointManagerOptions
 from .options import RestoreOptions, SaveOptions
+from .records import ArrayMetadata, SavedSharding, StepMetadata
 from .sharded_array import ShardedArray
 from .training_state import skip_batches
+from .version import __version__ as __version__
 
 _zarr_dtypes.register()
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ArrayMetadata",

@@ -30,7 +30,7 @@ import tensorstore as ts
 
 from . import bounds, layout, raw_arrays, storage
 from .errors import CheckpointError, CorruptCheckpointError, StorageError
-from .formats.records import ArrayMetadata, ArrayStore
+from .records import ArrayMetadata, ArrayStore
 from .staging import Empty
 
 Region = tuple[slice, ...]

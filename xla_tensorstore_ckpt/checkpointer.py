@@ -12,8 +12,9 @@ from typing import Any
 
 from . import commit, formats, layout, storage, tree
 from .distributed import Coordinator, default_coordinator
-from .formats import ItemManifest, checksums
+from .formats import checksums
 from .options import RestoreOptions, SaveOptions
+from .records import ItemManifest
 from .restoring import KeyMap, PathLike, read_item
 from .saving import issue_writes, plan_save, prepare_directory
 

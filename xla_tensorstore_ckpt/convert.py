@@ -30,9 +30,9 @@ import torch
 from . import arrays, commit, dtypes, formats, grid, layout, outputs, raw_arrays, saving, storage, tree
 from .distributed import Coordinator
 from .errors import UsageError
-from .formats import ArrayMetadata, ItemManifest, StepMetadata
 from .inspection import Progress
 from .options import SaveOptions
+from .records import ArrayMetadata, ItemManifest, StepMetadata
 from .sharded_array import ShardedArray
 
 DEFAULT_MAX_HOST_BYTES = 2 << 30

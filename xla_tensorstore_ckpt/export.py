@@ -24,8 +24,9 @@ import torch
 
 from . import arrays, convert, dtypes, outputs, storage, tree
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError, UsageError
-from .formats import ArrayMetadata, safetensors
+from .formats import safetensors
 from .inspection import Checkpoint, Progress
+from .records import ArrayMetadata
 
 
 @dataclass(frozen=True)

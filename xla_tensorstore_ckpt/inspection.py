@@ -19,7 +19,8 @@ import numpy as np
 
 from . import arrays, formats, layout, local_tier, storage, tree
 from .errors import CheckpointError, CheckpointNotFoundError, UsageError
-from .formats import ArrayMetadata, ItemManifest, StepMetadata, safetensors
+from .formats import safetensors
+from .records import ArrayMetadata, ItemManifest, StepMetadata
 from .steps import ANY_PREFIX, StepIndex
 
 if TYPE_CHECKING:

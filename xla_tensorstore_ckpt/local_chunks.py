@@ -33,7 +33,7 @@ import numpy as np
 
 from . import arrays, bounds, dtypes, layout, storage
 from .errors import CorruptCheckpointError, StorageError
-from .formats.records import ArrayMetadata, ArrayStore
+from .records import ArrayMetadata, ArrayStore
 from .staging import Empty
 
 Index = tuple[tuple[int, int], ...]

@@ -13,7 +13,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from . import storage
-from .formats import StepMetadata
+from .records import StepMetadata
 
 if TYPE_CHECKING:
     from .tier import Tier

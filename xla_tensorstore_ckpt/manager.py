@@ -29,11 +29,11 @@ from typing import Any
 from . import formats, layout, local_tier, resume, step_save, storage, training_state
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointExistsError, StepNotFoundError, UsageError
-from .formats import StepMetadata
 from .gc_pause import paused_gc
 from .lanes import LOCAL, PERSISTENT, Lane, check_root, local_lane, persistent_lane
 from .options import CheckpointManagerOptions
 from .preemption import PreemptionWatch
+from .records import StepMetadata
 from .restoring import KeyMap
 from .resume import Candidate
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from functools import cached_property
 
-from .formats.records import SavedSharding
+from .records import SavedSharding
 from .sharded_array import ShardedArray
 
 Index = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in global coordinates, without padding

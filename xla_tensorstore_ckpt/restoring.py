@@ -26,10 +26,10 @@ from .errors import (
     UnsupportedValueError,
     UsageError,
 )
-from .formats import ArrayMetadata, ArrayStore, ItemManifest
 from .gc_pause import paused_gc
 from .options import RestoreOptions
 from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
+from .records import ArrayMetadata, ArrayStore, ItemManifest
 from .sharded_array import ShardedArray
 
 PathLike = str | storage.Location

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from . import formats
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, StorageError
-from .formats import StepMetadata
 from .lanes import LOCAL, PERSISTENT
+from .records import StepMetadata
 from .tier import Tier
 
 log = logging.getLogger("xla_tensorstore_ckpt")

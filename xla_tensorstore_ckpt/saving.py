@@ -24,9 +24,10 @@ import torch
 from . import arrays, dtypes, formats, grid, layout, outputs, storage, tree
 from .distributed import Coordinator, balance
 from .errors import CheckpointExistsError, UnsupportedValueError
-from .formats import ArrayMetadata, ArrayStore, ItemManifest, orbax
+from .formats import orbax
 from .options import SaveOptions
 from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
+from .records import ArrayMetadata, ArrayStore, ItemManifest
 from .sharded_array import ShardedArray
 
 ArrayLike = torch.Tensor | ShardedArray

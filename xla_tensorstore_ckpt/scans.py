@@ -13,7 +13,7 @@ import numpy as np
 
 from . import arrays, grid, layout, storage
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .formats import ArrayMetadata, ArrayStore, checksums
+from .formats import checksums
 from .inspection import (
     Checkpoint,
     Progress,
@@ -25,6 +25,7 @@ from .inspection import (
     split_key,
     tree_rows,
 )
+from .records import ArrayMetadata, ArrayStore
 
 Cell = tuple[int, ...]
 

@@ -22,8 +22,8 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
-from .formats.records import SavedSharding
 from .plan import LocalShard, Placement, TensorLayout, full_index
+from .records import SavedSharding
 
 _X = torch_xla._XLAC
 _DEVICES_RE = re.compile(r"devices=\[([0-9,]+)\]([^ }]*)")

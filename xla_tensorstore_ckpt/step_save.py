@@ -15,9 +15,9 @@ from typing import Any
 
 from . import rng_state, saving
 from .distributed import Coordinator
-from .formats import StepMetadata
 from .gc_pause import paused_gc
 from .options import SaveOptions
+from .records import StepMetadata
 from .tier import PendingSave, Tier
 from .training_state import RNG_ITEM
 

@@ -24,7 +24,7 @@ from typing import Literal
 
 from . import bounds, formats, layout
 from .errors import CorruptCheckpointError, FormatVersionError, StorageError, UnsupportedValueError
-from .formats import StepMetadata
+from .records import StepMetadata
 from .storage import Location
 
 ANY_PREFIX = "*"  # a StepIndex prefix accepting every ``<prefix>_<n>`` and plain ``<n>`` name (read-only use)

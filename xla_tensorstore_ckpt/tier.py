@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from . import commit, formats, layout, saving
 from .distributed import Coordinator
 from .errors import StepNotFoundError
-from .formats import StepMetadata
 from .policies import RetentionPolicy
+from .records import StepMetadata
 from .root_lock import RootLock
 from .steps import StepEntry, StepIndex
 from .storage import Location

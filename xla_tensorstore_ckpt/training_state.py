@@ -14,9 +14,9 @@ import torch
 
 from . import checkpointer, formats, restoring, rng_state, tree
 from .errors import CheckpointError, CheckpointNotFoundError, ItemNotFoundError, UnsupportedValueError
-from .formats import ArrayMetadata, StepMetadata
 from .layout import KeyPath
 from .options import RestoreOptions
+from .records import ArrayMetadata, StepMetadata
 from .restoring import KeyMap, RestoreAs
 from .storage import Location
 

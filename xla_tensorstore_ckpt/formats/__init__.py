@@ -17,12 +17,12 @@ from __future__ import annotations
 from .. import layout
 from ..bounds import load_json
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from ..records import ItemManifest, StepMetadata
 from ..storage import Location
+from ..version import __version__
 from . import orbax, safetensors, v1, v2
-from .records import ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
 
-__all__ = ["ArrayMetadata", "ArrayStore", "ItemManifest", "SavedSharding", "StepMetadata", "WRITE_VERSION",
-           "encode_item", "encode_step", "read_item", "read_step", "writer_versions"]
+__all__ = ["WRITE_VERSION", "encode_item", "encode_step", "read_item", "read_step", "writer_versions"]
 
 WRITE_VERSION = v2.VERSION
 NEWEST_VERSION = v2.VERSION
@@ -99,8 +99,6 @@ def writer_versions() -> dict[str, str]:
     import sys
 
     import torch
-
-    from .. import __version__
 
     versions = {"xla_tensorstore_ckpt": __version__, "torch": torch.__version__}
     if "torch_xla" in sys.modules:

@@ -21,8 +21,8 @@ import crc32c
 
 from .. import layout
 from ..errors import CorruptCheckpointError
+from ..records import ItemManifest
 from ..storage import Location
-from .records import ItemManifest
 
 FIELD = "crc32c"  # in this library's object of the document: the checksum of the document itself
 STRINGS_FIELD = "strings_crc32c"  # in an item's: the checksum of its _strings.json

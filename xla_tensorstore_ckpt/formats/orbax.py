@@ -19,8 +19,8 @@ from typing import Any
 
 from .. import bounds, layout, tree
 from ..errors import CorruptCheckpointError
+from ..records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
 from ..storage import Location
-from .records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
 
 STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 SEQUENCE, MAPPING = 1, 2  # key_type

@@ -25,8 +25,8 @@ from typing import Any
 
 from .. import bounds, dtypes
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
+from ..records import ArrayMetadata, ArrayStore, ItemManifest
 from ..storage import Location, RangeNotSatisfiableError
-from .records import ArrayMetadata, ArrayStore, ItemManifest
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import bounds, layout, tree
 from ..errors import CorruptCheckpointError
-from .records import ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
+from ..records import ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
 
 VERSION = 1
 

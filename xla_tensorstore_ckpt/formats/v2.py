@@ -23,8 +23,8 @@ import dataclasses
 
 from .. import layout, tree
 from ..errors import CorruptCheckpointError
+from ..records import ArrayStore, ItemManifest, StepMetadata
 from . import checksums, orbax, v1
-from .records import ArrayStore, ItemManifest, StepMetadata
 
 VERSION = 2
 KEY = "xla_tensorstore_ckpt"

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import dtypes, layout, tree
+from . import dtypes, layout, tree
 
 
 @dataclass(frozen=True)
