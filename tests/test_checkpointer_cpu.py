@@ -268,12 +268,12 @@ def test_restore_pauses_the_garbage_collector_and_restores_its_state(tmp_path, m
     (it would walk every object of the process again and again) and left as it was found."""
     import gc
 
-    from xla_tensorstore_ckpt.local_chunks import LocalChunkArray
+    from xla_tensorstore_ckpt.arrays.local_chunks import LocalChunkArray
 
     xtc.save(tmp_path / "ck", {"a": torch.ones(4), "b": torch.zeros(3)})
     seen = []
-    real_read = LocalChunkArray.read_regions
-    monkeypatch.setattr(LocalChunkArray, "read_regions", lambda *args: seen.append(gc.isenabled()) or real_read(*args))
+    real_read = LocalChunkArray.read
+    monkeypatch.setattr(LocalChunkArray, "read", lambda *args: seen.append(gc.isenabled()) or real_read(*args))
     assert gc.isenabled()
     xtc.restore(tmp_path / "ck")
     assert seen == [False, False] and gc.isenabled()
@@ -283,7 +283,7 @@ def test_restore_pauses_the_garbage_collector_and_restores_its_state(tmp_path, m
         assert not gc.isenabled()  # a caller that had disabled it keeps it disabled
     finally:
         gc.enable()
-    monkeypatch.setattr(LocalChunkArray, "read_regions", lambda *args: (_ for _ in ()).throw(OSError("disk gone")))
+    monkeypatch.setattr(LocalChunkArray, "read", lambda *args: (_ for _ in ()).throw(OSError("disk gone")))
     with pytest.raises(OSError):
         xtc.restore(tmp_path / "ck")
     assert gc.isenabled()

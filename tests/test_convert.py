@@ -247,9 +247,9 @@ def chunk_reads() -> int:
 def test_a_zarr_source_is_read_once_per_stored_chunk(tmp_path, kind, chunking):
     """A zarr chunk is decoded whole whatever part of it is read: however the destination is chunked, every
     stored chunk is read exactly once."""
-    if kind == "ours":  # stored chunks of 16 rows, from a Hugging Face directory
-        expected = write_hf_dir(str(tmp_path / "hf"))
-        source = storage.location(str(tmp_path / "source"))
+    if kind == "ours":  # stored chunks of 16 rows, from a Hugging Face directory; in memory, read by tensorstore
+        expected = write_hf_dir(str(tmp_path / "hf"))  # (local chunk reads count themselves: test_local_chunks.py)
+        source = storage.location(f"memory://read-once/{tmp_path.name}/{'-'.join(chunking) or 'kept'}")
         convert.convert_item(storage.location(str(tmp_path / "hf")), source,
                              options=convert.ConvertOptions(chunk_shape=(16, 48)))
     else:  # an item Orbax wrote: the chunks of a 4x2 mesh's shards

@@ -19,7 +19,8 @@ from hf_files import hf_tensors, write_hf_dir
 from safetensors.torch import save_file
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, raw_arrays, storage
+from xla_tensorstore_ckpt import cli, storage
+from xla_tensorstore_ckpt.arrays import byte_ranges
 from xla_tensorstore_ckpt.errors import (
     CorruptCheckpointError,
     KeyMismatchError,
@@ -141,7 +142,7 @@ def test_each_shard_reads_only_its_byte_ranges(tmp_path, monkeypatch):
         return real(self, path, start, stop)
 
     monkeypatch.setattr(type(remote.backend), "read_range", recording)
-    monkeypatch.setattr(raw_arrays, "MERGE_GAP_BYTES", 0)
+    monkeypatch.setattr(byte_ranges, "MERGE_GAP_BYTES", 0)
     header_reads = len(ranges)
     meta = xtc.metadata(str(remote))["w"]
     header_reads = len(ranges) - header_reads
@@ -155,7 +156,7 @@ def test_each_shard_reads_only_its_byte_ranges(tmp_path, monkeypatch):
     (index, shard), = restored["w"].shards
     assert index == column and torch.equal(shard, matrix[:, 64:128])
     # With merging (the default), the rows come in one request of the span they cover.
-    monkeypatch.setattr(raw_arrays, "MERGE_GAP_BYTES", 1 << 20)
+    monkeypatch.setattr(byte_ranges, "MERGE_GAP_BYTES", 1 << 20)
     before = len(ranges)
     xtc.restore(str(remote), target)
     assert len(ranges[before + header_reads:]) == 1

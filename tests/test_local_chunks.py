@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, local_chunks
-from xla_tensorstore_ckpt.local_chunks import LocalChunkArray
+from xla_tensorstore_ckpt.arrays import local_chunks, ocdbt
+from xla_tensorstore_ckpt.arrays.local_chunks import LocalChunkArray
+from xla_tensorstore_ckpt.arrays.tensorstore_io import TensorstoreArray
 
 PLAIN = xtc.SaveOptions(use_ocdbt=False, single_file_max_bytes=0)  # a file per chunk
 LAYOUTS = {"ocdbt": xtc.SaveOptions(), "directories": PLAIN}
@@ -39,10 +40,10 @@ def test_small_chunks_are_read_on_the_restoring_thread(tmp_path, monkeypatch, la
     state = {"small": _values((64, 64), torch.float32), "large": _values((1024, 512), torch.float32)}
     xtc.save(tmp_path / "ck", state, options=LAYOUTS[layout_name])
     threads, tensorstore_reads = {}, []
-    real_chunk, real_read = LocalChunkArray._read_chunk, arrays.read
+    real_chunk, real_read = LocalChunkArray._read_chunk, TensorstoreArray.read
     monkeypatch.setattr(LocalChunkArray, "_read_chunk", lambda self, position, targets: threads.setdefault(
         self.meta.path, threading.current_thread()) and real_chunk(self, position, targets))
-    monkeypatch.setattr(arrays, "read", lambda *args: tensorstore_reads.append(args) or real_read(*args))
+    monkeypatch.setattr(TensorstoreArray, "read", lambda *args: tensorstore_reads.append(args) or real_read(*args))
     out = xtc.restore(tmp_path / "ck", {k: torch.zeros_like(v) for k, v in state.items()})
     assert all(torch.equal(out[k], v) for k, v in state.items())
     assert threads["small"] is threading.main_thread() and threads["large"] is not threading.main_thread()
@@ -61,10 +62,11 @@ def reading_thread(request, monkeypatch):
 def counted(monkeypatch):
     """The chunk positions read by `local_chunks`, and the regions read through tensorstore."""
     seen = {"chunks": [], "tensorstore": []}
-    real_chunk, real_read = LocalChunkArray._read_chunk, arrays.read
+    real_chunk, real_read = LocalChunkArray._read_chunk, TensorstoreArray.read
     monkeypatch.setattr(LocalChunkArray, "_read_chunk", lambda self, position, targets: seen["chunks"].append(
         position) or real_chunk(self, position, targets))
-    monkeypatch.setattr(arrays, "read", lambda *args: seen["tensorstore"].append(args[2]) or real_read(*args))
+    monkeypatch.setattr(TensorstoreArray, "read", lambda self, regions, *empty: seen["tensorstore"].extend(
+        regions) or real_read(self, regions, *empty))
     return seen
 
 
@@ -184,7 +186,7 @@ def test_an_ocdbt_reference_outside_the_item_is_refused(tmp_path, where):
     from xla_tensorstore_ckpt import storage
 
     with pytest.raises(xtc.CorruptCheckpointError, match="outside its directory"):
-        arrays._indirect(storage.location(tmp_path), where)
+        ocdbt._indirect(storage.location(tmp_path), where)
 
 
 def test_a_restore_leaves_no_data_file_open(tmp_path, reading_thread):

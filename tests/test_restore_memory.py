@@ -1,5 +1,5 @@
 """Memory of restores: a restore in place releases each target's device data right before its new value is
-placed (tied parameters included); data bound for the devices is read into two reused arenas (`staging`);
+placed (tied parameters included); data bound for the devices is read into two reused arenas (`restore_arenas`);
 `RestoreOptions.max_host_bytes` keeps the reads in flight within it, waits for each transfer to the devices, and
 after each batch returns freed host memory to the OS unless the next batch fits beside it."""
 
@@ -16,7 +16,7 @@ import torch_xla
 from conftest import make_mesh, sharded
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import host_memory, restoring, sharding, staging
+from xla_tensorstore_ckpt import host_memory, restore_arenas, restoring, sharding
 
 
 class Tied(torch.nn.Module):
@@ -134,7 +134,7 @@ def test_wait_transferred_returns_once_the_placed_tensor_is_on_its_devices(spec)
 def _spy_arenas(monkeypatch) -> tuple[list, list]:
     """Record every arena buffer and every array an arena hands out (in it or not)."""
     buffers, handed = [], []
-    real_empty, real_release = staging.Arena.empty, staging.Arena.release
+    real_empty, real_release = restore_arenas.Arena.empty, restore_arenas.Arena.release
 
     def empty(arena, shape, dtype):
         out = real_empty(arena, shape, dtype)
@@ -143,8 +143,8 @@ def _spy_arenas(monkeypatch) -> tuple[list, list]:
         handed.append(out)
         return out
 
-    monkeypatch.setattr(staging.Arena, "empty", empty)
-    monkeypatch.setattr(staging.Arena, "release", lambda arena: handed.append("release") or real_release(arena))
+    monkeypatch.setattr(restore_arenas.Arena, "empty", empty)
+    monkeypatch.setattr(restore_arenas.Arena, "release", lambda arena: handed.append("release") or real_release(arena))
     return buffers, handed
 
 

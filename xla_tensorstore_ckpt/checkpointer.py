@@ -39,10 +39,10 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     coordinator = coordinator or default_coordinator()
     loc = storage.location(path)
     plan = plan_save(state, options, coordinator)
-    staging = coordinator.on_primary(f"preparing {loc}", lambda: prepare_directory(loc, overwrite=overwrite),
+    temporary = coordinator.on_primary(f"preparing {loc}", lambda: prepare_directory(loc, overwrite=overwrite),
                                      share=True)
-    target = loc if staging is None else loc.resolved().parent.child(staging)
-    publish = None if staging is None else lambda: target.replace(
+    target = loc if temporary is None else loc.resolved().parent.child(temporary)
+    publish = None if temporary is None else lambda: target.replace(
         loc.resolved(), commit_files=(layout.ITEM_METADATA, layout.COMMIT_SUCCESS))
     try:
         # Nothing needs the staged data once written: hold at most the batch being written and the next.
@@ -51,7 +51,7 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
             fsync=options.fsync, what=str(loc))
         commit.commit(coordinator, target, {"": plan}, [], fsync=options.fsync, what=str(loc), publish=publish)
     except BaseException:
-        if staging is not None and coordinator.is_primary:
+        if temporary is not None and coordinator.is_primary:
             target.delete_tree()  # the replacement that failed; the old item is untouched
         raise
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import arrays, commit, dtypes, formats, grid, layout, outputs, raw_arrays, saving, storage, tree
+from . import arrays, commit, dtypes, formats, grid, layout, outputs, saving, storage, tree
 from .distributed import Coordinator
 from .errors import UsageError
 from .inspection import Progress
@@ -139,11 +139,11 @@ def _prepare(source: storage.Location, options: ConvertOptions
     return sources, plan, units
 
 
-def _open_sources(source: storage.Location, manifest: ItemManifest) -> dict[layout.KeyPath, Any]:
-    """Every array of the source, open for reading (all opened at once; blocks)."""
-    context = arrays.operation_context()
-    pending = {path: arrays.open_existing(arrays.ArrayRef(source, meta.path, manifest.store, context), meta)
-               for path, meta in manifest.arrays()}
+def _open_sources(source: storage.Location, manifest: ItemManifest) -> dict[layout.KeyPath, arrays.StoredArray]:
+    """Every array of the source, open for reading (all opened at once; blocks). The reader closes when the
+    arrays are garbage (the conversion is done with them)."""
+    reader = arrays.reader(source, manifest.store)
+    pending = {path: reader.open(meta) for path, meta in manifest.arrays()}
     return {path: opening.result() for path, opening in pending.items()}
 
 
@@ -172,12 +172,12 @@ def _plan(manifest: ItemManifest, sources: dict[layout.KeyPath, Any], options: C
     return saving.plan_save(state, save_options, Coordinator.single()), units
 
 
-def _stored_chunk(meta: ArrayMetadata, store: Any) -> tuple[int, ...] | None:
-    """The chunk shape the source array is read and decoded in (within the shape), or None for a raw
-    (safetensors) tensor, of which any region reads exactly its bytes."""
-    if isinstance(store, raw_arrays.RawArray) or not meta.shape:
+def _stored_chunk(meta: ArrayMetadata, stored: arrays.StoredArray) -> tuple[int, ...] | None:
+    """The chunk shape the source array is read and decoded in (within the shape), or None for an array of
+    which any region reads exactly its bytes (a safetensors tensor)."""
+    if not stored.reads_whole_chunks or not meta.shape:
         return None
-    return tuple(max(1, min(c, n)) for c, n in zip(arrays.chunk_shape(store), meta.shape))
+    return tuple(max(1, min(c, n)) for c, n in zip(stored.chunk_shape, meta.shape))
 
 
 def _chunk_shape(meta: ArrayMetadata, stored: tuple[int, ...] | None, options: ConvertOptions) -> tuple[int, ...]:
@@ -260,7 +260,7 @@ def _copy(source: storage.Location, sources: dict[layout.KeyPath, Any], destinat
                 if progress:
                     progress(done, total)
             in_flight.append((batch_bytes, writer.write([unit.plan for unit in batch],
-                                                        _read_batch(batch, sources, source))))
+                                                        _read_batch(batch, sources))))
             in_flight_bytes += batch_bytes
         arrays.wait_all(writer.writes.pending)
     except BaseException:
@@ -272,11 +272,10 @@ def _copy(source: storage.Location, sources: dict[layout.KeyPath, Any], destinat
         destination.sync_files(writer.writes.files, writer.writes.trees)
 
 
-def _read_batch(batch: list[_Unit], sources: dict[layout.KeyPath, Any], source: storage.Location
-                ) -> list[list[torch.Tensor]]:
+def _read_batch(batch: list[_Unit], sources: dict[layout.KeyPath, arrays.StoredArray]) -> list[list[torch.Tensor]]:
     """Read the units of a batch at once; the data of each unit's writes. Only those are kept: a region
     copied into pieces is released here."""
-    reads = [arrays.read(sources[unit.plan.key_path], source, unit.region) if unit.plan.key_path in sources
+    reads = [sources[unit.plan.key_path].read([unit.region])[unit.region] if unit.plan.key_path in sources
              else None for unit in batch]
     return [unit.chunks(read.result()) if read is not None
             else [unit.plan.value]  # a number of the source's tree, stored as a 0-d array (Orbax's way)
@@ -289,11 +288,11 @@ class _Unit:
     `plan` is the array's plan with those writes only."""
 
     plan: saving.ArrayPlan
-    region: tuple[slice, ...]
+    region: grid.Index
 
     @property
     def nbytes(self) -> int:
-        return math.prod(s.stop - s.start for s in self.region) * self.plan.itemsize
+        return math.prod(b - a for a, b in self.region) * self.plan.itemsize
 
     def chunks(self, data: np.ndarray) -> list[torch.Tensor]:
         """The data of each write: views of the region's `data` where they are contiguous (the region is cut
@@ -301,8 +300,9 @@ class _Unit:
         only write)."""
         if not self.region:
             return [dtypes.numpy_to_tensor(data)]
-        return [dtypes.numpy_to_tensor(np.ascontiguousarray(data[tuple(slice(a - s.start, b - s.start)
-                                                                       for (a, b), s in zip(w.region, self.region))]))
+        return [dtypes.numpy_to_tensor(np.ascontiguousarray(data[tuple(slice(a - start, b - start)
+                                                                       for (a, b), (start, _) in zip(w.region,
+                                                                                                     self.region))]))
                 for w in self.plan.writes]
 
 
@@ -320,7 +320,7 @@ def _units(p: saving.ArrayPlan, unit_shape: tuple[int, ...] | None) -> list[_Uni
         groups = [tuple(g) for g in by_unit.values()]
     out = []
     for group in groups:
-        region = tuple(slice(min(w.region[d][0] for w in group), max(w.region[d][1] for w in group))
+        region = tuple((min(w.region[d][0] for w in group), max(w.region[d][1] for w in group))
                        for d in range(len(p.meta.shape)))
         out.append(_Unit(dataclasses.replace(p, writes=tuple(group)), region))
     return out

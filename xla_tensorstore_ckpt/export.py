@@ -58,13 +58,12 @@ def _blocks(checkpoint: Checkpoint, tensor: Tensor, max_host_bytes: int) -> Iter
     meta = tensor.meta
     if 0 in meta.shape:
         return
-    ref = checkpoint.array_ref(tensor.item, meta)
-    store = arrays.open_existing(ref, meta).result()
+    stored = checkpoint.open(tensor.item, meta)
     row_bytes = math.prod(meta.shape[1:]) * dtypes.by_name(meta.dtype).itemsize
-    # A zarr chunk is read and decoded whole, so blocks are whole bands of chunk rows; a raw tensor (safetensors)
-    # reads exactly the block's bytes. Two blocks are in flight (the next read while one is written) when two fit
-    # the budget, else one.
-    band_rows = 1 if ref.store.kind == "safetensors" or not meta.shape else meta.chunk_shape[0]
+    # A chunk read whole (zarr) makes blocks whole bands of chunk rows; a reader of exact byte ranges reads any
+    # block for its bytes. Two blocks are in flight (the next read while one is written) when two fit the
+    # budget, else one.
+    band_rows = meta.chunk_shape[0] if meta.shape and stored.reads_whole_chunks else 1
     band_bytes = max(1, band_rows * row_bytes)
     in_flight = 2 if band_bytes <= max_host_bytes // (2 * convert.COPIES_IN_FLIGHT) else 1
     block_bytes = max_host_bytes // (in_flight * convert.COPIES_IN_FLIGHT)
@@ -73,17 +72,20 @@ def _blocks(checkpoint: Checkpoint, tensor: Tensor, max_host_bytes: int) -> Iter
                          f"more than a quarter of the host-memory budget ({max_host_bytes}); raise --max-host-bytes "
                          f"to at least {band_bytes * convert.COPIES_IN_FLIGHT}")
     rows = (block_bytes // band_bytes) * band_rows if meta.shape else 1
-    regions = ([tuple(slice(a, min(a + rows, meta.shape[0])) if d == 0 else slice(0, n)
-                      for d, n in enumerate(meta.shape)) for a in range(0, meta.shape[0], rows)]
-               if meta.shape else [()])
-    pending = arrays.read(store, ref.location, regions[0])
+    regions = ([tuple((a, min(a + rows, meta.shape[0])) if d == 0 else (0, n) for d, n in enumerate(meta.shape))
+                for a in range(0, meta.shape[0], rows)] if meta.shape else [()])
+
+    def start(region: tuple) -> arrays.PendingRead:
+        return stored.read([region])[region]
+
+    pending = start(regions[0])
     for k in range(len(regions)):
         following = None
         if in_flight == 2 and k + 1 < len(regions):
-            following = arrays.read(store, ref.location, regions[k + 1])
+            following = start(regions[k + 1])
         yield np.ascontiguousarray(pending.result())
         if in_flight == 1 and k + 1 < len(regions):
-            following = arrays.read(store, ref.location, regions[k + 1])
+            following = start(regions[k + 1])
         pending = following
 
 

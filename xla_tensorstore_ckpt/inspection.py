@@ -37,7 +37,7 @@ class Checkpoint:
     marker: StepMetadata | None
     items: tuple[str, ...]
     _manifests: dict = field(default_factory=dict, compare=False, repr=False)  # read once: Orbax's are costly
-    _context: Any = field(default_factory=arrays.operation_context, compare=False, repr=False)
+    _readers: dict = field(default_factory=dict, compare=False, repr=False)
 
     def item_location(self, item: str) -> storage.Location:
         return self.location.child(item) if item else self.location
@@ -47,9 +47,15 @@ class Checkpoint:
             self._manifests[item] = formats.read_item(self.item_location(item))
         return self._manifests[item]
 
-    def array_ref(self, item: str, meta: ArrayMetadata) -> arrays.ArrayRef:
-        """Where the array `meta` of `item` is stored."""
-        return arrays.ArrayRef(self.item_location(item), meta.path, self.manifest(item).store, self._context)
+    def reader(self, item: str) -> arrays.ArrayReader:
+        """The reader of `item`'s arrays (one per item, kept for the inspection)."""
+        if item not in self._readers:
+            self._readers[item] = arrays.reader(self.item_location(item), self.manifest(item).store)
+        return self._readers[item]
+
+    def open(self, item: str, meta: ArrayMetadata) -> arrays.StoredArray:
+        """The array `meta` of `item`, open for reading; blocks. Raises what opening raises."""
+        return self.reader(item).open(meta).result()
 
 
 def open_checkpoint(path: str | storage.Location) -> Checkpoint:
@@ -98,7 +104,7 @@ def open_array(step_path: str, key: str) -> tensorstore.TensorStore:
     Reads only the chunks indexed; every chunk's checksum is verified."""
     checkpoint = open_checkpoint(step_path)
     item, meta = array_metadata(checkpoint, key)
-    return arrays.open_existing(checkpoint.array_ref(item, meta), meta).result()
+    return arrays.open_for_user(checkpoint.item_location(item), checkpoint.manifest(item).store, meta)
 
 
 # ------------------------------------------------------------------------------------------------- steps
@@ -233,10 +239,8 @@ def read_slice(checkpoint: Checkpoint, key: str, index: tuple[slice | int, ...])
     for dim, (i, n) in enumerate(zip(index, meta.shape)):
         if isinstance(i, int) and not -n <= i < n:
             raise UsageError(f"index {i} is out of range for dimension {dim} of {key} (size {n})")
-    ref = checkpoint.array_ref(item, meta)
-    store = arrays.open_existing(ref, meta).result()
     normalized = tuple(_normalize(i, n) for i, n in zip(index, meta.shape))
-    return arrays.read_index(store, ref.location, normalized).result()
+    return checkpoint.open(item, meta).read_index(normalized).result()
 
 
 def _normalize(index: slice | int, size: int) -> slice | int:

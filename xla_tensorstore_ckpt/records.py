@@ -60,6 +60,16 @@ class ArrayMetadata:
 
 
 @dataclass(frozen=True)
+class RawArrayMetadata(ArrayMetadata):
+    """A tensor stored as its raw bytes in C order at `offset` of a file (a Hugging Face safetensors tensor):
+    `path` is its key, `file` the file's name relative to the item (empty when the item is the file itself).
+    `chunk_shape` is the row block streaming readers take at a time (the file holds one contiguous run)."""
+
+    file: str = ""
+    offset: int = 0
+
+
+@dataclass(frozen=True)
 class ArrayStore:
     """Where and how an item's arrays are stored.
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import arrays, dtypes, formats, grid, host_memory, layout, local_chunks, staging, storage, tree
+from . import arrays, dtypes, formats, grid, host_memory, layout, restore_arenas, storage, tree
 from .errors import (
     CorruptCheckpointError,
     KeyMismatchError,
@@ -29,7 +29,7 @@ from .errors import (
 from .gc_pause import paused_gc
 from .options import RestoreOptions
 from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
-from .records import ArrayMetadata, ArrayStore, ItemManifest
+from .records import ArrayMetadata, ItemManifest
 from .sharded_array import ShardedArray
 
 PathLike = str | storage.Location
@@ -129,16 +129,15 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
             saved = renamed(saved, key_map, dict(tree.flatten(target)) if target is not None else {}, loc)
         wanted = ({p: None for p in saved} if target is None
                   else _match(loc, saved, dict(tree.flatten(target)), strict))
-        direct = local_chunks.opener(loc, manifest.store)
-        # Byte ranges and local chunk reads fetch exactly what is asked, each chunk once.
-        amplification = (math.inf if manifest.store.kind == "safetensors" or direct is not None
+        reader = arrays.reader(loc, manifest.store)
+        # A reader that fetches each chunk once reads a box as cheaply as its shards one by one.
+        amplification = (math.inf if reader.fetches_once
                          else MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0)
         try:
-            values = read_arrays(loc, manifest.store, _read_jobs(saved, wanted, amplification), options, take,
-                                 direct, release_targets=release_targets)
+            values = read_arrays(loc, reader, _read_jobs(saved, wanted, amplification), options, take,
+                                 release_targets=release_targets)
         finally:
-            if direct is not None:
-                direct.close()  # every read has finished: read_arrays waits for them, also on errors
+            reader.close()  # every read has finished: read_arrays waits for them, also on errors
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 
@@ -221,14 +220,13 @@ def _read_jobs(saved: dict, wanted: dict, max_amplification: float) -> list[_Rea
     return jobs
 
 
-def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJob], options: RestoreOptions,
-                take: Callable[[dict], None] | None = None, direct: local_chunks.Opener | None = None, *,
-                release_targets: bool = False) -> dict:
+def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequence[_ReadJob], options: RestoreOptions,
+                take: Callable[[dict], None] | None = None, *, release_targets: bool = False) -> dict:
     """Read every job's regions and build its tensor; the reads of the next batch overlap building this one
     (unless both batches together exceed `options.max_host_bytes`; with a budget, each tensor's transfer to
     its devices is waited for before the one after the next is placed, and after a batch the freed host memory
-    is returned to the OS unless the next batch fits beside it: see `host_memory`). Arrays `direct` opens are
-    read by `local_chunks`, the others through tensorstore. The tensors are returned, or with `take` handed to
+    is returned to the OS unless the next batch fits beside it: see `host_memory`), every array opened by
+    `reader`. The tensors are returned, or with `take` handed to
     it one by one (see `read_item`, also for `release_targets`). On error, outstanding reads are waited for
     before the error propagates."""
     limit = _memory_limit()
@@ -237,12 +235,7 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
             raise CorruptCheckpointError(
                 f"restoring {tree.format_key_path(job.key_path)} from {loc.child(job.meta.path)} would read "
                 f"{job.read_bytes / 2**30:.1f} GiB at once, more than this machine's memory; a damaged checkpoint?")
-    context = arrays.operation_context()
-    opened = {}
-    for job in jobs:
-        local = direct.open(job.meta) if direct is not None else None
-        opened[job.key_path] = (arrays.Ready(local) if local is not None else
-                                arrays.open_existing(arrays.ArrayRef(loc, job.meta.path, store, context), job.meta))
+    opened = {job.key_path: reader.open(job.meta) for job in jobs}
     budget = options.max_host_bytes
     # Under a budget: two batches of reads in flight, torch_xla's copy of the one being placed, and glibc's slack.
     batch_bytes = min(options.read_batch_bytes, math.inf if budget is None else max(1, budget // 4))
@@ -255,7 +248,7 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
     # torch_xla copies a tensor's data on its way to the devices and holds the copy until the transfer ends;
     # under a budget one transfer runs while the next tensor is copied: its two largest tensors' bytes more.
     placing = [sum(sorted(job.read_bytes for job in group)[-2:]) for group in groups]
-    arenas = (staging.Arena(batch_bytes), staging.Arena(batch_bytes))  # batch k reads into arenas[k % 2]
+    arenas = (restore_arenas.Arena(batch_bytes), restore_arenas.Arena(batch_bytes))  # batch k reads into arenas[k % 2]
     resident_at_start = host_memory.resident_bytes() if budget is not None else None
 
     def issue(k: int) -> list[dict]:
@@ -311,30 +304,24 @@ def read_arrays(loc: storage.Location, store: ArrayStore, jobs: Sequence[_ReadJo
     return results
 
 
-def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict, arena: staging.Arena | None
-                 ) -> list[dict]:
+def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict,
+                 arena: restore_arenas.Arena | None) -> list[dict]:
     """Start the reads of `group`. Data bound for XLA devices is read into `arena` if given (torch_xla copies
     it before `_build` returns, so the arena is free again once the group is built); CPU and host results own
     theirs."""
     issued = []
     for job in group:
-        store = opened[job.key_path].result()
-        _check_stored(loc, job, store)
+        stored = opened[job.key_path].result()
+        _check_stored(loc, job, stored)
         empty = arena.empty if arena is not None and job.layout.placement in _XLA_PLACEMENTS else np.empty
-        if isinstance(store, local_chunks.LocalChunkArray):
-            issued.append(store.read_regions(job.reads, empty))
-            continue
-        array_loc = loc.child(job.meta.path)
-        issued.append({r: arrays.read(store, array_loc, tuple(slice(a, b) for a, b in r), empty)
-                       for r in job.reads})
+        issued.append(stored.read(job.reads, empty))
     return issued
 
 
-def _check_stored(loc: storage.Location, job: _ReadJob, store: Any) -> None:
+def _check_stored(loc: storage.Location, job: _ReadJob, stored: arrays.StoredArray) -> None:
     """The stored array must be the one the manifest describes (a hostile ``zarr.json`` could otherwise make
     tensorstore allocate absurd chunks)."""
-    shape, dtype = tuple(store.shape), arrays.stored_dtype_name(store)
-    chunks = arrays.chunk_shape(store)
+    shape, dtype, chunks = stored.shape, stored.dtype_name, stored.chunk_shape
     if shape != job.meta.shape or dtype != job.meta.dtype or chunks != job.meta.chunk_shape:
         raise CorruptCheckpointError(
             f"array {loc.child(job.meta.path)} holds {dtype}{list(shape)} in chunks {list(chunks)} but "

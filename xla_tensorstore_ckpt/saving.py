@@ -502,7 +502,7 @@ class ChunkWriter:
         self.item, self.writer, self.store = loc, writer, plan.store
         self.ocdbt = plan.store.kind == "ocdbt"
         self.writeback = writeback and not loc.capabilities.durable_writes
-        context = arrays.operation_context()
+        context = storage.operation_context()
         self.refs = {p.key_path: arrays.ArrayRef(loc, p.meta.path, plan.store, context) for p in plan.arrays}
         self.plans = {p.key_path: p for p in plan.arrays}
         self.writes = Writes([], [], [])

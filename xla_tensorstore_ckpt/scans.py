@@ -30,44 +30,43 @@ from .records import ArrayMetadata, ArrayStore
 Cell = tuple[int, ...]
 
 
-def chunk_regions(meta: ArrayMetadata) -> Iterator[tuple[Cell, tuple[slice, ...]]]:
+def chunk_regions(meta: ArrayMetadata) -> Iterator[tuple[Cell, grid.Index]]:
     """(chunk grid position, region) of every chunk of an array, in C order, lazily."""
-    for position, region in grid.chunks(meta.shape, meta.chunk_shape):
-        yield position, tuple(slice(a, b) for a, b in region)
+    return grid.chunks(meta.shape, meta.chunk_shape)
 
 
-def iter_chunks(ref: arrays.ArrayRef, meta: ArrayMetadata, *, regions: Iterable | None = None, window: int = 8
-                ) -> Iterator[tuple[Cell, np.ndarray | Exception]]:
-    """Every chunk's data, or with `regions` ((position, region) pairs) those regions' data, or the error
-    reading it; a few reads in flight at a time (memory stays near `window` chunks)."""
-    loc = ref.location
+def iter_chunks(checkpoint: Checkpoint, item: str, meta: ArrayMetadata, *, regions: Iterable | None = None,
+                window: int = 8) -> Iterator[tuple[Cell, np.ndarray | Exception]]:
+    """Every chunk's data of the array `meta` of `item`, or with `regions` ((position, region) pairs) those
+    regions' data, or the error reading it; a few reads in flight at a time (memory stays near `window`
+    chunks)."""
+    loc = checkpoint.item_location(item).child(meta.path)
     try:
-        store = arrays.open_existing(ref, meta).result()
+        stored = checkpoint.open(item, meta)
     except (CheckpointError, OSError) as exc:
         yield (), exc
         return
-    if tuple(store.shape) != meta.shape or arrays.stored_dtype_name(store) != meta.dtype:
+    if stored.shape != meta.shape or stored.dtype_name != meta.dtype:
         yield (), CorruptCheckpointError(
-            f"{loc}/{layout.ZARR_METADATA} describes {arrays.stored_dtype_name(store)}{list(store.shape)} but "
+            f"{loc}/{layout.ZARR_METADATA} describes {stored.dtype_name}{list(stored.shape)} but "
             f"{layout.ITEM_METADATA} records {meta.dtype}{list(meta.shape)}")
         return
     cells = chunk_regions(meta) if regions is None else regions
-    queue: list[tuple[tuple[int, ...], arrays.Pending]] = []
+    queue: list[tuple[Cell, arrays.PendingRead]] = []
     for cell, region in cells:
-        queue.append((cell, arrays.read(store, loc, region)))
+        queue.append((cell, stored.read([region])[region]))
         if len(queue) >= window:
             yield _take(queue.pop(0))
     while queue:
         yield _take(queue.pop(0))
 
 
-def _take(entry: tuple[Cell, arrays.Pending]) -> tuple[Cell, np.ndarray | Exception]:
+def _take(entry: tuple[Cell, arrays.PendingRead]) -> tuple[Cell, np.ndarray | Exception]:
     cell, pending = entry
     try:
         return cell, pending.result()
     except (CheckpointError, OSError) as exc:
         return cell, exc
-
 
 
 # ------------------------------------------------------------------------------------------------- stats
@@ -92,11 +91,10 @@ def array_stats(checkpoint: Checkpoint, key: str) -> ArrayStats:
     """Min, max, mean, std (over finite values), NaN and Inf counts, streaming chunk by chunk. Raises
     `CorruptCheckpointError` naming the chunk for damaged data."""
     item, meta = array_metadata(checkpoint, key)
-    ref = checkpoint.array_ref(item, meta)
     count = nan = inf = 0
     total = total_sq = 0.0
     low, high = math.inf, -math.inf
-    for cell, data in iter_chunks(ref, meta):
+    for cell, data in iter_chunks(checkpoint, item, meta):
         if isinstance(data, Exception):
             raise CorruptCheckpointError(f"{key} chunk {layout.chunk_key(cell)}: {data}") from data
         values = data.astype(np.float64) if data.dtype.kind != "c" else np.abs(data).astype(np.float64)
@@ -165,8 +163,8 @@ def _describe(row: TreeRow) -> Any:
 def _array_diff(a: Checkpoint, b: Checkpoint, key: str, ma: ArrayMetadata, mb: ArrayMetadata
                 ) -> DiffEntry | None:
     # b may be chunked otherwise: it is read by a's chunks (each side walks a's grid lazily, on its own)
-    chunks_a = iter_chunks(a.array_ref(split_key(key, a)[0], ma), ma, regions=chunk_regions(ma))
-    chunks_b = iter_chunks(b.array_ref(split_key(key, b)[0], mb), mb, regions=chunk_regions(ma))
+    chunks_a = iter_chunks(a, split_key(key, a)[0], ma, regions=chunk_regions(ma))
+    chunks_b = iter_chunks(b, split_key(key, b)[0], mb, regions=chunk_regions(ma))
     max_abs = 0.0
     diff_sq = ref_sq = 0.0
     differs = False
@@ -252,7 +250,7 @@ def _verify_all(targets: list[Checkpoint], problems: list[Problem], progress: Pr
             work.extend((checkpoint, prefix, item, meta) for _, meta in manifest.arrays())
     for done, (checkpoint, prefix, item, meta) in enumerate(work, 1):
         key = full_key(item, meta.path)
-        for cell, data in iter_chunks(checkpoint.array_ref(item, meta), meta):
+        for cell, data in iter_chunks(checkpoint, item, meta):
             if isinstance(data, Exception):
                 problems.append(Problem(f"{prefix}{key} {layout.chunk_key(cell)}", str(data)))
         if progress:

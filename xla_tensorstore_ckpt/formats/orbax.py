@@ -17,7 +17,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import bounds, layout, tree
+from .. import arrays, bounds, layout, tree
 from ..errors import CorruptCheckpointError
 from ..records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
 from ..storage import Location
@@ -130,8 +130,6 @@ def is_single_item(doc: dict) -> bool:
 def decode_item(doc: dict, loc: Location, *, where: str) -> ItemManifest:
     """An item Orbax wrote: the tree rebuilt from ``key_metadata`` (sequences become lists, dict keys strings),
     arrays opened for their shape, dtype and chunks, scalars and strings read. Blocks."""
-    from .. import arrays
-
     use_ocdbt = doc.get("use_ocdbt")
     if use_ocdbt is None:  # written before Orbax recorded it
         use_ocdbt = loc.read(layout.OCDBT_MANIFEST) is not None
@@ -144,25 +142,22 @@ def decode_item(doc: dict, loc: Location, *, where: str) -> ItemManifest:
                not v.get("skip_deserialize")]
     for path in to_open:
         _check_array_name(path, names[path], where)
-    context = arrays.operation_context()
+    reader = arrays.TensorstoreReader(loc, store)  # Orbax's arrays are zarr, read by tensorstore
     with ThreadPoolExecutor(16) as pool:
-        opened = dict(zip(to_open, pool.map(
-            lambda p: arrays.open_existing(arrays.ArrayRef(loc, names[p], store, context)).result(), to_open)))
+        opened = dict(zip(to_open, pool.map(lambda p: reader.open_name(names[p]).result(), to_open)))
     leaves: list[tuple[layout.KeyPath, Any]] = []
     for path, value in entries:
         kind = value.get("value_type")
         if path in opened:
             stored = opened[path]
-            meta = ArrayMetadata(names[path], tuple(stored.shape), arrays.stored_dtype_name(stored),
-                                 arrays.chunk_shape(stored))
+            meta = ArrayMetadata(names[path], stored.shape, stored.dtype_name, stored.chunk_shape)
             array_where = f"{loc.child(names[path])} (key {_key_text(path)})"
             bounds.check_array(meta.path, meta.shape, meta.dtype, meta.chunk_shape, array_where, foreign=True)
             if kind == SCALAR:
                 if math.prod(meta.shape) != 1:  # read only a single element: never an array's data
                     raise CorruptCheckpointError(f"{array_where}: a scalar leaf stored as an array of shape "
                                                  f"{list(meta.shape)}")
-                leaves.append((path, arrays.read_index(stored, arrays.ArrayRef(loc, names[path], store).location,
-                                                       ()).result().item()))
+                leaves.append((path, stored.read_index(()).result().item()))
             else:
                 leaves.append((path, meta))
         elif kind == STRING:

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: one ``.safetensors`` file, or a directory of them with
 ``model.safetensors.index.json``. Read as an item whose tree is the flat ``state_dict`` of the files (keys such as
-``model.layers.0.self_attn.q_proj.weight``) and whose arrays are byte ranges of the files (`SafetensorsTensor`).
+``model.layers.0.self_attn.q_proj.weight``) and whose arrays are byte ranges of the files (`RawArrayMetadata`).
 
 A safetensors file is an 8-byte little-endian header length N, N bytes of JSON (per tensor: dtype, shape and
 ``data_offsets`` relative to the data that follows the header, plus an optional ``__metadata__`` of strings),
@@ -20,12 +20,11 @@ import struct
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from .. import bounds, dtypes
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
-from ..records import ArrayMetadata, ArrayStore, ItemManifest
+from ..records import ArrayStore, ItemManifest, RawArrayMetadata
 from ..storage import Location, RangeNotSatisfiableError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -44,16 +43,6 @@ FROM_ZARR = {zarr: st for st, zarr in TO_ZARR.items()}
 
 STORE = ArrayStore(kind="safetensors", zarr_format=0, checksums=False)
 _SAFE_FILE_NAME = re.compile(r"[^/\\\x00-\x1f]+")
-
-
-@dataclass(frozen=True)
-class SafetensorsTensor(ArrayMetadata):
-    """A tensor of a safetensors file: `path` is its key; `file` the file's name relative to the item (empty
-    when the item is the file itself); `offset` the byte offset of its data in the file. `chunk_shape` is the
-    row block streaming readers take at a time (the file holds one contiguous run)."""
-
-    file: str = ""
-    offset: int = 0
 
 
 def is_file(loc: Location) -> bool:
@@ -87,7 +76,7 @@ def read_item(loc: Location) -> ItemManifest:
         keys_in.setdefault(name, []).append(key)
     files = sorted(keys_in)
     by_file = _headers(loc, files, keys_in)
-    tree: dict[str, SafetensorsTensor] = {}
+    tree: dict[str, RawArrayMetadata] = {}
     for key, name in weight_map.items():
         if key not in by_file[name]:
             raise CorruptCheckpointError(f"{loc.child(INDEX_NAME)} places {key!r} in {name}, which does not hold "
@@ -96,12 +85,12 @@ def read_item(loc: Location) -> ItemManifest:
     return ItemManifest(tree, format_version=0, store=STORE)
 
 
-def _headers(loc: Location, files: list[str], keys_in: dict[str, list[str]]) -> dict[str, dict[str, SafetensorsTensor]]:
+def _headers(loc: Location, files: list[str], keys_in: dict[str, list[str]]) -> dict[str, dict[str, RawArrayMetadata]]:
     """The tensors of every file of an index, a few headers read at a time (object stores: one at a time is
     slow); the first file that fails stops the reading (an index of 200,000 missing files fails at the first,
     without queuing the rest)."""
     workers = min(16, len(files) or 1)
-    out: dict[str, dict[str, SafetensorsTensor]] = {}
+    out: dict[str, dict[str, RawArrayMetadata]] = {}
     with ThreadPoolExecutor(workers) as pool:
         window: deque = deque()
         for name in files:
@@ -129,7 +118,7 @@ def weight_map_of(data: bytes, where: str) -> dict[str, str]:
 
 
 def _tensors(directory: Location, name: str, file: str, *, listed: list[str] | None = None
-             ) -> dict[str, SafetensorsTensor]:
+             ) -> dict[str, RawArrayMetadata]:
     """The validated tensors of file `name` in `directory`, recorded as living in `file` (relative to the
     item). `listed`: the keys an index places in the file, named if it is missing."""
     where = str(directory.child(name))
@@ -170,7 +159,7 @@ def _tensors(directory: Location, name: str, file: str, *, listed: list[str] | N
     out = {}
     for key, dtype, shape, (start, _) in entries:
         chunk = _row_block(shape, dtypes.by_name(dtype).itemsize)
-        out[key] = SafetensorsTensor(path=key, shape=shape, dtype=dtype, chunk_shape=chunk, file=file,
+        out[key] = RawArrayMetadata(path=key, shape=shape, dtype=dtype, chunk_shape=chunk, file=file,
                                      offset=data_start + start)
     return out
 

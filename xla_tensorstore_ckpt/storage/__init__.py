@@ -12,13 +12,13 @@ import os
 
 from .base import Backend, Capabilities, Location, PendingBytes, RangeNotSatisfiableError
 from .gcs import GcsBackend
-from .kvstore import context
+from .kvstore import context, operation_context, without_spec
 from .local import LocalBackend, absolute
 from .memory import MemoryBackend
 from .s3 import S3Backend
 
 __all__ = ["Backend", "Capabilities", "Location", "PendingBytes", "RangeNotSatisfiableError", "context", "location",
-           "register_backend"]
+           "operation_context", "register_backend", "without_spec"]
 
 _BACKENDS: dict[str, type[Backend]] = {}
 

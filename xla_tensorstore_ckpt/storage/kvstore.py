@@ -40,6 +40,21 @@ def context() -> ts.Context:
     })
 
 
+def operation_context() -> ts.Context:
+    """A context for one save, restore or inspection: the process's shared resources (`context`: thread pools,
+    file I/O settings, memory stores) with a cache of OCDBT B-tree nodes of its own. An OCDBT store cached beyond
+    one operation would outlive a deletion of its directory and serve a stale manifest to the next save there."""
+    return ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}, parent=context())
+
+
+def without_spec(text: str) -> str:
+    """A tensorstore error message without the spec dump it ends with (the status, file and OS error stay)."""
+    return _SPEC_DUMP.sub("", text)
+
+
+_SPEC_DUMP = re.compile(r"\s*\[tensorstore_spec='.*'\]", re.S)
+
+
 class KvstoreBackend(Backend):
     """Small files through a tensorstore kvstore: atomic single-key writes, conditional creates, range
     deletes, recursive listings. Subclasses give the spec and the URL."""

@@ -7,8 +7,8 @@ on a cold file), others (column-sharded: a run per row) copied out of a memory m
 (object stores, memory) a region is a set of byte ranges, one per contiguous run (a row-sharded region is one
 run, a column-sharded one a run per row): runs closer than `MERGE_GAP_BYTES` are fetched in one ranged request
 (the gap is read and dropped: requests, not bytes, are what remote reads pay for) of at most
-`MAX_REQUEST_BYTES`, all in flight at once. Results are `arrays.Pending`-like: `.result()` blocks and returns
-the numpy array, or raises `CheckpointError` naming the file and the key. No tensorstore here (ranged reads go
+`MAX_REQUEST_BYTES`, all in flight at once. Results are pending reads (`base.PendingRead`): `.result()` blocks and
+returns the numpy array, or raises `CheckpointError` naming the file and the key. No tensorstore here (ranged reads go
 through `storage`); no torch_xla.
 """
 
@@ -21,12 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from . import dtypes, storage
-from .errors import CheckpointError, CorruptCheckpointError, StorageError
-from .formats.safetensors import SafetensorsTensor
-from .staging import Empty
-
-Region = tuple[slice, ...]
+from .. import dtypes, storage
+from ..errors import CheckpointError, CorruptCheckpointError, StorageError
+from ..records import ArrayMetadata, RawArrayMetadata
+from .base import ArrayReader, Empty, Index, Picked, Ready, index_box
 
 MERGE_GAP_BYTES = 1 << 20
 MAX_POSITIONED_READS = 16  # runs per region read with pread; more are copied out of a memory map
@@ -35,12 +33,29 @@ MAX_REQUEST_BYTES = 16 << 20
 _COPIES = ThreadPoolExecutor(4, thread_name_prefix="xtc-raw-read")
 
 
-class RawArray:
-    """One tensor of a file, open for reading regions. `shape`, `dtype_name` and `chunk_shape` mirror a
-    tensorstore array's (see `arrays`)."""
+class ByteRangeReader(ArrayReader):
+    """Reads the tensors of one Hugging Face item (`RawArrayMetadata` entries): each region reads exactly its
+    bytes, never the whole tensor or file."""
 
-    def __init__(self, item: storage.Location, meta: SafetensorsTensor):
+    fetches_once = True
+
+    def __init__(self, item: storage.Location):
+        self.item = item
+
+    def open(self, meta: ArrayMetadata) -> Ready:
+        if not isinstance(meta, RawArrayMetadata):
+            raise TypeError(f"{meta.path}: a byte-range tensor is opened from its RawArrayMetadata")
+        return Ready(ByteRangeArray(self.item, meta))
+
+
+class ByteRangeArray:
+    """One tensor of a file, open for reading regions (`base.StoredArray`)."""
+
+    reads_whole_chunks = False
+
+    def __init__(self, item: storage.Location, meta: RawArrayMetadata):
         self.file = item.child(meta.file) if meta.file else item
+        self.location = self.file
         self.key = meta.path
         self.shape = meta.shape
         self.dtype_name = meta.dtype
@@ -53,9 +68,12 @@ class RawArray:
     def where(self) -> str:
         return f"{self.file} [{self.key}]"
 
-    def read(self, region: Region, empty: Empty = np.empty) -> RawRead:
-        """Start reading `region` (unit-step slices, within the shape) into a buffer from `empty`."""
-        out = empty(tuple(s.stop - s.start for s in region), self._row.copy_dtype)
+    def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, RawRead]:
+        """Start reading each region into a buffer from `empty`."""
+        return {region: self._read(region, empty) for region in regions}
+
+    def _read(self, region: Index, empty: Empty) -> RawRead:
+        out = empty(tuple(b - a for a, b in region), self._row.copy_dtype)
         if out.size == 0:
             return RawRead(self, out, [], None)
         if self._local is not None:
@@ -64,24 +82,13 @@ class RawArray:
         pending = [self.file.parent.read_range(self.file.name, start, stop) for start, stop, _ in requests]
         return RawRead(self, out, list(zip(requests, pending)), None)
 
-    def read_index(self, index: tuple[slice | int, ...]) -> RawRead:
+    def read_index(self, index: tuple[slice | int, ...]) -> Picked:
         """Start reading `index` (normalized integers and slices, strides allowed): the bounding box is read,
         then indexed."""
-        box, within = [], []
-        for i in index:
-            if isinstance(i, int):
-                box.append(slice(i, i + 1))
-                within.append(0)
-            else:
-                step = i.step or 1
-                count = max(0, -(-(i.stop - i.start) // step))
-                stop = i.start + (count - 1) * step + 1 if count else i.start
-                box.append(slice(i.start, stop))
-                within.append(slice(0, stop - i.start, step))
-        box += [slice(0, n) for n in self.shape[len(index):]]
-        return RawRead(self, None, [], None, inner=self.read(tuple(box)), within=tuple(within))
+        box, within = index_box(index, self.shape)
+        return Picked(self._read(box, np.empty), within)
 
-    def _copy_mapped(self, region: Region, out: np.ndarray) -> None:
+    def _copy_mapped(self, region: Index, out: np.ndarray) -> None:
         runs = _runs(self.shape, region, self._row.itemsize, self.offset)
         if len(runs) <= MAX_POSITIONED_READS:
             self._read_runs(runs, out)
@@ -91,7 +98,7 @@ class RawArray:
                                shape=max(1, math.prod(self.shape))).reshape(self.shape)
         except (OSError, ValueError) as exc:
             raise StorageError(f"cannot map {self.where}: {exc}") from exc
-        np.copyto(out, mapped[region])
+        np.copyto(out, mapped[tuple(slice(a, b) for a, b in region)])
 
     def _read_runs(self, runs: list[tuple[int, int, int]], out: np.ndarray) -> None:
         flat = memoryview(out.reshape(-1).view(np.uint8))
@@ -116,14 +123,10 @@ class RawArray:
 class RawRead:
     """A region read in flight."""
 
-    def __init__(self, array: RawArray, out: np.ndarray | None, requests: list, copy: Future | None, *,
-                 inner: RawRead | None = None, within: tuple = ()):
+    def __init__(self, array: ByteRangeArray, out: np.ndarray, requests: list, copy: Future | None):
         self.array, self.out, self.requests, self.copy = array, out, requests, copy
-        self.inner, self.within = inner, within
 
     def result(self) -> np.ndarray:
-        if self.inner is not None:
-            return self.inner.result()[self.within]
         try:
             if self.copy is not None:
                 self.copy.result()
@@ -144,20 +147,20 @@ class RawRead:
         return self.out.view(self.array._row.numpy)
 
 
-def _runs(shape: Sequence[int], region: Region, itemsize: int, offset: int) -> list[tuple[int, int, int]]:
+def _runs(shape: Sequence[int], region: Index, itemsize: int, offset: int) -> list[tuple[int, int, int]]:
     """(file offset, length, offset in the region's buffer) of each contiguous run of `region`, in order."""
     rank = len(shape)
     if rank == 0:
         return [(offset, itemsize, 0)]
     # Runs span the trailing dimensions the region covers whole, and a range of the one before.
     split = rank - 1
-    while split > 0 and region[split].start == 0 and region[split].stop == shape[split]:
+    while split > 0 and region[split] == (0, shape[split]):
         split -= 1
     strides = [math.prod(shape[d + 1:]) * itemsize for d in range(rank)]
-    length = (region[split].stop - region[split].start) * strides[split]
-    starts = np.full(1, offset + region[split].start * strides[split], dtype=np.int64)
+    length = (region[split][1] - region[split][0]) * strides[split]
+    starts = np.full(1, offset + region[split][0] * strides[split], dtype=np.int64)
     for d in range(split - 1, -1, -1):
-        along = np.arange(region[d].start, region[d].stop, dtype=np.int64) * strides[d]
+        along = np.arange(region[d][0], region[d][1], dtype=np.int64) * strides[d]
         starts = (along[:, None] + starts[None, :]).reshape(-1)
     return [(int(s), length, i * length) for i, s in enumerate(starts)]
 

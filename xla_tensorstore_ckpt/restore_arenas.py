@@ -15,11 +15,8 @@ Only for regions whose data no result keeps: XLA placements, whose host data tor
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
-
-Empty = Callable[[tuple[int, ...], np.dtype], np.ndarray]  # np.empty or an `Arena`'s: where readers put data
 
 _ALIGN = 64  # a cache line: what numpy's own allocations give
 

@@ -1,7 +1,7 @@
 """This library's zarr v3 arrays on local disk, read chunk by chunk straight from their files, without tensorstore.
 
 A chunk of ours is its elements in C order, little-endian, followed by their CRC32C (the ``bytes`` and ``crc32c``
-codecs), in a file of its own or at a byte range of an OCDBT data file (`arrays.ocdbt_index` says where). A read
+codecs), in a file of its own or at a byte range of an OCDBT data file (`ocdbt.ocdbt_index` says where). A read
 of some regions of an array reads each chunk they touch once, however many regions share it, with positioned
 reads: straight into the destination where the chunk is one contiguous block of it (a restore onto the sharding
 it was saved with), else in pieces of at most `PIECE_BYTES` through a buffer each reading thread keeps, copying out
@@ -13,7 +13,7 @@ Why not tensorstore here: it maps the files into memory and takes a page fault p
 cold (a quarter of a million per GiB, at several microseconds each on a busy VM); its CRC32C is the portable one
 (about 3 GB/s per core, against 15 here); and a chunk feeding two target shards is decoded twice. Arrays this does
 not cover (object stores, other codecs, zarr v2, Orbax's arrays, single-file arrays) are read by `arrays` through
-tensorstore: `opener` and `Opener.open` say which. No tensorstore and no torch_xla here.
+tensorstore: `covers` and `LocalChunkReader.open` say which. No tensorstore is used here, and no torch_xla.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import math
 import os
 import stat
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,12 +32,12 @@ from dataclasses import dataclass
 import crc32c
 import numpy as np
 
-from . import arrays, bounds, dtypes, layout, storage
-from .errors import CorruptCheckpointError, StorageError
-from .records import ArrayMetadata, ArrayStore
-from .staging import Empty
-
-Index = tuple[tuple[int, int], ...]
+from .. import bounds, dtypes, layout, storage
+from ..errors import CorruptCheckpointError, StorageError
+from ..records import ArrayMetadata, ArrayStore
+from .base import ArrayReader, Empty, Index, Opening, Picked, Ready, index_box
+from .ocdbt import StoredValue, ocdbt_index
+from .tensorstore_io import TensorstoreReader
 
 # Smaller chunks are read at once on the restoring thread. Each chunk costs some microseconds of Python: on worker
 # threads, thousands of small ones held the GIL against the restoring thread's own work and slowed it 4-7x (2,000
@@ -50,45 +51,51 @@ _WORKERS = ThreadPoolExecutor(4, thread_name_prefix="xtc-chunk-read")  # reads o
 _scratch = threading.local()
 
 
-def opener(item: storage.Location, store: ArrayStore) -> Opener | None:
-    """An `Opener` for the arrays of `item` if they may be read here (local files, this library's checksummed
-    zarr v3 arrays, in directories or one OCDBT store, no missing chunks allowed), else None."""
-    if (store.kind not in ("directories", "ocdbt") or store.zarr_format != 3 or not store.checksums
-            or store.fill_missing or item.local_file("") is None):
-        return None
-    return Opener(item, store)
+def covers(item: storage.Location, store: ArrayStore) -> bool:
+    """True if the arrays of `item` may be read here: local files, this library's checksummed zarr v3 arrays, in
+    directories or one OCDBT store, no missing chunks allowed."""
+    return (store.kind in ("directories", "ocdbt") and store.zarr_format == 3 and store.checksums
+            and not store.fill_missing and item.local_file("") is not None)
 
 
-class Opener:
-    """Opens the arrays of one item for local chunk reads. Used by one restore, on its thread, which closes it
-    once every read has finished (`close`: the OCDBT data files stay open until then)."""
+class LocalChunkReader(ArrayReader):
+    """Reads the arrays of one item (`covers`) chunk by chunk from their files; each chunk a call of
+    `LocalChunkArray.read` touches is read once. An array whose ``zarr.json`` is not exactly what this module
+    reads (another codec, a single-file array) is read by tensorstore instead, which reports what is wrong with
+    it. Used by one operation; `close` (or garbage collection) closes the OCDBT data files the reads opened."""
 
-    def __init__(self, item: storage.Location, store: ArrayStore):
+    fetches_once = True
+
+    def __init__(self, item: storage.Location, store: ArrayStore, tensorstore: TensorstoreReader):
         self.item = item
         self.store = store
-        self._index: dict[str, arrays.StoredValue] | None = None
+        self._tensorstore = tensorstore
+        self._index: dict[str, StoredValue] | None = None
         self._files = _OpenFiles()
+        weakref.finalize(self, self._files.close)
 
     def close(self) -> None:
-        """Close the data files the reads opened. Call it when no read is in flight any more."""
         self._files.close()
 
-    def open(self, meta: ArrayMetadata) -> LocalChunkArray | None:
-        """The array `meta` describes, or None where its ``zarr.json`` is not exactly what this module reads
-        (then tensorstore reads it, and reports what is wrong with it). Reads the array's metadata (and, the
-        first time, the item's OCDBT index); blocks. Raises `CorruptCheckpointError` for an unreadable index."""
+    def open(self, meta: ArrayMetadata) -> Opening:
+        """Reads the array's metadata (and, the first time, the item's OCDBT index) at once; raises
+        `CorruptCheckpointError` for an unreadable index."""
         if self.store.kind == "directories":
             where = self.item.child(meta.path)
             try:
                 raw = where.read(layout.ZARR_METADATA)
             except StorageError:
-                return None
-            return LocalChunkArray(where, meta, self._chunk_file) if _is_plain(raw, meta) else None
-        if self._index is None:
-            self._index = arrays.ocdbt_index(self.item)
-        value = self._index.get(f"{meta.path}/{layout.ZARR_METADATA}")
-        raw = value.inline if value is not None else None
-        return LocalChunkArray(self.item.child(meta.path), meta, self._ocdbt_chunk) if _is_plain(raw, meta) else None
+                raw = None  # tensorstore's reader reports it
+            locate = self._chunk_file
+        else:
+            if self._index is None:
+                self._index = ocdbt_index(self.item)
+            value = self._index.get(f"{meta.path}/{layout.ZARR_METADATA}")
+            raw, where, locate = value.inline if value is not None else None, self.item.child(meta.path), \
+                self._ocdbt_chunk
+        if not _is_plain(raw, meta):
+            return self._tensorstore.open(meta)
+        return Ready(LocalChunkArray(where, meta, locate))
 
     def _chunk_file(self, array: LocalChunkArray, key: str) -> _Source | None:
         """A chunk of an array stored in a directory: a file of its own, holding exactly the chunk."""
@@ -131,7 +138,7 @@ def _is_plain(raw: bytes | None, meta: ArrayMetadata) -> bool:
     `meta.chunk_shape`, default chunk keys, little-endian elements then a CRC32C, nothing else."""
     if raw is None:
         return False
-    try:  # a malformed one is reported by `arrays.open_existing`, which checks it the same way
+    try:  # a malformed one is reported by the tensorstore reader, which checks it the same way
         doc = bounds.load_json(raw, where=layout.ZARR_METADATA, max_bytes=bounds.MAX_ARRAY_JSON_BYTES)
     except CorruptCheckpointError:
         return False
@@ -147,7 +154,9 @@ def _is_plain(raw: bytes | None, meta: ArrayMetadata) -> bool:
 
 
 class LocalChunkArray:
-    """One array open for chunk reads. `shape`, `dtype_name` and `chunk_shape` mirror a tensorstore array's."""
+    """One array open for chunk reads (`base.StoredArray`)."""
+
+    reads_whole_chunks = True
 
     def __init__(self, location: storage.Location, meta: ArrayMetadata,
                  locate: Callable[[LocalChunkArray, str], _Source | None]):
@@ -160,8 +169,7 @@ class LocalChunkArray:
         self._locate = locate
         self.stored_bytes = math.prod(meta.chunk_shape) * self._row.itemsize + _CHECKSUM_BYTES
 
-    def read_regions(self, regions: Sequence[Index], empty: Empty = np.empty
-                     ) -> dict[Index, RegionRead]:
+    def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, RegionRead]:
         """Start reading `regions` (each within the shape) into buffers from `empty`; each chunk they touch is
         read once. Chunks of `INLINE_CHUNK_BYTES` or more are read on a small thread pool and this returns at
         once; smaller ones are read before it returns. Errors are raised by the `RegionRead` that needs the
@@ -183,6 +191,11 @@ class LocalChunkArray:
             for region in users:
                 reads[region].futures.append(future)
         return reads
+
+    def read_index(self, index: tuple[slice | int, ...]) -> Picked:
+        """Start reading `index`: its bounding box is read, then indexed."""
+        box, within = index_box(index, self.shape)
+        return Picked(self.read([box])[box], within)
 
     def _read_chunk(self, position: tuple[int, ...], targets: list[tuple[Index, np.ndarray]]) -> None:
         key = layout.chunk_key(position)
@@ -267,7 +280,7 @@ def _read_now(read: Callable, position: tuple[int, ...], targets: list) -> _Done
 
 
 class RegionRead:
-    """A region read in flight, shaped like `arrays.Pending`: `result()` blocks and returns the numpy array or
+    """A region read in flight, a `base.PendingRead`: `result()` blocks and returns the numpy array or
     raises the `CheckpointError` of a chunk it needed."""
 
     __slots__ = ("dtype", "out", "futures")

@@ -1,0 +1,58 @@
+"""Array I/O: this library's zarr arrays written through tensorstore, and every stored array read through one
+protocol (`base`).
+
+Reading: `reader(item, store)` picks, once per item and operation, the `ArrayReader` for how the item stores its
+arrays and what its storage can do: byte ranges of files for Hugging Face tensors (`byte_ranges`), chunk files
+read straight from local disk for this library's checksummed arrays (`local_chunks`), tensorstore for every
+other zarr array, on any backend (`tensorstore_io`). Callers see only the protocol: `reader.open(meta)` gives an
+`Opening`, its result a `StoredArray` that reads regions.
+
+Writing (saves, conversions): `create`, `write`, `commit` and `new_transaction` start tensorstore operations and
+return `Pending` futures; `wait_all` and `drain` wait for them; `merge_ocdbt` merges the per-process OCDBT stores
+of an item (`ocdbt`). Errors are `CorruptCheckpointError` (damaged or missing data) or `StorageError`, naming the
+array.
+"""
+
+from __future__ import annotations
+
+import tensorstore as ts
+
+from .. import storage
+from ..records import ArrayMetadata, ArrayStore
+from . import local_chunks
+from .base import ArrayReader, Empty, Index, Opening, PendingRead, Ready, StoredArray, drain, wait_all
+from .byte_ranges import ByteRangeReader
+from .ocdbt import OCDBT_LANES, merge_ocdbt
+from .tensorstore_io import (
+    ArrayRef,
+    Pending,
+    TensorstoreReader,
+    commit,
+    create,
+    new_transaction,
+    write,
+    zarr_metadata,
+)
+
+__all__ = ["OCDBT_LANES", "ArrayReader", "ArrayRef", "Empty", "Index", "Opening", "Pending", "PendingRead", "Ready",
+           "StoredArray", "TensorstoreReader", "commit", "create", "drain", "merge_ocdbt", "new_transaction",
+           "open_for_user", "reader", "wait_all", "write", "zarr_metadata"]
+
+
+def reader(item: storage.Location, store: ArrayStore, context: ts.Context | None = None) -> ArrayReader:
+    """The reader of the arrays of the item at `item` that keeps them as `store` says, for one operation
+    (`context`: its tensorstore context, `storage.operation_context()` by default). Does no I/O."""
+    if store.kind == "safetensors":
+        return ByteRangeReader(item)
+    tensorstore = TensorstoreReader(item, store, context)
+    if local_chunks.covers(item, store):
+        return local_chunks.LocalChunkReader(item, store, tensorstore)
+    return tensorstore
+
+
+def open_for_user(item: storage.Location, store: ArrayStore, meta: ArrayMetadata) -> object:
+    """The array `meta` of an item for a caller of `xtc.open_array`: a read-only tensorstore array where
+    tensorstore reads it (every zarr array), else the reader's own `StoredArray` (a Hugging Face tensor). Blocks."""
+    if store.kind == "safetensors":
+        return ByteRangeReader(item).open(meta).result()
+    return TensorstoreReader(item, store).open(meta).result().tensorstore
