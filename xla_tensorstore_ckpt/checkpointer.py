@@ -8,10 +8,12 @@ each writes the chunks it is assigned and the primary writes ``_METADATA`` once 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from . import commit, formats, layout, storage, tree
+from . import commit, events, formats, layout, storage, tree
 from .distributed import Coordinator, default_coordinator
+from .events import Emitter
 from .formats import checksums
 from .options import RestoreOptions, SaveOptions
 from .records import ItemManifest
@@ -38,6 +40,9 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     options = options or SaveOptions()
     coordinator = coordinator or default_coordinator()
     loc = storage.location(path)
+    item_events = Emitter(options.listeners, path=str(loc), process=coordinator.index)
+    begun = time.perf_counter()
+    item_events.emit(events.SAVE_STARTED)
     plan = plan_save(state, options, coordinator)
     temporary = coordinator.on_primary(f"preparing {loc}", lambda: prepare_directory(loc, overwrite=overwrite),
                                      share=True)
@@ -46,10 +51,15 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
         loc.resolved(), commit_files=(layout.ITEM_METADATA, layout.COMMIT_SUCCESS))
     try:
         # Nothing needs the staged data once written: hold at most the batch being written and the next.
-        commit.finish_writes(coordinator, target, lambda: issue_writes(
+        writes = commit.finish_writes(coordinator, target, lambda: issue_writes(
             target, plan, options, writer=coordinator.index, max_host_bytes=2 * options.host_batch_bytes),
             fsync=options.fsync, what=str(loc))
+        written = time.perf_counter()
+        item_events.emit(events.SAVE_WRITTEN, seconds=written - begun, nbytes=plan.write_bytes,
+                         files=len(writes.files) + len(writes.trees))
         commit.commit(coordinator, target, {"": plan}, [], fsync=options.fsync, what=str(loc), publish=publish)
+        item_events.emit(events.SAVE_COMMITTED, seconds=time.perf_counter() - written,
+                         details={"total_seconds": time.perf_counter() - begun})
     except BaseException:
         if temporary is not None and coordinator.is_primary:
             target.delete_tree()  # the replacement that failed; the old item is untouched
@@ -77,8 +87,16 @@ def restore(path: PathLike, target: Any = None, *, strict: bool = True, key_map:
     (naming array and chunk, or the metadata file whose checksum does not match), `CheckpointNotFoundError`
     if `path` holds no item.
     """
-    manifest = read_manifest(storage.location(path))
-    values = read_item(path, target, strict=strict, options=options, manifest=manifest, key_map=key_map)
+    return restore_item(storage.location(path), target, strict=strict, key_map=key_map, options=options)
+
+
+def restore_item(loc: storage.Location, target: Any = None, *, strict: bool = True, key_map: KeyMap | None = None,
+                 options: RestoreOptions | None = None, events: Emitter | None = None) -> Any:
+    """`restore`, with the restore's events told to `events` (a manager's, bound to its step, tier and item)
+    instead of `options.listeners`. Called by `restore` and by the manager; blocks."""
+    manifest = read_manifest(loc)
+    values = read_item(loc, target, strict=strict, options=options, manifest=manifest, key_map=key_map,
+                       events=events)
     if target is None and key_map is not None:
         return {path[0]: value for path, value in values.items()}
     return tree.rebuild(manifest.tree if target is None else target, lambda p, v: values.get(p, v))

@@ -28,16 +28,18 @@ COMMITTED = b"Checkpoint commit was successful (xla_tensorstore_ckpt)"  # conten
 
 
 def finish_writes(coordinator: Coordinator, loc: Location, start: Callable[[], Writes], *, fsync: bool,
-                  what: str) -> None:
+                  what: str) -> Writes:
     """Start (if `start` has not) and wait for this process's writes under `loc`, then, with `fsync`, make
-    them durable. Raises on every process if one failed: its own error there, `CoordinationError` elsewhere."""
-    def finish() -> None:
+    them durable; return them. Raises on every process if one failed: its own error there,
+    `CoordinationError` elsewhere."""
+    def finish() -> Writes:
         writes = start()
         arrays.wait_all(writes.pending)
         if fsync:
             loc.sync_files(writes.files, writes.trees)
+        return writes
 
-    coordinator.everywhere(f"writing {what}", finish)
+    return coordinator.everywhere(f"writing {what}", finish)
 
 
 def commit(coordinator: Coordinator, loc: Location, items: Mapping[str, SavePlan], final: Sequence[tuple[str, bytes]],

@@ -9,10 +9,9 @@ the caller's thread unless they say otherwise; `finish` runs on the lane's backg
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import layout, saving, storage
+from . import events, layout, saving, storage
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError
@@ -32,7 +31,7 @@ class Lane:
     policy: SavePolicy
     committer: BackgroundCommitter
     coordinator: Coordinator
-    on_commit: Callable[[int], None] | None
+    events: events.Emitter  # bound to this tier
     in_flight: int | None = None  # the newest step this manager saved (or is saving) here
     plan_caches: dict[str, saving.PlanCache] = field(default_factory=dict)  # item name -> its last plan
 
@@ -63,22 +62,40 @@ class Lane:
                 f"this one can only restore. If that process is gone, delete "
                 f"{lock.root.child(layout.MANAGER_LOCK)} (or wait lock_timeout_s).")
 
-    def submit(self, save: PendingSave, *, fsync: bool) -> None:
+    def submit(self, save: PendingSave, *, fsync: bool, started: float) -> None:
         """Hand `save` to the lane's background thread (`finish`); its error is re-raised later, naming the
         step and this tier. Uses the slot `committer.reserve` took. Does not block."""
         self.committer.submit(f"asynchronous save of step {save.step} to {self.describe()}", save.step,
-                              lambda: self.finish(save, fsync=fsync))
+                              lambda: self.finish(save, fsync=fsync, started=started))
 
-    def finish(self, save: PendingSave, *, fsync: bool) -> None:
+    def finish(self, save: PendingSave, *, fsync: bool, started: float) -> None:
         """Commit `save` in the tier (on every process of the job for the persistent tier), then retention (its
-        deletes deferred to the lane's background thread, off the critical path), then the commit callback.
-        Collective for the persistent tier. Blocks."""
-        doomed = self.tier.commit(self.coordinator, save, fsync=fsync, committed_at=time.time())
+        deletes deferred to the lane's background thread, off the critical path), telling the listeners as each
+        phase ends (`events`; `started`: when the save began, `time.perf_counter`). Collective for the
+        persistent tier. Blocks."""
+        step_events = self.events.bound(step=save.step, path=str(save.final))
+        begun = time.perf_counter()
+        phases = {}
+
+        def written(writes: saving.Writes) -> None:
+            phases["written"] = time.perf_counter()
+            step_events.emit(events.SAVE_WRITTEN, seconds=phases["written"] - begun, nbytes=save.write_bytes,
+                             files=len(writes.files) + len(writes.trees))
+
+        doomed = self.tier.commit(self.coordinator, save, fsync=fsync, committed_at=time.time(), on_written=written)
+        done = time.perf_counter()
+        step_events.emit(events.SAVE_COMMITTED, seconds=done - phases.get("written", begun),
+                         details={"total_seconds": done - started})
         if doomed and self.coordinator.is_primary:
             self.committer.defer(f"deleting steps {doomed} of {self.describe()} (retention after step {save.step})",
-                                 save.step, lambda: [self.tier.delete(old) for old in doomed])
-        if self.on_commit is not None:
-            self.on_commit(save.step)
+                                 save.step, lambda: self._retire(doomed, step_events))
+
+    def _retire(self, doomed: list[int], step_events: events.Emitter) -> None:
+        begun = time.perf_counter()
+        for old in doomed:
+            self.tier.delete(old)
+        step_events.emit(events.RETENTION_REMOVED, seconds=time.perf_counter() - begun,
+                         details={"steps": list(doomed)})
 
     def close(self) -> None:
         """Wait for the lane's saves (raising their errors), then release its root and its coordinator, each
@@ -96,23 +113,38 @@ def persistent_lane(root: storage.Location, options: CheckpointManagerOptions) -
     """The persistent tier at `root`: the manager's policies, the job's coordinator for its commits (a group of
     its own, so that the background commits' collectives never interleave with the caller's). Collective with
     several processes."""
+    coordinator = Coordinator.from_environment(options.coordination_timeout_s)
     retention = RetentionPolicy(
         max_to_keep=options.max_to_keep, keep_period=options.keep_period, best_fn=options.best_fn,
         best_mode=options.best_mode, keep_checkpoints_without_metrics=options.keep_checkpoints_without_metrics)
     return Lane(PERSISTENT, Tier(root, step_prefix=options.step_prefix, retention=retention,
                                  lock_timeout_s=options.lock_timeout_s),
                 SavePolicy(interval=options.save_interval_steps, steps=options.save_on_steps),
-                BackgroundCommitter(options.max_pending_saves),
-                Coordinator.from_environment(options.coordination_timeout_s), options.on_commit)
+                BackgroundCommitter(options.max_pending_saves), coordinator,
+                save_events(options, coordinator.index).bound(tier=PERSISTENT))
 
 
-def local_lane(root: storage.Location, options: CheckpointManagerOptions) -> Lane:
+def local_lane(root: storage.Location, options: CheckpointManagerOptions, process: int) -> Lane:
     """This process's local tier at `root`: the local policies, committed by this process alone."""
     return Lane(LOCAL, Tier(root, step_prefix=options.step_prefix,
                             retention=RetentionPolicy(max_to_keep=options.local_max_to_keep),
                             lock_timeout_s=options.lock_timeout_s),
                 SavePolicy(interval=options.local_save_interval_steps, steps=options.local_save_on_steps),
-                BackgroundCommitter(options.max_pending_saves), Coordinator.single(), options.on_local_commit)
+                BackgroundCommitter(options.max_pending_saves), Coordinator.single(),
+                save_events(options, process).bound(tier=LOCAL))
+
+
+def save_events(options: CheckpointManagerOptions, process: int) -> events.Emitter:
+    """The listeners of a manager's saves: its own (`on_commit` and `on_local_commit` among them, as listeners
+    of their tier's commits) and those of its `save_options`."""
+    callbacks = tuple(events.CommitCallback(callback, tier) for callback, tier in (
+        (options.on_commit, PERSISTENT), (options.on_local_commit, LOCAL)) if callback is not None)
+    return events.Emitter(options.listeners + options.save_options.listeners + callbacks, process=process)
+
+
+def restore_events(options: CheckpointManagerOptions, process: int) -> events.Emitter:
+    """The listeners of a manager's restores: its own and those of its `restore_options`."""
+    return events.Emitter(options.listeners + options.restore_options.listeners, process=process)
 
 
 def check_root(root: storage.Location, *, create: bool) -> None:

@@ -26,11 +26,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import formats, layout, local_tier, resume, step_save, storage, training_state
+from . import events, formats, layout, local_tier, resume, step_save, storage, training_state
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointExistsError, StepNotFoundError, UsageError
 from .gc_pause import paused_gc
-from .lanes import LOCAL, PERSISTENT, Lane, check_root, local_lane, persistent_lane
+from .lanes import LOCAL, PERSISTENT, Lane, check_root, local_lane, persistent_lane, restore_events
 from .options import CheckpointManagerOptions
 from .preemption import PreemptionWatch
 from .records import StepMetadata
@@ -66,7 +66,8 @@ class CheckpointManager:
         # Two groups: collectives of the caller's thread and of the background commits never interleave.
         self._coordinator = Coordinator.from_environment(options.coordination_timeout_s)
         self._persistent = persistent_lane(root, options)
-        self._local = None if local_root is None else local_lane(local_root, options)
+        self._local = None if local_root is None else local_lane(local_root, options, self._coordinator.index)
+        self._restore_events = restore_events(options, self._coordinator.index)
         # The local tier first: it commits sooner, and its staging serves the persistent one.
         self._lanes = [lane for lane in (self._local, self._persistent) if lane is not None]
         self._closed = False
@@ -206,6 +207,9 @@ class CheckpointManager:
     def _save(self, step: int, lanes: list[Lane], objects: Mapping[str, Any], marker: StepMetadata) -> None:
         """Stage `objects` once for every lane of `lanes`, then commit each lane (in the background in async
         mode). Every failure before the commits is raised on every process (collective)."""
+        started = time.perf_counter()
+        step_events = self._persistent.events.bound(tier=None, step=step, path=str(self.step_path(step)))
+        step_events.emit(events.SAVE_STARTED, details={"tiers": [lane.name for lane in lanes]})
         self._coordinator.everywhere(f"taking the roots for step {step}",
                                      lambda: [lane.take_root(step) for lane in lanes])
         states = {name: training_state.state_of(obj) for name, obj in objects.items()}
@@ -227,17 +231,20 @@ class CheckpointManager:
                 lane.committer.release()
             raise
         fsync = self._options.save_options.fsync
+        if self._options.async_save:
+            step_events.emit(events.SAVE_STAGED, seconds=time.perf_counter() - started,
+                             nbytes=max(sum(plan.staged_bytes for plan in p.plans.values()) for p in pendings))
         for lane, pending in zip(lanes, pendings):
             lane.in_flight = step
             if self._options.async_save:
-                lane.submit(pending, fsync=fsync)
+                lane.submit(pending, fsync=fsync, started=started)
         if not self._options.async_save:
             errors: list[Exception] = []
             try:
                 with paused_gc():  # staging happens here in sync mode (never on the background thread: gc is global)
                     for lane, pending in zip(lanes, pendings):
                         try:  # a local tier failing on one process must not keep it from the collective commit
-                            lane.finish(pending, fsync=fsync)
+                            lane.finish(pending, fsync=fsync, started=started)
                         except Exception as exc:  # noqa: BLE001 - raised below, on every process
                             errors.append(exc)
             finally:
@@ -323,7 +330,8 @@ class CheckpointManager:
         if choice is None:
             if init_from is not None:
                 training_state.restore_object(storage.location(init_from), model, strict=strict,
-                                              options=self._options.restore_options, key_map=key_map)
+                                              options=self._options.restore_options, key_map=key_map,
+                                              events=self._restore_events.bound(item="model"))
             return None
         if choice.redo_persistent:
             assert self._local is not None  # only a local candidate has a copy to redo
@@ -339,10 +347,12 @@ class CheckpointManager:
         lane = self._local if choice.tier == LOCAL else self._persistent
         assert lane is not None  # a local candidate exists only with a local tier
         own = lane.is_local  # a local step holds its writer's generator states alone, as a single row
+        step_loc = lane.tier.index.location(choice.step)
         training_state.restore_step(
-            lane.tier.index.location(choice.step), lane.tier.marker(choice.step), requested, strict=strict,
+            step_loc, lane.tier.marker(choice.step), requested, strict=strict,
             key_map=key_map, options=self._options.restore_options, items=items,
-            rng=(0, 1) if own else (self._coordinator.index, self._coordinator.count), restore_rng=rng)
+            rng=(0, 1) if own else (self._coordinator.index, self._coordinator.count), restore_rng=rng,
+            events=self._restore_events.bound(step=choice.step, tier=lane.name))
 
     def _resolve(self, resume_from: int | str) -> int | None:
         """None for "latest", else the step asked for."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import layout
+from .events import Listener, check_listeners
 
 _MiB = 1 << 20
 
@@ -34,6 +35,7 @@ class SaveOptions:
     split_bytes: in a job of several processes, a tensor of at least this size that every process holds whole
         (unsharded or replicated) is cut into one chunk per process along its first dimension, so that all
         processes share its writing instead of one writing it all.
+    listeners: told of each phase of a save (`events`: what `xtc.save`, or a manager with these options, does).
     """
 
     use_ocdbt: bool = True
@@ -41,8 +43,10 @@ class SaveOptions:
     host_batch_bytes: int = 64 * _MiB
     single_file_max_bytes: int = 4 * _MiB
     split_bytes: int = 16 * _MiB
+    listeners: tuple[Listener, ...] = ()
 
     def __post_init__(self) -> None:
+        check_listeners(self.listeners, "SaveOptions.listeners")
         for name in ("use_ocdbt", "fsync"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -58,7 +62,7 @@ class RestoreOptions:
     read_batch_bytes: bytes read per batch (a tensor larger than this is a batch of its own); the reads of one
         batch overlap placing the previous one on the devices, so host memory holds about two batches beyond
         the restored tensors (data bound for XLA devices is read into two arenas of this size, reused batch
-        after batch: `staging`). Smaller batches overlap better (a 1 GiB resume: 1.11-1.25 s with 256 MiB,
+        after batch: `restore_arenas`). Smaller batches overlap better (a 1 GiB resume: 1.11-1.25 s with 256 MiB,
         1.03 s with 64 MiB, on 2 cores).
     max_host_bytes: if set, host memory stays within it (or within twice one tensor's local shards, if
         larger): batches are at most a quarter of it, and the next is read ahead only while two batches and
@@ -69,12 +73,15 @@ class RestoreOptions:
         the next one, so that its resident memory stays within the budget too, short of the restore's own
         bookkeeping (a 2.4 GiB model onto CPU devices with 256 MiB: +266 MiB instead of +846 MiB, medians;
         benchmarks/bench_hf_import.py).
+    listeners: told of each restore's plan and end (`events`).
     """
 
     read_batch_bytes: int = 64 * _MiB
     max_host_bytes: int | None = None
+    listeners: tuple[Listener, ...] = ()
 
     def __post_init__(self) -> None:
+        check_listeners(self.listeners, "RestoreOptions.listeners")
         _check_int("read_batch_bytes", self.read_batch_bytes)
         _optional_int("max_host_bytes", self.max_host_bytes, 1)
 
@@ -124,6 +131,9 @@ class CheckpointManagerOptions:
     local_max_to_keep: how many local steps each process keeps (None: all).
     on_local_commit: like `on_commit`, for a step committed in this process's local tier (on the local tier's
         background thread in async mode).
+    listeners: told of every phase of the manager's saves and restores, on both tiers (`events`); those of
+        `save_options` and `restore_options` are told too. `on_commit` and `on_local_commit` are two such
+        listeners (`events.CommitCallback`).
     save_options, restore_options: item-level I/O options.
     """
 
@@ -151,8 +161,10 @@ class CheckpointManagerOptions:
     on_local_commit: Callable[[int], None] | None = None
     save_options: SaveOptions = field(default_factory=SaveOptions)
     restore_options: RestoreOptions = field(default_factory=RestoreOptions)
+    listeners: tuple[Listener, ...] = ()
 
     def __post_init__(self) -> None:
+        check_listeners(self.listeners, "CheckpointManagerOptions.listeners")
         _optional_int("save_interval_steps", self.save_interval_steps, 1)
         _optional_int("max_to_keep", self.max_to_keep, 1)
         _optional_int("keep_period", self.keep_period, 1)

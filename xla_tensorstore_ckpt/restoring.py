@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .errors import (
     UnsupportedValueError,
     UsageError,
 )
+from .events import RESTORE_FINISHED, RESTORE_PLANNED, Emitter
 from .gc_pause import paused_gc
 from .options import RestoreOptions
 from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
@@ -90,6 +92,17 @@ class _ReadJob:
         return total
 
     @cached_property
+    def chunks_touched(self) -> int:
+        """Stored chunks the reads touch (a chunk touched by two reads counts twice)."""
+        total = 0
+        for region in self.reads:
+            count = 1
+            for (a, b), chunk in zip(region, self.meta.chunk_shape):
+                count *= -(-b // chunk) - a // chunk if b > a else 0
+            total += count
+        return total
+
+    @cached_property
     def read_bytes(self) -> int:
         itemsize = dtypes.by_name(self.meta.dtype).itemsize
         return sum(math.prod(b - a for a, b in r) for r in self.reads) * itemsize
@@ -100,8 +113,8 @@ KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 
 def read_item(path: PathLike, target: Any = None, *, strict: bool = True, options: RestoreOptions | None = None,
               manifest: ItemManifest | None = None, key_map: KeyMap | None = None,
-              take: Callable[[dict[layout.KeyPath, Any]], None] | None = None, release_targets: bool = False
-              ) -> dict[layout.KeyPath, Any]:
+              take: Callable[[dict[layout.KeyPath, Any]], None] | None = None, release_targets: bool = False,
+              events: Emitter | None = None) -> dict[layout.KeyPath, Any]:
     """The restored value of every key path `restore` would fill: tensors placed like their target leaf
     (a tensor or a `RestoreAs`; CPU tensors for other leaves) and saved JSON values. Same errors as
     `restore`; callers that restore in place (the manager) assign the values themselves. With `key_map`, the
@@ -115,7 +128,10 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
     value it is handed), each XLA target's device data is released once its regions are read and checked,
     right before its new value is placed: no device memory beyond the state; if placing then fails, that
     tensor is left without values. Keys and shapes are checked before anything is read; if reading fails
-    later (damaged data), the tensors already handed over stay restored."""
+    later (damaged data), the tensors already handed over stay restored.
+
+    `events` (by default `options.listeners` with the item's path) is told when the reads are planned and when
+    they are done (`events.RESTORE_PLANNED`, `RESTORE_FINISHED`: the bytes this process reads)."""
     options = options or RestoreOptions()
     if release_targets and take is None:
         raise TypeError("release_targets needs take: the caller must put the new values in place")
@@ -133,11 +149,18 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
         # A reader that fetches each chunk once reads a box as cheaply as its shards one by one.
         amplification = (math.inf if reader.fetches_once
                          else MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0)
+        jobs = _read_jobs(saved, wanted, amplification)
+        events = (events or Emitter(options.listeners)).bound(path=str(loc))
+        planned_bytes = sum(job.read_bytes for job in jobs)
+        events.emit(RESTORE_PLANNED, nbytes=planned_bytes,
+                    details={"arrays": len(jobs), "chunks": sum(job.chunks_touched for job in jobs)})
+        begun = time.perf_counter()
         try:
-            values = read_arrays(loc, reader, _read_jobs(saved, wanted, amplification), options, take,
-                                 release_targets=release_targets)
+            values = read_arrays(loc, reader, jobs, options, take, release_targets=release_targets)
         finally:
             reader.close()  # every read has finished: read_arrays waits for them, also on errors
+        events.emit(RESTORE_FINISHED, seconds=time.perf_counter() - begun, nbytes=planned_bytes,
+                    details={"arrays": len(jobs)})
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 

@@ -25,6 +25,7 @@ import torch
 
 from . import checkpointer
 from .errors import CheckpointError
+from .events import Emitter
 from .options import RestoreOptions
 from .sharded_array import ShardedArray
 from .storage import Location
@@ -54,9 +55,11 @@ def capture(index: int, count: int) -> dict:
     return tree
 
 
-def restore(loc: Location, index: int, count: int, *, options: RestoreOptions) -> None:
-    """Set this process's generators from the item at `loc` (written by `capture`, or by format version 1)."""
-    apply(checkpointer.restore(loc, options=options), index, count, where=str(loc))
+def restore(loc: Location, index: int, count: int, *, options: RestoreOptions,
+            events: Emitter | None = None) -> None:
+    """Set this process's generators from the item at `loc` (written by `capture`, or by format version 1);
+    `events` hears of the reads."""
+    apply(checkpointer.restore_item(loc, options=options, events=events), index, count, where=str(loc))
 
 
 def apply(saved: Any, index: int, count: int, *, where: str) -> None:

@@ -73,6 +73,11 @@ class ArrayPlan:
         return sum(s.size for s in self.sources) * self.itemsize
 
     @cached_property
+    def write_bytes(self) -> int:
+        """Bytes of the chunks this process writes."""
+        return sum(math.prod(b - a for a, b in w.region) for w in self.writes) * self.itemsize
+
+    @cached_property
     def host_bytes(self) -> int:
         """Bytes one fetch brings to the host (torch_xla fetches every local shard of a tiled tensor)."""
         if self.layout.placement is Placement.TILED:
@@ -92,6 +97,16 @@ class SavePlan:
     @property
     def store(self) -> ArrayStore:
         return self.manifest.store
+
+    @property
+    def write_bytes(self) -> int:
+        """Bytes of the chunks this process writes."""
+        return sum(p.write_bytes for p in self.arrays)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host bytes this process holds until written."""
+        return sum(p.staged_bytes for p in self.arrays)
 
 
 @dataclass

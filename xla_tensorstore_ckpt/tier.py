@@ -37,6 +37,11 @@ class PendingSave:
     start: Callable[[], saving.Writes]
     marker: StepMetadata  # committed_at is set at commit time
 
+    @property
+    def write_bytes(self) -> int:
+        """Bytes of the chunks this process writes for the save."""
+        return sum(plan.write_bytes for plan in self.plans.values())
+
 
 class Tier:
     """The steps under one root."""
@@ -133,11 +138,14 @@ class Tier:
         temporary = coordinator.on_primary(f"preparing step {step} at {final}", clear, share=True)
         return (self.root.child(temporary) if temporary else final), final
 
-    def commit(self, coordinator: Coordinator, save: PendingSave, *, fsync: bool, committed_at: float) -> list[int]:
-        """Finish the writes of `save`, write its manifests and marker, put it in place, refresh the lock;
-        return the steps retention lets go (not deleted yet: see `delete`)."""
+    def commit(self, coordinator: Coordinator, save: PendingSave, *, fsync: bool, committed_at: float,
+               on_written: Callable[[saving.Writes], None] | None = None) -> list[int]:
+        """Finish the writes of `save` (then call `on_written` with them), write its manifests and marker, put it
+        in place, refresh the lock; return the steps retention lets go (not deleted yet: see `delete`)."""
         what = f"step {save.step} at {save.final}"
-        commit.finish_writes(coordinator, save.location, save.start, fsync=fsync, what=what)
+        writes = commit.finish_writes(coordinator, save.location, save.start, fsync=fsync, what=what)
+        if on_written is not None:
+            on_written(writes)
         marker = dataclasses.replace(save.marker, committed_at=committed_at)
         final = [(layout.CHECKPOINT_METADATA, formats.encode_step(marker)), (layout.COMMIT_SUCCESS, commit.COMMITTED)]
         publish = None if save.location == save.final else lambda: save.location.rename_to(save.final)

@@ -1,0 +1,203 @@
+"""What saves and restores do, phase by phase, told to listeners: metrics, logs, dashboards and tests read the
+same events.
+
+A listener is any callable taking an `Event`; pass them as ``CheckpointManagerOptions(listeners=...)`` (every
+phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / ``RestoreOptions(listeners=...)``
+(`xtc.save` / `xtc.restore`). Events of a save, in order:
+
+* ``save_started``: the step is due (`details["tiers"]`: the tiers it goes to).
+* ``save_staged`` (asynchronous saves): the shards are off the devices and the caller may go on (`seconds`:
+  the time `save` blocked for; `nbytes`: host bytes this process staged).
+* ``save_written`` (per tier): this process's writes are durable (`seconds` since staging; `nbytes` written
+  by this process; `files`: files it created, or OCDBT stores).
+* ``save_committed`` (per tier): the step is committed (`seconds`: the commit itself; `details["total_seconds"]`
+  from the start of the save).
+* ``retention_removed`` (per tier): steps retention deleted after a commit (`details["steps"]`).
+
+and of a restore (per item): ``restore_planned`` (`nbytes` this process will read, `details["arrays"]`,
+`details["chunks"]`: stored chunks its reads touch) and ``restore_finished`` (`seconds`, `nbytes` read).
+
+Listeners are called on the thread doing the work (a background commit thread for asynchronous saves), one
+event at a time per save or restore. A listener that raises fails what it listens to, like any error of that
+phase: at once for a blocking call, at the next call into the manager for a background commit (the step stays
+committed: listeners run after the commit point). Built in: `LogListener`, `JsonLinesListener`,
+`TensorBoardListener` (needs the ``tensorboard`` package: ``pip install xla_tensorstore_ckpt[tensorboard]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+SAVE_STARTED = "save_started"
+SAVE_STAGED = "save_staged"
+SAVE_WRITTEN = "save_written"
+SAVE_COMMITTED = "save_committed"
+RETENTION_REMOVED = "retention_removed"
+RESTORE_PLANNED = "restore_planned"
+RESTORE_FINISHED = "restore_finished"
+KINDS = (SAVE_STARTED, SAVE_STAGED, SAVE_WRITTEN, SAVE_COMMITTED, RETENTION_REMOVED, RESTORE_PLANNED,
+         RESTORE_FINISHED)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One phase of a save or restore on this process. `tier` is ``"local"`` or ``"persistent"`` for a
+    manager's, None for `xtc.save` / `xtc.restore`; `item` names the item (None: the whole step); `path` is
+    where (the step or item directory); `time` is when it was emitted (seconds since the epoch)."""
+
+    kind: str
+    step: int | None = None
+    tier: str | None = None
+    item: str | None = None
+    path: str | None = None
+    seconds: float | None = None
+    nbytes: int | None = None
+    files: int | None = None
+    process: int = 0
+    time: float = 0.0
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float | None:
+        """`nbytes` per `seconds`, in GB/s (10^9 bytes), where both are known."""
+        if self.nbytes is None or not self.seconds:
+            return None
+        return self.nbytes / self.seconds / 1e9
+
+    def to_json(self) -> dict:
+        doc = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and v != {}}
+        if self.gbps is not None:
+            doc["gbps"] = self.gbps
+        return doc
+
+
+class Listener(Protocol):
+    def __call__(self, event: Event) -> None: ...
+
+
+@dataclass(frozen=True)
+class Emitter:
+    """The listeners of one operation, with what its events share (step, tier, item, path, process). Free when
+    nobody listens; immutable (`bound` gives a copy with more fields set)."""
+
+    listeners: tuple[Listener, ...] = ()
+    step: int | None = None
+    tier: str | None = None
+    item: str | None = None
+    path: str | None = None
+    process: int = 0
+
+    def bound(self, **fields: Any) -> Emitter:
+        return dataclasses.replace(self, **fields)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Tell every listener. Raises what a listener raises."""
+        if not self.listeners:
+            return
+        shared = {"step": self.step, "tier": self.tier, "item": self.item, "path": self.path,
+                  "process": self.process}
+        event = Event(kind, **{**shared, **fields}, time=time.time())
+        for listener in self.listeners:
+            listener(event)
+
+
+def check_listeners(value: Any, where: str) -> None:
+    """`ValueError` naming `where` unless `value` is a tuple of listeners (callables); for the options."""
+    if not isinstance(value, tuple) or not all(callable(listener) for listener in value):
+        raise ValueError(f"{where} must be a tuple of listeners (callables taking an Event), got {value!r}"[:300])
+
+
+class CommitCallback:
+    """Calls `callback(step)` for each step committed in `tier` (what ``on_commit`` / ``on_local_commit`` are)."""
+
+    def __init__(self, callback: Callable[[int], None], tier: str):
+        self.callback, self.tier = callback, tier
+
+    def __call__(self, event: Event) -> None:
+        if event.kind == SAVE_COMMITTED and event.tier == self.tier and event.step is not None:
+            self.callback(event.step)
+
+
+class LogListener:
+    """One log line per event on `logger` (``xla_tensorstore_ckpt`` by default) at `level`."""
+
+    def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO):
+        self.logger = logger or logging.getLogger("xla_tensorstore_ckpt")
+        self.level = level
+
+    def __call__(self, event: Event) -> None:
+        if not self.logger.isEnabledFor(self.level):
+            return
+        parts = [event.kind]
+        for name in ("step", "tier", "item"):
+            value = getattr(event, name)
+            if value is not None:
+                parts.append(f"{name}={value}")
+        if event.seconds is not None:
+            parts.append(f"{event.seconds:.3f}s")
+        if event.nbytes is not None:
+            parts.append(f"{event.nbytes}B")
+        if event.gbps is not None:
+            parts.append(f"{event.gbps:.2f}GB/s")
+        if event.files is not None:
+            parts.append(f"files={event.files}")
+        parts += [f"{k}={v}" for k, v in event.details.items()]
+        self.logger.log(self.level, " ".join(parts))
+
+
+class JsonLinesListener:
+    """Appends each event as one JSON object per line to the local file `path` (created if missing), flushed
+    line by line; thread-safe. `close` closes the file (it reopens on the next event)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()
+        self._file = None
+
+    def __call__(self, event: Event) -> None:
+        line = json.dumps(event.to_json(), default=str) + "\n"
+        with self._lock:
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across events
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class TensorBoardListener:
+    """Scalars in a TensorBoard log directory: per event kind and tier, ``seconds``, ``bytes`` and ``GB/s`` at
+    the event's step (``checkpoint/persistent/save_committed/seconds``). Needs the ``tensorboard`` package;
+    `ImportError` naming it otherwise."""
+
+    def __init__(self, log_dir: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError("TensorBoardListener needs the tensorboard package: "
+                              "pip install 'xla_tensorstore_ckpt[tensorboard]'") from exc
+        self._writer = SummaryWriter(log_dir)
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event) -> None:
+        prefix = f"checkpoint/{event.tier or 'item'}/{event.kind}"
+        values = {"seconds": event.seconds, "bytes": event.nbytes, "GB_per_s": event.gbps}
+        with self._lock:
+            for name, value in values.items():
+                if value is not None:
+                    self._writer.add_scalar(f"{prefix}/{name}", value, global_step=event.step or 0)
+            self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
