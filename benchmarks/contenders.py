@@ -16,7 +16,7 @@ import torch
 import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import storage
+from xla_tensorstore_ckpt import events, storage
 
 
 class Contender:
@@ -48,6 +48,13 @@ class Contender:
         pass
 
 
+def _listeners() -> tuple:
+    """With ``XTC_BENCH_EVENTS=<file>`` (run.py's ``--events``), this library's contenders write every event to
+    that JSON-lines file: the cost of listening, measured beside the same run without."""
+    path = os.environ.get("XTC_BENCH_EVENTS")
+    return (events.JsonLinesListener(path),) if path else ()
+
+
 class Xtc(Contender):
     """This library: the synchronous item save (`xtc.save`), with or without fsync."""
 
@@ -57,10 +64,10 @@ class Xtc(Contender):
         self.name = "xtc" if fsync else "xtc-nofsync"
 
     def save(self, step, state):
-        xtc.save(self.path(step), state, options=xtc.SaveOptions(fsync=self.fsync))
+        xtc.save(self.path(step), state, options=xtc.SaveOptions(fsync=self.fsync, listeners=_listeners()))
 
     def restore(self, step, target, place):
-        return xtc.restore(self.path(step), target)
+        return xtc.restore(self.path(step), target, options=xtc.RestoreOptions(listeners=_listeners()))
 
 
 class XtcAsync(Contender):
@@ -73,7 +80,7 @@ class XtcAsync(Contender):
     def __init__(self, root: str):
         super().__init__(root)
         self.manager = xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(
-            save_interval_steps=1, max_to_keep=None, save_rng=False))
+            save_interval_steps=1, max_to_keep=None, save_rng=False, listeners=_listeners()))
 
     def save(self, step, state):
         self.manager.save(step, model=state)

@@ -6,6 +6,7 @@ usage: python benchmarks/run.py [--scale 1.0] [--repeats 3]
                                 [--workloads large,small,model,orbax-interop,hf-import,size-sweep,multi-tier]
                                 [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
                                 [--storage local|gcs|s3] [--warm-restore] [--resumes 5] [--sweep 0.25,1,4]
+                                [--events FILE]
 
 Workloads (benchmarks/workloads.py): `large` 1 GiB of 2D-sharded float32 + bfloat16; `small` 2,000 tensors of
 4 KiB-256 KiB; `model` a ~200M-parameter decoder with AdamW moments (~2.4 GiB), FSDP-sharded, also restored onto
@@ -288,10 +289,14 @@ def main() -> None:
                         help="resumes per contender on the large and model workloads: fresh process, page cache "
                         "evicted, one restore (0: none)")
     parser.add_argument("--output", default=None, help="default: benchmarks/results/<storage>.json (+ .png)")
+    parser.add_argument("--events", metavar="FILE", default=None,
+                        help="this library's contenders write every save and restore event to FILE (JSON lines)")
     args = parser.parse_args()
     output = args.output or os.path.join(HERE, "results", f"{args.storage}.json")
     contenders = args.contenders.split(",")
     env = dict(os.environ)
+    if args.events:
+        env["XTC_BENCH_EVENTS"] = os.path.abspath(args.events)
     server, base = start_object_store(args.storage)
     if server is not None:
         env.update(server.environment)
