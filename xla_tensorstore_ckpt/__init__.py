@@ -28,6 +28,7 @@ from .inspection import open_array
 from .manager import CheckpointManager, CheckpointManagerOptions
 from .options import RestoreOptions, SaveOptions
 from .records import ArrayMetadata, SavedSharding, StepMetadata
+from .restore_plan import KeyPlan, RestorePlan, plan_restore
 from .sharded_array import ShardedArray
 from .training_state import skip_batches
 from .version import __version__ as __version__
@@ -47,8 +48,10 @@ __all__ = [
     "CorruptCheckpointError",
     "FormatVersionError",
     "ItemNotFoundError",
+    "KeyPlan",
     "KeyMismatchError",
     "RestoreOptions",
+    "RestorePlan",
     "SaveOptions",
     "SavedSharding",
     "ShapeMismatchError",
@@ -60,6 +63,7 @@ __all__ = [
     "UsageError",
     "metadata",
     "open_array",
+    "plan_restore",
     "restore",
     "save",
     "skip_batches",

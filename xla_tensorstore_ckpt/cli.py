@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from . import convert, export, host_memory, inspection, scans, storage
+from . import convert, export, host_memory, inspection, restore_plan, scans, storage
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UsageError
 
 EXIT_DATA, EXIT_USAGE = 1, 2
@@ -231,6 +231,45 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_DATA if report.problems else 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    checkpoint = inspection.open_checkpoint(args.path)
+    items = (args.item,) if args.item else checkpoint.items
+    target_of = inspection.target_checkpoint(args.target) if args.target else None
+    plans = []
+    for item in items:
+        if item not in checkpoint.items:
+            raise UsageError(f"unknown item {item!r}; {checkpoint.location} has {', '.join(checkpoint.items)}")
+        for process in range(args.processes):
+            target = inspection.plan_target(checkpoint, item, target_of, mesh=args.mesh, process=process,
+                                            processes=args.processes)
+            plans.append(restore_plan.plan_restore(checkpoint.item_location(item), target, process=process,
+                                                   processes=args.processes))
+    if args.json:
+        _print_json([p.to_json() for p in plans])
+    else:
+        for plan in plans:
+            _print_plan(plan, args.processes)
+    return EXIT_DATA if any(not p.ok for p in plans) else 0
+
+
+def _print_plan(plan: restore_plan.RestorePlan, processes: int) -> None:
+    who = f" (process {plan.process} of {processes})" if processes > 1 else ""
+    print(f"{plan.path}{who}: {plan.source}")
+    rows = []
+    for k in plan.keys:
+        shape = k.saved_shape if k.saved_shape is not None else k.target_shape
+        dtype = (k.saved_dtype if k.target_dtype in (None, k.saved_dtype) else k.target_dtype
+                 if k.saved_dtype is None else f"{k.saved_dtype} -> {k.target_dtype}")
+        note = k.problem or ("lossy cast" if k.lossy_cast else "")
+        per_shard = f"{max(k.chunks_per_shard)}" if k.chunks_per_shard else ""
+        rows.append((k.key, k.status, "" if shape is None else str(list(shape)), dtype or "value",
+                     human_bytes(k.read_bytes) if k.read_bytes else "", k.chunks or "", per_shard, note))
+    print(table(("key", "status", "shape", "dtype", "reads", "chunks", "max/shard", "note"), rows, right=(4, 5, 6)))
+    print(f"reads {human_bytes(plan.read_bytes)} in {plan.chunks} stored chunks; host memory beyond the restored "
+          f"tensors: {human_bytes(plan.peak_host_bytes)}; "
+          + ("OK" if plan.ok else f"a strict restore refuses it: {len(plan.problems)} problems"))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     host_memory.release_large_buffers_at_once()
     checkpoint = inspection.open_checkpoint(args.path)
@@ -324,6 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b")
     p = command("verify", "every chunk present and every checksum valid (exit 1 otherwise)", cmd_verify)
     p.add_argument("path", help="ROOT, ROOT/STEP or an item directory")
+    p = command("plan", "plan a restore without reading data: per key the bytes and chunks each process reads, "
+                "and what a strict restore would refuse (exit 1)", cmd_plan)
+    p.add_argument("path", help="ROOT/STEP or an item directory (or a Hugging Face file or directory)")
+    p.add_argument("item", nargs="?", help="one item of a step (default: every item)")
+    p.add_argument("--mesh", type=parse_shape, help="restore onto the shards of this mesh, e.g. 4x2 (dimension i "
+                   "cut into mesh[i] shards; default: whole CPU tensors)")
+    p.add_argument("--processes", type=int, default=1, help="with --mesh: the shards split over this many "
+                   "processes, contiguously in C order (a plan per process)")
+    p.add_argument("--target", metavar="PATH", help="a checkpoint whose keys, shapes and dtypes stand for the "
+                   "restore target (e.g. the new model's weights); default: the checkpoint's own")
     p = command("convert", "convert between formats, streaming under a host-memory budget: a Hugging Face "
                 "safetensors file or directory, an item of ours or Orbax's, or one item of a step, into an item "
                 "or step of ours (which Orbax restores), or into safetensors / torch files", cmd_convert)

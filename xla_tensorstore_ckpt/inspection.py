@@ -21,6 +21,7 @@ from . import arrays, formats, layout, local_tier, storage, tree
 from .errors import CheckpointError, CheckpointNotFoundError, UsageError
 from .formats import safetensors
 from .records import ArrayMetadata, ItemManifest, StepMetadata
+from .sharded_array import ShardedArray
 from .steps import ANY_PREFIX, StepIndex
 
 if TYPE_CHECKING:
@@ -248,3 +249,39 @@ def _normalize(index: slice | int, size: int) -> slice | int:
         return index % size
     start, stop, step = index.indices(size)
     return slice(start, stop, step) if step != 1 else slice(start, max(start, stop))
+
+
+# -------------------------------------------------------------------------------------------- restore plans
+
+
+def target_checkpoint(path: str) -> Checkpoint:
+    """A checkpoint standing for a restore target in `xtckpt plan --target` (its metadata only)."""
+    return open_checkpoint(path)
+
+
+def plan_target(checkpoint: Checkpoint, item: str, target_of: Checkpoint | None, *, mesh: tuple[int, ...] | None,
+                process: int, processes: int) -> Any:
+    """A restore target for planning, without data: the tree of `item` (or of the same item of `target_of`, or
+    its only item), each array a `ShardedArray` target holding the shards of `mesh` (dimension i cut into
+    ``mesh[i]``; None: the whole array) that process `process` of `processes` would hold, the grid's shards
+    split contiguously in C order."""
+    if processes < 1 or not 0 <= process < processes:
+        raise UsageError(f"process {process} of {processes}: there must be at least one process")
+    source = checkpoint if target_of is None else target_of
+    name = item if item in source.items else source.items[0] if len(source.items) == 1 else None
+    if name is None:
+        raise UsageError(f"{source.location} has no item {item!r} to stand for the target (it holds "
+                         f"{', '.join(source.items)})")
+
+    def leaf(_path: Any, value: Any) -> Any:
+        if not isinstance(value, ArrayMetadata):
+            return value
+        shape = value.shape
+        parts = tuple(mesh[d] if mesh is not None and d < len(mesh) else 1 for d in range(len(shape)))
+        shard = tuple(max(1, -(-n // p)) for n, p in zip(shape, parts))
+        indices = ShardedArray.grid(shape, shard) if 0 not in shape else []
+        share = -(-len(indices) // processes)
+        mine = indices[process * share:(process + 1) * share]
+        return ShardedArray.target(shape, value.torch_dtype, shard, mine)
+
+    return tree.rebuild(source.manifest(name).tree, leaf)

@@ -41,7 +41,7 @@ PathLike = str | storage.Location
 # less than that, up to about this factor. Over a network, each chunk is fetched once.
 MAX_READ_AMPLIFICATION = 2.0
 SMALL_READ_BYTES = 4 << 20
-_XLA_PLACEMENTS = (Placement.TILED, Placement.REPLICATED, Placement.UNSHARDED)
+XLA_PLACEMENTS = (Placement.TILED, Placement.REPLICATED, Placement.UNSHARDED)
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
         # A reader that fetches each chunk once reads a box as cheaply as its shards one by one.
         amplification = (math.inf if reader.fetches_once
                          else MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0)
-        jobs = _read_jobs(saved, wanted, amplification)
+        jobs = read_jobs(saved, wanted, amplification)
         events = (events or Emitter(options.listeners)).bound(path=str(loc))
         planned_bytes = sum(job.read_bytes for job in jobs)
         events.emit(RESTORE_PLANNED, nbytes=planned_bytes,
@@ -220,7 +220,9 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
     return wanted
 
 
-def _read_jobs(saved: dict, wanted: dict, max_amplification: float) -> list[_ReadJob]:
+def read_jobs(saved: dict, wanted: dict, max_amplification: float) -> list[_ReadJob]:
+    """The reads of every array `wanted` asks for (target leaves by key path, as `_match` returns them): what the
+    restore reads, and what `restore_plan` reports."""
     targets = {p: (t.reference, t.dtype) if isinstance(t, RestoreAs) else (t, t.dtype)
                for p, t in wanted.items() if isinstance(t, (torch.Tensor, RestoreAs, ShardedArray))}
     xla = [(p, ref) for p, (ref, _) in targets.items() if isinstance(ref, torch.Tensor) and ref.device.type == "xla"]
@@ -302,7 +304,7 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
                 value = _build(job, {index: r.result() for index, r in current[i].items()},
                                release=release_targets)
                 current[i] = {}  # its host buffers are not needed any more
-                if budget is not None and job.layout.placement in _XLA_PLACEMENTS:
+                if budget is not None and job.layout.placement in XLA_PLACEMENTS:
                     settle()  # the previous tensor's: its host copy is freed
                     transferring.append(value)
                 if take is None:
@@ -336,7 +338,7 @@ def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict,
     for job in group:
         stored = opened[job.key_path].result()
         _check_stored(loc, job, stored)
-        empty = arena.empty if arena is not None and job.layout.placement in _XLA_PLACEMENTS else np.empty
+        empty = arena.empty if arena is not None and job.layout.placement in XLA_PLACEMENTS else np.empty
         issued.append(stored.read(job.reads, empty))
     return issued
 
