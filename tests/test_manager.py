@@ -390,11 +390,47 @@ def test_best_mode_max_and_steps_without_metrics(tmp_path):
     assert steps == [3, 5]
 
 
+def _markers(metrics: dict, committed_at: dict | None = None) -> dict:
+    return {s: xtc.StepMetadata(step=s, items=(), created_at=0.0, committed_at=(committed_at or {}).get(s, 0.0),
+                                metrics=m) for s, m in metrics.items()}
+
+
 def test_retention_policy_combinations():
-    policy = policies.RetentionPolicy(max_to_keep=2, keep_period=3, best_fn=lambda m: m["l"])
+    options = xtc.CheckpointManagerOptions(max_to_keep=2, keep_period=3, best_fn=lambda m: m["l"])
+    policy = policies.for_tiers(options).preserve
     metrics = {s: {"l": float(10 - s % 4)} for s in range(1, 10)}
     # best two by loss: steps with s % 4 == 3 (7 and 3), plus multiples of 3, plus the newest (9)
-    assert policy.steps_to_delete(list(range(1, 10)), metrics) == [1, 2, 4, 5, 8]
+    assert policies.steps_to_delete(policy, _markers(metrics)) == [1, 2, 4, 5, 8]
+    assert policies.best_step(policy, _markers(metrics)) == 7
+    # Composed by hand: the newest two, or anything committed within the last hour.
+    clock = lambda: 10_000.0  # noqa: E731
+    recent = policies.AnyOf((policies.LatestN(2), policies.KeepFor(3600, clock=clock)))
+    times = {s: 10_000.0 - 1000 * s for s in range(1, 10)}  # step 1 is the most recent here, step 9 the oldest
+    assert policies.steps_to_delete(recent, _markers(metrics, times)) == [4, 5, 6, 7]
+
+
+class EveryOtherSaveAfter:
+    """A user's own save decision: every step divisible by 2, from `first` on."""
+
+    def __init__(self, first):
+        self.first = first
+
+    def should_save(self, step, context):
+        return step >= self.first and step % 2 == 0
+
+
+def test_a_users_own_policies_drive_saving_and_retention(tmp_path):
+    class KeepOdd:
+        def keep(self, committed):
+            return {s for s in committed if s % 2}
+
+    opts = options(save_decision=EveryOtherSaveAfter(4), preservation=KeepOdd())
+    with xtc.CheckpointManager(tmp_path, opts) as mgr:
+        for step in range(1, 11):
+            mgr.save(step, extra={"step": step})
+        assert mgr.all_steps() == [10]  # saved 4, 6, 8, 10; kept: odd ones (none) and the newest
+    with pytest.raises(ValueError, match="preservation must be a policy"):
+        xtc.CheckpointManagerOptions(preservation=lambda committed: set())
 
 
 # ------------------------------------------------------------------------------------------------ bad input

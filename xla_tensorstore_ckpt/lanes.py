@@ -11,12 +11,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from . import events, layout, saving, storage
+from . import events, layout, policies, saving, storage
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError
 from .options import CheckpointManagerOptions
-from .policies import RetentionPolicy, SavePolicy
 from .tier import PendingSave, Tier
 
 LOCAL, PERSISTENT = "local", "persistent"  # the tiers' names, as `all_steps(tier)` and `metadata().tiers` say
@@ -28,7 +27,7 @@ class Lane:
 
     name: str  # LOCAL or PERSISTENT
     tier: Tier
-    policy: SavePolicy
+    decision: policies.SaveDecision
     committer: BackgroundCommitter
     coordinator: Coordinator
     events: events.Emitter  # bound to this tier
@@ -114,22 +113,18 @@ def persistent_lane(root: storage.Location, options: CheckpointManagerOptions) -
     its own, so that the background commits' collectives never interleave with the caller's). Collective with
     several processes."""
     coordinator = Coordinator.from_environment(options.coordination_timeout_s)
-    retention = RetentionPolicy(
-        max_to_keep=options.max_to_keep, keep_period=options.keep_period, best_fn=options.best_fn,
-        best_mode=options.best_mode, keep_checkpoints_without_metrics=options.keep_checkpoints_without_metrics)
-    return Lane(PERSISTENT, Tier(root, step_prefix=options.step_prefix, retention=retention,
-                                 lock_timeout_s=options.lock_timeout_s),
-                SavePolicy(interval=options.save_interval_steps, steps=options.save_on_steps),
+    chosen = policies.for_tiers(options)
+    return Lane(PERSISTENT, Tier(root, step_prefix=options.step_prefix, preservation=chosen.preserve,
+                                 lock_timeout_s=options.lock_timeout_s), chosen.save,
                 BackgroundCommitter(options.max_pending_saves), coordinator,
                 save_events(options, coordinator.index).bound(tier=PERSISTENT))
 
 
 def local_lane(root: storage.Location, options: CheckpointManagerOptions, process: int) -> Lane:
     """This process's local tier at `root`: the local policies, committed by this process alone."""
-    return Lane(LOCAL, Tier(root, step_prefix=options.step_prefix,
-                            retention=RetentionPolicy(max_to_keep=options.local_max_to_keep),
-                            lock_timeout_s=options.lock_timeout_s),
-                SavePolicy(interval=options.local_save_interval_steps, steps=options.local_save_on_steps),
+    chosen = policies.for_tiers(options)
+    return Lane(LOCAL, Tier(root, step_prefix=options.step_prefix, preservation=chosen.local_preserve,
+                            lock_timeout_s=options.lock_timeout_s), chosen.local_save,
                 BackgroundCommitter(options.max_pending_saves), Coordinator.single(),
                 save_events(options, process).bound(tier=LOCAL))
 

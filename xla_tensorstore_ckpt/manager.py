@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import events, formats, layout, local_tier, resume, step_save, storage, training_state
+from . import events, formats, layout, local_tier, policies, resume, step_save, storage, training_state
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointExistsError, StepNotFoundError, UsageError
 from .gc_pause import paused_gc
@@ -109,10 +109,10 @@ class CheckpointManager:
         return max(self.all_steps(tier), default=None)
 
     def best_step(self) -> int | None:
-        """The best committed step of the persistent tier by `best_fn` (None without `best_fn` or metrics)."""
+        """The best committed step of the persistent tier by its preservation policy's metric (`best_fn`, or
+        the first `policies.BestN` in the policy; None without one, or without metrics)."""
         tier = self._persistent.tier
-        metrics = {s: m.metrics for s, m in tier.committed().items()}
-        return tier.retention.best_step(list(metrics), metrics)
+        return policies.best_step(tier.preservation, tier.committed())
 
     def metadata(self, step: int) -> StepMetadata:
         """The commit marker of a committed step (the persistent tier's where it is in both), with `tiers` naming
@@ -134,10 +134,19 @@ class CheckpointManager:
     def _due(self, step: int, *, force: bool) -> list[Lane]:
         if force:
             return list(self._lanes)
-        if self._preemption.pending:
-            return [lane for lane in self._lanes if (step != lane.in_flight if lane.is_local
-                                                     else step not in lane.tier.committed())]
-        return [lane for lane in self._lanes if lane.policy.should_save(step, lane.last_saved())]
+        return [lane for lane in self._lanes if self._is_due(lane, step)]
+
+    def _is_due(self, lane: Lane, step: int) -> bool:
+        """What the lane's save decision says of `step`, if the lane has not saved it (nor, without a pending
+        preemption notice, a later step)."""
+        preempted = self._preemption.pending
+        last = lane.last_saved()
+        if preempted:
+            if (step == lane.in_flight) if lane.is_local else (step in lane.tier.committed()):
+                return False
+        elif last is not None and step <= last:
+            return False
+        return lane.decision.should_save(step, policies.SaveContext(last, preempted))
 
     def reached_preemption(self, step: int) -> bool:
         """True once a SIGTERM arrived (with `save_on_preemption`) and the state up to `step` is committed:

@@ -98,8 +98,9 @@ class CheckpointManagerOptions:
     save_interval_steps: `should_save(step)` is true every N steps (what a trainer's `save_steps` maps to);
         None saves only on `save_on_steps`, on `force=True` or on preemption.
     save_on_steps: further steps to save at.
-    max_to_keep, keep_period, best_fn, best_mode, keep_checkpoints_without_metrics: retention (see
-        `RetentionPolicy`); the newest committed step is never deleted.
+    max_to_keep, keep_period, best_fn, best_mode, keep_checkpoints_without_metrics: retention (`policies`:
+        `LatestN`, or `BestN` by `best_fn`, any of them with `EveryNSteps`); the newest committed step is never
+        deleted.
     step_prefix: step directories are named ``<prefix>_<step>`` instead of ``<step>``.
     create: create the root on the first save; if False the root must exist.
     async_save: `save` returns once shards are copied off the devices; the rest runs in the background.
@@ -131,6 +132,10 @@ class CheckpointManagerOptions:
     local_max_to_keep: how many local steps each process keeps (None: all).
     on_local_commit: like `on_commit`, for a step committed in this process's local tier (on the local tier's
         background thread in async mode).
+    save_decision, preservation, local_save_decision, local_preservation: policy objects (`policies`) for when
+        each tier saves and which of its steps it keeps, your own included; where given they replace the flat
+        fields above for that tier (`save_interval_steps`, `save_on_steps`; `max_to_keep`, `keep_period`,
+        `best_fn`, `best_mode`, `keep_checkpoints_without_metrics`; the `local_*` ones), which are shorthand.
     listeners: told of every phase of the manager's saves and restores, on both tiers (`events`); those of
         `save_options` and `restore_options` are told too. `on_commit` and `on_local_commit` are two such
         listeners (`events.CommitCallback`).
@@ -161,10 +166,19 @@ class CheckpointManagerOptions:
     on_local_commit: Callable[[int], None] | None = None
     save_options: SaveOptions = field(default_factory=SaveOptions)
     restore_options: RestoreOptions = field(default_factory=RestoreOptions)
+    save_decision: Any = None
+    preservation: Any = None
+    local_save_decision: Any = None
+    local_preservation: Any = None
     listeners: tuple[Listener, ...] = ()
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners, "CheckpointManagerOptions.listeners")
+        for name, method in (("save_decision", "should_save"), ("preservation", "keep"),
+                             ("local_save_decision", "should_save"), ("local_preservation", "keep")):
+            value = getattr(self, name)
+            if value is not None and not callable(getattr(value, method, None)):
+                raise ValueError(f"{name} must be a policy with a {method}() method (see policies), got {value!r}")
         _optional_int("save_interval_steps", self.save_interval_steps, 1)
         _optional_int("max_to_keep", self.max_to_keep, 1)
         _optional_int("keep_period", self.keep_period, 1)

@@ -1,75 +1,223 @@
-"""Save decisions and retention as small, pure functions of the committed steps.
+"""When a tier saves and which of its steps it keeps, as small policy objects (in the manner of Orbax's
+``SaveDecisionPolicy`` and ``PreservationPolicy``), each a pure function of what is committed: nothing here
+touches storage, so the manager (and the tests) can reason about every combination without writing a step.
 
-`should_save` decides whether a step is due; `steps_to_delete` decides which committed steps a retention
-configuration lets go. Nothing here touches storage, so the manager (and the tests) can reason about every
-combination of rules without writing a checkpoint.
+Save decisions (`SaveDecision`): `Interval`, `AtSteps`, `OnPreemption`, and `AnyOf` to combine them. Preservation
+(`Preservation`): `LatestN`, `BestN` (by a metric), `EveryNSteps`, `KeepFor` (by commit time), and `AnyOf`. A tier
+deletes, after each commit, every committed step its preservation policy does not keep, except the newest, which
+is always kept (`steps_to_delete`). A user's own policy is any object with the method of the protocol.
+
+`CheckpointManagerOptions` takes policy objects per tier (`save_decision`, `preservation`, `local_save_decision`,
+`local_preservation`); its flat fields (`save_interval_steps`, `max_to_keep`, `keep_period`, `best_fn`, ...) are
+shorthand for them, built in one place (`for_tiers`) and used only where no object is given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .records import StepMetadata
+
+if TYPE_CHECKING:
+    from .options import CheckpointManagerOptions
+
+Committed = Mapping[int, StepMetadata]  # the committed steps of a tier and their markers (metrics, times)
 
 
-@dataclass(frozen=True, kw_only=True)
-class SavePolicy:
-    """When a step is due: every `interval` steps (None: never by interval) and at each of `steps`."""
+@dataclass(frozen=True)
+class SaveContext:
+    """What a save decision sees: the newest step the tier has or is saving (None: none), and whether a
+    preemption notice (SIGTERM, with ``save_on_preemption``) is pending."""
 
-    interval: int | None = None
-    steps: frozenset[int] = field(default_factory=frozenset)
-
-    def should_save(self, step: int, last_saved: int | None) -> bool:
-        if last_saved is not None and step <= last_saved:
-            return False
-        if step in self.steps:
-            return True
-        return self.interval is not None and step % self.interval == 0
+    last_saved: int | None
+    preempted: bool = False
 
 
-@dataclass(frozen=True, kw_only=True)
-class RetentionPolicy:
-    """Which committed steps to keep.
+class SaveDecision(Protocol):
+    def should_save(self, step: int, context: SaveContext) -> bool:
+        """True if `step` is due. Never called for a step at or before `context.last_saved`."""
 
-    max_to_keep: keep the newest N (None: keep all). With `best_fn`, keep the best N by metric instead.
-    keep_period: also keep every step divisible by it.
-    best_fn / best_mode: score a step's metrics; "min" or "max" is best.
-    keep_checkpoints_without_metrics: with `best_fn`, keep steps that have no metrics (else they may go).
-    The newest committed step is always kept.
-    """
 
-    max_to_keep: int | None = None
-    keep_period: int | None = None
-    best_fn: Callable[[Mapping[str, Any]], float] | None = None
-    best_mode: str = "min"
-    keep_checkpoints_without_metrics: bool = True
+class Preservation(Protocol):
+    def keep(self, committed: Committed) -> set[int]:
+        """The committed steps this policy preserves (the others may be deleted)."""
 
-    def steps_to_delete(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, Any] | None]) -> list[int]:
-        """The committed `steps` (any order) that retention removes, oldest first."""
-        ordered = sorted(steps)
-        if not ordered:
-            return []
-        keep = {ordered[-1]}
-        if self.keep_period is not None:
-            keep.update(s for s in ordered if s % self.keep_period == 0)
-        if self.best_fn is None:
-            newest = ordered if self.max_to_keep is None else ordered[max(0, len(ordered) - self.max_to_keep):]
-            keep.update(newest)
+
+# ------------------------------------------------------------------------------------------- save decisions
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Every `steps` steps (step % steps == 0)."""
+
+    steps: int
+
+    def should_save(self, step: int, context: SaveContext) -> bool:
+        return step % self.steps == 0
+
+
+@dataclass(frozen=True)
+class AtSteps:
+    """At each of `steps`."""
+
+    steps: frozenset[int]
+
+    def should_save(self, step: int, context: SaveContext) -> bool:
+        return step in self.steps
+
+
+@dataclass(frozen=True)
+class OnPreemption:
+    """The first step after a preemption notice, whatever else says."""
+
+    def should_save(self, step: int, context: SaveContext) -> bool:
+        return context.preempted
+
+
+# ------------------------------------------------------------------------------------------ preservation
+
+
+@dataclass(frozen=True)
+class LatestN:
+    """The newest `n` steps."""
+
+    n: int
+
+    def keep(self, committed: Committed) -> set[int]:
+        return set(sorted(committed)[-self.n:])
+
+
+@dataclass(frozen=True)
+class BestN:
+    """The best `n` steps (None: every scored step) by `score(metrics)`: lowest first with ``mode="min"``,
+    highest with ``"max"`` (ties: the newer). Steps without metrics are kept with `keep_unscored`."""
+
+    score: Callable[[Mapping[str, Any]], float]
+    n: int | None = None
+    mode: str = "min"
+    keep_unscored: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+
+    def ranked(self, committed: Committed) -> list[int]:
+        """The scored steps, best first."""
+        scored = [(self.score(m.metrics), s) for s, m in committed.items() if m.metrics is not None]
+        return [s for _, s in sorted(scored, key=lambda p: (p[0] if self.mode == "min" else -p[0], -p[1]))]
+
+    def keep(self, committed: Committed) -> set[int]:
+        best = self.ranked(committed)
+        kept = set(best if self.n is None else best[:self.n])
+        if self.keep_unscored:
+            kept.update(s for s, m in committed.items() if m.metrics is None)
+        return kept
+
+
+@dataclass(frozen=True)
+class EveryNSteps:
+    """Every step divisible by `n` (a permanent record every n steps)."""
+
+    n: int
+
+    def keep(self, committed: Committed) -> set[int]:
+        return {s for s in committed if s % self.n == 0}
+
+
+@dataclass(frozen=True)
+class KeepFor:
+    """Every step committed less than `seconds` ago (`clock`: the current time, in seconds since the epoch)."""
+
+    seconds: float
+    clock: Callable[[], float] = time.time
+
+    def keep(self, committed: Committed) -> set[int]:
+        now = self.clock()
+        return {s for s, m in committed.items() if now - m.committed_at < self.seconds}
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """A step is due (or kept) if any of `policies` says so."""
+
+    policies: tuple[Any, ...] = field(default=())
+
+    def should_save(self, step: int, context: SaveContext) -> bool:
+        return any(p.should_save(step, context) for p in self.policies)
+
+    def keep(self, committed: Committed) -> set[int]:
+        return set().union(*(p.keep(committed) for p in self.policies)) if self.policies else set()
+
+
+KEEP_ALL = AnyOf((EveryNSteps(1),))
+
+
+def steps_to_delete(policy: Preservation, committed: Committed) -> list[int]:
+    """The committed steps `policy` lets go, oldest first; the newest step is always kept."""
+    if not committed:
+        return []
+    keep = policy.keep(committed) | {max(committed)}
+    return [s for s in sorted(committed) if s not in keep]
+
+
+def best_step(policy: Preservation, committed: Committed) -> int | None:
+    """The best committed step by the first `BestN` in `policy` (None without one, or without metrics)."""
+    ranking = next(_best_n(policy), None)
+    ranked = ranking.ranked(committed) if ranking is not None else []
+    return ranked[0] if ranked else None
+
+
+def _best_n(policy: Any) -> Iterable[BestN]:
+    if isinstance(policy, BestN):
+        yield policy
+    for inner in getattr(policy, "policies", ()):
+        yield from _best_n(inner)
+
+
+# ------------------------------------------------------------------------------------------- shorthand
+
+
+@dataclass(frozen=True)
+class TierPolicies:
+    """The save decision and the preservation policy of each tier of a manager."""
+
+    save: SaveDecision
+    preserve: Preservation
+    local_save: SaveDecision
+    local_preserve: Preservation
+
+
+def for_tiers(options: CheckpointManagerOptions) -> TierPolicies:
+    """The policies `options` give each tier: its policy objects where given, else those its flat fields
+    spell (`save_interval_steps` and `save_on_steps`, then preemption; `max_to_keep` newest, or best by `best_fn`,
+    `keep_period`; the local tier's `local_*` fields likewise, `local_max_to_keep` newest)."""
+    save = options.save_decision or _decision(options.save_interval_steps, options.save_on_steps)
+    if options.preservation is not None:
+        preserve = options.preservation
+    else:
+        parts: list[Any] = []
+        if options.best_fn is not None:
+            parts.append(BestN(options.best_fn, options.max_to_keep, options.best_mode,
+                               options.keep_checkpoints_without_metrics))
+        elif options.max_to_keep is not None:
+            parts.append(LatestN(options.max_to_keep))
         else:
-            scored = [(self.best_fn(metrics[s]), s) for s in ordered if metrics.get(s) is not None]
-            unscored = [s for s in ordered if metrics.get(s) is None]
-            if self.keep_checkpoints_without_metrics:
-                keep.update(unscored)
-            best_first = sorted(scored, key=lambda pair: (pair[0] if self.best_mode == "min" else -pair[0], -pair[1]))
-            limit = len(best_first) if self.max_to_keep is None else self.max_to_keep
-            keep.update(s for _, s in best_first[:limit])
-        return [s for s in ordered if s not in keep]
+            parts.append(KEEP_ALL)
+        if options.keep_period is not None:
+            parts.append(EveryNSteps(options.keep_period))
+        preserve = parts[0] if len(parts) == 1 else AnyOf(tuple(parts))
+    local_save = options.local_save_decision or _decision(options.local_save_interval_steps,
+                                                          options.local_save_on_steps)
+    local_preserve = options.local_preservation or (
+        LatestN(options.local_max_to_keep) if options.local_max_to_keep is not None else KEEP_ALL)
+    return TierPolicies(save, preserve, local_save, local_preserve)
 
-    def best_step(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, Any] | None]) -> int | None:
-        """The best committed step by `best_fn` (ties: the newest), or None without `best_fn` or metrics."""
-        if self.best_fn is None:
-            return None
-        scored = [(self.best_fn(metrics[s]), s) for s in steps if metrics.get(s) is not None]
-        if not scored:
-            return None
-        return min(scored, key=lambda pair: (pair[0] if self.best_mode == "min" else -pair[0], -pair[1]))[1]
+
+def _decision(interval: int | None, steps: frozenset[int]) -> SaveDecision:
+    parts: list[Any] = [Interval(interval)] if interval is not None else []
+    if steps:
+        parts.append(AtSteps(steps))
+    return AnyOf((*parts, OnPreemption()))

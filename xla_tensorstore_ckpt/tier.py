@@ -15,10 +15,9 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from . import commit, formats, layout, saving
+from . import commit, formats, layout, policies, saving
 from .distributed import Coordinator
 from .errors import StepNotFoundError
-from .policies import RetentionPolicy
 from .records import StepMetadata
 from .root_lock import RootLock
 from .steps import StepEntry, StepIndex
@@ -46,10 +45,11 @@ class PendingSave:
 class Tier:
     """The steps under one root."""
 
-    def __init__(self, root: Location, *, step_prefix: str | None, retention: RetentionPolicy, lock_timeout_s: float):
+    def __init__(self, root: Location, *, step_prefix: str | None, preservation: policies.Preservation,
+                 lock_timeout_s: float):
         self.root = root
         self.index = StepIndex(root, step_prefix)
-        self.retention = retention
+        self.preservation = preservation
         self.lock = RootLock(root, lock_timeout_s)
         self._guard = threading.Lock()
         self._steps: dict[int, StepMetadata] = {}
@@ -153,9 +153,7 @@ class Tier:
 
         def retain() -> list[int]:
             self.lock.heartbeat()
-            metrics = {s: m.metrics for s, m in self.committed().items()}
-            metrics[save.step] = marker.metrics
-            return self.retention.steps_to_delete(list(metrics), metrics)
+            return policies.steps_to_delete(self.preservation, {**self.committed(), save.step: marker})
 
         doomed = coordinator.on_primary(f"retention after step {save.step}", retain, share=True)
         with self._guard:
