@@ -1,10 +1,12 @@
-"""Key-path escaping: reversible, one safe path segment per key, never escaping the item directory."""
+"""Names on disk: format 1's key-path escaping (reversible, one safe path segment per key, never escaping the item
+directory), step names, relative paths."""
 
 from __future__ import annotations
 
 import pytest
 
 from xla_tensorstore_ckpt import layout, storage
+from xla_tensorstore_ckpt.formats import v1
 from xla_tensorstore_ckpt.steps import StepIndex
 
 ROUND_TRIP = [
@@ -16,33 +18,33 @@ ROUND_TRIP = [
 
 @pytest.mark.parametrize("key", ROUND_TRIP, ids=repr)
 def test_component_round_trips_and_is_one_safe_segment(key):
-    name = layout.escape_component(key)
-    assert layout.unescape_component(name) == key
-    assert type(layout.unescape_component(name)) is type(key)
+    name = v1.escape_component(key)
+    assert v1.unescape_component(name) == key
+    assert type(v1.unescape_component(name)) is type(key)
     assert "/" not in name and "\\" not in name and "\x00" not in name
     assert name not in ("", ".", "..", layout.ITEM_METADATA, layout.CHECKPOINT_METADATA, layout.ZARR_METADATA)
     assert layout.is_safe_relative_path(name)
 
 
 def test_escaping_is_injective_over_the_examples():
-    names = [layout.escape_component(k) for k in ROUND_TRIP]
+    names = [v1.escape_component(k) for k in ROUND_TRIP]
     assert len(set(names)) == len(names)
 
 
 def test_int_and_digit_string_keys_differ():
-    assert layout.escape_component(0) == "0"
-    assert layout.escape_component("0") != "0"
+    assert v1.escape_component(0) == "0"
+    assert v1.escape_component("0") != "0"
 
 
 def test_long_names_are_shortened_and_stay_distinct():
     a, b = "x" * 1000, "x" * 999 + "y"
-    ea, eb = layout.escape_component(a), layout.escape_component(b)
-    assert len(ea) <= layout.MAX_COMPONENT_LENGTH and len(eb) <= layout.MAX_COMPONENT_LENGTH
+    ea, eb = v1.escape_component(a), v1.escape_component(b)
+    assert len(ea) <= v1.MAX_COMPONENT_LENGTH and len(eb) <= v1.MAX_COMPONENT_LENGTH
     assert ea != eb
 
 
 def test_array_path_joins_components():
-    assert layout.array_path(("state", 0, "exp_avg")) == "state/0/exp_avg"
+    assert v1.array_path(("state", 0, "exp_avg")) == "state/0/exp_avg"
 
 
 @pytest.mark.parametrize("path", ["", "/abs", "a/../b", "..", "a//b", "a/./b", "a\\b", "a\x00"], ids=repr)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from . import commit, events, formats, layout, storage, tree
+from . import commit, events, formats, storage, tree
 from .distributed import Coordinator, default_coordinator
 from .events import Emitter
 from .formats import checksums
@@ -48,7 +48,7 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
                                      share=True)
     target = loc if temporary is None else loc.resolved().parent.child(temporary)
     publish = None if temporary is None else lambda: target.replace(
-        loc.resolved(), commit_files=(layout.ITEM_METADATA, layout.COMMIT_SUCCESS))
+        loc.resolved(), commit_files=formats.writer(options.format).ITEM_COMMIT_FILES)
     try:
         # Nothing needs the staged data once written: hold at most the batch being written and the next.
         writes = commit.finish_writes(coordinator, target, lambda: issue_writes(

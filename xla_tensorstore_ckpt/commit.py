@@ -3,8 +3,9 @@
 1. Every process finishes the writes it started and makes them durable (`finish_writes`); if any process
    fails, every process raises and nothing is committed.
 2. The primary finishes each item (`commit`): merges its processes' OCDBT stores into the item's root store,
-   writes ``_strings.json``, the item's ``_METADATA`` and Orbax's ``commit_success.txt``; then the final files
-   in order (a step's marker), the last being the commit point; then publishes (a step written under a
+   writes the files its format finishes an item with (`formats.item_files`: ``_strings.json``, ``_METADATA``,
+   Orbax's ``commit_success.txt``); then the final files in order (a step's, `formats.step_files`), the last
+   being the commit point; then publishes (a step written under a
    temporary name is renamed into place, where the storage renames). Every process learns the outcome.
 
 A step or item copied elsewhere stays valid: nothing refers to absolute paths, and on storage that cannot rename
@@ -14,17 +15,12 @@ and block.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Callable, Mapping, Sequence
 
 from . import arrays, formats, layout
 from .distributed import Coordinator
-from .formats import checksums
 from .saving import SavePlan, Writes
 from .storage import Location
-
-COMMITTED = b"Checkpoint commit was successful (xla_tensorstore_ckpt)"  # content of commit_success.txt
 
 
 def finish_writes(coordinator: Coordinator, loc: Location, start: Callable[[], Writes], *, fsync: bool,
@@ -58,18 +54,13 @@ def commit(coordinator: Coordinator, loc: Location, items: Mapping[str, SavePlan
 
 
 def finish_item(item: Location, plan: SavePlan, *, fsync: bool) -> None:
-    """Merge the item's OCDBT stores, then write its string leaves, its manifest (with the checksum of the
-    string leaves' file and its own) and Orbax's completion mark."""
+    """Merge the item's OCDBT stores, then write the files its format finishes an item with (v2: its string
+    leaves, its manifest with their checksum and its own, Orbax's completion mark)."""
     if plan.store.kind == "ocdbt":
         stores = [n for n in item.list() if n.startswith(layout.OCDBT_PROCESS_PREFIX)]
         if stores:
             arrays.merge_ocdbt(item, stores)
             if fsync:
                 item.sync_files([layout.OCDBT_MANIFEST], trees=["d"])
-    manifest = plan.manifest
-    if plan.strings:
-        strings = json.dumps(plan.strings).encode("utf-8")
-        item.write(layout.STRINGS, strings, fsync=fsync)
-        manifest = dataclasses.replace(manifest, strings_crc32c=checksums.of(strings))  # verified on read
-    item.write(layout.ITEM_METADATA, formats.encode_item(manifest), fsync=fsync)
-    item.write(layout.COMMIT_SUCCESS, COMMITTED, fsync=fsync)
+    for name, data in formats.item_files(plan.manifest, plan.strings):
+        item.write(name, data, fsync=fsync)

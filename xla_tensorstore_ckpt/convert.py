@@ -93,8 +93,8 @@ def convert_item(source: storage.Location, destination: storage.Location, *, opt
     outputs.check_separate(source, destination)
     outputs.check_vacant(destination, overwrite=overwrite)
     sources, plan, units = _prepare(source, options)
-    with outputs.staged_directory(destination, overwrite=overwrite,
-                                  commit_files=(layout.ITEM_METADATA, layout.COMMIT_SUCCESS)) as staged:
+    commit_files = formats.writer(plan.manifest.format).ITEM_COMMIT_FILES
+    with outputs.staged_directory(destination, overwrite=overwrite, commit_files=commit_files) as staged:
         _copy(source, sources, staged, plan, units, options, progress)
         commit.commit(Coordinator.single(), staged, {"": plan}, [], fsync=options.fsync, what=str(destination))
     return plan.manifest
@@ -118,15 +118,15 @@ def convert_to_step(source: storage.Location, step_dir: storage.Location, *, ite
     outputs.check_vacant(step_dir, overwrite=overwrite)
     created = time.time()
     sources, plan, units = _prepare(source, options)
+    fmt = formats.writer(plan.manifest.format)
     with outputs.staged_directory(step_dir, overwrite=overwrite, step=True,
-                                  commit_files=(layout.CHECKPOINT_METADATA, layout.COMMIT_SUCCESS)) as staged:
+                                  commit_files=fmt.STEP_COMMIT_FILES) as staged:
         _copy(source, sources, staged.child(item), plan, units, options, progress)
         marker = StepMetadata(step=step, items=(item,), created_at=created, committed_at=time.time(),
                               custom={"converted_from": str(source)}, versions=formats.writer_versions(),
-                              format_version=formats.WRITE_VERSION)
-        commit.commit(Coordinator.single(), staged, {item: plan},
-                      [(layout.CHECKPOINT_METADATA, formats.encode_step(marker)),
-                       (layout.COMMIT_SUCCESS, commit.COMMITTED)], fsync=options.fsync, what=f"step {step_dir}")
+                              format_version=fmt.VERSION)
+        commit.commit(Coordinator.single(), staged, {item: plan}, formats.step_files(marker), fsync=options.fsync,
+                      what=f"step {step_dir}")
     return marker
 
 

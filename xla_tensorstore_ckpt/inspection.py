@@ -19,7 +19,6 @@ import numpy as np
 
 from . import arrays, formats, layout, local_tier, storage, tree
 from .errors import CheckpointError, CheckpointNotFoundError, UsageError
-from .formats import safetensors
 from .records import ArrayMetadata, ItemManifest, StepMetadata
 from .sharded_array import ShardedArray
 from .steps import ANY_PREFIX, StepIndex
@@ -66,7 +65,7 @@ def open_checkpoint(path: str | storage.Location) -> Checkpoint:
     marker = formats.read_step(loc)
     if marker is not None:
         return Checkpoint(loc, marker, marker.items)
-    if loc.read(layout.ITEM_METADATA) is not None or safetensors.is_checkpoint(loc):
+    if formats.is_item(loc):
         return Checkpoint(loc, None, ("",))
     if layout.parse_step_name(loc.name, None, any_prefix=True) is not None and not loc.is_empty():
         raise CheckpointNotFoundError(f"{loc} is an uncommitted (partial) step: it has no "
@@ -187,11 +186,15 @@ def tree_rows(checkpoint: Checkpoint, item: str | None = None) -> list[TreeRow]:
         raise UsageError(f"unknown item {item!r}; {checkpoint.location} has {', '.join(checkpoint.items)}")
     rows = []
     for name in items:
-        for path, leaf in tree.flatten(checkpoint.manifest(name).tree):
+        manifest = checkpoint.manifest(name)
+        leaves = tree.flatten(manifest.tree)
+        # A value is shown under the name the writing format would give it as an array: like the arrays beside it
+        names = formats.array_names(manifest, [p for p, _ in leaves])
+        for (_, leaf), leaf_name in zip(leaves, names):
             if isinstance(leaf, ArrayMetadata):
                 rows.append(TreeRow(full_key(name, leaf.path), leaf))
             else:
-                rows.append(TreeRow(full_key(name, layout.array_path(path)), None, leaf))
+                rows.append(TreeRow(full_key(name, leaf_name), None, leaf))
     return rows
 
 

@@ -204,7 +204,8 @@ class CheckpointManager:
                               metrics=training_state.metrics_json(dict(metrics) if metrics is not None else None),
                               custom=dict(custom_metadata) if custom_metadata is not None else None,
                               versions=formats.writer_versions(), process_count=self._coordinator.count,
-                              format_version=formats.WRITE_VERSION, persistent_root=self.directory)
+                              format_version=formats.writer(self._options.save_options.format).VERSION,
+                              persistent_root=self.directory)
         self._save(step, lanes, objects, marker)
         if self._preemption.pending:
             self.wait_until_finished()  # the process is about to be killed: the commits must land first

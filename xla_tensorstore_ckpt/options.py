@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import layout
+from . import formats, layout
 from .events import Listener, check_listeners
 
 _MiB = 1 << 20
@@ -36,6 +36,8 @@ class SaveOptions:
         (unsharded or replicated) is cut into one chunk per process along its first dimension, so that all
         processes share its writing instead of one writing it all.
     listeners: told of each phase of a save (`events`: what `xtc.save`, or a manager with these options, does).
+    format: the on-disk format written (`formats.WRITERS`; "v2", Orbax's schema with this library's inside, is
+        the only one today). A manager's steps are written in its `save_options`' format.
     """
 
     use_ocdbt: bool = True
@@ -44,9 +46,11 @@ class SaveOptions:
     single_file_max_bytes: int = 4 * _MiB
     split_bytes: int = 16 * _MiB
     listeners: tuple[Listener, ...] = ()
+    format: str = formats.WRITE_FORMAT
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners, "SaveOptions.listeners")
+        formats.writer(self.format)  # raises ValueError naming the formats written
         for name in ("use_ocdbt", "fsync"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

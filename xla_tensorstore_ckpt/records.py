@@ -90,11 +90,11 @@ class ArrayStore:
 @dataclass(frozen=True)
 class ItemManifest:
     """What one item holds: `tree` has `ArrayMetadata` leaves for arrays and the values themselves for JSON
-    leaves; `store` says where the arrays are. `format_version` is that of the checkpoint it was read from (or
-    will be written in); 0 for a checkpoint written by Orbax itself."""
+    leaves; `store` says where the arrays are. `format` names the format it was read from or will be written
+    in (`formats`: "v2", "orbax", "safetensors", ...)."""
 
     tree: Any
-    format_version: int
+    format: str
     store: ArrayStore = ArrayStore()
     # The CRC32C (8 hex digits) of the item's _strings.json as its _METADATA records it (`checksums`); None: not
     # recorded (no string leaves, or written before checksums, or by Orbax).
@@ -120,7 +120,7 @@ class StepMetadata:
     custom: dict[str, Any] | None = None
     versions: dict[str, str] | None = None
     process_count: int = 1
-    format_version: int = 1  # 0: a step written by Orbax itself
+    format_version: int = 2  # the format it was read from (0: Orbax's own); 2, the one written, by default
     # A step of a manager's local tier: the process that wrote it (its index then), whether the step was also
     # due for the persistent tier (a restart that does not find it there redoes that copy), and that tier's root
     # (a local tier reused by another run is not mistaken for this one's).

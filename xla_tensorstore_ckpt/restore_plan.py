@@ -184,8 +184,8 @@ def _peak(jobs: Any, options: RestoreOptions) -> int:
 
 def _source(manifest: ItemManifest) -> str:
     store = manifest.store
-    if store.kind == "safetensors":
-        return "Hugging Face safetensors"
-    writer = "Orbax" if manifest.format_version == 0 else f"xla_tensorstore_ckpt format {manifest.format_version}"
+    writer = formats.item_format(manifest).DESCRIPTION
+    if not store.zarr_format:  # not zarr: tensors in the format's own files
+        return writer
     layout = "an OCDBT store" if store.kind == "ocdbt" else "a directory per array"
     return f"{writer}, zarr v{store.zarr_format} in {layout}"

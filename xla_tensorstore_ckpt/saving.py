@@ -24,7 +24,6 @@ import torch
 from . import arrays, dtypes, formats, grid, layout, outputs, storage, tree
 from .distributed import Coordinator, balance
 from .errors import CheckpointExistsError, UnsupportedValueError
-from .formats import orbax
 from .options import SaveOptions
 from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
 from .records import ArrayMetadata, ArrayStore, ItemManifest
@@ -130,10 +129,11 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     shapes, dtypes and shardings match the last call's (all processes agree on it), and the cache is refreshed
     otherwise. Raises `UnsupportedValueError` (naming the key) for a leaf that is neither an array nor a JSON
     scalar, an unsupported dtype, or processes that disagree on the arrays; warns (`UserWarning`, when planning
-    anew) naming the keys Orbax cannot restore (`orbax.hidden_keys`). Materializes pending XLA computations;
+    anew) what the format warns of (v2: the keys Orbax cannot restore). Materializes pending XLA computations;
     runs no other device work."""
     options = options or SaveOptions()
     coordinator = coordinator or Coordinator.single()
+    fmt = formats.writer(options.format)
     leaves = tree.flatten(state)
     values: list[tuple[layout.KeyPath, ArrayLike]] = []
     scalars: list[tuple[layout.KeyPath, torch.Tensor]] = []
@@ -151,8 +151,8 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
             raise UnsupportedValueError(
                 f"cannot save {tree.format_key_path(path)}: {type(leaf).__name__} is neither a tensor nor a "
                 "JSON value (int, float, str, bool, None)")
-        elif orbax.scalar_dtype(leaf) is not None:
-            scalars.append((path, torch.tensor(leaf, dtype=dtypes.by_name(orbax.scalar_dtype(leaf)).torch)))
+        elif fmt.scalar_dtype(leaf) is not None:  # a JSON scalar the format also stores as a 0-d array
+            scalars.append((path, torch.tensor(leaf, dtype=dtypes.by_name(fmt.scalar_dtype(leaf)).torch)))
     specs = _sharding_specs([v for _, v in values])
     key = None
     if cache is not None:
@@ -168,27 +168,18 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
         plans = [dataclasses.replace(template, value=value)
                  for template, value in zip(cache.arrays, [v for _, v in values] + [t for _, t in scalars])]
     else:
-        names = dict(zip((p for p, _ in leaves), layout.array_names([p for p, _ in leaves])))
-        _warn_hidden_from_orbax(orbax.hidden_keys(leaves, list(names.values())))
+        names = dict(zip((p for p, _ in leaves), fmt.array_names([p for p, _ in leaves])))
+        warning = fmt.save_warning(leaves, list(names.values()))
+        if warning:
+            warnings.warn(warning, UserWarning, stacklevel=2)
         plans = _plan_arrays(values, scalars, specs, names, options, coordinator, own_copy)
         if cache is not None:
             cache.key, cache.names, cache.arrays = key, names, tuple(plans)
     strings = {names[path]: leaf for path, leaf in string_leaves}
     tensors = {p.key_path: p.meta for p in plans[:len(values)]}
     store = ArrayStore(kind="ocdbt" if options.use_ocdbt else "directories")
-    manifest = ItemManifest(tree.rebuild(state, lambda p, v: tensors.get(p, v)), formats.WRITE_VERSION, store)
+    manifest = ItemManifest(tree.rebuild(state, lambda p, v: tensors.get(p, v)), fmt.NAME, store)
     return SavePlan(manifest, tuple(plans), strings)
-
-
-def _warn_hidden_from_orbax(hidden: list[layout.KeyPath]) -> None:
-    if not hidden:
-        return
-    shown = ", ".join(str(tuple(path)) for path in hidden[:3]) + (f" and {len(hidden) - 3} more" if len(hidden) > 3
-                                                                 else "")
-    warnings.warn(
-        f"Orbax cannot restore {shown}: Orbax names a value by its keys joined with '.', and that name is taken by "
-        f"another key or is unsafe as a file name, so it is stored under an escaped name; Orbax restores None for "
-        f"it (this library restores every key)", UserWarning, stacklevel=3)
 
 
 def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], scalars: list[tuple[layout.KeyPath, torch.Tensor]],

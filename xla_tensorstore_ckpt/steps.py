@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from . import bounds, formats, layout
+from . import formats, layout
 from .errors import CorruptCheckpointError, FormatVersionError, StorageError, UnsupportedValueError
 from .records import StepMetadata
 from .storage import Location
@@ -92,8 +92,7 @@ class StepIndex:
             return StepEntry(step, name, "partial")
         if marker.step != step:
             return StepEntry(step, name, "invalid", problem=f"its marker in {loc} names step {marker.step}")
-        if marker.format_version == 0 and not self.root.capabilities.renames and \
-                loc.read(layout.COMMIT_SUCCESS) is None:
+        if not formats.step_format(marker).is_committed(loc, marker):
             return StepEntry(step, name, "partial")  # Orbax's, not finalized
         return StepEntry(step, name, "committed", marker)
 
@@ -105,7 +104,7 @@ class StepIndex:
         for entry in entries:
             loc = self.root.child(entry.name)
             try:
-                if entry.status != "partial" or loc.is_link() or _holds_orbax_items(loc):
+                if entry.status != "partial" or loc.is_link() or formats.holds_orbax_items(loc):
                     continue
                 if layout.is_tmp_step_name(entry.name) or loc.read(layout.CHECKPOINT_METADATA) is None:
                     loc.delete_tree()
@@ -137,21 +136,6 @@ class StepIndex:
                 if attempt == 2:
                     raise
                 time.sleep(0.1 * 2**attempt)
-
-
-def _holds_orbax_items(loc: Location) -> bool:
-    """True if any item below `loc` has an Orbax ``_METADATA`` that this library did not write."""
-    for name in loc.list():
-        data = loc.child(name).read(layout.ITEM_METADATA)
-        if data is None:
-            continue
-        try:
-            doc = bounds.load_json(data, where=str(loc.child(name, layout.ITEM_METADATA)))
-        except CorruptCheckpointError:
-            continue
-        if "tree_metadata" in doc and formats.v2.KEY not in doc:
-            return True
-    return False
 
 
 def _final_name(name: str) -> str:

@@ -110,11 +110,13 @@ class Tier:
             return  # the step was renamed into place with both files inside: nothing can be missing
         finished = []
         for entry in entries:
-            if entry.status != "committed" or entry.marker is None or entry.marker.format_version < 2:
+            if entry.status != "committed" or entry.marker is None or \
+                    not formats.step_format(entry.marker).COMPLETION_MARK:
                 continue  # Orbax's own steps are committed by the mark itself; format 1 never wrote it
             loc = self.root.child(entry.name)
             if loc.read(layout.COMMIT_SUCCESS) is None:
-                loc.write(layout.COMMIT_SUCCESS, commit.COMMITTED, fsync=True)
+                mark = dict(formats.step_files(entry.marker))[layout.COMMIT_SUCCESS]
+                loc.write(layout.COMMIT_SUCCESS, mark, fsync=True)
                 finished.append(entry.name)
         if finished:
             warnings.warn(f"finished the commit of steps {finished} of {self.root} for Orbax: their "
@@ -147,7 +149,7 @@ class Tier:
         if on_written is not None:
             on_written(writes)
         marker = dataclasses.replace(save.marker, committed_at=committed_at)
-        final = [(layout.CHECKPOINT_METADATA, formats.encode_step(marker)), (layout.COMMIT_SUCCESS, commit.COMMITTED)]
+        final = formats.step_files(marker)
         publish = None if save.location == save.final else lambda: save.location.rename_to(save.final)
         commit.commit(coordinator, save.location, save.plans, final, fsync=fsync, what=what, publish=publish)
 

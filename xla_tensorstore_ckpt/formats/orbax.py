@@ -1,6 +1,8 @@
 """Orbax's PyTree checkpoint schema (orbax-checkpoint 0.11 / 0.12), both ways: the documents Orbax needs in the
 checkpoints this library writes (`tree_metadata`, `step_document`), and the reading of checkpoints Orbax wrote
-itself (`decode_item`, `decode_step`; format version 0 in our records).
+itself (this module is also the format `orbax` of the registry: `claims_item`, `decode_item`, `claims_step`,
+`decode_step`; format version 0 in step records). Documents holding this library's object (`v2.KEY`) are never
+claimed here: they are ours, of some version.
 
 An Orbax item: ``_METADATA`` = ``{"tree_metadata": {"('a', 'b')": {"key_metadata": [{"key": "a", "key_type": 2},
 ...], "value_metadata": {"value_type": ..., "skip_deserialize": ..., "write_shape": [...]}}}, "use_ocdbt",
@@ -28,6 +30,13 @@ ARRAY, SCALAR, STRING = "jax.Array", "scalar", "string"
 _EMPTY = {"None": None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": tuple}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _INDEX = re.compile(r"[0-9]{1,18}")  # a sequence index: ASCII digits ("²".isdigit() is true), of int64 size
+_OURS = "xla_tensorstore_ckpt"  # v2.KEY (v2 builds on this module)
+
+NAME = "orbax"
+DESCRIPTION = "Orbax"
+FILE_SUFFIX = None
+VERSION = 0
+COMPLETION_MARK = False  # its mark is its commit point on storage that cannot rename (`is_committed`)
 
 
 def scalar_dtype(value: Any) -> str | None:
@@ -45,13 +54,12 @@ def scalar_dtype(value: Any) -> str | None:
 # ------------------------------------------------------------------------------------------------ writing
 
 
-def tree_metadata(structure: Any) -> dict:
+def tree_metadata(structure: Any, hidden: list[layout.KeyPath]) -> dict:
     """``tree_metadata`` for a tree whose leaves are `ArrayMetadata` (arrays) and JSON values, empty containers
     included, as Orbax would have written it for the same tree; except that a leaf stored under an escaped name
-    (`hidden_keys`) is an empty ``None`` to Orbax, which restores ``None`` for it: Orbax computes names itself,
-    and under the name it would compute it would read another key's value or nothing."""
-    leaves = tree.flatten(structure)
-    hidden = set(hidden_keys(leaves, layout.array_names([p for p, _ in leaves])))
+    (`hidden`, from `hidden_keys`) is an empty ``None`` to Orbax, which restores ``None`` for it: Orbax computes
+    names itself, and under the name it would compute it would read another key's value or nothing."""
+    hidden = set(hidden)
     entries: dict[str, dict] = {}
     for path, value in _leaves_and_empty_nodes(structure, ()):
         keys = [{"key": str(k), "key_type": SEQUENCE if isinstance(k, int) and _in_sequence(structure, path, i)
@@ -63,7 +71,7 @@ def tree_metadata(structure: Any) -> dict:
 
 def hidden_keys(leaves: list[tuple[layout.KeyPath, Any]], names: list[str]) -> list[layout.KeyPath]:
     """The key paths of `leaves` (tensors or `ArrayMetadata`, strings, numbers; `names` their array names, from
-    `layout.array_names`) that Orbax cannot restore: stored under an escaped name, not under the key path
+    `v2.array_names`) that Orbax cannot restore: stored under an escaped name, not under the key path
     joined with ``.`` (that name is taken by another key, or unsafe as a file name). Called by `tree_metadata`
     and by the save planner, which warns about them."""
     return [path for (path, value), name in zip(leaves, names)
@@ -113,23 +121,44 @@ def step_document(marker: StepMetadata, ours: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ reading
 
 
-def is_item(doc: dict) -> bool:
-    return isinstance(doc.get("tree_metadata"), dict)
+def is_item(doc: dict | None) -> bool:
+    """True if a decoded ``_METADATA`` is in Orbax's PyTree schema (ours of format 2 included)."""
+    return doc is not None and isinstance(doc.get("tree_metadata"), dict)
 
 
-def is_step(doc: dict) -> bool:
-    return "item_handlers" in doc or "commit_timestamp_nsecs" in doc
+def array_names(paths: list[layout.KeyPath]) -> list[str]:
+    """How Orbax names an array: its key path joined with ``.``."""
+    return [layout.key_name(p) for p in paths]
 
 
-def is_single_item(doc: dict) -> bool:
-    """An Orbax ``_CHECKPOINT_METADATA`` of a lone item (a Checkpointer's, not a manager's step): its handler is
-    named directly rather than per item."""
-    return isinstance(doc.get("item_handlers"), str)
+def claims_item(loc: Location, doc: dict | None) -> bool:
+    if doc is None:  # Orbax's JsonCheckpointHandler: the item is one JSON document
+        return loc.read_range(layout.ORBAX_JSON_ITEM, 0, 0).result() is not None
+    return is_item(doc) and _OURS not in doc
 
 
-def decode_item(doc: dict, loc: Location, *, where: str) -> ItemManifest:
+def claims_step(doc: dict) -> bool:
+    custom = doc.get("custom_metadata")
+    return ("item_handlers" in doc or "commit_timestamp_nsecs" in doc) and not (
+        isinstance(custom, dict) and _OURS in custom)
+
+
+def is_committed(loc: Location, _marker: StepMetadata) -> bool:
+    """Orbax renames a finished step into place where the storage renames; elsewhere (object stores) its step
+    is finished once ``commit_success.txt`` exists."""
+    return loc.capabilities.renames or loc.read(layout.COMMIT_SUCCESS) is not None
+
+
+def decode_item(loc: Location, doc: dict | None, *, where: str) -> ItemManifest:
     """An item Orbax wrote: the tree rebuilt from ``key_metadata`` (sequences become lists, dict keys strings),
-    arrays opened for their shape, dtype and chunks, scalars and strings read. Blocks."""
+    arrays opened for their shape, dtype and chunks, scalars and strings read; or the one JSON document of its
+    JsonCheckpointHandler. Blocks."""
+    if doc is None:
+        json_where = str(loc.child(layout.ORBAX_JSON_ITEM))
+        data = loc.read(layout.ORBAX_JSON_ITEM)
+        if data is None:
+            raise CorruptCheckpointError(f"{json_where} disappeared while being read")
+        return _json_item(bounds.load_json(data, where=json_where, expect=object), where=json_where)
     use_ocdbt = doc.get("use_ocdbt")
     if use_ocdbt is None:  # written before Orbax recorded it
         use_ocdbt = loc.read(layout.OCDBT_MANIFEST) is not None
@@ -167,7 +196,7 @@ def decode_item(doc: dict, loc: Location, *, where: str) -> ItemManifest:
         else:
             empty = _EMPTY.get(kind)
             leaves.append((path, empty() if empty is not None else None))
-    return ItemManifest(_build(leaves, where), 0, store)
+    return ItemManifest(_build(leaves, where), NAME, store)
 
 
 def _check_array_name(path: layout.KeyPath, name: str, where: str) -> None:
@@ -179,11 +208,11 @@ def _check_array_name(path: layout.KeyPath, name: str, where: str) -> None:
                                      f"from {name!r}, which is not a path inside the item")
 
 
-def decode_json_item(doc: Any, *, where: str) -> ItemManifest:
+def _json_item(doc: Any, *, where: str) -> ItemManifest:
     """An item Orbax's JsonCheckpointHandler wrote: one JSON container, its values the leaves."""
     if not tree.is_container(doc):
         raise CorruptCheckpointError(f"{where}: not a JSON object or array")
-    return ItemManifest(doc, 0, ArrayStore(checksums=False))
+    return ItemManifest(doc, NAME, ArrayStore(checksums=False))
 
 
 def _entries(tree_doc: dict, where: str) -> list[tuple[layout.KeyPath, dict]]:
@@ -255,8 +284,12 @@ def _build(leaves: list[tuple[layout.KeyPath, Any]], where: str) -> Any:
     return out
 
 
-def decode_step(doc: dict, loc: Location, step: int | None, *, where: str) -> StepMetadata:
-    """A step Orbax's CheckpointManager wrote; its number comes from the directory name."""
+def decode_step(loc: Location, doc: dict, step: int | None, *, where: str) -> StepMetadata | None:
+    """A step Orbax's CheckpointManager wrote; its number comes from the directory name. None for the
+    ``_CHECKPOINT_METADATA`` of a lone item (a Checkpointer's, not a manager's step), which names its handler
+    directly rather than per item."""
+    if isinstance(doc.get("item_handlers"), str):
+        return None
     if step is None:
         step = layout.parse_step_name(loc.name, None, any_prefix=True)
         if step is None:
@@ -271,7 +304,7 @@ def decode_step(doc: dict, loc: Location, step: int | None, *, where: str) -> St
     return StepMetadata(step=step, items=items, created_at=_seconds(doc.get("init_timestamp_nsecs")),
                         committed_at=_seconds(doc.get("commit_timestamp_nsecs")),
                         metrics=metrics if isinstance(metrics, dict) else None,
-                        custom=custom if isinstance(custom, dict) else None, format_version=0)
+                        custom=custom if isinstance(custom, dict) else None, format_version=VERSION)
 
 
 def _seconds(nanoseconds: Any) -> float:

@@ -42,6 +42,9 @@ TO_ZARR = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "
 FROM_ZARR = {zarr: st for st, zarr in TO_ZARR.items()}
 
 STORE = ArrayStore(kind="safetensors", zarr_format=0, checksums=False)
+NAME = "safetensors"
+DESCRIPTION = "Hugging Face safetensors"
+FILE_SUFFIX = SUFFIX
 _SAFE_FILE_NAME = re.compile(r"[^/\\\x00-\x1f]+")
 
 
@@ -58,18 +61,27 @@ def is_checkpoint(loc: Location) -> bool:
         loc.read_range(SINGLE_NAME, 0, 0).result() is not None
 
 
-def read_item(loc: Location) -> ItemManifest:
+def array_names(paths: list[tuple[str | int, ...]]) -> list[str]:
+    """A tensor's name is its key (one per tensor: the tree is flat)."""
+    return [".".join(str(k) for k in p) for p in paths]
+
+
+def claims_item(loc: Location, doc: dict | None) -> bool:
+    return doc is None and is_checkpoint(loc)
+
+
+def decode_item(loc: Location, _doc: dict | None, *, where: str) -> ItemManifest:
     """The manifest of the Hugging Face checkpoint at `loc` (a file, or a directory with an index or a lone
     ``model.safetensors``). Blocks on reading the headers (all files' at once). Raises
     `CheckpointNotFoundError` if there is none, `CorruptCheckpointError` naming file and key if anything in
     it is inconsistent, `UnsupportedValueError` for a dtype this library cannot hold."""
     if is_file(loc):
-        return ItemManifest(_tensors(loc.parent, loc.name, ""), format_version=0, store=STORE)
+        return ItemManifest(_tensors(loc.parent, loc.name, ""), format=NAME, store=STORE)
     index = loc.read(INDEX_NAME)
     if index is None:
         if loc.read_range(SINGLE_NAME, 0, 0).result() is None:
             raise CheckpointNotFoundError(f"{loc} holds no {INDEX_NAME} and no {SINGLE_NAME}")
-        return ItemManifest(_tensors(loc, SINGLE_NAME, SINGLE_NAME), format_version=0, store=STORE)
+        return ItemManifest(_tensors(loc, SINGLE_NAME, SINGLE_NAME), format=NAME, store=STORE)
     weight_map = weight_map_of(index, f"{loc.child(INDEX_NAME)}")
     keys_in: dict[str, list[str]] = {}
     for key, name in weight_map.items():
@@ -82,7 +94,7 @@ def read_item(loc: Location) -> ItemManifest:
             raise CorruptCheckpointError(f"{loc.child(INDEX_NAME)} places {key!r} in {name}, which does not hold "
                                          f"it")
         tree[key] = by_file[name][key]
-    return ItemManifest(tree, format_version=0, store=STORE)
+    return ItemManifest(tree, format=NAME, store=STORE)
 
 
 def _headers(loc: Location, files: list[str], keys_in: dict[str, list[str]]) -> dict[str, dict[str, RawArrayMetadata]]:

@@ -4,7 +4,9 @@
 Item: ``{"format_version": 1, "tree": <tree.encode of the structure>}`` with ``{"array": {path, shape, dtype,
 chunk_shape, sharding}}`` leaves for arrays and ``{"value": ...}`` / ``{"float": "nan"}`` for JSON leaves. Step:
 ``{"format_version": 1, "step", "items", "created_at", "committed_at", "metrics", "custom", "versions",
-"process_count"}``. Arrays are zarr v3 directories with a crc32c codec, one per array, at ``path``.
+"process_count"}``. Arrays are zarr v3 directories with a crc32c codec, one per array, at ``path``: each key
+path component one directory (``state/0/exp_avg``), escaped so that it is one safe path segment
+(`escape_component`). Read only: its tree encoding lives on inside format 2 (`encode_tree`).
 
 Decoding validates everything read from disk (types, ranges, paths that stay inside the item) so that a hostile
 or damaged file is a `CorruptCheckpointError`.
@@ -12,36 +14,96 @@ or damaged file is a `CorruptCheckpointError`.
 
 from __future__ import annotations
 
-import json
+import hashlib
+import re
 from typing import Any
 
 from .. import bounds, layout, tree
 from ..errors import CorruptCheckpointError
 from ..records import ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
+from ..storage import Location
 
+NAME = "v1"
+DESCRIPTION = "xla_tensorstore_ckpt format 1"
+FILE_SUFFIX = None
 VERSION = 1
+COMPLETION_MARK = False  # never wrote Orbax's
+
+MAX_COMPONENT_LENGTH = 200
+EMPTY_COMPONENT = "%"
+_SAFE_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+_INTEGER = re.compile(r"-?[0-9]+")
+_RESERVED = frozenset({layout.ITEM_METADATA, layout.CHECKPOINT_METADATA, layout.ZARR_METADATA, ".", ".."})
 
 
-def is_item(doc: dict) -> bool:
-    """True if a decoded ``_METADATA`` document is in this format."""
-    return doc.get("format_version") == VERSION and "tree" in doc
+def claims_item(_loc: Location, doc: dict | None) -> bool:
+    return doc is not None and doc.get("format_version") == VERSION and "tree" in doc
 
 
-def is_step(doc: dict) -> bool:
-    """True if a decoded ``_CHECKPOINT_METADATA`` document is in this format."""
+def claims_step(doc: dict) -> bool:
     return doc.get("format_version") == VERSION and "items" in doc
+
+
+def is_committed(_loc: Location, _marker: StepMetadata) -> bool:
+    return True  # the marker, written last, is the commit point
+
+
+# ------------------------------------------------------------------------------------------------- names
+
+
+def escape_component(key: layout.KeyEntry) -> str:
+    """One key (a dict key or a sequence index) as one safe directory name: bytes outside
+    ``[A-Za-z0-9._-]`` percent-encoded; integers as plain decimal, while strings that would read back as
+    integers, reserved names and ``.``/``..`` have their first byte percent-encoded; components longer than
+    `MAX_COMPONENT_LENGTH` shortened with a hash."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return str(key)
+    if not isinstance(key, str):
+        raise TypeError(f"key {key!r} is neither str nor int")
+    if key == "":
+        return EMPTY_COMPONENT
+    raw = key.encode("utf-8")
+    escaped = "".join(chr(b) if b in _SAFE_BYTES else f"%{b:02X}" for b in raw)
+    if _INTEGER.fullmatch(key) or key in _RESERVED:
+        escaped = f"%{raw[0]:02X}" + escaped[1:]
+    if len(escaped) > MAX_COMPONENT_LENGTH:
+        digest = hashlib.sha256(raw).hexdigest()[:16]
+        escaped = f"{escaped[: MAX_COMPONENT_LENGTH - 40].rstrip('%0123456789ABCDEF')}~{digest}"
+    return escaped
+
+
+def unescape_component(name: str) -> layout.KeyEntry:
+    """Inverse of `escape_component` (for names not shortened by hashing)."""
+    if name == EMPTY_COMPONENT:
+        return ""
+    if _INTEGER.fullmatch(name):
+        return int(name)
+    out = bytearray()
+    i = 0
+    while i < len(name):
+        if name[i] == "%":
+            out.append(int(name[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            out.append(ord(name[i]))
+            i += 1
+    return out.decode("utf-8")
+
+
+def array_path(key_path: layout.KeyPath) -> str:
+    """Relative directory of the array stored at `key_path` in format 1, e.g. ``state/0/exp_avg``."""
+    return "/".join(escape_component(k) for k in key_path)
+
+
+def array_names(paths: list[layout.KeyPath]) -> list[str]:
+    return [array_path(p) for p in paths]
 
 
 # ------------------------------------------------------------------------------------------------- items
 
 
-def encode_item(manifest: ItemManifest) -> bytes:
-    doc = {"format_version": VERSION, "tree": encode_tree(manifest.tree)}
-    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("utf-8")
-
-
-def decode_item(doc: dict, *, where: str) -> ItemManifest:
-    return decode_tree(doc.get("tree"), where=where, version=VERSION, store=ArrayStore())
+def decode_item(_loc: Location, doc: dict, *, where: str) -> ItemManifest:
+    return decode_tree(doc.get("tree"), where=where, format=NAME, store=ArrayStore())
 
 
 def encode_tree(structure: Any) -> dict:
@@ -54,8 +116,8 @@ def encode_tree(structure: Any) -> dict:
     return tree.encode(structure, leaf)
 
 
-def decode_tree(node: Any, *, where: str, version: int, store: ArrayStore) -> ItemManifest:
-    """Inverse of `encode_tree`, validated: the manifest of an item of `version` keeping its arrays in
+def decode_tree(node: Any, *, where: str, format: str, store: ArrayStore) -> ItemManifest:
+    """Inverse of `encode_tree`, validated: the manifest of an item in `format` keeping its arrays in
     `store`."""
     def leaf(path: layout.KeyPath, value: dict) -> Any:
         if "array" in value:
@@ -65,7 +127,7 @@ def decode_tree(node: Any, *, where: str, version: int, store: ArrayStore) -> It
     structure = tree.decode(node, leaf, where=where)
     if not tree.is_container(structure):
         raise CorruptCheckpointError(f"{where}: the tree root is not a container")
-    manifest = ItemManifest(structure, version, store)
+    manifest = ItemManifest(structure, format, store)
     seen: set[str] = set()
     for _path, meta in manifest.arrays():
         if meta.path in seen:
@@ -124,14 +186,7 @@ def _sharding(data: Any, where: str) -> SavedSharding:
 # ------------------------------------------------------------------------------------------------- steps
 
 
-def encode_step(marker: StepMetadata) -> bytes:
-    doc = {"format_version": VERSION, "step": marker.step, "items": list(marker.items),
-           "created_at": marker.created_at, "committed_at": marker.committed_at, "metrics": marker.metrics,
-           "custom": marker.custom, "versions": marker.versions, "process_count": marker.process_count}
-    return json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
-
-
-def decode_step(doc: dict, *, where: str) -> StepMetadata:
+def decode_step(_loc: Location, doc: dict, _step: int | None, *, where: str) -> StepMetadata:
     items = listing(doc.get("items"), where)
     if not all(isinstance(i, str) and layout.is_safe_relative_path(i) and "/" not in i for i in items):
         raise CorruptCheckpointError(f"{where}: malformed item list {items!r}"[:300])
