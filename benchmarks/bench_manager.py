@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
-from xla_tensorstore_ckpt import commit, formats, layout, saving  # noqa: E402
+from xla_tensorstore_ckpt import commit, formats, layout, save_plan, writing  # noqa: E402
 
 ITEM_WORK = [0.0]  # seconds the manager spends in the item-level work it shares with xtc.save
-_DEPTH = threading.local()  # timed calls nest (issue_writes waits with wait_all): count the outermost only
+_DEPTH = threading.local()  # timed calls nest (stage_and_write waits with wait_all): count the outermost only
 
 
 def _timed(module, name):
@@ -49,7 +49,7 @@ def _timed(module, name):
     setattr(module, name, wrapper)
 
 
-for _module, _name in ((saving, "plan_save"), (saving, "issue_writes"), (commit, "finish_writes")):
+for _module, _name in ((save_plan, "plan_save"), (writing, "stage_and_write"), (commit, "finish_writes")):
     _timed(_module, _name)
 
 

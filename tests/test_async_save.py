@@ -19,7 +19,7 @@ from test_checkpointer_cpu import assert_trees_equal
 from test_manager import cpu_state, train_steps, xla_net
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, layout, saving
+from xla_tensorstore_ckpt import arrays, layout, staging
 
 
 def async_options(**kw):
@@ -104,7 +104,7 @@ def test_background_error_is_reraised_with_step_and_cause(tmp_path, where):
 
 def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path, monkeypatch):
     events = []
-    real_stage = saving._fetch_sources
+    real_stage = staging.fetch_sources
 
     def commits(operation, path, count):
         if operation == "write" and path.endswith(layout.CHECKPOINT_METADATA):
@@ -115,7 +115,7 @@ def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path, monke
         events.append(("staging", None))
         return real_stage(batch, copy_cpu=copy_cpu)
 
-    monkeypatch.setattr(saving, "_fetch_sources", tracking_stage)
+    monkeypatch.setattr(staging, "fetch_sources", tracking_stage)
     with xtc.CheckpointManager(hooked(tmp_path, commits), async_options(save_rng=False)) as mgr:
         mgr.save(1, extra={"t": torch.ones(4)})
         mgr.save(2, extra={"t": torch.ones(4)})

@@ -227,15 +227,15 @@ def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4, monkeypat
 
 def test_reads_cover_exactly_the_local_shards():
     """On a multi-host pod a process holds only some shards; it reads their regions and nothing else."""
-    from xla_tensorstore_ckpt.plan import LocalShard, Placement, TensorLayout
+    from xla_tensorstore_ckpt.read_jobs import ReadJob
     from xla_tensorstore_ckpt.records import ArrayMetadata
-    from xla_tensorstore_ckpt.restoring import _ReadJob
+    from xla_tensorstore_ckpt.tensor_layout import LocalShard, Placement, TensorLayout
 
     meta = ArrayMetadata("w", (16, 8), "float32", (4, 4))
 
     def job(indices):
         shards = tuple(LocalShard(i, f"d{i}", idx, 0) for i, idx in enumerate(indices))
-        return _ReadJob(("w",), meta, None, torch.float32, TensorLayout((16, 8), Placement.TILED, (4, 4), shards))
+        return ReadJob(("w",), meta, None, torch.float32, TensorLayout((16, 8), Placement.TILED, (4, 4), shards))
 
     # Two shards forming a box are read as that box.
     assert job([((0, 4), (0, 4)), ((0, 4), (4, 8))]).reads == (((0, 4), (0, 8)),)
@@ -249,9 +249,9 @@ def test_large_shards_are_read_into_their_own_buffers():
     """Shards of a large array are read one by one (each straight into the buffer that goes to its device)
     unless that would fetch a chunk more than twice; small arrays are read as one box."""
     from xla_tensorstore_ckpt import storage
-    from xla_tensorstore_ckpt.plan import LocalShard, Placement, TensorLayout
+    from xla_tensorstore_ckpt.read_jobs import SMALL_READ_BYTES, ReadJob
     from xla_tensorstore_ckpt.records import ArrayMetadata
-    from xla_tensorstore_ckpt.restoring import SMALL_READ_BYTES, _ReadJob
+    from xla_tensorstore_ckpt.tensor_layout import LocalShard, Placement, TensorLayout
 
     rows = 4096
     assert rows * 8192 * 4 > 8 * SMALL_READ_BYTES
@@ -262,7 +262,7 @@ def test_large_shards_are_read_into_their_own_buffers():
         shards = tuple(LocalShard(k, f"d{k}", idx, 0) for k, idx in enumerate(indices))
         meta = ArrayMetadata("w", shape, "float32", chunk_shape)
         lay = TensorLayout(shape, Placement.TILED, (r, c), shards)
-        return _ReadJob(("w",), meta, None, torch.float32, lay, max_amplification), indices
+        return ReadJob(("w",), meta, None, torch.float32, lay, max_amplification), indices
 
     same_mesh, indices = job((rows // 4, 4096), (4, 2))
     assert same_mesh.reads == tuple(indices)  # each chunk fetched once

@@ -277,11 +277,11 @@ def test_restore_in_place_swaps_batch_by_batch(tmp_path, mesh_4x2):
 def test_save_plans_and_stages_with_the_garbage_collector_paused(tmp_path, monkeypatch):
     import gc
 
-    from xla_tensorstore_ckpt import saving
+    from xla_tensorstore_ckpt import staging
 
     seen = []
-    real_stage = saving._fetch_sources
-    monkeypatch.setattr(saving, "_fetch_sources", lambda *a, **k: seen.append(gc.isenabled()) or real_stage(*a, **k))
+    real_stage = staging.fetch_sources
+    monkeypatch.setattr(staging, "fetch_sources", lambda *a, **k: seen.append(gc.isenabled()) or real_stage(*a, **k))
     for async_save in (True, False):
         with xtc.CheckpointManager(tmp_path / str(async_save), options(async_save=async_save)) as mgr:
             mgr.save(1, model={"w": torch.ones(3)})

@@ -21,7 +21,7 @@ from conftest import GCS_BUCKET, make_mesh, sharded
 from forked import run_forked
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import formats, inspection, layout, local_tier, saving, storage
+from xla_tensorstore_ckpt import formats, inspection, layout, local_tier, staging, storage
 from xla_tensorstore_ckpt.steps import StepIndex
 from xla_tensorstore_ckpt.tier import Tier
 
@@ -434,13 +434,13 @@ def test_older_local_steps_lose_to_a_newer_persistent_step(tmp_path, mesh):
 
 def test_a_step_due_for_both_tiers_is_copied_off_the_devices_once(tmp_path, mesh, monkeypatch):
     fetched = []
-    real = saving._fetch_sources
+    real = staging.fetch_sources
 
     def counting(batch, **kw):
         fetched.extend(p.meta.path for p in batch if isinstance(p.value, torch.Tensor) and p.value.device.type == "xla")
         return real(batch, **kw)
 
-    monkeypatch.setattr(saving, "_fetch_sources", counting)
+    monkeypatch.setattr(staging, "fetch_sources", counting)
     root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
     with xtc.CheckpointManager(root, options(local)) as manager:
         manager.save(4, model=place(cpu_state(4), mesh))

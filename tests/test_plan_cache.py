@@ -1,4 +1,4 @@
-"""The manager's plan cache (`saving.PlanCache`): a save whose state keeps its keys, kinds, shapes, dtypes and
+"""The manager's plan cache (`save_plan.PlanCache`): a save whose state keeps its keys, kinds, shapes, dtypes and
 shardings reuses the array part of the last plan with the new values; anything else is planned afresh."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 from conftest import sharded
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import saving
+from xla_tensorstore_ckpt import save_plan
 
 
 def state(mesh, seed: int, spec=("x", "y"), **extra) -> dict:
@@ -17,11 +17,11 @@ def state(mesh, seed: int, spec=("x", "y"), **extra) -> dict:
 
 
 def test_a_hit_reuses_layouts_and_takes_the_new_values(mesh_4x2):
-    cache = saving.PlanCache()
-    first = saving.plan_save(state(mesh_4x2, 1), cache=cache)
+    cache = save_plan.PlanCache()
+    first = save_plan.plan_save(state(mesh_4x2, 1), cache=cache)
     second_state = state(mesh_4x2, 2)
-    second = saving.plan_save(second_state, cache=cache)
-    fresh = saving.plan_save(second_state)
+    second = save_plan.plan_save(second_state, cache=cache)
+    fresh = save_plan.plan_save(second_state)
     assert second.arrays[0].layout is first.arrays[0].layout  # reused, not recomputed
     assert second.manifest == fresh.manifest and second.strings == fresh.strings == {"s": "run-2"}
     assert [p.value is v for p, v in zip(second.arrays, (second_state["w"], second_state["cpu"]))] == [True, True]
@@ -31,12 +31,12 @@ def test_a_hit_reuses_layouts_and_takes_the_new_values(mesh_4x2):
 
 
 def test_a_change_of_sharding_shape_or_kind_plans_afresh(mesh_4x2):
-    cache = saving.PlanCache()
-    saving.plan_save(state(mesh_4x2, 1), cache=cache)
+    cache = save_plan.PlanCache()
+    save_plan.plan_save(state(mesh_4x2, 1), cache=cache)
     for changed in (state(mesh_4x2, 2, spec=("y", None)), state(mesh_4x2, 3, extra=torch.zeros(2)),
                     {**state(mesh_4x2, 4), "n": "four", "s": 4}):  # a scalar and a string swap kinds
-        got = saving.plan_save(changed, cache=cache)
-        fresh = saving.plan_save(changed)
+        got = save_plan.plan_save(changed, cache=cache)
+        fresh = save_plan.plan_save(changed)
         assert got.manifest == fresh.manifest and got.strings == fresh.strings
         assert [(p.key_path, p.meta, p.layout, p.writes) for p in got.arrays] == [
             (p.key_path, p.meta, p.layout, p.writes) for p in fresh.arrays]
@@ -58,16 +58,16 @@ def test_a_new_global_mesh_plans_afresh(mesh_4x2):
     from conftest import make_mesh
 
     before = xs.get_global_mesh()
-    cache = saving.PlanCache()
+    cache = save_plan.PlanCache()
     try:
         xs.set_global_mesh(mesh_4x2)
-        saving.plan_save(state(mesh_4x2, 1), cache=cache)
+        save_plan.plan_save(state(mesh_4x2, 1), cache=cache)
         key = cache.key
         renamed = make_mesh((4, 2), ("data", "model"))  # the same shardings; the saved mesh names differ
         xs.set_global_mesh(renamed)
-        got = saving.plan_save(state(renamed, 2, spec=("data", "model")), cache=cache)
+        got = save_plan.plan_save(state(renamed, 2, spec=("data", "model")), cache=cache)
         assert cache.key != key
-        assert got.manifest == saving.plan_save(state(renamed, 2, spec=("data", "model"))).manifest
+        assert got.manifest == save_plan.plan_save(state(renamed, 2, spec=("data", "model"))).manifest
     finally:
         xs.set_global_mesh(before)
 
@@ -75,7 +75,7 @@ def test_a_new_global_mesh_plans_afresh(mesh_4x2):
 def test_local_shards_cache_their_hash_but_do_not_carry_it_to_other_processes():
     import pickle
 
-    from xla_tensorstore_ckpt.plan import LocalShard
+    from xla_tensorstore_ckpt.tensor_layout import LocalShard
 
     shard = LocalShard(3, "xla:3", ((0, 4), (2, 6)), 1)
     assert hash(shard) == hash(LocalShard(3, "xla:3", ((0, 4), (2, 6)), 1)) and shard.size == 16

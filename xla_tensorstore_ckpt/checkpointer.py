@@ -1,5 +1,6 @@
 """The item-level API: one state tree to and from one directory (``<dir>/_METADATA`` and the arrays, an Orbax
-PyTree checkpoint). `save` plans, stages and writes (`saving`), `restore` matches and reads (`restoring`).
+PyTree checkpoint). `save` plans, stages and writes (`save_plan`, `staging`, `writing`), `restore` matches and
+reads (`restoring`).
 
 An item counts as written only once its ``_METADATA`` exists, so a crashed save leaves a directory that `restore`
 refuses. With several processes (torch.distributed), `save` must be called by every process with its own shards;
@@ -18,7 +19,8 @@ from .formats import checksums
 from .options import RestoreOptions, SaveOptions
 from .records import ItemManifest
 from .restoring import KeyMap, PathLike, read_item
-from .saving import issue_writes, plan_save, prepare_directory
+from .save_plan import plan_save
+from .writing import prepare_directory, stage_and_write
 
 
 def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOptions | None = None,
@@ -51,7 +53,7 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
         loc.resolved(), commit_files=formats.writer(options.format).ITEM_COMMIT_FILES)
     try:
         # Nothing needs the staged data once written: hold at most the batch being written and the next.
-        writes = commit.finish_writes(coordinator, target, lambda: issue_writes(
+        writes = commit.finish_writes(coordinator, target, lambda: stage_and_write(
             target, plan, options, writer=coordinator.index, max_host_bytes=2 * options.host_batch_bytes),
             fsync=options.fsync, what=str(loc))
         written = time.perf_counter()

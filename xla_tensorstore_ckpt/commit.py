@@ -19,8 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from . import arrays, formats, layout
 from .distributed import Coordinator
-from .saving import SavePlan, Writes
+from .save_plan import SavePlan
 from .storage import Location
+from .writing import Writes
 
 
 def finish_writes(coordinator: Coordinator, loc: Location, start: Callable[[], Writes], *, fsync: bool,

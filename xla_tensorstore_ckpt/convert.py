@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import arrays, commit, dtypes, formats, grid, layout, outputs, saving, storage, tree
+from . import arrays, commit, dtypes, formats, grid, layout, outputs, save_plan, storage, tree, writing
 from .distributed import Coordinator
 from .errors import UsageError
 from .inspection import Progress
@@ -131,7 +131,7 @@ def convert_to_step(source: storage.Location, step_dir: storage.Location, *, ite
 
 
 def _prepare(source: storage.Location, options: ConvertOptions
-             ) -> tuple[dict[layout.KeyPath, Any], saving.SavePlan, dict[layout.KeyPath, tuple[int, ...]]]:
+             ) -> tuple[dict[layout.KeyPath, Any], save_plan.SavePlan, dict[layout.KeyPath, tuple[int, ...]]]:
     """The source's arrays, open, and the plan of the copy (`_plan`). Reads only metadata."""
     manifest = formats.read_item(source)
     sources = _open_sources(source, manifest)
@@ -148,7 +148,7 @@ def _open_sources(source: storage.Location, manifest: ItemManifest) -> dict[layo
 
 
 def _plan(manifest: ItemManifest, sources: dict[layout.KeyPath, Any], options: ConvertOptions
-          ) -> tuple[saving.SavePlan, dict[layout.KeyPath, tuple[int, ...]]]:
+          ) -> tuple[save_plan.SavePlan, dict[layout.KeyPath, tuple[int, ...]]]:
     """The save plan of the converted item (every array on its new chunk grid, as the shards of a
     `ShardedArray` this process holds whole, so every chunk is written here) and the shape of the region each
     array is read in at a time (`_unit_shape`). `UsageError` for a chunk or a unit beyond the budget."""
@@ -169,7 +169,7 @@ def _plan(manifest: ItemManifest, sources: dict[layout.KeyPath, Any], options: C
     save_options = SaveOptions(use_ocdbt=options.use_ocdbt, fsync=options.fsync,
                                host_batch_bytes=max(1, options.chunk_budget),
                                single_file_max_bytes=min(SaveOptions().single_file_max_bytes, options.chunk_budget))
-    return saving.plan_save(state, save_options, Coordinator.single()), units
+    return save_plan.plan_save(state, save_options, Coordinator.single()), units
 
 
 def _stored_chunk(meta: ArrayMetadata, stored: arrays.StoredArray) -> tuple[int, ...] | None:
@@ -239,11 +239,11 @@ def _check_budget(path: layout.KeyPath, meta: ArrayMetadata, stored: tuple[int, 
 
 
 def _copy(source: storage.Location, sources: dict[layout.KeyPath, Any], destination: storage.Location,
-          plan: saving.SavePlan, unit_shapes: dict[layout.KeyPath, tuple[int, ...]], options: ConvertOptions,
+          plan: save_plan.SavePlan, unit_shapes: dict[layout.KeyPath, tuple[int, ...]], options: ConvertOptions,
           progress: Progress | None) -> None:
     """Read the source unit by unit (`_units`) and write each unit's chunks, keeping at most the budget in
     flight."""
-    writer = saving.ChunkWriter(destination, plan, writer=0, writeback=options.fsync)
+    writer = writing.ChunkWriter(destination, plan, writer=0, writeback=options.fsync)
     units = [unit for p in plan.arrays for unit in _units(p, unit_shapes.get(p.key_path))]
     total = sum(unit.nbytes for unit in units)
     done = 0
@@ -287,7 +287,7 @@ class _Unit:
     """A region of an array read from the source in one read (`region`), and the destination chunks it holds:
     `plan` is the array's plan with those writes only."""
 
-    plan: saving.ArrayPlan
+    plan: save_plan.ArrayPlan
     region: grid.Index
 
     @property
@@ -306,7 +306,7 @@ class _Unit:
                 for w in self.plan.writes]
 
 
-def _units(p: saving.ArrayPlan, unit_shape: tuple[int, ...] | None) -> list[_Unit]:
+def _units(p: save_plan.ArrayPlan, unit_shape: tuple[int, ...] | None) -> list[_Unit]:
     """The array's writes grouped by the unit of `unit_shape` they lie in (all of them for a single-file
     array, which is written at once), in C order."""
     if not p.writes:
@@ -314,7 +314,7 @@ def _units(p: saving.ArrayPlan, unit_shape: tuple[int, ...] | None) -> list[_Uni
     if p.single_file or unit_shape is None:
         groups = [p.writes]
     else:
-        by_unit: dict[tuple[int, ...], list[saving.ChunkWrite]] = {}
+        by_unit: dict[tuple[int, ...], list[save_plan.ChunkWrite]] = {}
         for w in p.writes:
             by_unit.setdefault(tuple(a // u for (a, _), u in zip(w.region, unit_shape)), []).append(w)
         groups = [tuple(g) for g in by_unit.values()]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from . import events, layout, policies, saving, storage
+from . import events, layout, policies, save_plan, storage, writing
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError
@@ -32,7 +32,7 @@ class Lane:
     coordinator: Coordinator
     events: events.Emitter  # bound to this tier
     in_flight: int | None = None  # the newest step this manager saved (or is saving) here
-    plan_caches: dict[str, saving.PlanCache] = field(default_factory=dict)  # item name -> its last plan
+    plan_caches: dict[str, save_plan.PlanCache] = field(default_factory=dict)  # item name -> its last plan
 
     @property
     def is_local(self) -> bool:
@@ -76,7 +76,7 @@ class Lane:
         begun = time.perf_counter()
         phases = {}
 
-        def written(writes: saving.Writes) -> None:
+        def written(writes: writing.Writes) -> None:
             phases["written"] = time.perf_counter()
             step_events.emit(events.SAVE_WRITTEN, seconds=phases["written"] - begun, nbytes=save.write_bytes,
                              files=len(writes.files) + len(writes.trees))

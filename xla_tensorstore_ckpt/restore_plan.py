@@ -21,10 +21,11 @@ from typing import Any
 import ml_dtypes
 import torch
 
-from . import arrays, dtypes, formats, grid, restoring, storage, tree
+from . import arrays, dtypes, formats, read_jobs, restoring, storage, tree
 from .options import RestoreOptions
+from .read_jobs import RestoreAs
 from .records import ArrayMetadata, ItemManifest
-from .restoring import KeyMap, RestoreAs
+from .restoring import KeyMap
 from .sharded_array import ShardedArray
 
 
@@ -108,12 +109,13 @@ def plan_restore(path: str | storage.Location, target: Any = None, *, key_map: K
             keys.append((path_, KeyPlan(name, "unexpected", **_saved_fields(stored))))
             problems.append(f"{name}: not in the target")
     reader = arrays.reader(loc, manifest.store)
-    amplification = (math.inf if reader.fetches_once
-                     else restoring.MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0)
-    jobs = {job.key_path: job for job in restoring.read_jobs(saved, matched, amplification)}
+    amplification = read_jobs.max_amplification(reader.fetches_once, loc.capabilities.cheap_refetch)
+    reader.close()  # asked only what it fetches; it opened nothing
+    planned = read_jobs.jobs(saved, matched, amplification)
+    jobs = {job.key_path: job for job in planned}
     return RestorePlan(str(loc), _source(manifest), tuple(_with_reads(k, jobs.get(p)) for p, k in keys),
                        sum(j.read_bytes for j in jobs.values()), sum(j.chunks_touched for j in jobs.values()),
-                       _peak(jobs.values(), options), process, processes, tuple(problems))
+                       read_jobs.schedule(planned, options).peak_host_bytes, process, processes, tuple(problems))
 
 
 def _target_fields(value: Any) -> dict:
@@ -163,23 +165,6 @@ def _with_reads(key: KeyPlan, job: Any) -> KeyPlan:
                       for s in job.layout.distinct_shards())
     return KeyPlan(**{**key.__dict__, "read_bytes": job.read_bytes, "chunks": job.chunks_touched,
                       "chunks_per_shard": per_shard})
-
-
-def _peak(jobs: Any, options: RestoreOptions) -> int:
-    """Host memory the reads need at most beyond the restored tensors' own, as `restoring.read_arrays` uses it:
-    for data bound for XLA devices, the two reused arenas (two batches, `restore_arenas`; a tensor larger than
-    a batch gets buffers of its own instead) plus torch_xla's copies of the two largest tensors in flight; data
-    that stays on the host (CPU tensors, `ShardedArray`s) is the result itself."""
-    jobs = list(jobs)
-    xla = sorted((j.read_bytes for j in jobs if j.layout.placement in restoring.XLA_PLACEMENTS), reverse=True)
-    if not xla:
-        return 0
-    budget = options.max_host_bytes
-    batch = min(options.read_batch_bytes, math.inf if budget is None else max(1, budget // 4))
-    groups = list(grid.batches(jobs, lambda job: job.read_bytes, batch))
-    arenas = min(2, len(groups)) * min(batch, sum(xla))
-    alone = xla[0] if xla[0] > batch else 0
-    return int(arenas + alone + sum(xla[:2]))
 
 
 def _source(manifest: ItemManifest) -> str:

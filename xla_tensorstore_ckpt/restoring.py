@@ -12,14 +12,12 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import arrays, dtypes, formats, grid, host_memory, layout, restore_arenas, storage, tree
+from . import arrays, dtypes, formats, host_memory, layout, read_jobs, restore_arenas, storage, tree
 from .errors import (
     CorruptCheckpointError,
     KeyMismatchError,
@@ -30,83 +28,12 @@ from .errors import (
 from .events import RESTORE_FINISHED, RESTORE_PLANNED, Emitter
 from .gc_pause import paused_gc
 from .options import RestoreOptions
-from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
+from .read_jobs import XLA_PLACEMENTS, ReadJob, RestoreAs
 from .records import ArrayMetadata, ItemManifest
 from .sharded_array import ShardedArray
+from .tensor_layout import Index, LocalShard, Placement
 
 PathLike = str | storage.Location
-
-# Reading each target shard into its own buffer avoids cutting shards out of one large read (an extra copy, and
-# large allocations that must be faulted in afresh every time); fetching a chunk twice from the page cache costs
-# less than that, up to about this factor. Over a network, each chunk is fetched once.
-MAX_READ_AMPLIFICATION = 2.0
-SMALL_READ_BYTES = 4 << 20
-XLA_PLACEMENTS = (Placement.TILED, Placement.REPLICATED, Placement.UNSHARDED)
-
-
-@dataclass(frozen=True)
-class RestoreAs:
-    """A restore-target leaf that is not a tensor yet: restore the array with the placement (sharding and
-    device) of `reference`, as `dtype`. Used to rebuild optimizer state on the sharding of its parameter."""
-
-    reference: torch.Tensor
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class _ReadJob:
-    key_path: layout.KeyPath
-    meta: ArrayMetadata
-    reference: torch.Tensor | ShardedArray | None  # gives sharding and device; None: a CPU tensor
-    dtype: torch.dtype
-    layout: TensorLayout  # where the data goes: the reference's local shards, or one whole-array shard
-    max_amplification: float = MAX_READ_AMPLIFICATION  # stored bytes fetched per byte, at most, to read by shard
-
-    @cached_property
-    def reads(self) -> tuple[Index, ...]:
-        """The regions to read. Each local shard is read on its own, into its own buffer that goes to the device
-        as it is, unless the shards tile a box (always on a single host) and the box is small (one read beats
-        many) or reading shard by shard would fetch more than `max_amplification` times the stored bytes
-        (a chunk feeding several shards is fetched once per shard): then the box is read once and the shards
-        are cut from it."""
-        shards = self.layout.distinct_shards()
-        if len(shards) <= 1:
-            return tuple(s.index for s in shards)
-        indices = tuple(s.index for s in shards)
-        box = tuple((min(s.index[d][0] for s in shards), max(s.index[d][1] for s in shards))
-                    for d in range(len(self.meta.shape)))
-        box_elements = math.prod(b - a for a, b in box)
-        tiled = sum(s.size for s in shards) == box_elements
-        small = box_elements * dtypes.by_name(self.meta.dtype).itemsize <= SMALL_READ_BYTES
-        if tiled and (small or sum(map(self._fetched, indices)) > self.max_amplification * self._fetched(box)):
-            return (box,)
-        return indices
-
-    def _fetched(self, region: Index) -> int:
-        """Elements of the stored chunks a read of `region` fetches (whole chunks: checksums cover a chunk)."""
-        total = 1
-        for (a, b), chunk, n in zip(region, self.meta.chunk_shape, self.meta.shape):
-            if b <= a:
-                return 0
-            total *= min(n, -(-b // chunk) * chunk) - (a // chunk) * chunk
-        return total
-
-    @cached_property
-    def chunks_touched(self) -> int:
-        """Stored chunks the reads touch (a chunk touched by two reads counts twice)."""
-        total = 0
-        for region in self.reads:
-            count = 1
-            for (a, b), chunk in zip(region, self.meta.chunk_shape):
-                count *= -(-b // chunk) - a // chunk if b > a else 0
-            total += count
-        return total
-
-    @cached_property
-    def read_bytes(self) -> int:
-        itemsize = dtypes.by_name(self.meta.dtype).itemsize
-        return sum(math.prod(b - a for a, b in r) for r in self.reads) * itemsize
-
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 
@@ -146,10 +73,8 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
         wanted = ({p: None for p in saved} if target is None
                   else _match(loc, saved, dict(tree.flatten(target)), strict))
         reader = arrays.reader(loc, manifest.store)
-        # A reader that fetches each chunk once reads a box as cheaply as its shards one by one.
-        amplification = (math.inf if reader.fetches_once
-                         else MAX_READ_AMPLIFICATION if loc.capabilities.cheap_refetch else 1.0)
-        jobs = read_jobs(saved, wanted, amplification)
+        amplification = read_jobs.max_amplification(reader.fetches_once, loc.capabilities.cheap_refetch)
+        jobs = read_jobs.jobs(saved, wanted, amplification)
         events = (events or Emitter(options.listeners)).bound(path=str(loc))
         planned_bytes = sum(job.read_bytes for job in jobs)
         events.emit(RESTORE_PLANNED, nbytes=planned_bytes,
@@ -220,116 +145,116 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
     return wanted
 
 
-def read_jobs(saved: dict, wanted: dict, max_amplification: float) -> list[_ReadJob]:
-    """The reads of every array `wanted` asks for (target leaves by key path, as `_match` returns them): what the
-    restore reads, and what `restore_plan` reports."""
-    targets = {p: (t.reference, t.dtype) if isinstance(t, RestoreAs) else (t, t.dtype)
-               for p, t in wanted.items() if isinstance(t, (torch.Tensor, RestoreAs, ShardedArray))}
-    xla = [(p, ref) for p, (ref, _) in targets.items() if isinstance(ref, torch.Tensor) and ref.device.type == "xla"]
-    layouts: dict[layout.KeyPath, TensorLayout] = {
-        p: host_layout(ref) for p, (ref, _) in targets.items() if isinstance(ref, ShardedArray)}
-    if xla:
-        from . import sharding
-
-        layouts.update(zip([p for p, _ in xla], sharding.layouts([t for _, t in xla])))
-    jobs = []
-    for path in wanted:
-        meta = saved[path]
-        if not isinstance(meta, ArrayMetadata):
-            continue
-        reference, dtype = targets.get(path, (None, meta.torch_dtype))
-        if path not in layouts:
-            reference = None  # a CPU tensor
-        jobs.append(_ReadJob(path, meta, reference, dtype, layouts.get(path) or cpu_layout(meta.shape),
-                             max_amplification))
-    return jobs
-
-
-def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequence[_ReadJob], options: RestoreOptions,
+def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequence[ReadJob], options: RestoreOptions,
                 take: Callable[[dict], None] | None = None, *, release_targets: bool = False) -> dict:
-    """Read every job's regions and build its tensor; the reads of the next batch overlap building this one
-    (unless both batches together exceed `options.max_host_bytes`; with a budget, each tensor's transfer to
-    its devices is waited for before the one after the next is placed, and after a batch the freed host memory
-    is returned to the OS unless the next batch fits beside it: see `host_memory`), every array opened by
-    `reader`. The tensors are returned, or with `take` handed to
-    it one by one (see `read_item`, also for `release_targets`). On error, outstanding reads are waited for
-    before the error propagates."""
+    """Read every job's regions and build its tensor, batch by batch as `read_jobs.schedule` plans them: the
+    reads of the next batch overlap building this one (unless both exceed `options.max_host_bytes`), one
+    transfer to the devices runs while the next tensor is copied, and under a budget the freed host memory is
+    returned to the OS after a batch unless the next batch fits beside it (`host_memory`). Every array is opened
+    by `reader`. The tensors are returned, or with `take` handed to it one by one (see `read_item`, also for
+    `release_targets`). On error, outstanding reads are waited for before the error propagates."""
+    _check_sizes(loc, jobs)
+    schedule = read_jobs.schedule(list(jobs), options)
+    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs})
+    transfers = _Transfers()
+    resident_at_start = host_memory.resident_bytes() if schedule.budget is not None else None
+    results: dict[layout.KeyPath, torch.Tensor] = {}
+    try:
+        for k, group in enumerate(schedule.groups):
+            batches.issue(k)  # unless it was read ahead
+            if schedule.reads_ahead(k):
+                batches.issue(k + 1)
+            for i, job in enumerate(group):
+                value = _build(job, batches.take(k, i), release=release_targets)
+                if job.layout.placement in XLA_PLACEMENTS:
+                    transfers.started(value)
+                if take is None:
+                    results[job.key_path] = value
+                else:
+                    take({job.key_path: value})
+            if schedule.budget is not None:
+                transfers.settle()
+                batches.trim(k, resident_at_start)
+    except BaseException:
+        batches.drain()
+        raise
+    return results
+
+
+def _check_sizes(loc: storage.Location, jobs: Sequence[ReadJob]) -> None:
     limit = _memory_limit()
     for job in jobs:
         if job.read_bytes > limit:
             raise CorruptCheckpointError(
                 f"restoring {tree.format_key_path(job.key_path)} from {loc.child(job.meta.path)} would read "
                 f"{job.read_bytes / 2**30:.1f} GiB at once, more than this machine's memory; a damaged checkpoint?")
-    opened = {job.key_path: reader.open(job.meta) for job in jobs}
-    budget = options.max_host_bytes
-    # Under a budget: two batches of reads in flight, torch_xla's copy of the one being placed, and glibc's slack.
-    batch_bytes = min(options.read_batch_bytes, math.inf if budget is None else max(1, budget // 4))
-    groups = list(grid.batches(jobs, lambda job: job.read_bytes, batch_bytes))
-    sizes = [sum(job.read_bytes for job in group) for group in groups]
-    # A tensor larger than a batch (a group of its own) is read into buffers of its own (not an arena); under a
-    # budget the arenas not in use are given up while it is read and placed.
-    alone = [budget is not None and size > batch_bytes for size in sizes]
-    staged = [size if big else batch_bytes for size, big in zip(sizes, alone)]  # host bytes a batch holds
-    # torch_xla copies a tensor's data on its way to the devices and holds the copy until the transfer ends;
-    # under a budget one transfer runs while the next tensor is copied: its two largest tensors' bytes more.
-    placing = [sum(sorted(job.read_bytes for job in group)[-2:]) for group in groups]
-    arenas = (restore_arenas.Arena(batch_bytes), restore_arenas.Arena(batch_bytes))  # batch k reads into arenas[k % 2]
-    resident_at_start = host_memory.resident_bytes() if budget is not None else None
 
-    def issue(k: int) -> list[dict]:
-        arena = arenas[k % 2]  # batch k - 2 read into it and is placed (or abandoned after an error)
-        if alone[k]:
+
+class _Batches:
+    """The reads of a schedule's batches: batch k is read into arena ``k % 2`` (or, alone under a budget, into
+    buffers of its own); a region's buffer is dropped once its tensor is built."""
+
+    def __init__(self, loc: storage.Location, schedule: read_jobs.ReadSchedule, opened: dict):
+        self._loc, self._schedule, self._opened = loc, schedule, opened
+        self._arenas = (restore_arenas.Arena(schedule.batch_bytes), restore_arenas.Arena(schedule.batch_bytes))
+        self._issued: dict[int, list[dict]] = {}
+
+    def issue(self, k: int) -> None:
+        """Start the reads of batch k, if not yet started (batch k - 2, read into the same arena, is built)."""
+        if k in self._issued:
+            return
+        arena = self._arenas[k % 2]
+        if self._schedule.alone(k):
             arena.release()
-            return _issue_reads(loc, groups[k], opened, None)
-        arena.reset()
-        return _issue_reads(loc, groups[k], opened, arena)
+            arena = None
+        else:
+            arena.reset()
+        self._issued[k] = _issue_reads(self._loc, self._schedule.groups[k], self._opened, arena)
 
-    results: dict[layout.KeyPath, torch.Tensor] = {}
-    current: list[dict] = []
-    following: list[dict] = []
-    transferring: list[torch.Tensor] = []  # under a budget: the placed tensor whose transfer may still run
+    def take(self, k: int, i: int) -> dict:
+        """The read regions of job i of batch k (blocks until they are read); the batch no longer holds them."""
+        regions = {index: read.result() for index, read in self._issued[k][i].items()}
+        self._issued[k][i] = {}
+        if i == len(self._schedule.groups[k]) - 1:
+            del self._issued[k]
+        return regions
 
-    def settle() -> None:
-        if transferring:
+    def trim(self, k: int, resident_at_start: int | None) -> None:
+        """After batch k under a budget: give the freed host memory back unless the next batch fits beside it."""
+        schedule = self._schedule
+        upcoming = 0
+        if k + 1 < len(schedule.groups):
+            if schedule.alone(k + 1):
+                self._arenas[k % 2].release()  # unused until after the large tensor is placed
+            upcoming = schedule.staged(k + 1) + schedule.placing(k + 1)
+        host_memory.keep_within(resident_at_start, schedule.budget - upcoming)
+
+    def drain(self) -> None:
+        """Wait for every array opening and read still in flight (after an error)."""
+        outstanding = [read for reads in self._issued.values() for batch in reads for read in batch.values()]
+        arrays.drain([*self._opened.values(), *outstanding])
+
+
+class _Transfers:
+    """The placed tensor whose transfer to the devices may still run: torch_xla holds a host copy of its data
+    until the transfer ends, so the restore waits for it before the tensor after the next is copied."""
+
+    def __init__(self) -> None:
+        self._running: torch.Tensor | None = None
+
+    def started(self, tensor: torch.Tensor) -> None:
+        self.settle()
+        self._running = tensor
+
+    def settle(self) -> None:
+        if self._running is not None:
             from . import sharding
 
-            sharding.wait_transferred(transferring.pop())
-
-    try:
-        current = issue(0) if groups else []
-        for k, group in enumerate(groups):
-            ahead = k + 1 < len(groups) and (budget is None or staged[k] + placing[k] + staged[k + 1] <= budget)
-            following = issue(k + 1) if ahead else []
-            for i, job in enumerate(group):
-                value = _build(job, {index: r.result() for index, r in current[i].items()},
-                               release=release_targets)
-                current[i] = {}  # its host buffers are not needed any more
-                if budget is not None and job.layout.placement in XLA_PLACEMENTS:
-                    settle()  # the previous tensor's: its host copy is freed
-                    transferring.append(value)
-                if take is None:
-                    results[job.key_path] = value
-                else:
-                    take({job.key_path: value})
-            if budget is not None:
-                settle()
-                upcoming = 0
-                if k + 1 < len(groups):
-                    if alone[k + 1]:
-                        arenas[k % 2].release()  # unused until after the large tensor is placed
-                    upcoming = staged[k + 1] + placing[k + 1]
-                # This batch's staging copies are free: give them back unless the next batch fits beside them.
-                host_memory.keep_within(resident_at_start, budget - upcoming)
-            if k + 1 < len(groups) and not ahead:
-                following = issue(k + 1)
-            current, following = following, []
-    except BaseException:
-        arrays.drain([*opened.values(), *(r for reads in current + following for r in reads.values())])
-        raise
-    return results
+            sharding.wait_transferred(self._running)
+            self._running = None
 
 
-def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict,
+def _issue_reads(loc: storage.Location, group: Sequence[ReadJob], opened: dict,
                  arena: restore_arenas.Arena | None) -> list[dict]:
     """Start the reads of `group`. Data bound for XLA devices is read into `arena` if given (torch_xla copies
     it before `_build` returns, so the arena is free again once the group is built); CPU and host results own
@@ -343,7 +268,7 @@ def _issue_reads(loc: storage.Location, group: Sequence[_ReadJob], opened: dict,
     return issued
 
 
-def _check_stored(loc: storage.Location, job: _ReadJob, stored: arrays.StoredArray) -> None:
+def _check_stored(loc: storage.Location, job: ReadJob, stored: arrays.StoredArray) -> None:
     """The stored array must be the one the manifest describes (a hostile ``zarr.json`` could otherwise make
     tensorstore allocate absurd chunks)."""
     shape, dtype, chunks = stored.shape, stored.dtype_name, stored.chunk_shape
@@ -366,7 +291,7 @@ def _region(index: Index, reads: dict) -> Any:
     raise AssertionError(f"no read covers {index}")  # the reads are planned to cover every shard
 
 
-def _build(job: _ReadJob, regions: dict, *, release: bool = False) -> torch.Tensor | ShardedArray:
+def _build(job: ReadJob, regions: dict, *, release: bool = False) -> torch.Tensor | ShardedArray:
     """The tensor of `job` from its read `regions`; with `release`, an XLA reference's device data is released
     first (see `read_item`)."""
     saved_dtype = dtypes.by_name(job.meta.dtype).torch

@@ -22,8 +22,8 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
-from .plan import LocalShard, Placement, TensorLayout, full_index
 from .records import SavedSharding
+from .tensor_layout import LocalShard, Placement, TensorLayout, full_index
 
 _X = torch_xla._XLAC
 _DEVICES_RE = re.compile(r"devices=\[([0-9,]+)\]([^ }]*)")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import rng_state, saving
+from . import rng_state, save_plan, staging, writing
 from .distributed import Coordinator
 from .gc_pause import paused_gc
 from .options import SaveOptions
@@ -26,12 +26,12 @@ from .training_state import RNG_ITEM
 class Destination:
     """A tier a step goes to: its steps, the coordinator that clears its step directory from the caller's thread,
     whether it keeps this process's own copy (a local tier) rather than the job's shared one, and its plan
-    caches (item name -> `saving.PlanCache`, kept by the caller across saves)."""
+    caches (item name -> `save_plan.PlanCache`, kept by the caller across saves)."""
 
     tier: Tier
     coordinator: Coordinator
     own_copy: bool
-    plan_caches: dict[str, saving.PlanCache]
+    plan_caches: dict[str, save_plan.PlanCache]
 
 
 def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, Any], marker: StepMetadata, *,
@@ -39,8 +39,8 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
           max_host_bytes: int | None) -> list[PendingSave]:
     """Plan `states` (item name -> state tree) for every destination, clear their step directories, and begin
     the writes: in async mode without `max_host_bytes` every shard is on the host when this returns, copied off
-    the devices once for all destinations (`saving.stage_shared`); otherwise each destination begins as
-    `saving.begin_writes` does. `marker` is completed per destination (items; for an own copy its writer, whether
+    the devices once for all destinations (`staging.stage_shared`); otherwise each destination begins as
+    `writing.begin_writes` does. `marker` is completed per destination (items; for an own copy its writer, whether
     the step also goes to a shared tier, and the shared tier's root as `marker.persistent_root` names it).
     Raises what planning and staging raise, on every process."""
     shared = any(not d.own_copy for d in destinations)
@@ -53,8 +53,8 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
                 items[RNG_ITEM] = rng_state.capture(0, 1) if own else rng_state.capture(coordinator.index,
                                                                                          coordinator.count)
             caches = destination.plan_caches
-            plans.append({name: saving.plan_save(state, options, coordinator, own_copy=own,
-                                                 cache=caches.setdefault(name, saving.PlanCache()))
+            plans.append({name: save_plan.plan_save(state, options, coordinator, own_copy=own,
+                                                 cache=caches.setdefault(name, save_plan.PlanCache()))
                           for name, state in items.items()})
             places.append(destination.tier.prepare(destination.coordinator, step))
             markers.append(dataclasses.replace(marker, items=tuple(plans[-1]), persistent_copy=own and shared,
@@ -62,12 +62,12 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
                                                persistent_root=marker.persistent_root if own else None))
         writer = coordinator.index
 
-        def begin() -> list[Callable[[], saving.Writes]]:
+        def begin() -> list[Callable[[], writing.Writes]]:
             if async_save and max_host_bytes is None:
-                staged = saving.stage_shared(plans, options)
-                return [saving.start_staged(location, p, s, options, writer=writer)
+                staged = staging.stage_shared(plans, options)
+                return [writing.deferred_writes(location, p, s, options, writer=writer)
                         for (location, _), p, s in zip(places, plans, staged)]
-            return [saving.begin_writes(location, p, options, writer=writer, background=async_save,
+            return [writing.begin_writes(location, p, options, writer=writer, background=async_save,
                                         max_host_bytes=max_host_bytes) for (location, _), p in zip(places, plans)]
 
         starts = coordinator.everywhere(f"staging step {step}", begin)

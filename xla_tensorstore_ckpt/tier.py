@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from . import commit, formats, layout, policies, saving
+from . import commit, formats, layout, policies, save_plan, writing
 from .distributed import Coordinator
 from .errors import StepNotFoundError
 from .records import StepMetadata
@@ -32,8 +32,8 @@ class PendingSave:
     step: int
     location: Location
     final: Location
-    plans: Mapping[str, saving.SavePlan]
-    start: Callable[[], saving.Writes]
+    plans: Mapping[str, save_plan.SavePlan]
+    start: Callable[[], writing.Writes]
     marker: StepMetadata  # committed_at is set at commit time
 
     @property
@@ -141,7 +141,7 @@ class Tier:
         return (self.root.child(temporary) if temporary else final), final
 
     def commit(self, coordinator: Coordinator, save: PendingSave, *, fsync: bool, committed_at: float,
-               on_written: Callable[[saving.Writes], None] | None = None) -> list[int]:
+               on_written: Callable[[writing.Writes], None] | None = None) -> list[int]:
         """Finish the writes of `save` (then call `on_written` with them), write its manifests and marker, put it
         in place, refresh the lock; return the steps retention lets go (not deleted yet: see `delete`)."""
         what = f"step {save.step} at {save.final}"

@@ -17,8 +17,9 @@ from .errors import CheckpointError, CheckpointNotFoundError, ItemNotFoundError,
 from .events import Emitter
 from .layout import KeyPath
 from .options import RestoreOptions
+from .read_jobs import RestoreAs
 from .records import ArrayMetadata, StepMetadata
-from .restoring import KeyMap, RestoreAs
+from .restoring import KeyMap
 from .storage import Location
 
 RNG_ITEM = "rng"  # a step's item holding the random generator states (`rng_state`)

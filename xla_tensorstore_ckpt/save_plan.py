@@ -1,11 +1,11 @@
-"""The save half of an item: plan (which chunks exist, which process writes each), stage (copy shards to the
-host), write (concurrent tensorstore writes), manifest.
+"""Planning an item's save: which chunks exist, and which process writes each (`plan_save`); immutable plans
+that staging (`staging`) and writing (`writing`) then follow.
 
 One chunk, one writer: every chunk of every array is written by exactly one process. Chunks held by several
 processes (replicas) go to the least loaded holder, and a large tensor that every process holds in full is cut
 into one chunk per process, so the bytes written spread over the job. With a single process all of this
 reduces to "write each distinct local shard once". Planning is collective when a `Coordinator` spans several
-processes (every process must call it, in the same order); the rest is local. Everything blocks.
+processes (every process must call it, in the same order). Everything blocks.
 """
 
 from __future__ import annotations
@@ -13,21 +13,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import torch
 
-from . import arrays, dtypes, formats, grid, layout, outputs, storage, tree
+from . import dtypes, formats, grid, layout, tree
 from .distributed import Coordinator, balance
-from .errors import CheckpointExistsError, UnsupportedValueError
+from .errors import UnsupportedValueError
 from .options import SaveOptions
-from .plan import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
 from .records import ArrayMetadata, ArrayStore, ItemManifest
 from .sharded_array import ShardedArray
+from .tensor_layout import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
 
 ArrayLike = torch.Tensor | ShardedArray
 
@@ -334,238 +333,3 @@ def _assign_writers(local: list[tuple[ArrayMetadata, TensorLayout]], options: Sa
         chunks.extend(((meta.path, region), math.prod(b - a for a, b in region) * itemsize, procs)
                       for region, procs in held.items())
     return chunk_shapes, balance(chunks, coordinator.count)
-
-
-def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tensor]]:
-    """Host data of each plan's writes (one tensor per write), fetched from the devices with one torch_xla call
-    per placement kind. Host tensors are referenced, not copied, unless `copy_cpu` (a caller that returns
-    before the writes finish must copy: the training loop may change them)."""
-    sources = _fetch_sources(batch, copy_cpu=copy_cpu)
-    return [[_cut(sources[i][w.source], w) for w in p.writes] for i, p in enumerate(batch)]
-
-
-def _fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[LocalShard, torch.Tensor]]:
-    """The host data of the local shards each plan's writes read from (`stage`)."""
-    sources: list[dict[LocalShard, torch.Tensor]] = [{} for _ in batch]
-    xla = [i for i, p in enumerate(batch) if p.layout.placement in (Placement.TILED, Placement.REPLICATED,
-                                                                    Placement.UNSHARDED) and p.writes]
-    for i, p in enumerate(batch):
-        if p.layout.placement is Placement.CPU and p.writes:
-            data = p.value.detach().resolve_conj().resolve_neg()
-            sources[i] = {p.layout.shards[0]: data.clone() if copy_cpu else data}
-        elif p.layout.placement is Placement.HOST and p.writes:
-            held = dict(zip(p.layout.shards, (d for _, d in p.value.shards)))
-            sources[i] = {s: held[s].clone() if copy_cpu else held[s] for s in p.sources}
-    if xla:
-        from . import sharding
-
-        fetched = sharding.fetch([batch[i].value for i in xla], [batch[i].layout for i in xla],
-                                 [batch[i].sources for i in xla])
-        for i, shards in zip(xla, fetched):
-            sources[i] = dict(zip(batch[i].sources, shards))
-    return sources
-
-
-def _cut(data: torch.Tensor, write: ChunkWrite) -> torch.Tensor:
-    if write.region == write.source.index:
-        return data
-    return data[tuple(slice(a - sa, b - sa) for (a, b), (sa, _) in zip(write.region, write.source.index))]
-
-
-Staged = list[tuple[list[ArrayPlan], list[list[torch.Tensor]]]]
-
-
-def stage_all(plans: Sequence[ArrayPlan], options: SaveOptions, *, copy_cpu: bool) -> Staged:
-    """Host copies of everything this process writes, batch by batch (the transient fetch of a batch stays
-    within `options.host_batch_bytes`). Blocks. For asynchronous saves: once this returns, training may change
-    the tensors; `start_writes` then writes from the copies."""
-    return [(group, stage(group, copy_cpu=copy_cpu))
-            for group in grid.batches([p for p in plans if p.writes], lambda p: p.host_bytes,
-                                      options.host_batch_bytes)]
-
-
-def stage_shared(saves: Sequence[Mapping[str, SavePlan]], options: SaveOptions) -> list[dict[str, Staged]]:
-    """Host copies for several saves of one state (a manager's tiers; items name -> plan each), for asynchronous
-    saves: every local shard is copied off the devices once, by the first save that writes from it, and the
-    writes of every save are cut from that copy (arrays are matched by identity: the saves must plan the same
-    leaf objects). Holds one host copy of everything any save writes. Blocks."""
-    fetched: dict[tuple[int, LocalShard], torch.Tensor] = {}
-    out = []
-    for plans in saves:
-        staged_items: dict[str, Staged] = {}
-        for name, plan in plans.items():
-            staged: Staged = []
-            for group in grid.batches([p for p in plan.arrays if p.writes], lambda p: p.host_bytes,
-                                      options.host_batch_bytes):
-                missing = [p for p in group if any((id(p.value), s) not in fetched for s in p.sources)]
-                for p, shards in zip(missing, _fetch_sources(missing, copy_cpu=True) if missing else []):
-                    fetched.update({(id(p.value), s): data for s, data in shards.items()})
-                staged.append((group, [[_cut(fetched[(id(p.value), w.source)], w) for w in p.writes]
-                                       for p in group]))
-            staged_items[name] = staged
-        out.append(staged_items)
-    return out
-
-
-def start_staged(loc: storage.Location, plans: Mapping[str, SavePlan], staged: dict[str, Staged],
-                 options: SaveOptions, *, writer: int) -> Callable[[], Writes]:
-    """`start` (as `begin_writes` returns it) for items staged by `stage_shared`."""
-    return lambda: Writes.combined({name: start_writes(loc.child(name), plan, staged.pop(name), options,
-                                                       writer=writer)
-                                    for name, plan in plans.items()})
-
-
-@dataclass
-class Writes:
-    """The writes a process started for one item: the futures to wait for, and what they create (relative to
-    the item directory), which a save that syncs makes durable once they are done: `files`, and `trees`
-    (directories whose every file is this process's, such as its OCDBT store)."""
-
-    pending: list[arrays.Pending]
-    files: list[str]
-    trees: list[str]
-
-    @staticmethod
-    def combined(by_item: Mapping[str, Writes]) -> Writes:
-        """The writes of several items as one, names relative to their parent (``<item>/...``)."""
-        return Writes([p for w in by_item.values() for p in w.pending],
-                      [f"{item}/{f}" for item, w in by_item.items() for f in w.files],
-                      [f"{item}/{t}" for item, w in by_item.items() for t in w.trees])
-
-
-def start_writes(loc: storage.Location, plan: SavePlan, staged: Staged, options: SaveOptions, *,
-                 writer: int) -> Writes:
-    """Create the arrays this process creates and start writing staged chunks (`writer`: this process's
-    index)."""
-    out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync)
-    try:
-        for group, data in staged:
-            out.write(group, data)
-    except BaseException:
-        arrays.drain(out.writes.pending)
-        raise
-    return out.writes
-
-
-def issue_writes(loc: storage.Location, plan: SavePlan, options: SaveOptions, *, writer: int,
-                 copy_cpu: bool = False, max_host_bytes: int | None = None) -> Writes:
-    """Stage and write, interleaved: the writes of one batch run while the next is fetched. Blocks while shards
-    are fetched. With `max_host_bytes`, staged data not yet written never exceeds it (plus one batch): the call
-    waits for earlier writes instead of fetching more. `copy_cpu` copies host tensors too (for callers that
-    return before the writes finish). On error, every started operation is waited for first."""
-    out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync)
-    in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
-    in_flight_bytes = 0
-    try:
-        for group in grid.batches([p for p in plan.arrays if p.writes], lambda p: p.host_bytes,
-                                  options.host_batch_bytes):
-            group_bytes = sum(p.staged_bytes for p in group)
-            while max_host_bytes is not None and in_flight and in_flight_bytes + group_bytes > max_host_bytes:
-                done_bytes, done = in_flight.popleft()
-                arrays.wait_all(done)
-                in_flight_bytes -= done_bytes
-            in_flight.append((group_bytes, out.write(group, stage(group, copy_cpu=copy_cpu))))
-            in_flight_bytes += group_bytes
-    except BaseException:
-        arrays.drain(out.writes.pending)
-        raise
-    return out.writes
-
-
-def begin_writes(loc: storage.Location, plans: Mapping[str, SavePlan], options: SaveOptions, *, writer: int,
-                 background: bool, max_host_bytes: int | None) -> Callable[[], Writes]:
-    """Begin saving items (name -> plan) under `loc`; return `start`, which starts the writes not started yet
-    and returns all of them. With `background` (an asynchronous save), every shard is on the host when this
-    returns and training may change the tensors: without `max_host_bytes` only the copies happen here and
-    `start` (called on a background thread) issues the writes; with it, staging and writing interleave here
-    within the cap. Without `background`, nothing happens here: `start` stages and writes, holding at most two
-    batches of host memory. Blocks while shards are copied."""
-    if not background:
-        return lambda: Writes.combined({name: issue_writes(loc.child(name), plan, options, writer=writer,
-                                                           max_host_bytes=2 * options.host_batch_bytes)
-                                        for name, plan in plans.items()})
-    if max_host_bytes is not None:
-        started = Writes.combined({name: issue_writes(loc.child(name), plan, options, writer=writer, copy_cpu=True,
-                                                      max_host_bytes=max_host_bytes)
-                                   for name, plan in plans.items()})
-        return lambda: started
-    # Only the copy off the devices happens here; creating arrays and issuing writes (a fraction of a millisecond
-    # per chunk) is left to the caller of `start`.
-    staged = {name: stage_all(plan.arrays, options, copy_cpu=True) for name, plan in plans.items()}
-    return start_staged(loc, plans, staged, options, writer=writer)
-
-
-class ChunkWriter:
-    """Creates the arrays this process creates and issues its chunk writes; collects every future and what
-    they create. Saves feed it the staged shards; `convert` feeds it chunks read from another checkpoint, a
-    batch at a time (`write` takes plans whose `writes` are any subset of the array's). In a store of
-    directories, with `writeback` (saves that fsync), finished chunk files are handed to the disk while later
-    ones are still being staged. In an OCDBT store, every array's metadata is created in one transaction, then
-    each batch of chunks is one transaction: the store's B-tree grows by a few nodes per batch, not per chunk,
-    and host memory holds at most a batch of encoded chunks."""
-
-    def __init__(self, loc: storage.Location, plan: SavePlan, *, writer: int, writeback: bool):
-        self.item, self.writer, self.store = loc, writer, plan.store
-        self.ocdbt = plan.store.kind == "ocdbt"
-        self.writeback = writeback and not loc.capabilities.durable_writes
-        context = storage.operation_context()
-        self.refs = {p.key_path: arrays.ArrayRef(loc, p.meta.path, plan.store, context) for p in plan.arrays}
-        self.plans = {p.key_path: p for p in plan.arrays}
-        self.writes = Writes([], [], [])
-        self.batches = 0
-        mine = [p for p in plan.arrays if p.writes or p.writes_metadata]
-        if self.ocdbt and mine:
-            created = arrays.new_transaction()
-            arrays.wait_all([self._open(p, lane=0, metadata=True, transaction=created)
-                             for p in mine if p.writes_metadata])
-            arrays.wait_all([arrays.commit(created, loc, layout.ocdbt_store(writer, 0))])
-            self.writes.trees.append(layout.ocdbt_store(writer, 0))
-        self.opened: dict[tuple[layout.KeyPath, int], arrays.Pending] = {
-            (p.key_path, 0): self._open(p, lane=0, metadata=not self.ocdbt and p.writes_metadata) for p in mine}
-        self.writes.pending.extend(self.opened.values())
-        if not self.ocdbt:
-            self.writes.files.extend(f"{p.meta.path}/{layout.ZARR_METADATA}" for p in mine if p.writes_metadata)
-
-    def _open(self, p: ArrayPlan, *, lane: int, metadata: bool, transaction: object = None) -> arrays.Pending:
-        return arrays.create(self.refs[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
-                             store=layout.ocdbt_store(self.writer, lane) if self.ocdbt else None,
-                             single_file=p.single_file, write_metadata=metadata, transaction=transaction)
-
-    def _handle(self, p: ArrayPlan, lane: int) -> object:
-        if (p.key_path, lane) not in self.opened:  # another lane of an OCDBT store: no I/O, the metadata is known
-            self.opened[(p.key_path, lane)] = self._open(p, lane=lane, metadata=False)
-            if layout.ocdbt_store(self.writer, lane) not in self.writes.trees:
-                self.writes.trees.append(layout.ocdbt_store(self.writer, lane))
-        return self.opened[(p.key_path, lane)].result()
-
-    def write(self, group: Sequence[ArrayPlan], data: Sequence[Sequence[torch.Tensor]]) -> list[arrays.Pending]:
-        out: list[arrays.Pending] = []
-        lane = self.batches % arrays.OCDBT_LANES if self.ocdbt else 0
-        self.batches += 1
-        transaction = arrays.new_transaction() if self.ocdbt else None
-        for p, chunk_data in zip(group, data):
-            chunks = [(tuple(slice(a, b) for a, b in w.region), dtypes.tensor_to_numpy(d))
-                      for w, d in zip(p.writes, chunk_data)]
-            pending, files = arrays.write(self._handle(p, lane), self.refs[p.key_path], chunks,
-                                          single_file=p.single_file, writeback=self.writeback and not self.ocdbt,
-                                          transaction=transaction)
-            out.extend(pending)
-            self.writes.files.extend(f"{p.meta.path}/{f}" for f in files)
-        if transaction is not None:
-            out.append(arrays.commit(transaction, self.item, layout.ocdbt_store(self.writer, lane),
-                                     writeback=self.writeback))
-        self.writes.pending.extend(out)
-        return out
-
-
-def prepare_directory(loc: storage.Location, *, overwrite: bool) -> str | None:
-    """Where an item saved to `loc` is written: None for `loc` itself when it is empty; when it holds something
-    and `overwrite`, the name of a new temporary directory beside it (in the parent of `loc.resolved()`; see
-    `outputs`), which replaces it once the item is committed, so that a failed save leaves the old item as it
-    was. Raises `CheckpointExistsError` if `loc` holds anything and not `overwrite`."""
-    if loc.is_empty() and not loc.is_file():
-        return None
-    if not overwrite:
-        what = "a checkpoint" if loc.read(layout.ITEM_METADATA) is not None else "other files"
-        raise CheckpointExistsError(f"{loc} already holds {what}; pass overwrite=True to replace it")
-    return outputs.temporary_sibling(loc.resolved()).name

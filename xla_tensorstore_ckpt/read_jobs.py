@@ -1,0 +1,213 @@
+"""What a restore reads and when: one `ReadJob` per array (the regions each target shard needs, read whole or
+as one covering box), grouped into batches by `schedule`, with the host memory that schedule needs. Computed
+from metadata alone, so the restore (`restoring.read_arrays`) and its dry run (`restore_plan`) share it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from . import dtypes, grid, layout
+from .options import RestoreOptions
+from .records import ArrayMetadata
+from .sharded_array import ShardedArray
+from .tensor_layout import Index, Placement, TensorLayout, cpu_layout, host_layout
+
+# Reading each target shard into its own buffer avoids cutting shards out of one large read (an extra copy, and
+# large allocations that must be faulted in afresh every time); fetching a chunk twice from the page cache costs
+# less than that, up to about this factor. Over a network, each chunk is fetched once.
+MAX_READ_AMPLIFICATION = 2.0
+SMALL_READ_BYTES = 4 << 20
+XLA_PLACEMENTS = (Placement.TILED, Placement.REPLICATED, Placement.UNSHARDED)
+# Host memory a restore holds per array while it runs besides the data (its records, reads and futures): a CPU
+# restore of the benchmarks' 2,000 small arrays peaked 10.9 MiB above its result (benchmarks/bench_restore_memory.py).
+BOOKKEEPING_BYTES_PER_ARRAY = 5 << 10
+
+
+@dataclass(frozen=True)
+class RestoreAs:
+    """A restore-target leaf that is not a tensor yet: restore the array with the placement (sharding and
+    device) of `reference`, as `dtype`. Used to rebuild optimizer state on the sharding of its parameter."""
+
+    reference: torch.Tensor
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ReadJob:
+    """The reads of one array, and where its data goes."""
+
+    key_path: layout.KeyPath
+    meta: ArrayMetadata
+    reference: torch.Tensor | ShardedArray | None  # gives sharding and device; None: a CPU tensor
+    dtype: torch.dtype
+    layout: TensorLayout  # where the data goes: the reference's local shards, or one whole-array shard
+    max_amplification: float = MAX_READ_AMPLIFICATION  # stored bytes fetched per byte, at most, to read by shard
+
+    @cached_property
+    def reads(self) -> tuple[Index, ...]:
+        """The regions to read. Each local shard is read on its own, into its own buffer that goes to the device
+        as it is, unless the shards tile a box (always on a single host) and the box is small (one read beats
+        many) or reading shard by shard would fetch more than `max_amplification` times the stored bytes
+        (a chunk feeding several shards is fetched once per shard): then the box is read once and the shards
+        are cut from it."""
+        shards = self.layout.distinct_shards()
+        if len(shards) <= 1:
+            return tuple(s.index for s in shards)
+        indices = tuple(s.index for s in shards)
+        box = tuple((min(s.index[d][0] for s in shards), max(s.index[d][1] for s in shards))
+                    for d in range(len(self.meta.shape)))
+        box_elements = math.prod(b - a for a, b in box)
+        tiled = sum(s.size for s in shards) == box_elements
+        small = box_elements * dtypes.by_name(self.meta.dtype).itemsize <= SMALL_READ_BYTES
+        if tiled and (small or sum(map(self._fetched, indices)) > self.max_amplification * self._fetched(box)):
+            return (box,)
+        return indices
+
+    def _fetched(self, region: Index) -> int:
+        """Elements of the stored chunks a read of `region` fetches (whole chunks: checksums cover a chunk)."""
+        total = 1
+        for (a, b), chunk, n in zip(region, self.meta.chunk_shape, self.meta.shape):
+            if b <= a:
+                return 0
+            total *= min(n, -(-b // chunk) * chunk) - (a // chunk) * chunk
+        return total
+
+    @cached_property
+    def chunks_touched(self) -> int:
+        """Stored chunks the reads touch (a chunk touched by two reads counts twice)."""
+        total = 0
+        for region in self.reads:
+            count = 1
+            for (a, b), chunk in zip(region, self.meta.chunk_shape):
+                count *= -(-b // chunk) - a // chunk if b > a else 0
+            total += count
+        return total
+
+    @cached_property
+    def read_bytes(self) -> int:
+        itemsize = dtypes.by_name(self.meta.dtype).itemsize
+        return sum(math.prod(b - a for a, b in r) for r in self.reads) * itemsize
+
+    @cached_property
+    def copied_bytes(self) -> int:
+        """Host bytes torch_xla's copy of this tensor's data holds on its way to the devices: a padded shard per
+        local device (a replicated tensor's data once per device), or the whole tensor for an unsharded one;
+        none for data that stays on the host."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        if self.layout.placement is Placement.UNSHARDED:
+            return math.prod(self.layout.shape) * itemsize
+        if self.layout.placement in (Placement.TILED, Placement.REPLICATED):
+            return len(self.layout.shards) * math.prod(self.layout.shard_shape) * itemsize
+        return 0
+
+
+def max_amplification(fetches_once: bool, cheap_refetch: bool) -> float:
+    """How many stored bytes a restore may fetch per byte it needs to read shard by shard: any number for a
+    reader that fetches each chunk once (a box costs no more than its shards), `MAX_READ_AMPLIFICATION` where
+    fetching again is cheap (local files, the page cache), else 1 (object stores)."""
+    return math.inf if fetches_once else MAX_READ_AMPLIFICATION if cheap_refetch else 1.0
+
+
+def jobs(saved: dict, wanted: dict, max_amplification: float) -> list[ReadJob]:
+    """The reads of every array `wanted` asks for (target leaves by key path, as `restoring` matches them): what the
+    restore reads, and what `restore_plan` reports."""
+    targets = {p: (t.reference, t.dtype) if isinstance(t, RestoreAs) else (t, t.dtype)
+               for p, t in wanted.items() if isinstance(t, (torch.Tensor, RestoreAs, ShardedArray))}
+    xla = [(p, ref) for p, (ref, _) in targets.items() if isinstance(ref, torch.Tensor) and ref.device.type == "xla"]
+    layouts: dict[layout.KeyPath, TensorLayout] = {
+        p: host_layout(ref) for p, (ref, _) in targets.items() if isinstance(ref, ShardedArray)}
+    if xla:
+        from . import sharding
+
+        layouts.update(zip([p for p, _ in xla], sharding.layouts([t for _, t in xla])))
+    out = []
+    for path in wanted:
+        meta = saved[path]
+        if not isinstance(meta, ArrayMetadata):
+            continue
+        reference, dtype = targets.get(path, (None, meta.torch_dtype))
+        if path not in layouts:
+            reference = None  # a CPU tensor
+        out.append(ReadJob(path, meta, reference, dtype, layouts.get(path) or cpu_layout(meta.shape),
+                            max_amplification))
+    return out
+
+
+
+
+@dataclass(frozen=True)
+class ReadSchedule:
+    """The batches a restore reads in, in order, and what each holds in host memory. Batch k reads into arena
+    ``k % 2`` (`restore_arenas`) while batch k - 1 is built and placed; under a host budget (`budget`), a batch
+    larger than `batch_bytes` (one large tensor) reads into buffers of its own instead, and the next batch is
+    read ahead only if it fits beside the current one."""
+
+    groups: tuple[tuple[ReadJob, ...], ...]
+    batch_bytes: int
+    budget: int | None
+
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sum(job.read_bytes for job in group) for group in self.groups)
+
+    def alone(self, k: int) -> bool:
+        """Whether batch k reads into buffers of its own (the arenas are given up meanwhile)."""
+        return self.budget is not None and self.sizes[k] > self.batch_bytes
+
+    def staged(self, k: int) -> int:
+        """Host bytes batch k holds while it is read and built."""
+        return self.sizes[k] if self.alone(k) else self.batch_bytes
+
+    def placing(self, k: int) -> int:
+        """Host bytes torch_xla's copies of batch k hold at once: a tensor's data is copied on its way to the
+        devices and the copy lives until the transfer ends; the restore lets one transfer run while the next
+        tensor is copied (`restoring`), so at most the copies of two tensors: the group's largest two, or with
+        the previous group's last, whose transfer is waited for at the end of a batch only under a budget."""
+        copies = [job.copied_bytes for job in self.groups[k]]
+        if self.budget is None and k > 0:
+            copies.append(self.groups[k - 1][-1].copied_bytes)
+        return sum(sorted(copies)[-2:])
+
+    def reads_ahead(self, k: int) -> bool:
+        """Whether batch k + 1 is read while batch k is built (always, unless that would exceed the budget)."""
+        return k + 1 < len(self.groups) and (
+            self.budget is None or self.staged(k) + self.placing(k) + self.staged(k + 1) <= self.budget)
+
+    @cached_property
+    def peak_host_bytes(self) -> int:
+        """Host memory the restore holds at most beyond the restored tensors' own: the arenas' touched bytes
+        (each keeps the most any of its batches wrote into it), the reads of a batch that did not fit its arena,
+        and torch_xla's copies in flight, for the batch being built and the one read ahead. Data that stays on
+        the host (CPU tensors, `ShardedArray`s) is the result itself."""
+        touched = [0, 0]
+        peak = 0
+        for k in range(len(self.groups)):
+            ahead = (k + 1,) if self.reads_ahead(k) else ()
+            held = self.placing(k)
+            for j in (k, *ahead):
+                xla = self._xla_bytes(j)
+                if self.alone(j):
+                    touched[j % 2] = 0  # released for it
+                    held += xla
+                else:
+                    touched[j % 2] = max(touched[j % 2], min(xla, self.batch_bytes))
+                    held += max(0, xla - self.batch_bytes)
+            peak = max(peak, sum(touched) + held)
+        return peak + BOOKKEEPING_BYTES_PER_ARRAY * sum(map(len, self.groups))
+
+    def _xla_bytes(self, k: int) -> int:
+        return sum(job.read_bytes for job in self.groups[k] if job.layout.placement in XLA_PLACEMENTS)
+
+
+def schedule(jobs: list[ReadJob], options: RestoreOptions) -> ReadSchedule:
+    """The batches of `jobs` under `options` (`read_batch_bytes`; a `max_host_bytes` budget holds two batches,
+    torch_xla's copies of the one being placed, and glibc's slack: a batch is at most a quarter of it)."""
+    budget = options.max_host_bytes
+    batch_bytes = min(options.read_batch_bytes, math.inf if budget is None else max(1, budget // 4))
+    groups = tuple(tuple(g) for g in grid.batches(jobs, lambda job: job.read_bytes, batch_bytes))
+    return ReadSchedule(groups, int(batch_bytes), budget)

@@ -1,0 +1,85 @@
+"""Staging a save: copying the shards a plan writes off the devices (or referencing host tensors), batch by
+batch within `SaveOptions.host_batch_bytes`, cut into the chunks each write covers. Blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from . import grid
+from .options import SaveOptions
+from .save_plan import ArrayPlan, ChunkWrite, SavePlan
+from .tensor_layout import LocalShard, Placement
+
+
+def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tensor]]:
+    """Host data of each plan's writes (one tensor per write), fetched from the devices with one torch_xla call
+    per placement kind. Host tensors are referenced, not copied, unless `copy_cpu` (a caller that returns
+    before the writes finish must copy: the training loop may change them)."""
+    sources = fetch_sources(batch, copy_cpu=copy_cpu)
+    return [[_cut(sources[i][w.source], w) for w in p.writes] for i, p in enumerate(batch)]
+
+
+def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[LocalShard, torch.Tensor]]:
+    """The host data of the local shards each plan's writes read from (`stage`)."""
+    sources: list[dict[LocalShard, torch.Tensor]] = [{} for _ in batch]
+    xla = [i for i, p in enumerate(batch) if p.layout.placement in (Placement.TILED, Placement.REPLICATED,
+                                                                    Placement.UNSHARDED) and p.writes]
+    for i, p in enumerate(batch):
+        if p.layout.placement is Placement.CPU and p.writes:
+            data = p.value.detach().resolve_conj().resolve_neg()
+            sources[i] = {p.layout.shards[0]: data.clone() if copy_cpu else data}
+        elif p.layout.placement is Placement.HOST and p.writes:
+            held = dict(zip(p.layout.shards, (d for _, d in p.value.shards)))
+            sources[i] = {s: held[s].clone() if copy_cpu else held[s] for s in p.sources}
+    if xla:
+        from . import sharding
+
+        fetched = sharding.fetch([batch[i].value for i in xla], [batch[i].layout for i in xla],
+                                 [batch[i].sources for i in xla])
+        for i, shards in zip(xla, fetched):
+            sources[i] = dict(zip(batch[i].sources, shards))
+    return sources
+
+
+def _cut(data: torch.Tensor, write: ChunkWrite) -> torch.Tensor:
+    if write.region == write.source.index:
+        return data
+    return data[tuple(slice(a - sa, b - sa) for (a, b), (sa, _) in zip(write.region, write.source.index))]
+
+
+Staged = list[tuple[list[ArrayPlan], list[list[torch.Tensor]]]]
+
+
+def stage_all(plans: Sequence[ArrayPlan], options: SaveOptions, *, copy_cpu: bool) -> Staged:
+    """Host copies of everything this process writes, batch by batch (the transient fetch of a batch stays
+    within `options.host_batch_bytes`). Blocks. For asynchronous saves: once this returns, training may change
+    the tensors; `write_staged` then writes from the copies."""
+    return [(group, stage(group, copy_cpu=copy_cpu))
+            for group in grid.batches([p for p in plans if p.writes], lambda p: p.host_bytes,
+                                      options.host_batch_bytes)]
+
+
+def stage_shared(saves: Sequence[Mapping[str, SavePlan]], options: SaveOptions) -> list[dict[str, Staged]]:
+    """Host copies for several saves of one state (a manager's tiers; items name -> plan each), for asynchronous
+    saves: every local shard is copied off the devices once, by the first save that writes from it, and the
+    writes of every save are cut from that copy (arrays are matched by identity: the saves must plan the same
+    leaf objects). Holds one host copy of everything any save writes. Blocks."""
+    fetched: dict[tuple[int, LocalShard], torch.Tensor] = {}
+    out = []
+    for plans in saves:
+        staged_items: dict[str, Staged] = {}
+        for name, plan in plans.items():
+            staged: Staged = []
+            for group in grid.batches([p for p in plan.arrays if p.writes], lambda p: p.host_bytes,
+                                      options.host_batch_bytes):
+                missing = [p for p in group if any((id(p.value), s) not in fetched for s in p.sources)]
+                for p, shards in zip(missing, fetch_sources(missing, copy_cpu=True) if missing else []):
+                    fetched.update({(id(p.value), s): data for s, data in shards.items()})
+                staged.append((group, [[_cut(fetched[(id(p.value), w.source)], w) for w in p.writes]
+                                       for p in group]))
+            staged_items[name] = staged
+        out.append(staged_items)
+    return out

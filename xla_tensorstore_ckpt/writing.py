@@ -1,0 +1,183 @@
+"""Writing a staged save: creating this process's arrays and issuing its chunk writes (`ChunkWriter`), in the
+three ways a save runs them: stage and write interleaved (`stage_and_write`), write what was staged before
+(`write_staged`), or either as `begin_writes` picks for a synchronous or asynchronous save. Returns the
+futures and files (`Writes`) for `commit` to wait for and make durable.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import arrays, dtypes, grid, layout, outputs, storage
+from .errors import CheckpointExistsError
+from .options import SaveOptions
+from .save_plan import ArrayPlan, SavePlan
+from .staging import Staged, stage, stage_all
+
+
+def deferred_writes(loc: storage.Location, plans: Mapping[str, SavePlan], staged: dict[str, Staged],
+                 options: SaveOptions, *, writer: int) -> Callable[[], Writes]:
+    """`start` (as `begin_writes` returns it) for items staged by `stage_shared`."""
+    return lambda: Writes.combined({name: write_staged(loc.child(name), plan, staged.pop(name), options,
+                                                       writer=writer)
+                                    for name, plan in plans.items()})
+
+
+@dataclass
+class Writes:
+    """The writes a process started for one item: the futures to wait for, and what they create (relative to
+    the item directory), which a save that syncs makes durable once they are done: `files`, and `trees`
+    (directories whose every file is this process's, such as its OCDBT store)."""
+
+    pending: list[arrays.Pending]
+    files: list[str]
+    trees: list[str]
+
+    @staticmethod
+    def combined(by_item: Mapping[str, Writes]) -> Writes:
+        """The writes of several items as one, names relative to their parent (``<item>/...``)."""
+        return Writes([p for w in by_item.values() for p in w.pending],
+                      [f"{item}/{f}" for item, w in by_item.items() for f in w.files],
+                      [f"{item}/{t}" for item, w in by_item.items() for t in w.trees])
+
+
+def write_staged(loc: storage.Location, plan: SavePlan, staged: Staged, options: SaveOptions, *,
+                 writer: int) -> Writes:
+    """Create the arrays this process creates and start writing staged chunks (`writer`: this process's
+    index)."""
+    out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync)
+    try:
+        for group, data in staged:
+            out.write(group, data)
+    except BaseException:
+        arrays.drain(out.writes.pending)
+        raise
+    return out.writes
+
+
+def stage_and_write(loc: storage.Location, plan: SavePlan, options: SaveOptions, *, writer: int,
+                 copy_cpu: bool = False, max_host_bytes: int | None = None) -> Writes:
+    """Stage and write, interleaved: the writes of one batch run while the next is fetched. Blocks while shards
+    are fetched. With `max_host_bytes`, staged data not yet written never exceeds it (plus one batch): the call
+    waits for earlier writes instead of fetching more. `copy_cpu` copies host tensors too (for callers that
+    return before the writes finish). On error, every started operation is waited for first."""
+    out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync)
+    in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
+    in_flight_bytes = 0
+    try:
+        for group in grid.batches([p for p in plan.arrays if p.writes], lambda p: p.host_bytes,
+                                  options.host_batch_bytes):
+            group_bytes = sum(p.staged_bytes for p in group)
+            while max_host_bytes is not None and in_flight and in_flight_bytes + group_bytes > max_host_bytes:
+                done_bytes, done = in_flight.popleft()
+                arrays.wait_all(done)
+                in_flight_bytes -= done_bytes
+            in_flight.append((group_bytes, out.write(group, stage(group, copy_cpu=copy_cpu))))
+            in_flight_bytes += group_bytes
+    except BaseException:
+        arrays.drain(out.writes.pending)
+        raise
+    return out.writes
+
+
+def begin_writes(loc: storage.Location, plans: Mapping[str, SavePlan], options: SaveOptions, *, writer: int,
+                 background: bool, max_host_bytes: int | None) -> Callable[[], Writes]:
+    """Begin saving items (name -> plan) under `loc`; return `start`, which starts the writes not started yet
+    and returns all of them. With `background` (an asynchronous save), every shard is on the host when this
+    returns and training may change the tensors: without `max_host_bytes` only the copies happen here and
+    `start` (called on a background thread) issues the writes; with it, staging and writing interleave here
+    within the cap. Without `background`, nothing happens here: `start` stages and writes, holding at most two
+    batches of host memory. Blocks while shards are copied."""
+    if not background:
+        return lambda: Writes.combined({name: stage_and_write(loc.child(name), plan, options, writer=writer,
+                                                           max_host_bytes=2 * options.host_batch_bytes)
+                                        for name, plan in plans.items()})
+    if max_host_bytes is not None:
+        started = Writes.combined({name: stage_and_write(loc.child(name), plan, options, writer=writer, copy_cpu=True,
+                                                      max_host_bytes=max_host_bytes)
+                                   for name, plan in plans.items()})
+        return lambda: started
+    # Only the copy off the devices happens here; creating arrays and issuing writes (a fraction of a millisecond
+    # per chunk) is left to the caller of `start`.
+    staged = {name: stage_all(plan.arrays, options, copy_cpu=True) for name, plan in plans.items()}
+    return deferred_writes(loc, plans, staged, options, writer=writer)
+
+
+class ChunkWriter:
+    """Creates the arrays this process creates and issues its chunk writes; collects every future and what
+    they create. Saves feed it the staged shards; `convert` feeds it chunks read from another checkpoint, a
+    batch at a time (`write` takes plans whose `writes` are any subset of the array's). In a store of
+    directories, with `writeback` (saves that fsync), finished chunk files are handed to the disk while later
+    ones are still being staged. In an OCDBT store, every array's metadata is created in one transaction, then
+    each batch of chunks is one transaction: the store's B-tree grows by a few nodes per batch, not per chunk,
+    and host memory holds at most a batch of encoded chunks."""
+
+    def __init__(self, loc: storage.Location, plan: SavePlan, *, writer: int, writeback: bool):
+        self.item, self.writer, self.store = loc, writer, plan.store
+        self.ocdbt = plan.store.kind == "ocdbt"
+        self.writeback = writeback and not loc.capabilities.durable_writes
+        context = storage.operation_context()
+        self.refs = {p.key_path: arrays.ArrayRef(loc, p.meta.path, plan.store, context) for p in plan.arrays}
+        self.plans = {p.key_path: p for p in plan.arrays}
+        self.writes = Writes([], [], [])
+        self.batches = 0
+        mine = [p for p in plan.arrays if p.writes or p.writes_metadata]
+        if self.ocdbt and mine:
+            created = arrays.new_transaction()
+            arrays.wait_all([self._open(p, lane=0, metadata=True, transaction=created)
+                             for p in mine if p.writes_metadata])
+            arrays.wait_all([arrays.commit(created, loc, layout.ocdbt_store(writer, 0))])
+            self.writes.trees.append(layout.ocdbt_store(writer, 0))
+        self.opened: dict[tuple[layout.KeyPath, int], arrays.Pending] = {
+            (p.key_path, 0): self._open(p, lane=0, metadata=not self.ocdbt and p.writes_metadata) for p in mine}
+        self.writes.pending.extend(self.opened.values())
+        if not self.ocdbt:
+            self.writes.files.extend(f"{p.meta.path}/{layout.ZARR_METADATA}" for p in mine if p.writes_metadata)
+
+    def _open(self, p: ArrayPlan, *, lane: int, metadata: bool, transaction: object = None) -> arrays.Pending:
+        return arrays.create(self.refs[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
+                             store=layout.ocdbt_store(self.writer, lane) if self.ocdbt else None,
+                             single_file=p.single_file, write_metadata=metadata, transaction=transaction)
+
+    def _handle(self, p: ArrayPlan, lane: int) -> object:
+        if (p.key_path, lane) not in self.opened:  # another lane of an OCDBT store: no I/O, the metadata is known
+            self.opened[(p.key_path, lane)] = self._open(p, lane=lane, metadata=False)
+            if layout.ocdbt_store(self.writer, lane) not in self.writes.trees:
+                self.writes.trees.append(layout.ocdbt_store(self.writer, lane))
+        return self.opened[(p.key_path, lane)].result()
+
+    def write(self, group: Sequence[ArrayPlan], data: Sequence[Sequence[torch.Tensor]]) -> list[arrays.Pending]:
+        out: list[arrays.Pending] = []
+        lane = self.batches % arrays.OCDBT_LANES if self.ocdbt else 0
+        self.batches += 1
+        transaction = arrays.new_transaction() if self.ocdbt else None
+        for p, chunk_data in zip(group, data):
+            chunks = [(tuple(slice(a, b) for a, b in w.region), dtypes.tensor_to_numpy(d))
+                      for w, d in zip(p.writes, chunk_data)]
+            pending, files = arrays.write(self._handle(p, lane), self.refs[p.key_path], chunks,
+                                          single_file=p.single_file, writeback=self.writeback and not self.ocdbt,
+                                          transaction=transaction)
+            out.extend(pending)
+            self.writes.files.extend(f"{p.meta.path}/{f}" for f in files)
+        if transaction is not None:
+            out.append(arrays.commit(transaction, self.item, layout.ocdbt_store(self.writer, lane),
+                                     writeback=self.writeback))
+        self.writes.pending.extend(out)
+        return out
+
+
+def prepare_directory(loc: storage.Location, *, overwrite: bool) -> str | None:
+    """Where an item saved to `loc` is written: None for `loc` itself when it is empty; when it holds something
+    and `overwrite`, the name of a new temporary directory beside it (in the parent of `loc.resolved()`; see
+    `outputs`), which replaces it once the item is committed, so that a failed save leaves the old item as it
+    was. Raises `CheckpointExistsError` if `loc` holds anything and not `overwrite`."""
+    if loc.is_empty() and not loc.is_file():
+        return None
+    if not overwrite:
+        what = "a checkpoint" if loc.read(layout.ITEM_METADATA) is not None else "other files"
+        raise CheckpointExistsError(f"{loc} already holds {what}; pass overwrite=True to replace it")
+    return outputs.temporary_sibling(loc.resolved()).name
