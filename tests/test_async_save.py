@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch_xla
 from fault_backends import hooked, wait_for
-from test_checkpointer_cpu import assert_trees_equal
-from test_manager import cpu_state, train_steps, xla_net
+from helpers import assert_trees_equal, cpu_state, train_steps, xla_net
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import arrays, layout, staging

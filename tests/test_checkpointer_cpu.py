@@ -7,39 +7,10 @@ import os
 
 import pytest
 import torch
+from helpers import DTYPES, assert_trees_equal, random_tensor
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import layout
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
-          torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
-
-
-def random_tensor(shape, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_floating_point or dtype.is_complex:
-        return (torch.randn(shape, generator=g, dtype=torch.float32) * 3).to(dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=torch.int64).to(dtype)
-
-
-def assert_trees_equal(a, b):
-    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (type(a), type(b))
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            assert_trees_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_trees_equal(x, y)
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.cpu(), b.cpu())
-    else:
-        assert a == b or (a != a and b != b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -13,7 +13,7 @@ import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 import zarr
 from conftest import make_mesh, sharded
-from test_checkpointer_cpu import assert_trees_equal, random_tensor
+from helpers import assert_trees_equal, random_tensor
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import sharding as sharding_module

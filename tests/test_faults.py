@@ -11,10 +11,11 @@ import shutil
 import subprocess
 import sys
 
+import helpers
 import pytest
 import torch
 from fault_backends import fail_on, hooked
-from test_checkpointer_cpu import assert_trees_equal
+from helpers import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, layout
@@ -29,13 +30,11 @@ def state_for(step):
 
 
 def options(**kw):
-    """Manager options for these tests; arrays in plain directories, whose files the tests damage."""
+    """The shared manager options (`helpers.options`) with arrays in plain directories, whose files the tests
+    damage, and no RNG item."""
     kw.setdefault("save_options", xtc.SaveOptions(use_ocdbt=False))
-    kw.setdefault("save_interval_steps", 1)
-    kw.setdefault("max_to_keep", None)
-    kw.setdefault("async_save", False)
     kw.setdefault("save_rng", False)
-    return xtc.CheckpointManagerOptions(**kw)
+    return helpers.options(**kw)
 
 
 @pytest.fixture

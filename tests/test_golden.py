@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_mesh, sharded
-from test_checkpointer_cpu import assert_trees_equal
+from helpers import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli

@@ -12,7 +12,7 @@ import pytest
 import tensorstore as ts
 import torch
 import zarr
-from test_checkpointer_cpu import DTYPES, random_tensor
+from helpers import DTYPES, random_tensor
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import dtypes

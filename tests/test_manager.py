@@ -11,56 +11,14 @@ import numpy as np
 import pytest
 import torch
 import torch_xla
+from helpers import Net, cpu_state, options, train_steps, xla_net
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import formats, layout, policies
 
 
-def options(**kw):
-    kw.setdefault("save_interval_steps", 1)
-    kw.setdefault("max_to_keep", None)
-    kw.setdefault("async_save", False)
-    return xtc.CheckpointManagerOptions(**kw)
-
-
 def spec(t):
     return torch_xla._XLAC._get_xla_sharding_spec(t)
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(8, 16)
-        self.b = torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
-def xla_net(mesh, seed=0):
-    torch.manual_seed(seed)
-    net = Net().to("xla")
-    import torch_xla.distributed.spmd as xs
-
-    first, second = mesh.axis_names
-    xs.mark_sharding(net.a.weight, mesh, (first, second))
-    xs.mark_sharding(net.b.weight, mesh, (second, first))
-    torch_xla.sync()
-    return net
-
-
-def train_steps(net, opt, n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        x = torch.randn(4, 8, generator=g).to(next(net.parameters()).device)
-        net(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        torch_xla.sync()
-
-
-def cpu_state(net):
-    return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
 
 
 # ------------------------------------------------------------------------------------------- resume rules

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 from forked import run_forked
+from helpers import assert_trees_equal
 from orbax_process import orbax
-from test_checkpointer_cpu import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import layout

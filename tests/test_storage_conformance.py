@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from conftest import sharded
-from test_checkpointer_cpu import assert_trees_equal
+from helpers import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, layout, storage

@@ -9,10 +9,8 @@ data (corrupt chunks, failed verification).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -20,6 +18,17 @@ from typing import Any, NoReturn
 import numpy as np
 
 from . import convert, export, host_memory, inspection, restore_plan, scans, storage
+from .cli_text import (
+    fmt_number,
+    human_bytes,
+    metrics_text,
+    parse_shape,
+    parse_size,
+    print_json,
+    progress_bar,
+    table,
+    time_text,
+)
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UsageError
 
 EXIT_DATA, EXIT_USAGE = 1, 2
@@ -31,80 +40,6 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 5GB, 500MiB)")
-    number, unit = float(match.group(1)), match.group(2).upper()
-    scale = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9, "T": 1e12, "TB": 1e12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}.get(unit)
-    if scale is None or number <= 0:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}")
-    return int(number * scale)
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
-    """Rows aligned in columns; `right` lists the indices of right-aligned (numeric) columns."""
-    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for row in cells:
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(parts).rstrip())
-    return "\n".join(lines)
-
-
-def progress_bar(label: str, *, in_bytes: bool = False) -> Callable[[int, int], None] | None:
-    """A callback drawing a progress bar on stderr (counts, or byte sizes), or None when stderr is not a
-    terminal."""
-    if not sys.stderr.isatty():
-        return None
-
-    def draw(done: int, total: int) -> None:
-        width = 30
-        filled = int(width * done / total) if total else width
-        amount = f"{human_bytes(done)} / {human_bytes(total)}" if in_bytes else f"{done}/{total}"
-        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {amount}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return draw
-
-
-def _fmt_number(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.6g}"
-
-
-def _metrics_text(metrics: dict | None) -> str:
-    if not metrics:
-        return ""
-    return " ".join(f"{k}={_fmt_number(v) if isinstance(v, float) else v}" for k, v in metrics.items())
-
-
-def _time_text(timestamp: float | None) -> str:
-    if timestamp is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=1, default=str))
-
-
 # ------------------------------------------------------------------------------------------------ commands
 
 
@@ -114,10 +49,10 @@ def cmd_steps(args: argparse.Namespace) -> int:
         raise CheckpointNotFoundError(f"{args.root} holds no checkpoint steps"
                                       + (f" and {args.local} none either" if args.local else ""))
     if args.json:
-        _print_json([s.to_json() for s in steps])
+        print_json([s.to_json() for s in steps])
         return 0
-    rows = [(s.step, "ignored" if s.ignored else s.status, _time_text(s.committed_at), human_bytes(s.nbytes),
-             s.ignored if s.ignored else _metrics_text(s.metrics) if s.status == "committed"
+    rows = [(s.step, "ignored" if s.ignored else s.status, time_text(s.committed_at), human_bytes(s.nbytes),
+             s.ignored if s.ignored else metrics_text(s.metrics) if s.status == "committed"
              else (s.problem or "no commit marker")[:80])
             for s in steps]
     if args.local is None:
@@ -133,7 +68,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
     checkpoint = inspection.open_checkpoint(args.path)
     rows = inspection.tree_rows(checkpoint, args.item)
     if args.json:
-        _print_json([r.to_json() for r in rows])
+        print_json([r.to_json() for r in rows])
         return 0
     lines = []
     for r in rows:
@@ -156,7 +91,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         args.key, lambda k: len(inspection.array_metadata(checkpoint, k)[1].shape))
     values = inspection.read_slice(checkpoint, key, index)
     if args.json:
-        _print_json({"key": key, "dtype": str(values.dtype), "shape": list(values.shape),
+        print_json({"key": key, "dtype": str(values.dtype), "shape": list(values.shape),
                      "values": _to_json_values(values)})
         return 0
     print(f"{key}{'[' + args.key.split('[', 1)[1] if '[' in args.key else ''}: {values.dtype} "
@@ -186,9 +121,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if draw:
             draw(done, len(keys))
     if args.json:
-        _print_json([r.to_json() for r in results])
+        print_json([r.to_json() for r in results])
         return 0
-    rows = [(r.key, r.count, _fmt_number(r.min), _fmt_number(r.max), _fmt_number(r.mean), _fmt_number(r.std),
+    rows = [(r.key, r.count, fmt_number(r.min), fmt_number(r.max), fmt_number(r.mean), fmt_number(r.std),
              r.nan, r.inf) for r in results]
     print(table(("key", "finite", "min", "max", "mean", "std", "nan", "inf"), rows, right=(1, 2, 3, 4, 5, 6, 7)))
     return 0
@@ -198,7 +133,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     a, b = inspection.open_checkpoint(args.a), inspection.open_checkpoint(args.b)
     entries = scans.diff(a, b, progress_bar("diff"))
     if args.json:
-        _print_json([e.to_json() for e in entries])
+        print_json([e.to_json() for e in entries])
         return 0
     if not entries:
         print("no differences")
@@ -206,8 +141,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     rows = []
     for e in entries:
         if e.change == "values":
-            detail = (f"max |b-a| {_fmt_number(e.detail['max_abs_diff'])}, "
-                      f"relative L2 {_fmt_number(e.detail['relative_l2'])}")
+            detail = (f"max |b-a| {fmt_number(e.detail['max_abs_diff'])}, "
+                      f"relative L2 {fmt_number(e.detail['relative_l2'])}")
         elif e.detail:
             detail = f"{e.detail['a']} -> {e.detail['b']}"
         else:
@@ -220,7 +155,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     report = scans.verify(args.path, progress_bar("verify"))
     if args.json:
-        _print_json(report.to_json())
+        print_json(report.to_json())
     else:
         for p in report.problems:
             print(f"FAIL {p.where}: {p.message}")
@@ -245,7 +180,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             plans.append(restore_plan.plan_restore(checkpoint.item_location(item), target, process=process,
                                                    processes=args.processes))
     if args.json:
-        _print_json([p.to_json() for p in plans])
+        print_json([p.to_json() for p in plans])
     else:
         for plan in plans:
             _print_plan(plan, args.processes)
@@ -284,7 +219,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         files = [export.export_torch(checkpoint, items, args.out, max_host_bytes=args.max_host_bytes,
                                      overwrite=args.overwrite, progress=draw)]
     if args.json:
-        _print_json({"files": files})
+        print_json({"files": files})
     else:
         for f in files:
             print(f)
@@ -314,21 +249,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         convert.convert_item(source, destination, options=options, overwrite=args.overwrite, progress=draw)
     if args.json:
-        _print_json({"destination": str(destination)})
+        print_json({"destination": str(destination)})
     else:
         print(destination)
     return 0
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    """``1024,1024`` (a chunk shape) or ``4x2`` (a mesh)."""
-    try:
-        values = tuple(int(v) for v in re.split(r"[,x]", text.strip()) if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid shape {text!r} (e.g. 1024,1024 or 4x2)") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"invalid shape {text!r} (positive integers, e.g. 1024,1024 or 4x2)")
-    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -342,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help="machine-readable output")
         return p
 
+    _inspection_commands(command)
+    _conversion_commands(command)
+    return parser
+
+
+def _inspection_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """The commands that read checkpoints: steps, tree, show, stats, diff, verify, plan."""
     p = command("steps", "committed steps with time, size and metrics; partial steps shown as such", cmd_steps)
     p.add_argument("root")
     p.add_argument("--local", metavar="DIR", help="also list this host's local tier (a manager's local_directory); "
@@ -373,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "processes, contiguously in C order (a plan per process)")
     p.add_argument("--target", metavar="PATH", help="a checkpoint whose keys, shapes and dtypes stand for the "
                    "restore target (e.g. the new model's weights); default: the checkpoint's own")
+
+
+def _conversion_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """The commands that write: convert, export."""
     p = command("convert", "convert between formats, streaming under a host-memory budget: a Hugging Face "
                 "safetensors file or directory, an item of ours or Orbax's, or one item of a step, into an item "
                 "or step of ours (which Orbax restores), or into safetensors / torch files", cmd_convert)
@@ -407,7 +342,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-host-bytes", type=parse_size, default=convert.DEFAULT_MAX_HOST_BYTES,
                    help="host memory for data in flight (default 2GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export at the destination")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -151,3 +151,13 @@ def check_root(root: storage.Location, *, create: bool) -> None:
                                   "pass the directory that holds the steps")
     if not create and not root.exists():
         raise CheckpointNotFoundError(f"checkpoint root {root} does not exist (and create=False)")
+
+
+def close_all(lanes: list[Lane]) -> None:
+    """Close every lane, the last first, each also when a later one failed (the first error is raised)."""
+    lane = lanes.pop()
+    try:
+        lane.close()
+    finally:
+        if lanes:
+            close_all(lanes)

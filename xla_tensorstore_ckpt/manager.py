@@ -26,11 +26,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import events, formats, layout, local_tier, policies, resume, step_save, storage, training_state
+from . import events, formats, local_tier, policies, resume, step_save, storage, training_state
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointExistsError, StepNotFoundError, UsageError
 from .gc_pause import paused_gc
-from .lanes import LOCAL, PERSISTENT, Lane, check_root, local_lane, persistent_lane, restore_events
+from .lanes import LOCAL, PERSISTENT, Lane, check_root, close_all, local_lane, persistent_lane, restore_events
 from .options import CheckpointManagerOptions
 from .preemption import PreemptionWatch
 from .records import StepMetadata
@@ -327,7 +327,7 @@ class CheckpointManager:
             raise UsageError("init_from initialises the model: pass model= as well")
         requested = {name: obj for name, obj in zip(
             _OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra, data_loader)) if obj is not None}
-        _check_items(items, requested)
+        training_state.check_items(items, requested)
         self._coordinator.everywhere("finishing earlier saves", self.wait_until_finished)
         if resume_from is None:
             return None
@@ -389,7 +389,7 @@ class CheckpointManager:
         self._closed = True
         self._preemption.close()
         try:
-            _close_all(list(self._lanes))
+            close_all(list(self._lanes))
         finally:
             self._coordinator.close()
 
@@ -402,30 +402,6 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"the checkpoint manager for {self.directory} is closed")
-
-
-def _close_all(lanes: list[Lane]) -> None:
-    """Close every lane, the last first, each also when a later one failed (the first error is raised)."""
-    lane = lanes.pop()
-    try:
-        lane.close()
-    finally:
-        if lanes:
-            _close_all(lanes)
-
-
-def _check_items(items: Mapping[str, str] | None, requested: Mapping[str, Any]) -> None:
-    """`UsageError` unless `items` maps objects given to `restore` to item names."""
-    if items is None:
-        return
-    if not isinstance(items, Mapping):
-        raise UsageError(f"items must map object names to item names, e.g. {{'model': 'params'}}, got {items!r}")
-    for name, item in items.items():
-        if name not in requested:
-            raise UsageError(f"items names {name!r}, which is not an object given to restore (given: "
-                             f"{', '.join(requested) or 'none'})")
-        if not isinstance(item, str) or not layout.is_safe_relative_path(item) or "/" in item:
-            raise UsageError(f"items[{name!r}] must be the name of an item of the step, got {item!r}")
 
 
 def _raise_first(errors: list[Exception]) -> None:

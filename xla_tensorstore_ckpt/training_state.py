@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from . import checkpointer, formats, restoring, rng_state, tree
-from .errors import CheckpointError, CheckpointNotFoundError, ItemNotFoundError, UnsupportedValueError
+from . import checkpointer, formats, layout, restoring, rng_state, tree
+from .errors import CheckpointError, CheckpointNotFoundError, ItemNotFoundError, UnsupportedValueError, UsageError
 from .events import Emitter
 from .layout import KeyPath
 from .options import RestoreOptions
@@ -216,3 +216,17 @@ def skip_batches(iterable: Iterable, n: int) -> Iterator:
     iterator = iter(iterable)
     next(itertools.islice(iterator, n, n), None)
     return iterator
+
+
+def check_items(items: Mapping[str, str] | None, requested: Mapping[str, Any]) -> None:
+    """For `CheckpointManager.restore`: `UsageError` unless `items` maps objects given to it to item names."""
+    if items is None:
+        return
+    if not isinstance(items, Mapping):
+        raise UsageError(f"items must map object names to item names, e.g. {{'model': 'params'}}, got {items!r}")
+    for name, item in items.items():
+        if name not in requested:
+            raise UsageError(f"items names {name!r}, which is not an object given to restore (given: "
+                             f"{', '.join(requested) or 'none'})")
+        if not isinstance(item, str) or not layout.is_safe_relative_path(item) or "/" in item:
+            raise UsageError(f"items[{name!r}] must be the name of an item of the step, got {item!r}")

@@ -1,0 +1,83 @@
+"""Helpers the test modules share: random tensors of every dtype, exact tree comparison, a small sharded model
+and its training steps, and the manager options most tests start from."""
+
+from __future__ import annotations
+
+import torch
+import torch_xla
+
+import xla_tensorstore_ckpt as xtc
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
+          torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
+
+
+def random_tensor(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return (torch.randn(shape, generator=g, dtype=torch.float32) * 3).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def assert_trees_equal(a, b):
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_trees_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_trees_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.cpu(), b.cpu())
+    else:
+        assert a == b or (a != a and b != b)
+
+
+def options(**kw) -> xtc.CheckpointManagerOptions:
+    """Manager options saving every step synchronously and keeping every step, with `kw` on top."""
+    kw.setdefault("save_interval_steps", 1)
+    kw.setdefault("max_to_keep", None)
+    kw.setdefault("async_save", False)
+    return xtc.CheckpointManagerOptions(**kw)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def xla_net(mesh, seed=0):
+    torch.manual_seed(seed)
+    net = Net().to("xla")
+    import torch_xla.distributed.spmd as xs
+
+    first, second = mesh.axis_names
+    xs.mark_sharding(net.a.weight, mesh, (first, second))
+    xs.mark_sharding(net.b.weight, mesh, (second, first))
+    torch_xla.sync()
+    return net
+
+
+def train_steps(net, opt, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(4, 8, generator=g).to(next(net.parameters()).device)
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+
+
+def cpu_state(net):
+    return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
