@@ -3,9 +3,10 @@ whole training state (model, optimizer, LR scheduler, data position, RNGs, metri
 
 The parts, each in its own module: owning a root (`root_lock`); the steps under a root — listing, markers,
 commits, retention (`tier.Tier`, on `steps.StepIndex`); a tier as the manager drives it — when it saves, its
-background thread, its coordinator (`lanes.Lane`); staging a step for its tiers (`step_save`); training objects
-to and from state trees (`training_state`); with `local_directory`, the local tier's own rules (`local_tier`)
-and which step a restart resumes from, with fallback (`resume`). This module composes them, one lane per tier.
+background thread, its coordinator (`managed_tier.ManagedTier`); staging a step for its tiers (`step_save`);
+training objects to and from state trees (`training_state`); with `local_directory`, the local tier's own rules
+(`local_tier`) and which step a restart resumes from, with fallback (`resume`). This module composes them, one
+`ManagedTier` per tier.
 
 Layout: ``<root>/<step>/<item>/`` per saved object plus ``<root>/<step>/_CHECKPOINT_METADATA``, the commit marker,
 written last (`commit`). Saves are asynchronous by default: `save` blocks only while shards are copied off the
@@ -30,7 +31,16 @@ from . import events, formats, local_tier, policies, resume, step_save, storage,
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointExistsError, StepNotFoundError, UsageError
 from .gc_pause import paused_gc
-from .lanes import LOCAL, PERSISTENT, Lane, check_root, close_all, local_lane, persistent_lane, restore_events
+from .managed_tier import (
+    LOCAL,
+    PERSISTENT,
+    ManagedTier,
+    check_root,
+    close_all,
+    managed_local,
+    managed_persistent,
+    restore_events,
+)
 from .options import CheckpointManagerOptions
 from .preemption import PreemptionWatch
 from .records import StepMetadata
@@ -65,11 +75,11 @@ class CheckpointManager:
             check_root(local_root, create=True)
         # Two groups: collectives of the caller's thread and of the background commits never interleave.
         self._coordinator = Coordinator.from_environment(options.coordination_timeout_s)
-        self._persistent = persistent_lane(root, options)
-        self._local = None if local_root is None else local_lane(local_root, options, self._coordinator.index)
+        self._persistent = managed_persistent(root, options)
+        self._local = None if local_root is None else managed_local(local_root, options, self._coordinator.index)
         self._restore_events = restore_events(options, self._coordinator.index)
         # The local tier first: it commits sooner, and its staging serves the persistent one.
-        self._lanes = [lane for lane in (self._local, self._persistent) if lane is not None]
+        self._tiers = [managed for managed in (self._local, self._persistent) if managed is not None]
         self._closed = False
         self.reload()
         self._preemption = PreemptionWatch(options.save_on_preemption)
@@ -101,7 +111,7 @@ class CheckpointManager:
         """Committed steps, oldest first: of every tier (None), or of the given one ("local": this process's
         local tier; "persistent"). `metadata(step).tiers` tells where a step is. An asynchronous save appears
         here once its commit has landed."""
-        return sorted({step for lane in self._lanes_named(tier) for step in lane.tier.committed()})
+        return sorted({step for managed in self._tiers_named(tier) for step in managed.tier.committed()})
 
     def latest_step(self, tier: str | None = None) -> int | None:
         """The newest committed step of every tier (None) or of the given one. What `restore("latest")` takes
@@ -117,7 +127,7 @@ class CheckpointManager:
     def metadata(self, step: int) -> StepMetadata:
         """The commit marker of a committed step (the persistent tier's where it is in both), with `tiers` naming
         every tier that holds it: items, times, metrics, versions. `StepNotFoundError` if not committed."""
-        found = {lane.name: lane.tier.committed().get(step) for lane in self._lanes}
+        found = {managed.name: managed.tier.committed().get(step) for managed in self._tiers}
         tiers = tuple(name for name, marker in found.items() if marker is not None)
         if not tiers:
             raise StepNotFoundError(f"step {step} is not committed under {self.directory}"
@@ -131,22 +141,22 @@ class CheckpointManager:
         saved there."""
         return bool(self._due(step, force=False))
 
-    def _due(self, step: int, *, force: bool) -> list[Lane]:
+    def _due(self, step: int, *, force: bool) -> list[ManagedTier]:
         if force:
-            return list(self._lanes)
-        return [lane for lane in self._lanes if self._is_due(lane, step)]
+            return list(self._tiers)
+        return [managed for managed in self._tiers if self._is_due(managed, step)]
 
-    def _is_due(self, lane: Lane, step: int) -> bool:
-        """What the lane's save decision says of `step`, if the lane has not saved it (nor, without a pending
+    def _is_due(self, managed: ManagedTier, step: int) -> bool:
+        """What its save decision says of `step`, if the managed tier has not saved it (nor, without a pending
         preemption notice, a later step)."""
         preempted = self._preemption.pending
-        last = lane.last_saved()
+        last = managed.last_saved()
         if preempted:
-            if (step == lane.in_flight) if lane.is_local else (step in lane.tier.committed()):
+            if (step == managed.in_flight) if managed.is_local else (step in managed.tier.committed()):
                 return False
         elif last is not None and step <= last:
             return False
-        return lane.decision.should_save(step, policies.SaveContext(last, preempted))
+        return managed.decision.should_save(step, policies.SaveContext(last, preempted))
 
     def reached_preemption(self, step: int) -> bool:
         """True once a SIGTERM arrived (with `save_on_preemption`) and the state up to `step` is committed:
@@ -155,19 +165,19 @@ class CheckpointManager:
 
     def step_path(self, step: int, tier: str = PERSISTENT) -> str:
         """Where a step lives (committed or not) in the given tier."""
-        return str(self._lanes_named(tier)[0].tier.index.location(step))
+        return str(self._tiers_named(tier)[0].tier.index.location(step))
 
-    def _caller_side(self, lane: Lane) -> Coordinator:
-        """The coordinator for `lane`'s collectives on the caller's thread (its own serves its commits)."""
-        return self._coordinator if lane is self._persistent else lane.coordinator
+    def _caller_side(self, managed: ManagedTier) -> Coordinator:
+        """The coordinator for `managed`'s collectives on the caller's thread (its own serves its commits)."""
+        return self._coordinator if managed is self._persistent else managed.coordinator
 
-    def _lanes_named(self, tier: str | None) -> list[Lane]:
+    def _tiers_named(self, tier: str | None) -> list[ManagedTier]:
         if tier is None:
-            return list(self._lanes)
-        lanes = [lane for lane in self._lanes if lane.name == tier]
-        if not lanes:
+            return list(self._tiers)
+        tiers = [managed for managed in self._tiers if managed.name == tier]
+        if not tiers:
             raise ValueError(f"tier must be None, {PERSISTENT!r} or (with local_directory) {LOCAL!r}, got {tier!r}")
-        return lanes
+        return tiers
 
     # ------------------------------------------------------------------------------------------- save
 
@@ -195,8 +205,8 @@ class CheckpointManager:
         if not force and step in persistent.committed():
             raise CheckpointExistsError(f"step {step} is already committed at {persistent.index.location(step)}; "
                                         "pass force=True to replace it")
-        lanes = self._due(step, force=force)
-        if not lanes:
+        tiers = self._due(step, force=force)
+        if not tiers:
             return False
         objects = {name: obj for name, obj in zip(_OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra,
                                                                   data_loader)) if obj is not None}
@@ -206,7 +216,7 @@ class CheckpointManager:
                               versions=formats.writer_versions(), process_count=self._coordinator.count,
                               format_version=formats.writer(self._options.save_options.format).VERSION,
                               persistent_root=self.directory)
-        self._save(step, lanes, objects, marker)
+        self._save(step, tiers, objects, marker)
         if self._preemption.pending:
             self.wait_until_finished()  # the process is about to be killed: the commits must land first
             self._preemption.saved_on_notice(step)
@@ -214,58 +224,58 @@ class CheckpointManager:
                           "should exit", stacklevel=2)
         return True
 
-    def _save(self, step: int, lanes: list[Lane], objects: Mapping[str, Any], marker: StepMetadata) -> None:
-        """Stage `objects` once for every lane of `lanes`, then commit each lane (in the background in async
-        mode). Every failure before the commits is raised on every process (collective)."""
+    def _save(self, step: int, tiers: list[ManagedTier], objects: Mapping[str, Any], marker: StepMetadata) -> None:
+        """Stage `objects` once for every tier of `tiers`, then commit each (in the background in async mode).
+        Every failure before the commits is raised on every process (collective)."""
         started = time.perf_counter()
         step_events = self._persistent.events.bound(tier=None, step=step, path=str(self.step_path(step)))
-        step_events.emit(events.SAVE_STARTED, details={"tiers": [lane.name for lane in lanes]})
+        step_events.emit(events.SAVE_STARTED, details={"tiers": [managed.name for managed in tiers]})
         self._coordinator.everywhere(f"taking the roots for step {step}",
-                                     lambda: [lane.take_root(step) for lane in lanes])
+                                     lambda: [managed.take_root(step) for managed in tiers])
         states = {name: training_state.state_of(obj) for name, obj in objects.items()}
-        reserved: list[Lane] = []
+        reserved: list[ManagedTier] = []
         try:
-            for lane in lanes:
-                lane.committer.reserve()
-                reserved.append(lane)
+            for managed in tiers:
+                managed.committer.reserve()
+                reserved.append(managed)
             # The saves these waited for may have failed meanwhile (on any process).
             self._coordinator.everywhere(f"checking the saves before step {step}", self._check_background)
-            destinations = [step_save.Destination(lane.tier, self._caller_side(lane), own_copy=lane.is_local,
-                                                  plan_caches=lane.plan_caches) for lane in lanes]
+            destinations = [step_save.Destination(managed.tier, self._caller_side(managed), own_copy=managed.is_local,
+                                                  plan_caches=managed.plan_caches) for managed in tiers]
             pendings = step_save.stage(
                 step, destinations, states, marker, coordinator=self._coordinator,
                 options=self._options.save_options, save_rng=self._options.save_rng,
                 async_save=self._options.async_save, max_host_bytes=self._options.max_host_bytes)
         except BaseException:
-            for lane in reserved:
-                lane.committer.release()
+            for managed in reserved:
+                managed.committer.release()
             raise
         fsync = self._options.save_options.fsync
         if self._options.async_save:
             step_events.emit(events.SAVE_STAGED, seconds=time.perf_counter() - started,
                              nbytes=max(sum(plan.staged_bytes for plan in p.plans.values()) for p in pendings))
-        for lane, pending in zip(lanes, pendings):
-            lane.in_flight = step
+        for managed, pending in zip(tiers, pendings):
+            managed.in_flight = step
             if self._options.async_save:
-                lane.submit(pending, fsync=fsync, started=started)
+                managed.submit(pending, fsync=fsync, started=started)
         if not self._options.async_save:
             errors: list[Exception] = []
             try:
                 with paused_gc():  # staging happens here in sync mode (never on the background thread: gc is global)
-                    for lane, pending in zip(lanes, pendings):
+                    for managed, pending in zip(tiers, pendings):
                         try:  # a local tier failing on one process must not keep it from the collective commit
-                            lane.finish(pending, fsync=fsync, started=started)
+                            managed.finish(pending, fsync=fsync, started=started)
                         except Exception as exc:  # noqa: BLE001 - raised below, on every process
                             errors.append(exc)
             finally:
-                for lane in lanes:
-                    lane.committer.release()
+                for managed in tiers:
+                    managed.committer.release()
             self._coordinator.everywhere(f"committing step {step}", lambda: _raise_first(errors))
 
     def _check_background(self) -> None:
         """Raise the error of a failed background save of any tier (once). Does not block."""
-        for lane in self._lanes:
-            lane.committer.check()
+        for managed in self._tiers:
+            managed.committer.check()
 
     def delete(self, step: int) -> None:
         """Delete a committed step from every tier that holds it (waits for pending saves first).
@@ -274,10 +284,11 @@ class CheckpointManager:
         self._check_open()
         self.wait_until_finished()
         self.metadata(step)  # raises StepNotFoundError if not committed
-        for lane in self._lanes:
-            if step in lane.tier.committed():
-                lane.tier.forget(step)
-                self._caller_side(lane).on_primary(f"deleting step {step}", lambda lane=lane: lane.tier.delete(step))
+        for managed in self._tiers:
+            if step in managed.tier.committed():
+                managed.tier.forget(step)
+                self._caller_side(managed).on_primary(f"deleting step {step}",
+                                                      lambda managed=managed: managed.tier.delete(step))
 
     # ---------------------------------------------------------------------------------------- restore
 
@@ -354,15 +365,15 @@ class CheckpointManager:
     def _restore_step(self, choice: Candidate, requested: Mapping[str, Any], rng: bool, strict: bool,
                       key_map: KeyMap | None, items: Mapping[str, str] | None) -> None:
         """Restore `requested` from a candidate step on this process (not collective)."""
-        lane = self._local if choice.tier == LOCAL else self._persistent
-        assert lane is not None  # a local candidate exists only with a local tier
-        own = lane.is_local  # a local step holds its writer's generator states alone, as a single row
-        step_loc = lane.tier.index.location(choice.step)
+        managed = self._local if choice.tier == LOCAL else self._persistent
+        assert managed is not None  # a local candidate exists only with a local tier
+        own = managed.is_local  # a local step holds its writer's generator states alone, as a single row
+        step_loc = managed.tier.index.location(choice.step)
         training_state.restore_step(
-            step_loc, lane.tier.marker(choice.step), requested, strict=strict,
+            step_loc, managed.tier.marker(choice.step), requested, strict=strict,
             key_map=key_map, options=self._options.restore_options, items=items,
             rng=(0, 1) if own else (self._coordinator.index, self._coordinator.count), restore_rng=rng,
-            events=self._restore_events.bound(step=choice.step, tier=lane.name))
+            events=self._restore_events.bound(step=choice.step, tier=managed.name))
 
     def _resolve(self, resume_from: int | str) -> int | None:
         """None for "latest", else the step asked for."""
@@ -378,8 +389,8 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Block until every pending save of every tier is committed; raise the error of a failed one."""
-        for lane in self._lanes:
-            lane.committer.wait()
+        for managed in self._tiers:
+            managed.committer.wait()
 
     def close(self) -> None:
         """Wait for pending saves (raising their errors), release the background threads, the roots and the
@@ -389,7 +400,7 @@ class CheckpointManager:
         self._closed = True
         self._preemption.close()
         try:
-            close_all(list(self._lanes))
+            close_all(list(self._tiers))
         finally:
             self._coordinator.close()
 

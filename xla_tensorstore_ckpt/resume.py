@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from . import formats
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, StorageError
-from .lanes import LOCAL, PERSISTENT
+from .managed_tier import LOCAL, PERSISTENT
 from .records import StepMetadata
 from .tier import Tier
 

@@ -1,9 +1,10 @@
-"""A tier as the manager drives it (`Lane`): its steps (`tier.Tier`: root, lock, bookkeeping, retention), when it
-saves, the background thread finishing its saves, and the coordinator of its commits (the job's for the
+"""A tier as the manager drives it (`ManagedTier`): its steps (`tier.Tier`: root, lock, bookkeeping, retention),
+when it saves, the background thread finishing its saves, and the coordinator of its commits (the job's for the
 persistent tier, this process alone for a local one).
 
-The manager holds one lane per tier and composes them; a lane knows nothing of training objects. Methods run on
-the caller's thread unless they say otherwise; `finish` runs on the lane's background thread in async mode.
+The manager holds one `ManagedTier` per tier and composes them; a managed tier knows nothing of training objects.
+Methods run on the caller's thread unless they say otherwise; `finish` runs on its background thread in async
+mode.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ LOCAL, PERSISTENT = "local", "persistent"  # the tiers' names, as `all_steps(tie
 
 
 @dataclass
-class Lane:
+class ManagedTier:
     """One tier of a manager. Not thread-safe beyond what `Tier` and `BackgroundCommitter` are."""
 
     name: str  # LOCAL or PERSISTENT
@@ -52,7 +53,7 @@ class Lane:
         return latest if self.in_flight is None else max(latest or 0, self.in_flight)
 
     def take_root(self, step: int) -> None:
-        """Own the tier's root before saving `step` into it (the primary of the lane's coordinator takes the
+        """Own the tier's root before saving `step` into it (the primary of its coordinator takes the
         lock). Raises `CheckpointError` naming the lock's holder and file if another live manager owns it."""
         lock = self.tier.lock
         if self.coordinator.is_primary and not lock.acquire():
@@ -62,14 +63,14 @@ class Lane:
                 f"{lock.root.child(layout.MANAGER_LOCK)} (or wait lock_timeout_s).")
 
     def submit(self, save: PendingSave, *, fsync: bool, started: float) -> None:
-        """Hand `save` to the lane's background thread (`finish`); its error is re-raised later, naming the
+        """Hand `save` to its background thread (`finish`); its error is re-raised later, naming the
         step and this tier. Uses the slot `committer.reserve` took. Does not block."""
         self.committer.submit(f"asynchronous save of step {save.step} to {self.describe()}", save.step,
                               lambda: self.finish(save, fsync=fsync, started=started))
 
     def finish(self, save: PendingSave, *, fsync: bool, started: float) -> None:
         """Commit `save` in the tier (on every process of the job for the persistent tier), then retention (its
-        deletes deferred to the lane's background thread, off the critical path), telling the listeners as each
+        deletes deferred to its background thread, off the critical path), telling the listeners as each
         phase ends (`events`; `started`: when the save began, `time.perf_counter`). Collective for the
         persistent tier. Blocks."""
         step_events = self.events.bound(step=save.step, path=str(save.final))
@@ -97,7 +98,7 @@ class Lane:
                          details={"steps": list(doomed)})
 
     def close(self) -> None:
-        """Wait for the lane's saves (raising their errors), then release its root and its coordinator, each
+        """Wait for its saves (raising their errors), then release its root and its coordinator, each
         also when the one before failed. Idempotent for the parts already closed."""
         try:
             self.committer.close()
@@ -108,22 +109,22 @@ class Lane:
                 self.coordinator.close()
 
 
-def persistent_lane(root: storage.Location, options: CheckpointManagerOptions) -> Lane:
+def managed_persistent(root: storage.Location, options: CheckpointManagerOptions) -> ManagedTier:
     """The persistent tier at `root`: the manager's policies, the job's coordinator for its commits (a group of
     its own, so that the background commits' collectives never interleave with the caller's). Collective with
     several processes."""
     coordinator = Coordinator.from_environment(options.coordination_timeout_s)
     chosen = policies.for_tiers(options)
-    return Lane(PERSISTENT, Tier(root, step_prefix=options.step_prefix, preservation=chosen.preserve,
+    return ManagedTier(PERSISTENT, Tier(root, step_prefix=options.step_prefix, preservation=chosen.preserve,
                                  lock_timeout_s=options.lock_timeout_s), chosen.save,
                 BackgroundCommitter(options.max_pending_saves), coordinator,
                 save_events(options, coordinator.index).bound(tier=PERSISTENT))
 
 
-def local_lane(root: storage.Location, options: CheckpointManagerOptions, process: int) -> Lane:
+def managed_local(root: storage.Location, options: CheckpointManagerOptions, process: int) -> ManagedTier:
     """This process's local tier at `root`: the local policies, committed by this process alone."""
     chosen = policies.for_tiers(options)
-    return Lane(LOCAL, Tier(root, step_prefix=options.step_prefix, preservation=chosen.local_preserve,
+    return ManagedTier(LOCAL, Tier(root, step_prefix=options.step_prefix, preservation=chosen.local_preserve,
                             lock_timeout_s=options.lock_timeout_s), chosen.local_save,
                 BackgroundCommitter(options.max_pending_saves), Coordinator.single(),
                 save_events(options, process).bound(tier=LOCAL))
@@ -153,11 +154,11 @@ def check_root(root: storage.Location, *, create: bool) -> None:
         raise CheckpointNotFoundError(f"checkpoint root {root} does not exist (and create=False)")
 
 
-def close_all(lanes: list[Lane]) -> None:
-    """Close every lane, the last first, each also when a later one failed (the first error is raised)."""
-    lane = lanes.pop()
+def close_all(tiers: list[ManagedTier]) -> None:
+    """Close every managed tier, the last first, each also when a later one failed (the first error is raised)."""
+    managed = tiers.pop()
     try:
-        lane.close()
+        managed.close()
     finally:
-        if lanes:
-            close_all(lanes)
+        if tiers:
+            close_all(tiers)
