@@ -96,9 +96,15 @@ def main() -> None:
         if proc.returncode != 0:
             raise SystemExit(f"saver failed with status {proc.returncode}")
         break
-    with xtc.CheckpointManager(args.root, options()) as mgr:  # cleans partial steps, as any restart does
+    # Retention runs at each commit: if the last kill interrupted the deletions of step `cycles`'s retention and
+    # the restarted saver had nothing left to save, older steps remain until the next commit. One more save
+    # (after the restart's cleanup of partial steps) makes the expected steps independent of when the kill came.
+    final = args.cycles + 1
+    with xtc.CheckpointManager(args.root, options()) as mgr:
+        mgr.save(final, model=state_for(final), extra={"step": final})
+    with xtc.CheckpointManager(args.root, options()) as mgr:
         on_disk = mgr.all_steps()
-    everything = committed | set(on_disk)
+    everything = committed | set(on_disk) | {final}
     newest = sorted(everything)[-MAX_TO_KEEP:]
     expected = sorted({s for s in everything if s % KEEP_PERIOD == 0} | set(newest))
     names = sorted(os.listdir(args.root))
