@@ -1,0 +1,92 @@
+"""The cost of agreeing: latency of the manager's collectives (`distributed.Coordinator`, gloo on 127.0.0.1) at
+2-8 processes, for extrapolating what coordination costs a save or restore at pod scale (issue 34, item 6).
+
+Per process count, every process runs `--repeats` rounds of each collective a save uses after one warm-up
+round: `everywhere` (every process's status gathered: the agreement after each phase), `on_primary` (the
+primary acts, every process learns the outcome), `all_gather` of a small record (a plan's per-process
+summary, ~1 KiB pickled) and `broadcast`. Reported: the median and 90th percentile of the slowest process per
+round. On this 2-core machine, 8 processes share 2 cores: figures above 2 processes include scheduling delay,
+so they bound the cost from above.
+
+    python benchmarks/bench_coordination.py [--processes 1,2,4,8] [--repeats 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+
+CHILD = r"""
+import json, sys, time
+from xla_tensorstore_ckpt.distributed import Coordinator
+repeats = int(sys.argv[1])
+c = Coordinator.from_environment()
+record = {"arrays": list(range(100)), "bytes": 1 << 30, "name": "model"}
+cases = {
+    "everywhere": lambda: c.everywhere("bench", lambda: None),
+    "on_primary": lambda: c.on_primary("bench", lambda: None),
+    "all_gather_1k": lambda: c.all_gather(record),
+    "broadcast": lambda: c.broadcast(record),
+}
+out = {}
+for name, fn in cases.items():
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        c.everywhere("align", lambda: None)  # start every round together
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    out[name] = times
+c.close()
+print(json.dumps({"index": c.index, "times": out}))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(processes: int, repeats: int) -> dict[str, list[float]]:
+    """Per collective, the slowest process's seconds in each round."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(processes):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, "-c", CHILD, str(repeats)], env=env, stdout=subprocess.PIPE,
+                                      text=True))
+    results = []
+    for proc in procs:
+        stdout, _ = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"a process of {processes} failed with status {proc.returncode}")
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    names = results[0]["times"]
+    return {name: [max(r["times"][name][i] for r in results) for i in range(repeats)] for name in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--processes", default="1,2,4,8")
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args()
+    rows = []
+    for n in (int(p) for p in args.processes.split(",")):
+        for name, times in run(n, args.repeats).items():
+            ordered = sorted(times)
+            rows.append({"processes": n, "collective": name, "median_ms": statistics.median(times) * 1e3,
+                         "p90_ms": ordered[int(0.9 * (len(ordered) - 1))] * 1e3})
+            print(f"{n} processes  {name:14} median {rows[-1]['median_ms']:7.3f} ms  p90 {rows[-1]['p90_ms']:7.3f} ms",
+                  file=sys.stderr)
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
