@@ -87,11 +87,13 @@ class Tier:
             if self.lock.holder is None:
                 removed, failed = self.index.remove_partial(entries)
                 if removed:
-                    warnings.warn(f"removed partial steps {removed} of {self.root}: saves that never committed",
+                    warnings.warn(f"removed partial steps {removed} of {self.root}: saves that never committed "
+                                  f"(or deletions cut short)",
                                   stacklevel=5)
                 for name, problem in failed.items():
                     warnings.warn(f"could not remove the partial step {self.root.child(name)} (a save that never "
-                                  f"committed): {problem}; it is never listed as committed", stacklevel=5)
+                                  f"committed, or a deletion cut short): {problem}; it is never listed as committed",
+                                  stacklevel=5)
                 self._finish_commits(entries)
             return {e.step: e.marker for e in entries if e.marker is not None}
 
