@@ -3,10 +3,13 @@ and its training steps, and the manager options most tests start from."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch_xla
 
 import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import events
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
           torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
@@ -81,3 +84,18 @@ def train_steps(net, opt, n, seed=1):
 
 def cpu_state(net):
     return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+
+
+class Recorder:
+    """A listener keeping every event (thread-safe: background commits call it)."""
+
+    def __init__(self):
+        self.events: list[events.Event] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, event: events.Event) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def kinds(self, **where) -> list[str]:
+        return [e.kind for e in self.events if all(getattr(e, k) == v for k, v in where.items())]

@@ -6,28 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 
 import pytest
 import torch
+from helpers import Recorder
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import events
-
-
-class Recorder:
-    """A listener keeping every event (thread-safe: background commits call it)."""
-
-    def __init__(self):
-        self.events: list[events.Event] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, event: events.Event) -> None:
-        with self._lock:
-            self.events.append(event)
-
-    def kinds(self, **where) -> list[str]:
-        return [e.kind for e in self.events if all(getattr(e, k) == v for k, v in where.items())]
 
 
 def state(step: int) -> dict:

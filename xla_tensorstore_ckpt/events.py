@@ -15,7 +15,8 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
 * ``retention_removed`` (per tier): steps retention deleted after a commit (`details["steps"]`).
 
 and of a restore (per item): ``restore_planned`` (`nbytes` this process will read, `details["arrays"]`,
-`details["chunks"]`: stored chunks its reads touch) and ``restore_finished`` (`seconds`, `nbytes` read).
+`details["chunks"]`: stored chunks its reads touch) and ``restore_finished`` (`seconds`, `nbytes` read;
+`details["storage_bytes"]`: what the reader fetched from storage for them, None where it cannot tell).
 
 Listeners are called on the thread doing the work (a background commit thread for asynchronous saves), one
 event at a time per save or restore. A listener that raises fails what it listens to, like any error of that

@@ -58,7 +58,8 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
     later (damaged data), the tensors already handed over stay restored.
 
     `events` (by default `options.listeners` with the item's path) is told when the reads are planned and when
-    they are done (`events.RESTORE_PLANNED`, `RESTORE_FINISHED`: the bytes this process reads)."""
+    they are done (`events.RESTORE_PLANNED`, `RESTORE_FINISHED`: the bytes this process reads, and in its
+    details ``storage_bytes``, what its reader fetched from storage for them, `ArrayReader.fetched_bytes`)."""
     options = options or RestoreOptions()
     if release_targets and take is None:
         raise TypeError("release_targets needs take: the caller must put the new values in place")
@@ -82,10 +83,11 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
         begun = time.perf_counter()
         try:
             values = read_arrays(loc, reader, jobs, options, take, release_targets=release_targets)
+            fetched = reader.fetched_bytes()
         finally:
             reader.close()  # every read has finished: read_arrays waits for them, also on errors
         events.emit(RESTORE_FINISHED, seconds=time.perf_counter() - begun, nbytes=planned_bytes,
-                    details={"arrays": len(jobs)})
+                    details={"arrays": len(jobs), "storage_bytes": fetched})
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
 

@@ -16,6 +16,7 @@ subclass and a line in the picker (`arrays.reader`); callers never change. No te
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -71,6 +72,28 @@ class ArrayReader(ABC):
 
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release what the reads held (open files). Call it once no read is in flight any more."""
+
+    def fetched_bytes(self) -> int | None:
+        """Bytes of array data this reader has fetched from storage so far (chunks with their checksums, or a
+        raw tensor's bytes; not the item's metadata), or None if it cannot tell. Exact once every read it
+        started has finished. Never raises."""
+        return None
+
+
+class ByteCounter:
+    """A count of bytes that reading threads add to (readers' `fetched_bytes`)."""
+
+    def __init__(self) -> None:
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._total += n
+
+    @property
+    def total(self) -> int:
+        return self._total
 
 
 class Ready:

@@ -24,7 +24,7 @@ import numpy as np
 from .. import dtypes, storage
 from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..records import ArrayMetadata, RawArrayMetadata
-from .base import ArrayReader, Empty, Index, Picked, Ready, index_box
+from .base import ArrayReader, ByteCounter, Empty, Index, Picked, Ready, index_box
 
 MERGE_GAP_BYTES = 1 << 20
 MAX_POSITIONED_READS = 16  # runs per region read with pread; more are copied out of a memory map
@@ -41,11 +41,17 @@ class ByteRangeReader(ArrayReader):
 
     def __init__(self, item: storage.Location):
         self.item = item
+        self._fetched = ByteCounter()
 
     def open(self, meta: ArrayMetadata) -> Ready:
         if not isinstance(meta, RawArrayMetadata):
             raise TypeError(f"{meta.path}: a byte-range tensor is opened from its RawArrayMetadata")
-        return Ready(ByteRangeArray(self.item, meta))
+        return Ready(ByteRangeArray(self.item, meta, self._fetched))
+
+    def fetched_bytes(self) -> int:
+        """The bytes of the regions read from local files (a memory-mapped region: its own bytes), and of the
+        ranged requests elsewhere (merged gaps included)."""
+        return self._fetched.total
 
 
 class ByteRangeArray:
@@ -53,8 +59,9 @@ class ByteRangeArray:
 
     reads_whole_chunks = False
 
-    def __init__(self, item: storage.Location, meta: RawArrayMetadata):
+    def __init__(self, item: storage.Location, meta: RawArrayMetadata, fetched: ByteCounter | None = None):
         self.file = item.child(meta.file) if meta.file else item
+        self._fetched = fetched if fetched is not None else ByteCounter()
         self.location = self.file
         self.key = meta.path
         self.shape = meta.shape
@@ -77,8 +84,10 @@ class ByteRangeArray:
         if out.size == 0:
             return RawRead(self, out, [], None)
         if self._local is not None:
+            self._fetched.add(out.nbytes)
             return RawRead(self, out, [], _COPIES.submit(self._copy_mapped, region, out))
         requests = _requests(_runs(self.shape, region, self._row.itemsize, self.offset))
+        self._fetched.add(sum(stop - start for start, stop, _ in requests))
         pending = [self.file.parent.read_range(self.file.name, start, stop) for start, stop, _ in requests]
         return RawRead(self, out, list(zip(requests, pending)), None)
 

@@ -35,7 +35,7 @@ import numpy as np
 from .. import bounds, dtypes, layout, storage
 from ..errors import CorruptCheckpointError, StorageError
 from ..records import ArrayMetadata, ArrayStore
-from .base import ArrayReader, Empty, Index, Opening, Picked, Ready, index_box
+from .base import ArrayReader, ByteCounter, Empty, Index, Opening, Picked, Ready, index_box
 from .ocdbt import StoredValue, ocdbt_index
 from .tensorstore_io import TensorstoreReader
 
@@ -72,10 +72,20 @@ class LocalChunkReader(ArrayReader):
         self._tensorstore = tensorstore
         self._index: dict[str, StoredValue] | None = None
         self._files = _OpenFiles()
+        self._fetched = ByteCounter()
+        self._fell_back = False  # an array read by tensorstore instead
         weakref.finalize(self, self._files.close)
 
     def close(self) -> None:
         self._files.close()
+
+    def fetched_bytes(self) -> int | None:
+        """Every chunk read from a file counts its stored bytes once (inline chunks came with the OCDBT index);
+        arrays read by tensorstore instead count as `TensorstoreReader.fetched_bytes` does."""
+        if not self._fell_back:
+            return self._fetched.total
+        other = self._tensorstore.fetched_bytes()
+        return None if other is None else self._fetched.total + other
 
     def open(self, meta: ArrayMetadata) -> Opening:
         """Reads the array's metadata (and, the first time, the item's OCDBT index) at once; raises
@@ -94,13 +104,17 @@ class LocalChunkReader(ArrayReader):
             raw, where, locate = value.inline if value is not None else None, self.item.child(meta.path), \
                 self._ocdbt_chunk
         if not _is_plain(raw, meta):
+            self._fell_back = True
             return self._tensorstore.open(meta)
         return Ready(LocalChunkArray(where, meta, locate))
 
     def _chunk_file(self, array: LocalChunkArray, key: str) -> _Source | None:
         """A chunk of an array stored in a directory: a file of its own, holding exactly the chunk."""
         path = array.location.local_file(key)
-        return None if path is None else _Source(path, 0, array.stored_bytes, whole_file=True)
+        if path is None:
+            return None
+        self._fetched.add(array.stored_bytes)  # a chunk is located to be read, whole, once
+        return _Source(path, 0, array.stored_bytes, whole_file=True)
 
     def _ocdbt_chunk(self, array: LocalChunkArray, key: str) -> _Source | None:
         """A chunk of an array in the OCDBT store: inline in its B-tree, or a byte range of a data file."""
@@ -111,7 +125,10 @@ class LocalChunkReader(ArrayReader):
         if value.inline is not None:
             return _Source("", 0, len(value.inline), inline=value.inline)
         path = self.item.local_file(value.file)
-        return None if path is None else _Source(path, value.offset, value.length, files=self._files)
+        if path is None:
+            return None
+        self._fetched.add(value.length)  # a chunk is located to be read, whole, once
+        return _Source(path, value.offset, value.length, files=self._files)
 
 
 @dataclass(frozen=True)

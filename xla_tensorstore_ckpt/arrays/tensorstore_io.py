@@ -223,6 +223,16 @@ class TensorstoreReader(ArrayReader):
     def __init__(self, item: storage.Location, store: ArrayStore, context: ts.Context | None = None):
         self.item, self.store = item, store
         self.context = context if context is not None else operation_context()
+        self._driver = item.kvstore_spec()["driver"]
+        self._bytes_read_at_start = _kvstore_bytes_read(self._driver)
+
+    def fetched_bytes(self) -> int | None:
+        """What tensorstore's key-value store of this item's backend read since this reader was made (its
+        ``bytes_read`` metric): the chunks, and an OCDBT store's B-tree nodes. The metric is the process's, so
+        reads of the same backend by other operations running meanwhile count too; None where the store keeps
+        no such metric (``memory://``)."""
+        now = _kvstore_bytes_read(self._driver)
+        return None if now is None else now - (self._bytes_read_at_start or 0)
 
     def open(self, meta: ArrayMetadata) -> _Opening:
         return self.open_name(meta.path)
@@ -361,3 +371,13 @@ def _chunk_shape(array: ts.TensorStore) -> tuple[int, ...]:
 def _format_region(region: Index | Region) -> str:
     return "[" + ", ".join(f"{r.start}:{r.stop}" if isinstance(r, slice) else f"{r[0]}:{r[1]}"
                            for r in region) + "]"
+
+
+def _kvstore_bytes_read(driver: str) -> int | None:
+    """The bytes tensorstore's key-value store `driver` has read in this process (None: it keeps no
+    ``bytes_read`` metric, or has read nothing yet)."""
+    name = f"/tensorstore/kvstore/{driver}/bytes_read"
+    values = [v.get("value", 0) for m in ts.experimental_collect_matching_metrics(name) if m["name"] == name
+              for v in m.get("values", ())]
+    return sum(values) if values else None
+
