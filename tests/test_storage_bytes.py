@@ -96,3 +96,21 @@ def test_tensorstore_counts_what_its_key_value_stores_read(tmp_path):
 def test_an_unknown_count_is_reported_as_none():
     xtc.save("memory://storage-bytes/ck", {"w": torch.ones(8, 8)})
     assert _storage_bytes("memory://storage-bytes/ck", None) is None  # tensorstore keeps no metric for memory
+
+
+@pytest.mark.parametrize("scheme", ["gcs", "s3"])
+def test_object_stores_count_the_chunks_they_serve(request, scheme):
+    from conftest import GCS_BUCKET, S3_BUCKET, _unique
+
+    if scheme == "gcs":
+        request.getfixturevalue("gcs_emulator_server")
+        path = f"gs://{GCS_BUCKET}/storage-bytes/{next(_unique)}"
+    else:
+        request.getfixturevalue("s3_server_process")
+        path = f"s3://{S3_BUCKET}/storage-bytes/{next(_unique)}"
+    torch.manual_seed(0)
+    state = {"w": torch.randn(256, 64)}
+    xtc.save(path, state)
+    stored = _stored_bytes(path)
+    fetched = _storage_bytes(path, None)
+    assert stored <= fetched <= stored + (64 << 10), (fetched, stored)  # the chunk, and the OCDBT nodes
