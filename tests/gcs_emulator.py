@@ -109,6 +109,7 @@ class FaultProxy:
         self.random = random.Random(seed)
         self.lock = threading.Lock()
         self.counts = {"forwarded": 0, "503": 0, "dropped": 0}
+        self.served_bytes = 0  # bodies of the successful GET responses forwarded: what the storage served
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         proxy = self
@@ -156,6 +157,8 @@ class FaultProxy:
                 upstream.close()
                 with proxy.lock:
                     proxy.counts["forwarded"] += 1
+                    if self.command == "GET" and 200 <= response.status < 300:
+                        proxy.served_bytes += len(data)
 
             do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _handle
 

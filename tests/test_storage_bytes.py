@@ -5,6 +5,7 @@ the stored chunks themselves: each chunk a restore needs is fetched once, whole,
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -114,3 +115,33 @@ def test_object_stores_count_the_chunks_they_serve(request, scheme):
     stored = _stored_bytes(path)
     fetched = _storage_bytes(path, None)
     assert stored <= fetched <= stored + (64 << 10), (fetched, stored)  # the chunk, and the OCDBT nodes
+
+
+def test_on_gcs_the_count_is_what_the_storage_served(gcs_emulator_server):
+    """Seen from the storage's side: a proxy in front of the emulator counts the bodies of the GET responses it
+    forwards to a restoring process. Every byte the restore counts was served, and the rest is the item's
+    manifest (read before the arrays, outside the count)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import GCS_BUCKET, GCS_PORT, _unique
+    from gcs_emulator import FaultProxy, client_environment
+
+    path = f"gs://{GCS_BUCKET}/storage-bytes/{next(_unique)}"
+    torch.manual_seed(0)
+    xtc.save(path, {"w": torch.randn(512, 64), "b": torch.randn(4096)})
+    stored = _stored_bytes(path)
+    manifest_bytes = len(storage.location(path).read("_METADATA"))
+    proxy = FaultProxy(GCS_PORT, error_rate=0.0, drop_rate=0.0).start()
+    try:
+        env = dict(os.environ, **client_environment(proxy.url))
+        env.pop("PJRT_DEVICE", None)
+        script = os.path.join(os.path.dirname(__file__), "scripts", "storage_bytes.py")
+        proc = subprocess.run([sys.executable, script, path], env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        proxy.stop()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counted = json.loads(proc.stdout.strip().splitlines()[-1])["storage_bytes"]
+    assert stored < counted < stored + (64 << 10)  # the chunks, and the OCDBT manifest and nodes tensorstore read
+    assert proxy.served_bytes == counted + manifest_bytes  # and the manifest, read through the backend
