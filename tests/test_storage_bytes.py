@@ -117,25 +117,32 @@ def test_object_stores_count_the_chunks_they_serve(request, scheme):
     assert stored <= fetched <= stored + (64 << 10), (fetched, stored)  # the chunk, and the OCDBT nodes
 
 
-def test_on_gcs_the_count_is_what_the_storage_served(gcs_emulator_server):
-    """Seen from the storage's side: a proxy in front of the emulator counts the bodies of the GET responses it
-    forwards to a restoring process. Every byte the restore counts was served, and the rest is the item's
-    manifest (read before the arrays, outside the count)."""
+@pytest.mark.parametrize("scheme", ["gcs", "s3"])
+def test_the_count_is_what_the_storage_served(request, scheme):
+    """Seen from the storage's side: a proxy in front of the emulator (GCS) or moto (S3) counts the bodies of the
+    GET responses it forwards to a restoring process. The storage served exactly the bytes the restore counts,
+    plus the manifest (read before the arrays, outside the count)."""
     import json
     import subprocess
     import sys
 
-    from conftest import GCS_BUCKET, GCS_PORT, _unique
-    from gcs_emulator import FaultProxy, client_environment
+    import gcs_emulator
+    import s3_server
+    from conftest import GCS_BUCKET, GCS_PORT, S3_BUCKET, S3_PORT, _unique
 
-    path = f"gs://{GCS_BUCKET}/storage-bytes/{next(_unique)}"
+    if scheme == "gcs":
+        request.getfixturevalue("gcs_emulator_server")
+        path, port, clients = f"gs://{GCS_BUCKET}/storage-bytes/{next(_unique)}", GCS_PORT, gcs_emulator
+    else:
+        request.getfixturevalue("s3_server_process")
+        path, port, clients = f"s3://{S3_BUCKET}/storage-bytes/{next(_unique)}", S3_PORT, s3_server
     torch.manual_seed(0)
     xtc.save(path, {"w": torch.randn(512, 64), "b": torch.randn(4096)})
     stored = _stored_bytes(path)
     manifest_bytes = len(storage.location(path).read("_METADATA"))
-    proxy = FaultProxy(GCS_PORT, error_rate=0.0, drop_rate=0.0).start()
+    proxy = gcs_emulator.FaultProxy(port, error_rate=0.0, drop_rate=0.0).start()
     try:
-        env = dict(os.environ, **client_environment(proxy.url))
+        env = dict(os.environ, **clients.client_environment(proxy.url))
         env.pop("PJRT_DEVICE", None)
         script = os.path.join(os.path.dirname(__file__), "scripts", "storage_bytes.py")
         proc = subprocess.run([sys.executable, script, path], env=env, capture_output=True, text=True, timeout=600)
