@@ -115,19 +115,19 @@ def managed_persistent(root: storage.Location, options: CheckpointManagerOptions
     several processes."""
     coordinator = Coordinator.from_environment(options.coordination_timeout_s)
     chosen = policies.for_tiers(options)
-    return ManagedTier(PERSISTENT, Tier(root, step_prefix=options.step_prefix, preservation=chosen.preserve,
-                                 lock_timeout_s=options.lock_timeout_s), chosen.save,
-                BackgroundCommitter(options.max_pending_saves), coordinator,
-                save_events(options, coordinator.index).bound(tier=PERSISTENT))
+    tier = Tier(root, step_prefix=options.step_prefix, preservation=chosen.preserve,
+                lock_timeout_s=options.lock_timeout_s)
+    return ManagedTier(PERSISTENT, tier, chosen.save, BackgroundCommitter(options.max_pending_saves), coordinator,
+                       save_events(options, coordinator.index).bound(tier=PERSISTENT))
 
 
 def managed_local(root: storage.Location, options: CheckpointManagerOptions, process: int) -> ManagedTier:
     """This process's local tier at `root`: the local policies, committed by this process alone."""
     chosen = policies.for_tiers(options)
-    return ManagedTier(LOCAL, Tier(root, step_prefix=options.step_prefix, preservation=chosen.local_preserve,
-                            lock_timeout_s=options.lock_timeout_s), chosen.local_save,
-                BackgroundCommitter(options.max_pending_saves), Coordinator.single(),
-                save_events(options, process).bound(tier=LOCAL))
+    tier = Tier(root, step_prefix=options.step_prefix, preservation=chosen.local_preserve,
+                lock_timeout_s=options.lock_timeout_s)
+    return ManagedTier(LOCAL, tier, chosen.local_save, BackgroundCommitter(options.max_pending_saves),
+                       Coordinator.single(), save_events(options, process).bound(tier=LOCAL))
 
 
 def save_events(options: CheckpointManagerOptions, process: int) -> events.Emitter:

@@ -20,7 +20,7 @@ from .staging import Staged, stage, stage_all
 
 
 def deferred_writes(loc: storage.Location, plans: Mapping[str, SavePlan], staged: dict[str, Staged],
-                 options: SaveOptions, *, writer: int) -> Callable[[], Writes]:
+                    options: SaveOptions, *, writer: int) -> Callable[[], Writes]:
     """`start` (as `begin_writes` returns it) for items staged by `stage_shared`."""
     return lambda: Writes.combined({name: write_staged(loc.child(name), plan, staged.pop(name), options,
                                                        writer=writer)
@@ -60,7 +60,7 @@ def write_staged(loc: storage.Location, plan: SavePlan, staged: Staged, options:
 
 
 def stage_and_write(loc: storage.Location, plan: SavePlan, options: SaveOptions, *, writer: int,
-                 copy_cpu: bool = False, max_host_bytes: int | None = None) -> Writes:
+                    copy_cpu: bool = False, max_host_bytes: int | None = None) -> Writes:
     """Stage and write, interleaved: the writes of one batch run while the next is fetched. Blocks while shards
     are fetched. With `max_host_bytes`, staged data not yet written never exceeds it (plus one batch): the call
     waits for earlier writes instead of fetching more. `copy_cpu` copies host tensors too (for callers that
@@ -94,11 +94,11 @@ def begin_writes(loc: storage.Location, plans: Mapping[str, SavePlan], options: 
     batches of host memory. Blocks while shards are copied."""
     if not background:
         return lambda: Writes.combined({name: stage_and_write(loc.child(name), plan, options, writer=writer,
-                                                           max_host_bytes=2 * options.host_batch_bytes)
+                                                              max_host_bytes=2 * options.host_batch_bytes)
                                         for name, plan in plans.items()})
     if max_host_bytes is not None:
-        started = Writes.combined({name: stage_and_write(loc.child(name), plan, options, writer=writer, copy_cpu=True,
-                                                      max_host_bytes=max_host_bytes)
+        started = Writes.combined({name: stage_and_write(loc.child(name), plan, options, writer=writer,
+                                                         copy_cpu=True, max_host_bytes=max_host_bytes)
                                    for name, plan in plans.items()})
         return lambda: started
     # Only the copy off the devices happens here; creating arrays and issuing writes (a fraction of a millisecond
