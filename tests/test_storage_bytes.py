@@ -152,3 +152,24 @@ def test_the_count_is_what_the_storage_served(request, scheme):
     counted = json.loads(proc.stdout.strip().splitlines()[-1])["storage_bytes"]
     assert stored < counted < stored + (64 << 10)  # the chunks, and the OCDBT manifest and nodes tensorstore read
     assert proxy.served_bytes == counted + manifest_bytes  # and the manifest, read through the backend
+
+
+def _bytes_read_by_this_process() -> int:
+    """What the operating system counts as read by this process (``rchar``: every read and pread)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux only")
+def test_on_local_disk_the_count_is_what_the_process_read(tmp_path):
+    torch.manual_seed(0)
+    xtc.save(tmp_path / "ck", {"w": torch.randn(512, 64), "b": torch.randn(4096)})
+    stored = _stored_bytes(tmp_path / "ck")
+    xtc.restore(tmp_path / "ck")  # once first: nothing imported or cached on first use is counted below
+    before = _bytes_read_by_this_process()
+    counted = _storage_bytes(tmp_path / "ck", None)
+    read = _bytes_read_by_this_process() - before
+    assert counted == stored  # each chunk, whole, once
+    # The process read the chunks and the item's metadata files (a few KiB), nothing more.
+    metadata = sum(p.stat().st_size for p in (tmp_path / "ck").rglob("*") if p.is_file() and p.parent.name != "d")
+    assert counted <= read <= counted + metadata + (16 << 10), (counted, read, metadata)
