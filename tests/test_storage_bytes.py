@@ -13,7 +13,7 @@ from conftest import make_mesh, sharded
 from helpers import Recorder
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, events, formats, storage
+from xla_tensorstore_ckpt import arrays, dtypes, events, formats, storage
 
 CHECKSUM_BYTES = 4  # crc32c after each chunk's elements
 
@@ -32,8 +32,7 @@ def _stored_bytes(path) -> int:
     for meta in manifest.leaves().values():
         if hasattr(meta, "chunk_shape"):
             chunks = math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape))
-            itemsize = torch.empty((), dtype=meta.torch_dtype).element_size()
-            total += chunks * (math.prod(meta.chunk_shape) * itemsize + CHECKSUM_BYTES)
+            total += chunks * (math.prod(meta.chunk_shape) * dtypes.by_name(meta.dtype).itemsize + CHECKSUM_BYTES)
     return total
 
 

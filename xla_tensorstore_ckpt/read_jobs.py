@@ -98,7 +98,7 @@ class ReadJob:
         """Host bytes torch_xla's copy of this tensor's data holds on its way to the devices: a padded shard per
         local device (a replicated tensor's data once per device), or the whole tensor for an unsharded one;
         none for data that stays on the host."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = dtypes.by_torch(self.dtype).itemsize
         if self.layout.placement is Placement.UNSHARDED:
             return math.prod(self.layout.shape) * itemsize
         if self.layout.placement in (Placement.TILED, Placement.REPLICATED):

@@ -59,9 +59,9 @@ class ByteRangeArray:
 
     reads_whole_chunks = False
 
-    def __init__(self, item: storage.Location, meta: RawArrayMetadata, fetched: ByteCounter | None = None):
+    def __init__(self, item: storage.Location, meta: RawArrayMetadata, fetched: ByteCounter):
         self.file = item.child(meta.file) if meta.file else item
-        self._fetched = fetched if fetched is not None else ByteCounter()
+        self._fetched = fetched  # the reader's
         self.location = self.file
         self.key = meta.path
         self.shape = meta.shape
