@@ -22,12 +22,16 @@ import atexit
 import datetime
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
+
+import numpy as np
 
 from .errors import CoordinationError
 
 DEFAULT_TIMEOUT_S = 600.0
+# Arrays of at least this size go between processes as messages of their own; smaller ones share one.
+DIRECT_BYTES = 1 << 20
 T = TypeVar("T")
 
 
@@ -111,6 +115,40 @@ class Coordinator:
                                     f"(it died or timed out after {self.timeout_s:g} s): {exc}") from exc
         return box[0]
 
+    def exchange(self, sends: Mapping[int, Sequence[np.ndarray]], receives: Mapping[int, Sequence[np.ndarray]],
+                 what: Callable[[int], str]) -> None:
+        """Point to point: send each list of arrays to its process, and receive each list from its process into
+        the arrays given (the sender's shapes and dtypes, in the sender's order). Arrays of at least
+        `DIRECT_BYTES` travel as messages of their own (without a copy where contiguous); smaller ones are
+        packed into one message per pair. Blocks until every transfer has finished. `what(process)` describes
+        what comes from `process`, for the error (`CoordinationError` naming it) if it dies or times out
+        meanwhile. Only the processes named take part."""
+        if not sends and not receives:
+            return
+        import torch
+        import torch.distributed as dist
+
+        works: list[tuple[int, Any]] = []
+        unpack: list[tuple[np.ndarray, np.ndarray]] = []  # (received into, destination) copied after the wait
+        peer = None
+        try:
+            for peer, arrays in sends.items():
+                for message in _messages(arrays, copy=True)[0]:
+                    works.append((peer, dist.isend(torch.from_numpy(message), peer, group=self._group)))
+            for peer, arrays in receives.items():
+                messages, pending = _messages(arrays, copy=False)
+                unpack += pending
+                for message in messages:
+                    works.append((peer, dist.irecv(torch.from_numpy(message), peer, group=self._group)))
+            for peer, work in works:  # noqa: B007 - `peer` names the failed transfer below
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            receiving = f" while receiving {what(peer)}" if peer in receives else ""
+            raise CoordinationError(f"process {self.index}: transfer with process {peer} failed (it died or timed "
+                                    f"out after {self.timeout_s:g} s){receiving}: {exc}", process=peer) from exc
+        for message, destination in unpack:
+            copy_into(destination, message.view(destination.dtype).reshape(destination.shape))
+
     def on_primary(self, what: str, action: Callable[[], T], *, share: bool = False) -> T | None:
         """The primary runs `action`; then every process learns whether it succeeded and raises if not (the
         primary its own error, the others `CoordinationError` naming `what`). Returns the action's result on the
@@ -142,6 +180,46 @@ class Coordinator:
         for process, status in enumerate(statuses):
             if status is not None:
                 raise CoordinationError(f"{what} failed on process {process}: {status}", process=process)
+
+
+def copy_into(destination: np.ndarray, source: np.ndarray) -> None:
+    """Copy the elements of `source` into `destination` (same shape and dtype) as raw integers of their width:
+    numpy copies ml_dtypes' types (bfloat16, float8) element by element otherwise."""
+    raw = np.dtype(f"u{source.dtype.itemsize}") if source.dtype.itemsize in (1, 2, 4, 8) else source.dtype
+    destination.view(raw)[...] = source.view(raw)
+
+
+def _messages(arrays: Sequence[np.ndarray], *, copy: bool) -> tuple[list[np.ndarray], list]:
+    """The flat byte buffers `arrays` travel in: the small ones packed into one (first), then each large one.
+    Sending (`copy`): the buffers hold the data. Receiving: large contiguous arrays are received into
+    directly; the rest into new buffers, returned with their destinations to copy into after the wait.
+    Both sides cut alike: by sizes alone."""
+    arrays = [a for a in arrays if a.nbytes]
+    small = [a for a in arrays if a.nbytes < DIRECT_BYTES]
+    messages, pending = [], []
+    if small:
+        packed = np.empty(sum(a.nbytes for a in small), dtype=np.uint8)
+        offset = 0
+        for a in small:
+            part = packed[offset:offset + a.nbytes]
+            if copy:
+                copy_into(part.view(a.dtype).reshape(a.shape), a)
+            else:
+                pending.append((part, a))
+            offset += a.nbytes
+        messages.append(packed)
+    for a in arrays:
+        if a.nbytes < DIRECT_BYTES:
+            continue
+        if a.flags.c_contiguous:
+            messages.append(a.reshape(-1).view(np.uint8))
+        elif copy:
+            messages.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+        else:
+            buffer = np.empty(a.nbytes, dtype=np.uint8)
+            pending.append((buffer, a))
+            messages.append(buffer)
+    return messages, pending
 
 
 def balance(holders: Sequence[tuple[Any, int, Sequence[int]]], count: int) -> dict[Any, int]:

@@ -3,6 +3,7 @@ inspection and `ShardedArray`, so that all of them cut arrays the same way."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -29,6 +30,31 @@ def chunks(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> Iterator[tup
             d -= 1
         if d < 0:
             return
+
+
+def chunks_in(region: Index, chunk_shape: tuple[int, ...],
+              shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], Index]]:
+    """(grid position, region) of every chunk of `shape` that `region` overlaps, in C order; none for an empty
+    region, one at () for a 0-d array."""
+    if any(b <= a for a, b in region):
+        return
+    ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(region, chunk_shape)]
+    for position in itertools.product(*ranges):
+        yield position, tuple((k * c, min((k + 1) * c, n)) for k, c, n in zip(position, chunk_shape, shape))
+
+
+def intersection(a: Index, b: Index) -> Index:
+    """The region two regions share (empty along some dimension if they do not overlap)."""
+    return tuple((max(x0, y0), max(max(x0, y0), min(x1, y1))) for (x0, x1), (y0, y1) in zip(a, b))
+
+
+def contains(outer: Index, inner: Index) -> bool:
+    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
+
+
+def within(inner: Index, outer: Index) -> tuple[slice, ...]:
+    """The numpy index of `inner` in the data of `outer` (which contains it)."""
+    return tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(outer, inner))
 
 
 def regions(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> list[Index]:

@@ -77,17 +77,30 @@ class RestoreOptions:
         the next one, so that its resident memory stays within the budget too, short of the restore's own
         bookkeeping (a 2.4 GiB model onto CPU devices with 256 MiB: +266 MiB instead of +846 MiB, medians;
         benchmarks/bench_hf_import.py).
+    single_replica_reads: in a job of several processes restoring the same item together (every process must
+        then call the restore), each stored chunk is read from storage by one process only, the processes that
+        need it balanced by bytes, and sent to the others that need parts of it over the job's process group
+        (`replica_reads`): a job of R data-parallel replicas fetches its checkpoint once instead of R times.
+        Errors (a damaged chunk, a process that dies) are raised on every process. Processes restoring from
+        places of their own (their local tiers) read on their own, as without it.
+    broadcast_max_bytes: with single-replica reads, the most bytes of data a batch holds on a process while its
+        parts travel (batches are at most this and `read_batch_bytes`).
     listeners: told of each restore's plan and end (`events`).
     """
 
     read_batch_bytes: int = 64 * _MiB
     max_host_bytes: int | None = None
+    single_replica_reads: bool = False
+    broadcast_max_bytes: int = 256 * _MiB
     listeners: tuple[Listener, ...] = ()
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners, "RestoreOptions.listeners")
         _check_int("read_batch_bytes", self.read_batch_bytes)
         _optional_int("max_host_bytes", self.max_host_bytes, 1)
+        _check_int("broadcast_max_bytes", self.broadcast_max_bytes)
+        if not isinstance(self.single_replica_reads, bool):
+            raise TypeError(f"single_replica_reads must be a bool, got {self.single_replica_reads!r}")
 
 
 def _optional_int(name: str, value: object, minimum: int) -> None:

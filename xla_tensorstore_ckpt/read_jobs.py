@@ -6,6 +6,7 @@ from metadata alone, so the restore (`restoring.read_arrays`) and its dry run (`
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -169,7 +170,7 @@ class ReadSchedule:
         tensor is copied (`restoring`), so at most the copies of two tensors: the group's largest two, or with
         the previous group's last, whose transfer is waited for at the end of a batch only under a budget."""
         copies = [job.copied_bytes for job in self.groups[k]]
-        if self.budget is None and k > 0:
+        if self.budget is None and k > 0 and self.groups[k - 1]:
             copies.append(self.groups[k - 1][-1].copied_bytes)
         return sum(sorted(copies)[-2:])
 
@@ -204,10 +205,26 @@ class ReadSchedule:
         return sum(job.read_bytes for job in self.groups[k] if job.layout.placement in XLA_PLACEMENTS)
 
 
-def schedule(jobs: list[ReadJob], options: RestoreOptions) -> ReadSchedule:
-    """The batches of `jobs` under `options` (`read_batch_bytes`; a `max_host_bytes` budget holds two batches,
-    torch_xla's copies of the one being placed, and glibc's slack: a batch is at most a quarter of it)."""
-    budget = options.max_host_bytes
-    batch_bytes = min(options.read_batch_bytes, math.inf if budget is None else max(1, budget // 4))
-    groups = tuple(tuple(g) for g in grid.batches(jobs, lambda job: job.read_bytes, batch_bytes))
-    return ReadSchedule(groups, int(batch_bytes), budget)
+def batch_bytes(options: RestoreOptions) -> int:
+    """The most bytes a batch reads under `options`: `read_batch_bytes`, a quarter of a `max_host_bytes` budget
+    (which holds two batches, torch_xla's copies of the one being placed, and glibc's slack), and with
+    single-replica reads `broadcast_max_bytes`."""
+    limit = options.read_batch_bytes
+    if options.max_host_bytes is not None:
+        limit = min(limit, max(1, options.max_host_bytes // 4))
+    if options.single_replica_reads:
+        limit = min(limit, options.broadcast_max_bytes)
+    return limit
+
+
+def schedule(jobs: list[ReadJob], options: RestoreOptions,
+             batches: Sequence[Sequence[layout.KeyPath]] | None = None) -> ReadSchedule:
+    """The batches of `jobs` under `options` (of at most `batch_bytes`), or with `batches` (the key paths of each
+    batch, agreed with other processes: `replica_reads`) this process's jobs of each, possibly none."""
+    limit = batch_bytes(options)
+    if batches is None:
+        groups = tuple(tuple(g) for g in grid.batches(jobs, lambda job: job.read_bytes, limit))
+    else:
+        by_key = {job.key_path: job for job in jobs}
+        groups = tuple(tuple(by_key[key] for key in keys if key in by_key) for keys in batches)
+    return ReadSchedule(groups, limit, options.max_host_bytes)

@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import arrays, dtypes, formats, host_memory, layout, read_jobs, restore_arenas, storage, tree
+from . import arrays, dtypes, formats, host_memory, layout, read_jobs, replica_reads, restore_arenas, storage, tree
+from .distributed import Coordinator, default_coordinator
 from .errors import (
+    CheckpointError,
     CorruptCheckpointError,
     KeyMismatchError,
     ShapeMismatchError,
@@ -41,7 +43,7 @@ KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 def read_item(path: PathLike, target: Any = None, *, strict: bool = True, options: RestoreOptions | None = None,
               manifest: ItemManifest | None = None, key_map: KeyMap | None = None,
               take: Callable[[dict[layout.KeyPath, Any]], None] | None = None, release_targets: bool = False,
-              events: Emitter | None = None) -> dict[layout.KeyPath, Any]:
+              events: Emitter | None = None, coordinator: Coordinator | None = None) -> dict[layout.KeyPath, Any]:
     """The restored value of every key path `restore` would fill: tensors placed like their target leaf
     (a tensor or a `RestoreAs`; CPU tensors for other leaves) and saved JSON values. Same errors as
     `restore`; callers that restore in place (the manager) assign the values themselves. With `key_map`, the
@@ -59,37 +61,62 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
 
     `events` (by default `options.listeners` with the item's path) is told when the reads are planned and when
     they are done (`events.RESTORE_PLANNED`, `RESTORE_FINISHED`: the bytes this process reads, and in its
-    details ``storage_bytes``, what its reader fetched from storage for them, `ArrayReader.fetched_bytes`)."""
+    details ``storage_bytes``, what its reader fetched from storage for them, `ArrayReader.fetched_bytes`;
+    with single-replica reads also ``peer_bytes_sent`` and ``peer_bytes_received``).
+
+    With `options.single_replica_reads` in a job of several processes (`coordinator`, by default the
+    torch.distributed world), the restore is collective: every process must call it, and a failure on any
+    process raises on every one (`replica_reads`)."""
     options = options or RestoreOptions()
     if release_targets and take is None:
         raise TypeError("release_targets needs take: the caller must put the new values in place")
     loc = storage.location(path)
-    if isinstance(target, ShardedArray):
-        raise UnsupportedValueError("the restore target must be a tree (dict, list or tuple), not a ShardedArray")
+    shared = _shared(options, coordinator)
     with paused_gc():  # many small records (layouts, read plans) live until the item is read
-        manifest = manifest or formats.read_item(loc)
-        saved = manifest.leaves()
-        if key_map is not None:
-            saved = renamed(saved, key_map, dict(tree.flatten(target)) if target is not None else {}, loc)
-        wanted = ({p: None for p in saved} if target is None
-                  else _match(loc, saved, dict(tree.flatten(target)), strict))
-        reader = arrays.reader(loc, manifest.store)
-        amplification = read_jobs.max_amplification(reader.fetches_once, loc.capabilities.cheap_refetch)
-        jobs = read_jobs.jobs(saved, wanted, amplification)
-        events = (events or Emitter(options.listeners)).bound(path=str(loc))
-        planned_bytes = sum(job.read_bytes for job in jobs)
-        events.emit(RESTORE_PLANNED, nbytes=planned_bytes,
-                    details={"arrays": len(jobs), "chunks": sum(job.chunks_touched for job in jobs)})
-        begun = time.perf_counter()
         try:
-            values = read_arrays(loc, reader, jobs, options, take, release_targets=release_targets)
+            if isinstance(target, ShardedArray):
+                raise UnsupportedValueError("the restore target must be a tree (dict, list or tuple), not a "
+                                            "ShardedArray")
+            manifest = manifest or formats.read_item(loc)
+            saved = manifest.leaves()
+            if key_map is not None:
+                saved = renamed(saved, key_map, dict(tree.flatten(target)) if target is not None else {}, loc)
+            wanted = ({p: None for p in saved} if target is None
+                      else _match(loc, saved, dict(tree.flatten(target)), strict))
+            reader = arrays.reader(loc, manifest.store)
+            amplification = read_jobs.max_amplification(reader.fetches_once, loc.capabilities.cheap_refetch)
+            jobs = read_jobs.jobs(saved, wanted, amplification)
+        except Exception as exc:
+            if shared is not None:
+                replica_reads.tell_failure(shared, exc)
+            raise
+        try:
+            exchange = None if shared is None else replica_reads.plan(shared, loc, jobs,
+                                                                      read_jobs.batch_bytes(options))
+            events = (events or Emitter(options.listeners)).bound(path=str(loc))
+            planned_bytes = sum(job.read_bytes for job in jobs)
+            events.emit(RESTORE_PLANNED, nbytes=planned_bytes,
+                        details={"arrays": len(jobs), "chunks": sum(job.chunks_touched for job in jobs)})
+            begun = time.perf_counter()
+            values = read_arrays(loc, reader, jobs, options, take, release_targets=release_targets,
+                                 exchange=exchange)
             fetched = reader.fetched_bytes()
         finally:
             reader.close()  # every read has finished: read_arrays waits for them, also on errors
-        events.emit(RESTORE_FINISHED, seconds=time.perf_counter() - begun, nbytes=planned_bytes,
-                    details={"arrays": len(jobs), "storage_bytes": fetched})
+        details = {"arrays": len(jobs), "storage_bytes": fetched}
+        if exchange is not None:
+            details.update(peer_bytes_sent=exchange.sent_bytes, peer_bytes_received=exchange.received_bytes)
+        events.emit(RESTORE_FINISHED, seconds=time.perf_counter() - begun, nbytes=planned_bytes, details=details)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
+
+
+def _shared(options: RestoreOptions, coordinator: Coordinator | None) -> Coordinator | None:
+    """The coordinator of the single-replica reads `options` ask for, or None (one process, or not asked)."""
+    if not options.single_replica_reads:
+        return None
+    coordinator = coordinator or default_coordinator()
+    return coordinator if coordinator.distributed else None
 
 
 def renamed(saved: dict, key_map: KeyMap, target: dict, loc: storage.Location) -> dict:
@@ -148,24 +175,30 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
 
 
 def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequence[ReadJob], options: RestoreOptions,
-                take: Callable[[dict], None] | None = None, *, release_targets: bool = False) -> dict:
+                take: Callable[[dict], None] | None = None, *, release_targets: bool = False,
+                exchange: replica_reads.Exchange | None = None) -> dict:
     """Read every job's regions and build its tensor, batch by batch as `read_jobs.schedule` plans them: the
     reads of the next batch overlap building this one (unless both exceed `options.max_host_bytes`), one
     transfer to the devices runs while the next tensor is copied, and under a budget the freed host memory is
     returned to the OS after a batch unless the next batch fits beside it (`host_memory`). Every array is opened
     by `reader`. The tensors are returned, or with `take` handed to it one by one (see `read_item`, also for
-    `release_targets`). On error, outstanding reads are waited for before the error propagates."""
+    `release_targets`). On error, outstanding reads are waited for before the error propagates. With an
+    `exchange` (single-replica reads), the batches are the ones every process agreed on, and each is settled
+    with the others (`replica_reads.Exchange`) before it is built."""
     _check_sizes(loc, jobs)
-    schedule = read_jobs.schedule(list(jobs), options)
-    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs})
+    schedule = read_jobs.schedule(list(jobs), options, exchange and exchange.batches)
+    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs}, exchange)
     transfers = _Transfers()
     resident_at_start = host_memory.resident_bytes() if schedule.budget is not None else None
     results: dict[layout.KeyPath, torch.Tensor] = {}
+    restored: set[layout.KeyPath] = set()
     try:
         for k, group in enumerate(schedule.groups):
             batches.issue(k)  # unless it was read ahead
             if schedule.reads_ahead(k):
                 batches.issue(k + 1)
+            if exchange is not None:
+                exchange.settle(k)
             for i, job in enumerate(group):
                 value = _build(job, batches.take(k, i), release=release_targets)
                 if job.layout.placement in XLA_PLACEMENTS:
@@ -174,13 +207,28 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
                     results[job.key_path] = value
                 else:
                     take({job.key_path: value})
+                restored.add(job.key_path)
             if schedule.budget is not None:
                 transfers.settle()
                 batches.trim(k, resident_at_start)
-    except BaseException:
+        if exchange is not None:
+            exchange.finish()
+    except BaseException as exc:
         batches.drain()
+        if exchange is not None:
+            exchange.abandon(exc)
+        if take is not None and restored and isinstance(exc, CheckpointError):
+            _name_unrestored(exc, [job.key_path for job in jobs if job.key_path not in restored])
         raise
     return results
+
+
+def _name_unrestored(error: CheckpointError, keys: Sequence[layout.KeyPath]) -> None:
+    """Say in `error` which targets restored in place kept their old values (the others are restored)."""
+    if keys:
+        names = ", ".join(tree.format_key_path(k) for k in keys[:5]) + (f" and {len(keys) - 5} more"
+                                                                         if len(keys) > 5 else "")
+        error.args = (f"{error} [not restored, left as they were: {names}]", *error.args[1:])
 
 
 def _check_sizes(loc: storage.Location, jobs: Sequence[ReadJob]) -> None:
@@ -196,8 +244,9 @@ class _Batches:
     """The reads of a schedule's batches: batch k is read into arena ``k % 2`` (or, alone under a budget, into
     buffers of its own); a region's buffer is dropped once its tensor is built."""
 
-    def __init__(self, loc: storage.Location, schedule: read_jobs.ReadSchedule, opened: dict):
-        self._loc, self._schedule, self._opened = loc, schedule, opened
+    def __init__(self, loc: storage.Location, schedule: read_jobs.ReadSchedule, opened: dict,
+                 exchange: replica_reads.Exchange | None = None):
+        self._loc, self._schedule, self._opened, self._exchange = loc, schedule, opened, exchange
         self._arenas = (restore_arenas.Arena(schedule.batch_bytes), restore_arenas.Arena(schedule.batch_bytes))
         self._issued: dict[int, list[dict]] = {}
 
@@ -211,7 +260,7 @@ class _Batches:
             arena = None
         else:
             arena.reset()
-        self._issued[k] = _issue_reads(self._loc, self._schedule.groups[k], self._opened, arena)
+        self._issued[k] = _issue_reads(self._loc, self._schedule.groups[k], self._opened, arena, self._exchange)
 
     def take(self, k: int, i: int) -> dict:
         """The read regions of job i of batch k (blocks until they are read); the batch no longer holds them."""
@@ -257,16 +306,16 @@ class _Transfers:
 
 
 def _issue_reads(loc: storage.Location, group: Sequence[ReadJob], opened: dict,
-                 arena: restore_arenas.Arena | None) -> list[dict]:
-    """Start the reads of `group`. Data bound for XLA devices is read into `arena` if given (torch_xla copies
-    it before `_build` returns, so the arena is free again once the group is built); CPU and host results own
-    theirs."""
+                 arena: restore_arenas.Arena | None, exchange: replica_reads.Exchange | None) -> list[dict]:
+    """Start the reads of `group` (through `exchange`, if given). Data bound for XLA devices is read into
+    `arena` if given (torch_xla copies it before `_build` returns, so the arena is free again once the group is
+    built); CPU and host results own theirs."""
     issued = []
     for job in group:
         stored = opened[job.key_path].result()
         _check_stored(loc, job, stored)
         empty = arena.empty if arena is not None and job.layout.placement in XLA_PLACEMENTS else np.empty
-        issued.append(stored.read(job.reads, empty))
+        issued.append(stored.read(job.reads, empty) if exchange is None else exchange.read(job, stored, empty))
     return issued
 
 

