@@ -138,3 +138,47 @@ def test_object_stores_serve_each_chunk_once(request, scheme):
     manifests = served["off"] - sum(counted["off"])  # the item's metadata, read before the arrays
     assert served["on"] == stored + opened + manifests
     assert max(counted["on"]) <= 1.1 * sum(counted["on"]) / WORLD, counted
+
+
+def test_the_manager_resumes_and_initialises_with_single_replica_reads(tmp_path):
+    results = launch("manager", str(tmp_path))
+    for r in results:
+        assert r["returncode"] == 0, r["stderr"][-3000:]
+    stored = stored_chunk_bytes(str(tmp_path / "run" / "1" / "model"))
+    for how, step in (("resume", 1), ("init_from", None)):
+        lines = [next(line for line in r["lines"] if line["mode"] == how) for r in results]
+        assert all(line["ok"] and line["step"] == step for line in lines), lines  # in place, bit for bit
+        assert sum(line["storage_bytes"] for line in lines) == stored, lines
+        assert all(line["received"] > 0 for line in lines), lines
+
+
+def test_a_reader_that_dies_makes_every_process_raise(local_item):
+    results = launch("die", local_item, "2")  # process 2 dies as it starts reading (a hang: launch's timeout)
+    assert results[2]["returncode"] == 9
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert r["returncode"] == 0, r["stderr"][-3000:]
+        (line,) = r["lines"]
+        assert line["error"] == "CoordinationError" and not line["ok"], line
+        assert "process 2 died or did not answer" in line["message"], line  # the dead reader is named
+        assert "it was to send this process" in line["message"], line  # and what it reads for this process
+
+
+def test_a_damaged_chunk_raises_the_same_error_on_every_process(tmp_path):
+    path = saved(str(tmp_path / "item"), OCDBT="0")  # a file per chunk
+    meta = formats.read_item(storage.location(path)).leaves()[("dp2",)]
+    chunk = os.path.join(path, meta.path, "c", "1", "0")  # rows 32-64: needed by processes 1 and 3
+    with open(chunk, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    lines = restored(path, "on")["on"]
+    assert all(line["error"] == "CorruptCheckpointError" for line in lines), lines
+    readers = [line for line in lines if "process" not in line["message"].split(":")[0]]
+    assert len(readers) == 1 and "c/1/0" in readers[0]["message"], lines  # its reader names the chunk file
+    reader = lines.index(readers[0])
+    assert reader in (1, 3)
+    for rank, line in enumerate(lines):
+        if rank != reader:  # the others name the process that read it and its error
+            assert f"process {reader} failed reading" in line["message"] and "c/1/0" in line["message"], line

@@ -69,7 +69,7 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
 
 
 def restore(path: PathLike, target: Any = None, *, strict: bool = True, key_map: KeyMap | None = None,
-            options: RestoreOptions | None = None) -> Any:
+            options: RestoreOptions | None = None, coordinator: Coordinator | None = None) -> Any:
     """Read the item at `path`: one of ours (any format version) or one Orbax wrote. Blocks until every
     tensor is in place.
 
@@ -88,17 +88,24 @@ def restore(path: PathLike, target: Any = None, *, strict: bool = True, key_map:
     `ShapeMismatchError` naming key, both shapes and the path, `CorruptCheckpointError` for damaged data
     (naming array and chunk, or the metadata file whose checksum does not match), `CheckpointNotFoundError`
     if `path` holds no item.
+
+    With `options.single_replica_reads` in a job of several processes (`coordinator`, by default the
+    torch.distributed world), every process must call it: each stored chunk is read by one of them and sent to
+    the others that need it, and an error on any process (damage, a process that dies) raises on every one.
     """
-    return restore_item(storage.location(path), target, strict=strict, key_map=key_map, options=options)
+    return restore_item(storage.location(path), target, strict=strict, key_map=key_map, options=options,
+                        coordinator=coordinator)
 
 
 def restore_item(loc: storage.Location, target: Any = None, *, strict: bool = True, key_map: KeyMap | None = None,
-                 options: RestoreOptions | None = None, events: Emitter | None = None) -> Any:
+                 options: RestoreOptions | None = None, events: Emitter | None = None,
+                 coordinator: Coordinator | None = None) -> Any:
     """`restore`, with the restore's events told to `events` (a manager's, bound to its step, tier and item)
-    instead of `options.listeners`. Called by `restore` and by the manager; blocks."""
+    instead of `options.listeners`, and single-replica reads among `coordinator`'s processes (by default the
+    torch.distributed world). Called by `restore` and by the manager; blocks."""
     manifest = read_manifest(loc)
     values = read_item(loc, target, strict=strict, options=options, manifest=manifest, key_map=key_map,
-                       events=events)
+                       events=events, coordinator=coordinator)
     if target is None and key_map is not None:
         return {path[0]: value for path, value in values.items()}
     return tree.rebuild(manifest.tree if target is None else target, lambda p, v: values.get(p, v))

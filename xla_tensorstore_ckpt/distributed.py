@@ -32,6 +32,7 @@ from .errors import CoordinationError
 DEFAULT_TIMEOUT_S = 600.0
 # Arrays of at least this size go between processes as messages of their own; smaller ones share one.
 DIRECT_BYTES = 1 << 20
+_STATUS_TAG = 1  # point-to-point status flags (`statuses`), apart from the data `exchange` sends (tag 0)
 T = TypeVar("T")
 
 
@@ -115,6 +116,35 @@ class Coordinator:
                                     f"(it died or timed out after {self.timeout_s:g} s): {exc}") from exc
         return box[0]
 
+    def statuses(self, status: Any) -> list[Any]:
+        """Every process's `status` (None: all is well; else a small record), in process order, like
+        `all_gather`, but a process that died or did not answer within the timeout is named: each process tells
+        every other, point to point, whether its status is None (the records themselves travel only if one is
+        not). Raises `CoordinationError` naming the silent processes. Collective."""
+        if not self.distributed:
+            return [status]
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([status is not None], dtype=torch.int64)
+        flags = {peer: torch.zeros(1, dtype=torch.int64) for peer in range(self.count) if peer != self.index}
+        works = [(peer, dist.isend(mine, peer, group=self._group, tag=_STATUS_TAG)) for peer in flags]
+        works += [(peer, dist.irecv(flag, peer, group=self._group, tag=_STATUS_TAG)) for peer, flag in flags.items()]
+        silent = []
+        for peer, work in works:
+            try:
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError:
+                silent.append(peer)
+        if silent:
+            silent = sorted(set(silent))
+            raise CoordinationError(
+                f"process {self.index}: process{'es' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+                f"died or did not answer within {self.timeout_s:g} s", process=silent[0])
+        if status is None and not any(int(flag) for flag in flags.values()):
+            return [None] * self.count
+        return self.all_gather(status)
+
     def exchange(self, sends: Mapping[int, Sequence[np.ndarray]], receives: Mapping[int, Sequence[np.ndarray]],
                  what: Callable[[int], str]) -> None:
         """Point to point: send each list of arrays to its process, and receive each list from its process into
@@ -143,7 +173,7 @@ class Coordinator:
             for peer, work in works:  # noqa: B007 - `peer` names the failed transfer below
                 work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            receiving = f" while receiving {what(peer)}" if peer in receives else ""
+            receiving = f" while receiving {what(peer)}" if peer in receives and what(peer) else ""
             raise CoordinationError(f"process {self.index}: transfer with process {peer} failed (it died or timed "
                                     f"out after {self.timeout_s:g} s){receiving}: {exc}", process=peer) from exc
         for message, destination in unpack:

@@ -352,7 +352,8 @@ class CheckpointManager:
             if init_from is not None:
                 training_state.restore_object(storage.location(init_from), model, strict=strict,
                                               options=self._options.restore_options, key_map=key_map,
-                                              events=self._restore_events.bound(item="model"))
+                                              events=self._restore_events.bound(item="model"),
+                                              coordinator=self._coordinator)
             return None
         if choice.redo_persistent:
             assert self._local is not None  # only a local candidate has a copy to redo
@@ -373,7 +374,8 @@ class CheckpointManager:
             step_loc, managed.tier.marker(choice.step), requested, strict=strict,
             key_map=key_map, options=self._options.restore_options, items=items,
             rng=(0, 1) if own else (self._coordinator.index, self._coordinator.count), restore_rng=rng,
-            events=self._restore_events.bound(step=choice.step, tier=managed.name))
+            events=self._restore_events.bound(step=choice.step, tier=managed.name),
+            coordinator=None if own else self._coordinator)  # a local step: each process reads its own
 
     def _resolve(self, resume_from: int | str) -> int | None:
         """None for "latest", else the step asked for."""

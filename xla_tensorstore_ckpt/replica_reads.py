@@ -85,8 +85,11 @@ def plan(coordinator: Coordinator, loc: storage.Location, jobs: Sequence[ReadJob
                                      for job in jobs))
     everyone = coordinator.all_gather(mine)
     for process, entry in enumerate(everyone):
-        if entry[0] == "failed":
+        if isinstance(entry, tuple) and entry[0] == "failed":
             raise _remote_error(process, entry[1], f"planning the restore of {loc}")
+        if not (isinstance(entry, tuple) and entry[0] == "needs"):  # it is in another collective: a bug's sign
+            raise CoordinationError(f"process {process} is not restoring {loc} with the others (every process "
+                                    f"must restore the item together with single-replica reads)", process=process)
     if len({entry[1] for entry in everyone}) > 1:
         return None
     geometry: dict[layout.KeyPath, Geometry] = {}
@@ -181,7 +184,8 @@ class _Slot:
         self.value: np.ndarray | None = None
 
     def result(self) -> np.ndarray:
-        assert self.value is not None  # `restoring` takes a batch's regions only after settling it
+        if self.value is None:  # its batch failed before it was settled (`restoring` drains it then)
+            raise CoordinationError("the region was never assembled: the restore failed first")
         return self.value
 
 
@@ -193,7 +197,6 @@ class Exchange:
         self._coordinator, self._loc, self._plans = coordinator, loc, plans
         self.batches = batches  # keys of every process's arrays, batch by batch, in the same order everywhere
         self._reads: dict[layout.KeyPath, tuple[dict, Callable, np.dtype, dict[Index, _Slot]]] = {}
-        self._settled = 0
         self._done = False  # every process knows how this restore ended (or the group is broken)
         self.sent_bytes = 0
         self.received_bytes = 0
@@ -214,16 +217,23 @@ class Exchange:
         process's own, elsewhere of the same class naming it) or `CoordinationError` if a process died."""
         keys = [key for key in self.batches[k] if key in self._reads]
         pending = [(key, box, read) for key in keys for box, read in self._reads[key][0].items()]
+        expected: dict[int, list[str]] = {}  # what comes from each process, for errors
+        for key in keys:
+            for _, pieces in self._plans[key].assembled:
+                for piece in pieces:
+                    if piece.source != self._coordinator.index:
+                        expected.setdefault(piece.source, []).append(
+                            f"{tree.format_key_path(key)}[{', '.join(f'{a}:{b}' for a, b in piece.part)}]")
         error = None
+        results: list = []
         try:
             results = arrays.wait_all([read for _, _, read in pending])
         except CheckpointError as exc:
             error = exc
-        self._agree(error, f"reading its chunks for the restore of {self._loc}")
+        self._agree(error, "reading its chunks", lambda p: _described(expected.get(p, [])))
         data = {(key, box): value for (key, box, _), value in zip(pending, results)}
         sends: dict[int, list[np.ndarray]] = {}
         receives: dict[int, list[np.ndarray]] = {}
-        expected: dict[int, list[str]] = {}
         for key in keys:
             array = self._plans[key]
             _, empty, dtype, slots = self._reads.pop(key)
@@ -238,11 +248,9 @@ class Exchange:
                         copy_into(into, data[(key, piece.box)][grid.within(piece.part, piece.box)])
                     else:
                         receives.setdefault(piece.source, []).append(into)
-                        expected.setdefault(piece.source, []).append(f"{tree.format_key_path(key)}{list(piece.part)}")
                 slots[region].value = out
             for process, box, part in array.sends:
                 sends.setdefault(process, []).append(data[(key, box)][grid.within(part, box)])
-        self._settled = k + 1
         try:
             self._coordinator.exchange(sends, receives, lambda p: _described(expected.get(p, [])))
         except CoordinationError:
@@ -251,9 +259,14 @@ class Exchange:
         self.sent_bytes += sum(a.nbytes for parts in sends.values() for a in parts)
         self.received_bytes += sum(a.nbytes for parts in receives.values() for a in parts)
 
+    def drain(self) -> None:
+        """Wait for this process's storage reads still in flight (after an error)."""
+        arrays.drain([read for pending, *_ in self._reads.values() for read in pending.values()])
+        self._reads.clear()
+
     def finish(self) -> None:
         """After the last batch is built: every process learns that every other succeeded. Collective."""
-        self._agree(None, f"placing the restored arrays of {self._loc}")
+        self._agree(None, "placing the restored arrays")
         self._done = True
 
     def abandon(self, error: BaseException) -> None:
@@ -263,20 +276,27 @@ class Exchange:
             return
         self._done = True
         try:
-            self._coordinator.all_gather(_status(error))
+            self._coordinator.statuses(_status(error))
         except CoordinationError:
             pass
 
-    def _agree(self, error: BaseException | None, what: str) -> None:
-        statuses = self._coordinator.all_gather(None if error is None else _status(error)) \
-            if not self._done else [None]
+    def _agree(self, error: BaseException | None, what: str, expected: Callable[[int], str] | None = None) -> None:
+        try:
+            statuses = self._coordinator.statuses(None if error is None else _status(error)) \
+                if not self._done else [None]
+        except CoordinationError as exc:
+            self._done = True
+            awaited = expected(exc.process) if expected and exc.process is not None else ""
+            raise CoordinationError(f"{exc}, in the restore of {self._loc} ({what})"
+                                    + (f"; it was to send this process {awaited}" if awaited else ""),
+                                    process=exc.process) from exc
         if error is not None:
             self._done = True
             raise error
         for process, status in enumerate(statuses):
             if status is not None:
                 self._done = True
-                raise _remote_error(process, status, what)
+                raise _remote_error(process, status, f"{what} for the restore of {self._loc}")
 
 
 def _status(error: BaseException) -> tuple[str, str]:
@@ -296,6 +316,6 @@ def _remote_error(process: int, status: tuple[str, str], what: str) -> Checkpoin
 
 def _described(parts: list[str]) -> str:
     if not parts:
-        return "nothing"
+        return ""
     more = f" and {len(parts) - 3} more" if len(parts) > 3 else ""
-    return f"{len(parts)} parts of chunks it reads ({', '.join(parts[:3])}{more})"
+    return f"{len(parts)} parts of the chunks it reads ({', '.join(parts[:3])}{more})"

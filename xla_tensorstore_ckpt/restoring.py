@@ -284,6 +284,8 @@ class _Batches:
         """Wait for every array opening and read still in flight (after an error)."""
         outstanding = [read for reads in self._issued.values() for batch in reads for read in batch.values()]
         arrays.drain([*self._opened.values(), *outstanding])
+        if self._exchange is not None:
+            self._exchange.drain()
 
 
 class _Transfers:

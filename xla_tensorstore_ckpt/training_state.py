@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from . import checkpointer, formats, layout, restoring, rng_state, tree
+from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError, ItemNotFoundError, UnsupportedValueError, UsageError
 from .events import Emitter
 from .layout import KeyPath
@@ -102,38 +103,43 @@ def _parent(root: Any, path: KeyPath) -> tuple[Any, Any]:
 
 
 def restore_object(item_loc: Location, obj: Any, *, strict: bool, options: RestoreOptions,
-                   key_map: KeyMap | None = None, events: Emitter | None = None) -> None:
+                   key_map: KeyMap | None = None, events: Emitter | None = None,
+                   coordinator: Coordinator | None = None) -> None:
     """Restore a training object in place from the item at `item_loc`: a module's parameters and buffers keep
     their identity, device and sharding (replaced one by one, each old device buffer released right before its
     new data is placed); an optimizer (a fresh one too) is rebuilt with each state tensor on its parameter's
     sharding, then ``load_state_dict``; other objects with ``load_state_dict`` get the saved tree; a dict or
     list is updated in place. `key_map` renames the checkpoint's keys (see `checkpointer.restore`); `events`
-    hears of the reads (`restoring.read_item`). Raises what `checkpointer.restore` raises."""
+    hears of the reads (`restoring.read_item`); `coordinator` holds the processes that restore the item together
+    with single-replica reads (`RestoreOptions.single_replica_reads`). Raises what `checkpointer.restore` raises."""
     if isinstance(obj, torch.nn.Module):
-        _restore_in_place(item_loc, module_target(obj), strict, options, key_map, events)
+        _restore_in_place(item_loc, module_target(obj), strict, options, key_map, events, coordinator)
     elif isinstance(obj, torch.optim.Optimizer):
         target = optimizer_target(obj, formats.read_item(item_loc).tree, str(item_loc))
         obj.load_state_dict(checkpointer.restore_item(item_loc, target, options=options, key_map=key_map,
-                                                      events=events))
+                                                      events=events, coordinator=coordinator))
     elif hasattr(obj, "load_state_dict") and callable(obj.load_state_dict):
-        obj.load_state_dict(checkpointer.restore_item(item_loc, options=options, events=events))
+        obj.load_state_dict(checkpointer.restore_item(item_loc, options=options, events=events,
+                                                      coordinator=coordinator))
     else:
-        _restore_in_place(item_loc, obj, strict, options, key_map, events)
+        _restore_in_place(item_loc, obj, strict, options, key_map, events, coordinator)
 
 
 def restore_step(step_loc: Location, marker: StepMetadata, objects: Mapping[str, Any], *, strict: bool,
                  key_map: KeyMap | None, options: RestoreOptions, rng: tuple[int, int], restore_rng: bool,
-                 items: Mapping[str, str] | None = None, events: Emitter | None = None) -> None:
+                 items: Mapping[str, str] | None = None, events: Emitter | None = None,
+                 coordinator: Coordinator | None = None) -> None:
     """Restore `objects` (object name -> object, as `restore_object`) from the step at `step_loc` whose marker is
     `marker`, each from its item (`step_items`), then, with `restore_rng`, this process's generators from row
-    ``rng = (index, count)`` of its RNG item; `events` (bound to the step) hears of each item's reads. Raises
+    ``rng = (index, count)`` of its RNG item; `events` (bound to the step) hears of each item's reads;
+    `coordinator`: as `restore_object` (the RNG item, a row per process, is read by each on its own). Raises
     `ItemNotFoundError` (not damage: the request does not match the step) if an object has no item, before
     anything is restored, and what `restore_object` raises."""
     chosen = step_items(step_loc, marker, objects, items)
     events = events or Emitter(options.listeners)
     for name, obj in objects.items():
         restore_object(step_loc.child(chosen[name]), obj, strict=strict, options=options, key_map=key_map,
-                       events=events.bound(item=chosen[name]))
+                       events=events.bound(item=chosen[name]), coordinator=coordinator)
     if restore_rng and RNG_ITEM in marker.items:
         rng_state.restore(step_loc.child(RNG_ITEM), *rng, options=options, events=events.bound(item=RNG_ITEM))
 
@@ -184,8 +190,9 @@ def _items_holding_arrays(step_loc: Location, marker: StepMetadata) -> list[str]
 
 
 def _restore_in_place(item_loc: Location, target: Any, strict: bool, options: RestoreOptions,
-                      key_map: KeyMap | None, events: Emitter | None) -> None:
+                      key_map: KeyMap | None, events: Emitter | None, coordinator: Coordinator | None) -> None:
     rest = restoring.read_item(item_loc, target, strict=strict, options=options, key_map=key_map, events=events,
+                               coordinator=coordinator,
                                manifest=checkpointer.read_manifest(item_loc),
                                take=lambda values: assign_in_place(target, values), release_targets=True)
     assign_in_place(target, rest)

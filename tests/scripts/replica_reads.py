@@ -5,6 +5,9 @@ tests/test_replica_reads.py.
 usage: replica_reads.py save PATH                -> saves this process's shards of every array into PATH
        replica_reads.py restore PATH MODE...     -> restores onto the restore layouts once per MODE ("on": with
                                                     single-replica reads, "off": without), checks every value
+       replica_reads.py manager ROOT            -> a manager saves step 1 (model: every array), a new one resumes
+                                                    it in place with single-replica reads, and a third, on an
+                                                    empty root, initialises from its model item (init_from)
        replica_reads.py die PATH RANK            -> restores with single-replica reads; process RANK dies as it
                                                     reads its first chunk
 Prints one JSON line per restore: {"rank", "mode", "ok", "storage_bytes", "sent", "received", "error"}.
@@ -137,6 +140,25 @@ def main() -> None:
     elif mode == "restore":
         for how in sys.argv[3:]:
             print(json.dumps(restore(path, rank, how)), flush=True)
+    elif mode == "manager":
+        finished = []
+        listener = (lambda e: e.kind == events.RESTORE_FINISHED and finished.append(e))
+        options = xtc.CheckpointManagerOptions(
+            save_interval_steps=1, async_save=False, coordination_timeout_s=120,
+            save_options=xtc.SaveOptions(split_bytes=16 << 10),
+            restore_options=xtc.RestoreOptions(single_replica_reads=True, listeners=(listener,)))
+        with xtc.CheckpointManager(f"{path}/run", options) as manager:
+            manager.save(1, model=state(rank), extra={"step": 1})
+        for how in ("resume", "init_from"):
+            model = target(rank)
+            finished.clear()
+            root = f"{path}/run" if how == "resume" else f"{path}/fresh"
+            with xtc.CheckpointManager(root, options) as manager:
+                step = manager.restore("latest", model=model, init_from=f"{path}/run/1/model")
+            (event,) = [e for e in finished if e.item == "model"]
+            print(json.dumps({"rank": rank, "mode": how, "step": step, "ok": check(rank, model),
+                              "storage_bytes": event.details["storage_bytes"],
+                              "received": event.details["peer_bytes_received"]}), flush=True)
     elif mode == "die":
         if rank == int(sys.argv[3]):
             die_on_first_read()
