@@ -209,3 +209,17 @@ def test_a_restore_leaves_no_data_file_open(tmp_path, reading_thread):
     with pytest.raises(xtc.CorruptCheckpointError):
         xtc.restore(item)
     assert open_data_files() == []
+
+
+def test_a_restore_in_place_that_meets_damage_names_the_targets_it_left_alone(tmp_path):
+    from xla_tensorstore_ckpt import storage, training_state
+
+    state = {name: torch.full((64, 64), float(i)) for i, name in enumerate(("a", "b", "c"))}
+    xtc.save(tmp_path / "ck", state, options=PLAIN)
+    (tmp_path / "ck" / "b" / "c" / "0" / "0").write_bytes(b"damaged")
+    target = {name: torch.zeros(64, 64) for name in state}
+    with pytest.raises(xtc.CorruptCheckpointError) as err:  # one batch: a is placed, then b's read fails
+        training_state.restore_object(storage.location(str(tmp_path / "ck")), target, strict=True,
+                                      options=xtc.RestoreOptions())
+    assert "[not restored, left as they were: b, c]" in str(err.value)
+    assert torch.equal(target["a"], state["a"]) and not target["b"].any() and not target["c"].any()
