@@ -85,6 +85,16 @@ def s3_server_process():
     server.stop()
 
 
+def object_store(request, scheme: str, prefix: str):
+    """A fresh path under `prefix` on the GCS emulator ("gcs") or moto ("s3"), started if need be; with the
+    server's port and the module whose `client_environment(url)` points clients elsewhere (a proxy)."""
+    if scheme == "gcs":
+        request.getfixturevalue("gcs_emulator_server")
+        return f"gs://{GCS_BUCKET}/{prefix}/{next(_unique)}", GCS_PORT, gcs_emulator
+    request.getfixturevalue("s3_server_process")
+    return f"s3://{S3_BUCKET}/{prefix}/{next(_unique)}", S3_PORT, s3_server
+
+
 @pytest.fixture(params=["file", "memory", "gcs", "s3"])
 def storage_root(request, tmp_path) -> str:
     """A fresh, empty root on each storage backend: the conformance suite runs every test on all of them."""

@@ -29,3 +29,25 @@ def run_forked(script: str, argvs: list[list[str]], *, parallel: int = 2, env: d
         codes = [json.loads(line)["returncode"] for line in proc.stdout.splitlines()]
         return [subprocess.CompletedProcess([script, *job["argv"]], code, open(job["out"]).read(),
                                             open(job["err"]).read()) for job, code in zip(jobs, codes)]
+
+
+def launch_job(script: str, world: int, *args: str, env: dict | None = None) -> list[dict]:
+    """Run ``script ARGS`` as the `world` processes of one job (gloo on 127.0.0.1: RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT; `env` added); each one's return code, stderr and JSON lines, in rank order. Blocks until every
+    process has ended (a kill is an end: the event waited for)."""
+    from gcs_emulator import free_port
+
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        penv = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                    **(env or {}))
+        penv.pop("PJRT_DEVICE", None)
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=penv, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        results.append({"returncode": proc.returncode, "stderr": err,
+                        "lines": [json.loads(x) for x in out.splitlines() if x.startswith("{")]})
+    return results

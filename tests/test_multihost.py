@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import make_mesh, sharded
-from gcs_emulator import free_port
+from forked import launch_job
 
 import xla_tensorstore_ckpt as xtc
 
@@ -23,19 +22,7 @@ import multihost  # noqa: E402
 
 
 def launch(world: int, *args: str) -> list[dict]:
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        env.pop("PJRT_DEVICE", None)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        results.append({"returncode": proc.returncode, "stderr": err,
-                        "lines": [json.loads(x) for x in out.splitlines() if x.startswith("{")]})
-    return results
+    return launch_job(SCRIPT, world, *args)
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,12 @@ every value bit for bit, the bytes the processes fetched from storage add up to 
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
-from gcs_emulator import free_port
+from forked import launch_job
 
 from xla_tensorstore_ckpt import dtypes, formats, grid, storage
 
@@ -26,21 +24,8 @@ CHECKSUM_BYTES = 4
 
 
 def launch(*args: str, env: dict | None = None) -> list[dict]:
-    """Run the script as the 4 processes of one job; each one's return code, stderr and JSON lines."""
-    port = str(free_port())
-    procs = []
-    for rank in range(WORLD):
-        penv = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                    **(env or {}))
-        penv.pop("PJRT_DEVICE", None)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=penv, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        results.append({"returncode": proc.returncode, "stderr": err,
-                        "lines": [json.loads(x) for x in out.splitlines() if x.startswith("{")]})
-    return results
+    """Run the script as the 4 processes of one job."""
+    return launch_job(SCRIPT, WORLD, *args, env=env)
 
 
 def stored_chunk_bytes(path: str) -> int:
@@ -108,15 +93,9 @@ def test_object_stores_serve_each_chunk_once(request, scheme):
     """Counted by the storage's side too: a proxy in front of the emulator (GCS) or moto (S3) counts the bodies
     of the GET responses to the restoring processes."""
     import gcs_emulator
-    import s3_server
-    from conftest import GCS_BUCKET, GCS_PORT, S3_BUCKET, S3_PORT, _unique
+    from conftest import object_store
 
-    if scheme == "gcs":
-        request.getfixturevalue("gcs_emulator_server")
-        path, port, clients = f"gs://{GCS_BUCKET}/replica-reads/{next(_unique)}", GCS_PORT, gcs_emulator
-    else:
-        request.getfixturevalue("s3_server_process")
-        path, port, clients = f"s3://{S3_BUCKET}/replica-reads/{next(_unique)}", S3_PORT, s3_server
+    path, port, clients = object_store(request, scheme, "replica-reads")
     saved(path, OCDBT="0")  # an object per chunk: what is served is the chunks and the metadata files
     stored = stored_chunk_bytes(path)
     served = {}

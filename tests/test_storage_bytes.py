@@ -100,14 +100,9 @@ def test_an_unknown_count_is_reported_as_none():
 
 @pytest.mark.parametrize("scheme", ["gcs", "s3"])
 def test_object_stores_count_the_chunks_they_serve(request, scheme):
-    from conftest import GCS_BUCKET, S3_BUCKET, _unique
+    from conftest import object_store
 
-    if scheme == "gcs":
-        request.getfixturevalue("gcs_emulator_server")
-        path = f"gs://{GCS_BUCKET}/storage-bytes/{next(_unique)}"
-    else:
-        request.getfixturevalue("s3_server_process")
-        path = f"s3://{S3_BUCKET}/storage-bytes/{next(_unique)}"
+    path, _, _ = object_store(request, scheme, "storage-bytes")
     torch.manual_seed(0)
     state = {"w": torch.randn(256, 64)}
     xtc.save(path, state)
@@ -126,15 +121,9 @@ def test_the_count_is_what_the_storage_served(request, scheme):
     import sys
 
     import gcs_emulator
-    import s3_server
-    from conftest import GCS_BUCKET, GCS_PORT, S3_BUCKET, S3_PORT, _unique
+    from conftest import object_store
 
-    if scheme == "gcs":
-        request.getfixturevalue("gcs_emulator_server")
-        path, port, clients = f"gs://{GCS_BUCKET}/storage-bytes/{next(_unique)}", GCS_PORT, gcs_emulator
-    else:
-        request.getfixturevalue("s3_server_process")
-        path, port, clients = f"s3://{S3_BUCKET}/storage-bytes/{next(_unique)}", S3_PORT, s3_server
+    path, port, clients = object_store(request, scheme, "storage-bytes")
     torch.manual_seed(0)
     xtc.save(path, {"w": torch.randn(512, 64), "b": torch.randn(4096)})
     stored = _stored_bytes(path)

@@ -217,20 +217,18 @@ class Exchange:
         process's own, elsewhere of the same class naming it) or `CoordinationError` if a process died."""
         keys = [key for key in self.batches[k] if key in self._reads]
         pending = [(key, box, read) for key in keys for box, read in self._reads[key][0].items()]
-        expected: dict[int, list[str]] = {}  # what comes from each process, for errors
-        for key in keys:
-            for _, pieces in self._plans[key].assembled:
-                for piece in pieces:
-                    if piece.source != self._coordinator.index:
-                        expected.setdefault(piece.source, []).append(
-                            f"{tree.format_key_path(key)}[{', '.join(f'{a}:{b}' for a, b in piece.part)}]")
+        def expected(process: int) -> str:  # what comes from `process`, for errors only
+            return _described([f"{tree.format_key_path(key)}[{', '.join(f'{a}:{b}' for a, b in piece.part)}]"
+                               for key in keys for _, pieces in self._plans[key].assembled for piece in pieces
+                               if piece.source == process])
+
         error = None
         results: list = []
         try:
             results = arrays.wait_all([read for _, _, read in pending])
         except CheckpointError as exc:
             error = exc
-        self._agree(error, "reading its chunks", lambda p: _described(expected.get(p, [])))
+        self._agree(error, "reading its chunks", expected)
         data = {(key, box): value for (key, box, _), value in zip(pending, results)}
         sends: dict[int, list[np.ndarray]] = {}
         receives: dict[int, list[np.ndarray]] = {}
@@ -252,7 +250,7 @@ class Exchange:
             for process, box, part in array.sends:
                 sends.setdefault(process, []).append(data[(key, box)][grid.within(part, box)])
         try:
-            self._coordinator.exchange(sends, receives, lambda p: _described(expected.get(p, [])))
+            self._coordinator.exchange(sends, receives, expected)
         except CoordinationError:
             self._done = True
             raise
