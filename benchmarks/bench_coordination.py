@@ -1,14 +1,16 @@
 """The cost of agreeing: latency of the manager's collectives (`distributed.Coordinator`, gloo on 127.0.0.1) at
 2-8 processes, for extrapolating what coordination costs a save or restore at pod scale (issue 34, item 6).
 
-Per process count, every process runs `--repeats` rounds of each collective a save uses after one warm-up
+Per process count, every process runs `--repeats` rounds of each collective a save or restore uses after one warm-up
 round: `everywhere` (every process's status gathered: the agreement after each phase), `on_primary` (the
-primary acts, every process learns the outcome), `all_gather` of a small record (a plan's per-process
+primary acts, every process learns the outcome), `statuses` (the point-to-point all-is-well flags a
+single-replica restore exchanges after each batch's reads), `all_gather` of a small record (a plan's per-process
 summary, ~1 KiB pickled) and `broadcast`. Reported: the median and 90th percentile of the slowest process per
 round. On this 2-core machine, 8 processes share 2 cores: figures above 2 processes include scheduling delay,
 so they bound the cost from above.
 
-    python benchmarks/bench_coordination.py [--processes 1,2,4,8] [--repeats 200]
+    python benchmarks/bench_coordination.py [--processes 1,2,4,8] [--repeats 200] [--output F.json]
+writes benchmarks/results/coordination.{json,txt} unless --output says otherwise.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jobs  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -30,6 +33,7 @@ record = {"arrays": list(range(100)), "bytes": 1 << 30, "name": "model"}
 cases = {
     "everywhere": lambda: c.everywhere("bench", lambda: None),
     "on_primary": lambda: c.on_primary("bench", lambda: None),
+    "statuses": lambda: c.statuses(None),
     "all_gather_1k": lambda: c.all_gather(record),
     "broadcast": lambda: c.broadcast(record),
 }
@@ -48,26 +52,9 @@ print(json.dumps({"index": c.index, "times": out}))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(processes: int, repeats: int) -> dict[str, list[float]]:
     """Per collective, the slowest process's seconds in each round."""
-    port = str(_free_port())
-    procs = []
-    for rank in range(processes):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, "-c", CHILD, str(repeats)], env=env, stdout=subprocess.PIPE,
-                                      text=True))
-    results = []
-    for proc in procs:
-        stdout, _ = proc.communicate(timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"a process of {processes} failed with status {proc.returncode}")
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    results = jobs.run_job(["-c", CHILD, str(repeats)], processes, timeout_s=600)
     names = results[0]["times"]
     return {name: [max(r["times"][name][i] for r in results) for i in range(repeats)] for name in names}
 
@@ -76,6 +63,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--processes", default="1,2,4,8")
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--output", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                         "coordination.json"))
     args = parser.parse_args()
     rows = []
     for n in (int(p) for p in args.processes.split(",")):
@@ -85,7 +74,17 @@ def main() -> None:
                          "p90_ms": ordered[int(0.9 * (len(ordered) - 1))] * 1e3})
             print(f"{n} processes  {name:14} median {rows[-1]['median_ms']:7.3f} ms  p90 {rows[-1]['p90_ms']:7.3f} ms",
                   file=sys.stderr)
-    print(json.dumps(rows))
+    text = (f"Coordinator collectives, gloo on 127.0.0.1, 2 cores ({max(r['processes'] for r in rows)} processes "
+            f"share them): slowest process per round, {args.repeats} rounds\n"
+            f"python benchmarks/bench_coordination.py --processes {args.processes} --repeats {args.repeats}\n\n"
+            "processes  collective      median ms   p90 ms\n"
+            + "".join(f"{r['processes']:9d}  {r['collective']:14} {r['median_ms']:9.3f} {r['p90_ms']:8.3f}\n"
+                      for r in rows))
+    with open(args.output, "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.splitext(args.output)[0] + ".txt", "w") as f:
+        f.write(text)
+    print(text + f"written {args.output}, {os.path.splitext(args.output)[0]}.txt")
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@ usage: python benchmarks/bench_multihost.py [--gib 1.0] [--repeats 3] [--process
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jobs  # noqa: E402
 
 CHILD = r"""
 import json, os, sys, time, torch
@@ -44,34 +44,13 @@ for r in range(repeats):
     start = time.perf_counter()
     xtc.save(f"{root}/{r}", state)  # returns once every process's chunks and the manifest are durable
     times.append(time.perf_counter() - start)
-print("RESULT " + json.dumps({"rank": rank, "seconds": times, "bytes": written["bytes"],
+print(json.dumps({"rank": rank, "seconds": times, "bytes": written["bytes"],
                              "state_bytes": 9 * rows * 8192 * 4}), flush=True)
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(processes: int, gib: float, repeats: int, root: str) -> list[dict]:
-    port = str(free_port())
-    procs = []
-    for rank in range(processes):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        if processes == 1:
-            env.pop("WORLD_SIZE")
-        procs.append(subprocess.Popen([sys.executable, "-c", CHILD, root, str(gib), str(repeats)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=3600)
-        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            raise RuntimeError(stderr[-3000:])
-        out.append(json.loads(line[len("RESULT "):]))
-    return out
+    return jobs.run_job(["-c", CHILD, root, str(gib), str(repeats)], processes)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ in one run, with the machine's floors measured in the same run. Prints an aligne
 torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/results/.
 
 usage: python benchmarks/run.py [--scale 1.0] [--repeats 3]
-                                [--workloads large,small,model,orbax-interop,hf-import,size-sweep,multi-tier]
+                                [--workloads large,small,model,orbax-interop,hf-import,size-sweep,multi-tier,scale]
                                 [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
                                 [--storage local|gcs|s3] [--warm-restore] [--resumes 5] [--sweep 0.25,1,4]
                                 [--events FILE]
@@ -16,7 +16,9 @@ loaded onto an FSDP mesh by this library and by the usual load_file path (benchm
 `size-sweep` the large workload at 0.25, 1 and 4 GiB (`--sweep`), this library and torch_xla's manager;
 `multi-tier` the manager with a local tier in front of the persistent one (benchmarks/bench_multi_tier.py: save()
 blocking with both tiers due against one, a training loop saving the local tier every step, resume from each
-tier; the persistent tier on --storage).
+tier; the persistent tier on --storage); `scale` jobs of 1-8 processes, replication 1, 2, 4, single-replica reads
+on and off, on local disk and the GCS emulator (benchmarks/bench_scale.py; run with --storage local only, its
+results beside this run's as <output>-scale.json / .txt / .png).
 `--scale 0.1` shrinks them for a quick run. The Orbax contender runs with JAX on 8 CPU devices in its own
 virtual environment (benchmarks/.venv-orbax, created on first use from the package registry); the interop
 workload with the Orbax of the test extra. With --storage gcs every contender writes to a fake-gcs-server
@@ -278,7 +280,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", default="large,small,model,orbax-interop,hf-import,size-sweep,multi-tier")
+    parser.add_argument("--workloads", default="large,small,model,orbax-interop,hf-import,size-sweep,multi-tier,scale")
     parser.add_argument("--sweep", default="0.25,1,4",
                         help="size-sweep: sizes in GiB (times --scale) of the large workload, for xtc and torch_xla")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
@@ -302,7 +304,7 @@ def main() -> None:
         env.update(server.environment)
         os.environ.update(server.environment)  # for the object store floor
         contenders = [c for c in contenders if c not in ("torch.save", "orbax")]  # local files only
-    results, floor, interop, hf_import, multi_tier = [], {}, None, None, None
+    results, floor, interop, hf_import, multi_tier, scaling = [], {}, None, None, None, None
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
             base = base or workdir
@@ -328,6 +330,14 @@ def main() -> None:
                         [sys.executable, os.path.join(HERE, "bench_multi_tier.py"), "--scale", str(args.scale),
                          "--repeats", str(max(args.repeats, 5)), "--loop-steps", "10", "--persistent", args.storage],
                         env=dict(os.environ), capture_output=True, text=True, check=True).stdout.strip()
+                    continue
+                if workload == "scale":  # its own jobs of processes, on local disk and its own GCS emulator
+                    if server is None:
+                        print("running the scale benchmark ...", file=sys.stderr, flush=True)
+                        scaling = subprocess.run(
+                            [sys.executable, os.path.join(HERE, "bench_scale.py"), "--scale", str(args.scale),
+                             "--repeats", str(args.repeats), "--output", os.path.splitext(output)[0] + "-scale.json"],
+                            env=dict(os.environ), capture_output=True, text=True, check=True).stdout.strip()
                     continue
                 if workload == "hf-import":
                     if server is None:  # local safetensors files
@@ -377,12 +387,14 @@ def main() -> None:
     text += sweep_summary(results)
     if multi_tier is not None:
         text += "\n\nmulti-tier: " + multi_tier
+    if scaling is not None:
+        text += "\n\n" + scaling
     print(text)
     os.makedirs(os.path.dirname(output), exist_ok=True)
     with open(output, "w") as f:
         json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "scale": args.scale, "repeats": args.repeats,
                    "storage": args.storage, "floors": floor, "results": results, "orbax_interop": interop,
-                   "hf_import": hf_import, "multi_tier": multi_tier}, f,
+                   "hf_import": hf_import, "multi_tier": multi_tier, "scaling": scaling}, f,
                   indent=1)
     with open(os.path.splitext(output)[0] + ".txt", "w") as f:
         f.write(text + "\n")

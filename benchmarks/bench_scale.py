@@ -1,0 +1,303 @@
+"""How save and restore cost grows with the number of hosts (issue 34): jobs of 1, 2, 4 and 8 processes (gloo on
+127.0.0.1, `ShardedArray` states as the multi-host tests use), data-parallel replication R = 1, 2, 4 (a DP=R x
+FSDP=P/R layout: process p holds FSDP shard p mod P/R of every array), on local disk and on the GCS emulator.
+
+Two states per job: weak scaling (every process holds --weak-mib of state: the global state grows with P/R) and
+strong scaling (a fixed global state of --strong-mib). Each is saved --repeats times, then restored onto the same
+layout 2 x --repeats times, single-replica reads on and off alternating ABBA in the same processes, every value
+compared exactly. With single-replica reads the broadcast cap is --cap-mib, below the state, so that it binds.
+
+Reported per configuration: wall time of the slowest process (median over the repeats); bytes written and read
+from storage per process (max and mean: the balance) and in total over the unique (stored) bytes; bytes sent
+between processes; peak host memory above the state (RSS high-water mark, benchmarks/memory.py) against the cap
+plus one batch. This machine has 2 cores that every process of a job shares, and the emulator runs on them too:
+wall times above 2 processes include waiting for a core, so the byte figures are the robust ones. Local
+restores read a just-written checkpoint from the page cache.
+
+    python benchmarks/bench_scale.py [--quick] [--scale 1.0] [--repeats 7] [--processes 1,2,4,8]
+                                     [--replicas 1,2,4] [--storage local,gcs]
+The full run (about 11 minutes here) writes benchmarks/results/scale.{json,txt,png}; --quick (a few
+minutes) and any other scaled or partial run write theirs to the temporary directory (or --output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402
+
+ARRAYS = 8
+COLUMNS = 1024  # float32: 4 KiB per row
+ROW_BYTES = COLUMNS * 4
+QUICK_MINUTES = 2
+
+
+def layout(processes: int, replicas: int, rank: int, shard_rows: int):
+    """(global shape, shard shape, this process's shard index) of every array of a DP=replicas layout."""
+    fsdp = processes // replicas
+    k = rank % fsdp
+    return (shard_rows * fsdp, COLUMNS), (shard_rows, COLUMNS), ((k * shard_rows, (k + 1) * shard_rows), (0, COLUMNS))
+
+
+def child(args) -> None:
+    """One process of the job: save and restore both states, print the measurements as one JSON line."""
+    import torch.distributed as dist
+
+    rank, processes = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
+    if processes > 1:
+        dist.init_process_group("gloo")
+    barrier = dist.barrier if processes > 1 else (lambda: None)
+    replicas = int(args.replicas)
+    fsdp = processes // replicas
+    cap = int(args.cap_mib * args.scale * 2**20) // ROW_BYTES * ROW_BYTES
+    rows_for = {"weak": max(1, int(args.weak_mib * args.scale * 2**20 / ARRAYS / ROW_BYTES)),
+                "strong": max(1, int(args.strong_mib * args.scale * 2**20 / ARRAYS / ROW_BYTES) // fsdp)}
+    out = {"rank": rank, "cap": cap,
+           "batch": cap}  # read_jobs.batch_bytes: a batch is at most the cap (below read_batch_bytes here)
+    for scaling, shard_rows in rows_for.items():
+        shape, shard_shape, index = layout(processes, replicas, rank, shard_rows)
+        out[scaling] = _measure(f"{args.root}/{processes}-{replicas}-{scaling}", shape, shard_shape, index,
+                                args.repeats, cap, barrier, rank)
+    if processes > 1:
+        dist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+
+
+def _measure(base: str, shape, shard_shape, index, repeats: int, cap: int, barrier, rank: int) -> dict:
+    """Save this process's shards of the state `repeats` times under `base`, restore the last save 2 x `repeats`
+    times (single-replica reads ABBA), delete what was written."""
+    import memory
+    import torch
+
+    import xla_tensorstore_ckpt as xtc
+    from xla_tensorstore_ckpt import events, storage
+
+    state = {}
+    for a in range(ARRAYS):
+        data = torch.randn(shard_shape, generator=torch.Generator().manual_seed(a * 1000 + index[0][0]))
+        state[f"layer{a}"] = xtc.ShardedArray(shape, torch.float32, shard_shape, ((index, data),))
+    target = {name: xtc.ShardedArray.target(shape, torch.float32, shard_shape, [index]) for name in state}
+    state_bytes = ARRAYS * shard_shape[0] * ROW_BYTES
+    written: list[int] = []
+    save_options = xtc.SaveOptions(listeners=(lambda e: e.kind == events.SAVE_WRITTEN and written.append(e.nbytes),))
+    saves = []
+    for r in range(repeats):
+        path = f"{base}/save-{r}"
+        barrier()
+        seconds, peak, _ = memory.measure(functools.partial(xtc.save, path, state, options=save_options))
+        saves.append({"seconds": seconds, "peak_extra": peak, "written": written[-1]})
+        barrier()
+        if r < repeats - 1 and rank == 0:
+            storage.location(path).delete_tree()
+    finished: list[dict] = []
+    listeners = (lambda e: e.kind == events.RESTORE_FINISHED and finished.append(e.details),)
+    restores = []
+    for r in range(2 * repeats):
+        on = r % 4 in (0, 3)  # ABBA: on, off, off, on, ...
+        options = xtc.RestoreOptions(single_replica_reads=on, broadcast_max_bytes=cap, listeners=listeners)
+        gc.collect()
+        barrier()
+        seconds, peak, restored = memory.measure(functools.partial(xtc.restore, path, target, options=options))
+        exact = all(torch.equal(restored[name].shards[0][1], state[name].shards[0][1]) for name in state)
+        details = finished[-1]
+        restores.append({"on": on, "seconds": seconds, "peak_extra": peak - state_bytes, "exact": exact,
+                         "storage_bytes": details["storage_bytes"], "sent": details.get("peer_bytes_sent", 0),
+                         "received": details.get("peer_bytes_received", 0)})
+        del restored
+    barrier()
+    if rank == 0:
+        storage.location(path).delete_tree()
+    return {"state_bytes": state_bytes, "global_bytes": ARRAYS * shape[0] * ROW_BYTES, "saves": saves,
+            "restores": restores}
+
+
+def summarize(answers: list[dict], processes: int, replicas: int, storage_kind: str) -> list[dict]:
+    """Per scaling, the configuration's figures from every process's answer."""
+    rows = []
+    for scaling in ("weak", "strong"):
+        per = [a[scaling] for a in answers]
+        repeats = len(per[0]["saves"])
+        save_s = [max(p["saves"][i]["seconds"] for p in per) for i in range(repeats)]
+        written = [p["saves"][-1]["written"] for p in per]
+        row = {"storage": storage_kind, "processes": processes, "replicas": replicas, "scaling": scaling,
+               "global_bytes": per[0]["global_bytes"], "state_bytes": per[0]["state_bytes"],
+               "save_s": save_s, "written_max": max(written), "written_mean": statistics.mean(written),
+               "written_total": sum(written), "save_peak_extra": max(s["peak_extra"] for p in per for s in p["saves"]),
+               "cap": answers[0]["cap"], "batch": answers[0]["batch"]}
+        for mode, on in (("on", True), ("off", False)):
+            runs = [i for i, r in enumerate(per[0]["restores"]) if r["on"] == on]
+            read = [p["restores"][runs[-1]]["storage_bytes"] for p in per]
+            row[mode] = {
+                "restore_s": [max(p["restores"][i]["seconds"] for p in per) for i in runs],
+                "read_max": max(read), "read_mean": statistics.mean(read), "read_total": sum(read),
+                "sent_total": sum(p["restores"][runs[-1]]["sent"] for p in per),
+                "received_max": max(p["restores"][runs[-1]]["received"] for p in per),
+                "peak_extra": max(p["restores"][i]["peak_extra"] for p in per for i in runs),
+                "exact": all(p["restores"][i]["exact"] for p in per for i in runs)}
+        rows.append(row)
+    return rows
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    for storage_kind in dict.fromkeys(r["storage"] for r in rows):
+        for scaling in ("weak", "strong"):
+            chosen = [r for r in rows if r["storage"] == storage_kind and r["scaling"] == scaling]
+            if not chosen:
+                continue
+            lines.append(f"\n{storage_kind}, {scaling} scaling "
+                         f"({'each process holds the same state' if scaling == 'weak' else 'one global state'}):")
+            header = (f"{'P':>2} {'R':>2} {'global MiB':>10} {'save s':>7} {'wr max/mean':>11} {'peak+ MiB':>9} | "
+                      f"{'restore on s':>12} {'off s':>7} {'off/on':>6} | {'read/unique on':>14} {'off':>5} "
+                      f"{'rd max/mean':>11} {'sent MiB':>8} | {'peak+ on MiB':>12} {'off':>5} {'cap+batch':>9} "
+                      f"{'exact':>5}")
+            lines += [header, "-" * len(header)]
+            for r in chosen:
+                on, off = r["on"], r["off"]
+                t_on, t_off = statistics.median(on["restore_s"]), statistics.median(off["restore_s"])
+                unique = r["global_bytes"]
+                lines.append(
+                    f"{r['processes']:>2} {r['replicas']:>2} {_mib(unique):>10} {statistics.median(r['save_s']):7.3f} "
+                    f"{r['written_max'] / r['written_mean']:11.3f} {_mib(r['save_peak_extra']):>9} | "
+                    f"{t_on:12.3f} {t_off:7.3f} {t_off / t_on:6.2f} | {on['read_total'] / unique:14.3f} "
+                    f"{off['read_total'] / unique:5.2f} {on['read_max'] / on['read_mean']:11.3f} "
+                    f"{_mib(on['sent_total']):>8} | {_mib(on['peak_extra']):>12} {_mib(off['peak_extra']):>5} "
+                    f"{_mib(r['cap'] + r['batch']):>9} {str(on['exact'] and off['exact']):>5}")
+    lines.append("")
+    lines.append("P processes, R replicas (DP=R x FSDP=P/R); times: slowest process, median; wr / rd max/mean: bytes "
+                 "written / read from storage by the busiest process over the mean (balance); read/unique: bytes "
+                 "read from storage by all processes over the stored bytes (single-replica reads on, off); sent: "
+                 "bytes sent between processes (on); peak+: peak host RSS above the state of the busiest process "
+                 "(save; restore on, off; restores also above the restored state); cap+batch: the bound for peak+ "
+                 "with single-replica reads. 2 cores shared by every process and the emulator: byte figures are "
+                 "the robust ones.")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(dict.fromkeys(r["storage"] for r in rows))
+    fig, axes = plt.subplots(len(kinds), 3, figsize=(16, 4.2 * len(kinds)), squeeze=False)
+    for ax_row, kind in zip(axes, kinds):
+        for ax, (scaling, what) in zip(ax_row, (("weak", "restore s"), ("strong", "restore s"),
+                                                ("weak", "read / unique"))):
+            for replicas, colour in zip((1, 2, 4), ("tab:blue", "tab:orange", "tab:green")):
+                chosen = sorted((r for r in rows if r["storage"] == kind and r["scaling"] == scaling
+                                 and r["replicas"] == replicas), key=lambda r: r["processes"])
+                if not chosen:
+                    continue
+                x = [r["processes"] for r in chosen]
+                for mode, style in (("on", "-o"), ("off", "--x")):
+                    if what == "restore s":
+                        y = [statistics.median(r[mode]["restore_s"]) for r in chosen]
+                    else:
+                        y = [r[mode]["read_total"] / r["global_bytes"] for r in chosen]
+                    ax.plot(x, y, style, color=colour, label=f"R={replicas}, single-replica {mode}")
+            if what == "restore s":
+                for replicas, colour in zip((1, 2, 4), ("tab:blue", "tab:orange", "tab:green")):
+                    chosen = sorted((r for r in rows if r["storage"] == kind and r["scaling"] == scaling
+                                     and r["replicas"] == replicas), key=lambda r: r["processes"])
+                    if chosen:
+                        ax.plot([r["processes"] for r in chosen], [statistics.median(r["save_s"]) for r in chosen],
+                                ":s", color=colour, alpha=0.5, label=f"R={replicas}, save")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("processes")
+            ax.set_ylabel(what)
+            ax.set_title(f"{kind}: {scaling} scaling, {what}")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", type=float, default=1.0, help="times every size (0.1: a quick run)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--processes", default="1,2,4,8")
+    parser.add_argument("--replicas", default="1,2,4")
+    parser.add_argument("--storage", default="local,gcs")
+    parser.add_argument("--weak-mib", type=float, default=64, help="state per process, weak scaling")
+    parser.add_argument("--strong-mib", type=float, default=256, help="global state, strong scaling")
+    parser.add_argument("--cap-mib", type=float, default=16, help="broadcast_max_bytes of single-replica reads")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"about {QUICK_MINUTES} minutes: --scale 0.1 --repeats 3 --processes 1,2,4")
+    parser.add_argument("--output", help="default: benchmarks/results/scale.json for the full run, a file in the "
+                        "temporary directory for a scaled or partial one (never the committed results)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.quick:
+        args.scale, args.repeats, args.processes = 0.1, 3, "1,2,4"
+        print("quick run: 1, 2 and 4 processes, states at 0.1 scale, 3 repeats (leaves out 8 processes)",
+              file=sys.stderr)
+    if args.output is None:
+        full = parser.get_default
+        reference = all(getattr(args, k) == full(k) for k in ("scale", "repeats", "processes", "replicas",
+                                                                "storage", "weak_mib", "strong_mib", "cap_mib"))
+        args.output = (os.path.join(HERE, "results", "scale.json") if reference
+                       else os.path.join(tempfile.gettempdir(), f"xtc-bench-scale-{args.scale:g}.json"))
+    import run
+
+    rows = []
+    for kind in args.storage.split(","):
+        server, bucket = run.start_object_store(kind)
+        env = dict(os.environ, **(server.environment if server else {}))
+        try:
+            with tempfile.TemporaryDirectory(prefix="xtc-bench-scale-", dir=os.environ.get("XTC_BENCH_DIR")) as tmp:
+                for processes in (int(p) for p in args.processes.split(",")):
+                    for replicas in (int(r) for r in args.replicas.split(",")):
+                        if replicas > processes or processes % replicas:
+                            continue
+                        print(f"{kind}: {processes} processes, R={replicas} ...", file=sys.stderr, flush=True)
+                        flags = ["--child", "--root", f"{bucket or tmp}/scale", "--replicas", str(replicas),
+                                 "--scale", str(args.scale), "--repeats", str(args.repeats), "--weak-mib",
+                                 str(args.weak_mib), "--strong-mib", str(args.strong_mib), "--cap-mib",
+                                 str(args.cap_mib)]
+                        answers = jobs.run_job([os.path.abspath(__file__), *flags], processes, env=env)
+                        rows += summarize(answers, processes, replicas, kind)
+        finally:
+            if server is not None:
+                server.stop()
+    text = (f"Scale: save and restore by 1-8 processes, DP=R x FSDP=P/R, {ARRAYS} float32 arrays, "
+            f"{time.strftime('%Y-%m-%d')}\npython benchmarks/bench_scale.py --scale {args.scale:g} --repeats "
+            f"{args.repeats} --processes {args.processes} --replicas {args.replicas} --storage {args.storage}\n"
+            + table(rows))
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    stem = os.path.splitext(args.output)[0]
+    with open(args.output, "w") as f:
+        json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args), "rows": rows}, f, indent=1)
+    with open(stem + ".txt", "w") as f:
+        f.write(text + "\n")
+    written = [args.output, stem + ".txt"]
+    try:
+        plot(rows, stem + ".png")
+        written.append(stem + ".png")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
+    print("written " + ", ".join(written), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
