@@ -13,10 +13,15 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
 * ``save_committed`` (per tier): the step is committed (`seconds`: the commit itself; `details["total_seconds"]`
   from the start of the save).
 * ``retention_removed`` (per tier): steps retention deleted after a commit (`details["steps"]`).
+* ``peer_copies_committed`` (local tier, with `local_replication`; on the replication thread): the copies of a
+  local step are committed on the peers that got them (`nbytes`: bytes this process received;
+  `details["sent_bytes"]`, `details["holders"]`: writer -> the processes now holding its copy).
 
 and of a restore (per item): ``restore_planned`` (`nbytes` this process will read, `details["arrays"]`,
 `details["chunks"]`: stored chunks its reads touch) and ``restore_finished`` (`seconds`, `nbytes` read;
-`details["storage_bytes"]`: what the reader fetched from storage for them, None where it cannot tell).
+`details["storage_bytes"]`: what the reader fetched from storage for them, None where it cannot tell); with
+`local_replication`, ``peer_fetched`` when a local step (or its damaged files) came from a peer before the
+restore (`nbytes` received, `details["source"]`: the process it came from, `details["repair"]`).
 
 Listeners are called on the thread doing the work (a background commit thread for asynchronous saves), one
 event at a time per save or restore. A listener that raises fails what it listens to, like any error of that
@@ -43,8 +48,10 @@ SAVE_COMMITTED = "save_committed"
 RETENTION_REMOVED = "retention_removed"
 RESTORE_PLANNED = "restore_planned"
 RESTORE_FINISHED = "restore_finished"
+PEER_COPIES_COMMITTED = "peer_copies_committed"
+PEER_FETCHED = "peer_fetched"
 KINDS = (SAVE_STARTED, SAVE_STAGED, SAVE_WRITTEN, SAVE_COMMITTED, RETENTION_REMOVED, RESTORE_PLANNED,
-         RESTORE_FINISHED)
+         RESTORE_FINISHED, PEER_COPIES_COMMITTED, PEER_FETCHED)
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,19 @@ mode.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from . import events, layout, policies, save_plan, storage, writing
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, UsageError
 from .options import CheckpointManagerOptions
+from .peer_copies import PeerReplicator
 from .tier import PendingSave, Tier
+
+log = logging.getLogger("xla_tensorstore_ckpt")
 
 LOCAL, PERSISTENT = "local", "persistent"  # the tiers' names, as `all_steps(tier)` and `metadata().tiers` say
 
@@ -34,6 +38,7 @@ class ManagedTier:
     events: events.Emitter  # bound to this tier
     in_flight: int | None = None  # the newest step this manager saved (or is saving) here
     plan_caches: dict[str, save_plan.PlanCache] = field(default_factory=dict)  # item name -> its last plan
+    replicator: PeerReplicator | None = None  # a local tier's, with local_replication
 
     @property
     def is_local(self) -> bool:
@@ -82,7 +87,15 @@ class ManagedTier:
             step_events.emit(events.SAVE_WRITTEN, seconds=phases["written"] - begun, nbytes=save.write_bytes,
                              files=len(writes.files) + len(writes.trees))
 
-        doomed = self.tier.commit(self.coordinator, save, fsync=fsync, committed_at=time.time(), on_written=written)
+        try:
+            doomed = self.tier.commit(self.coordinator, save, fsync=fsync, committed_at=time.time(),
+                                      on_written=written)
+        except BaseException:
+            if self.replicator is not None:  # the peers still expect this process in the step's replication
+                self.replicator.replicate(save.step, save.final.name, None)
+            raise
+        if self.replicator is not None:
+            self.replicator.replicate(save.step, save.final.name, save.final.path)
         done = time.perf_counter()
         step_events.emit(events.SAVE_COMMITTED, seconds=done - phases.get("written", begun),
                          details={"total_seconds": done - started})
@@ -104,9 +117,26 @@ class ManagedTier:
             self.committer.close()
         finally:
             try:
-                self.tier.lock.release()
+                if self.replicator is not None:
+                    self.replicator.close()
             finally:
-                self.coordinator.close()
+                try:
+                    self.tier.lock.release()
+                finally:
+                    self.coordinator.close()
+
+    def check(self) -> None:
+        """Raise (once) the error of a failed background save or replication. Does not block."""
+        self.committer.check()
+        if self.replicator is not None:
+            self.replicator.check()
+
+    def wait(self) -> None:
+        """Block until its background saves, and the replications they started, have finished; raise their
+        first error."""
+        self.committer.wait()
+        if self.replicator is not None:
+            self.replicator.wait()
 
 
 def managed_persistent(root: storage.Location, options: CheckpointManagerOptions) -> ManagedTier:
@@ -122,12 +152,34 @@ def managed_persistent(root: storage.Location, options: CheckpointManagerOptions
 
 
 def managed_local(root: storage.Location, options: CheckpointManagerOptions, process: int) -> ManagedTier:
-    """This process's local tier at `root`: the local policies, committed by this process alone."""
+    """This process's local tier at `root`: the local policies, committed by this process alone; with
+    `local_replication`, its steps copied to peers (a group of its own for that: collective then). Raises
+    `UsageError` if replication cannot be arranged (a local tier off the file system, too few processes or
+    failure domains)."""
     chosen = policies.for_tiers(options)
     tier = Tier(root, step_prefix=options.step_prefix, preservation=chosen.local_preserve,
                 lock_timeout_s=options.lock_timeout_s)
+    emitter = save_events(options, process).bound(tier=LOCAL)
+    replicator = None
+    if options.local_replication > 1:
+        if root.local_file(layout.MANAGER_LOCK) is None:
+            raise UsageError(f"local_replication needs the local tier on a file system, not {root}")
+        coordinator = Coordinator.from_environment(options.coordination_timeout_s)
+
+        def replicated(step: int, holders: dict[int, list[int]], sent: int, received: int) -> None:
+            log.info("step %d of the local tier replicated: copies of process %d on %s", step, coordinator.index,
+                     holders.get(coordinator.index, []))
+            emitter.bound(step=step).emit(events.PEER_COPIES_COMMITTED, nbytes=received,
+                                          details={"sent_bytes": sent, "holders": holders})
+
+        try:
+            replicator = PeerReplicator(coordinator, root.path, options.local_replication,
+                                        options.local_failure_domain, options.local_max_to_keep, replicated)
+        except BaseException:
+            coordinator.close()
+            raise
     return ManagedTier(LOCAL, tier, chosen.local_save, BackgroundCommitter(options.max_pending_saves),
-                       Coordinator.single(), save_events(options, process).bound(tier=LOCAL))
+                       Coordinator.single(), emitter, replicator=replicator)
 
 
 def save_events(options: CheckpointManagerOptions, process: int) -> events.Emitter:

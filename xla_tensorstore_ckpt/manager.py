@@ -42,6 +42,7 @@ from .managed_tier import (
     restore_events,
 )
 from .options import CheckpointManagerOptions
+from .peer_copies import PeerCopies
 from .preemption import PreemptionWatch
 from .records import StepMetadata
 from .restoring import KeyMap
@@ -275,7 +276,7 @@ class CheckpointManager:
     def _check_background(self) -> None:
         """Raise the error of a failed background save of any tier (once). Does not block."""
         for managed in self._tiers:
-            managed.committer.check()
+            managed.check()
 
     def delete(self, step: int) -> None:
         """Delete a committed step from every tier that holds it (waits for pending saves first).
@@ -345,7 +346,8 @@ class CheckpointManager:
         rng = restore_rng and self._options.save_rng
         choice = resume.resume(self._coordinator, self._local and self._local.tier, self._persistent.tier,
                                self._resolve(resume_from),
-                               lambda candidate: self._restore_step(candidate, requested, rng, strict, key_map, items))
+                               lambda candidate: self._restore_step(candidate, requested, rng, strict, key_map, items),
+                               peers=self._peer_copies(), fetched=self._peer_fetched)
         if self._local is not None:
             local_tier.discard_steps_after(self._local.tier, None if choice is None else choice.step)
         if choice is None:
@@ -377,6 +379,16 @@ class CheckpointManager:
             events=self._restore_events.bound(step=choice.step, tier=managed.name),
             coordinator=None if own else self._coordinator)  # a local step: each process reads its own
 
+    def _peer_copies(self) -> PeerCopies | None:
+        """The peer copies in this process's local tier, with local_replication."""
+        if self._local is None or self._local.replicator is None:
+            return None
+        return PeerCopies(self._local.tier.root.path, self._local.tier.index.step_of)
+
+    def _peer_fetched(self, step: int, nbytes: int, source: int, repair: bool) -> None:
+        self._restore_events.bound(step=step, tier=LOCAL, path=str(self.step_path(step, LOCAL))).emit(
+            events.PEER_FETCHED, nbytes=nbytes, details={"source": source, "repair": repair})
+
     def _resolve(self, resume_from: int | str) -> int | None:
         """None for "latest", else the step asked for."""
         if isinstance(resume_from, str):
@@ -392,7 +404,7 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Block until every pending save of every tier is committed; raise the error of a failed one."""
         for managed in self._tiers:
-            managed.committer.wait()
+            managed.wait()
 
     def close(self) -> None:
         """Wait for pending saves (raising their errors), release the background threads, the roots and the

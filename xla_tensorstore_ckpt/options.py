@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +149,14 @@ class CheckpointManagerOptions:
     local_max_to_keep: how many local steps each process keeps (None: all).
     on_local_commit: like `on_commit`, for a step committed in this process's local tier (on the local tier's
         background thread in async mode).
+    local_replication: k > 1 keeps each local step on k processes: after it commits, each process sends its
+        step's files to k - 1 peers in the background (never in `save()`), which commit them as peer copies
+        (a marker of their own, every file's CRC32C); `restore("latest")` then brings a wiped or damaged host's
+        step from a peer instead of falling back to the persistent tier. Needs a local tier on a file system
+        and at least k processes. See docs/multi-tier.md.
+    local_failure_domain: with local_replication, the failure domain of a process (index -> any hashable: a
+        host, rack, slice); peers are chosen in other domains than a process's own and each other's. None: the
+        processes ``index + j * count // k``.
     save_decision, preservation, local_save_decision, local_preservation: policy objects (`policies`) for when
         each tier saves and which of its steps it keeps, your own included; where given they replace the flat
         fields above for that tier (`save_interval_steps`, `save_on_steps`; `max_to_keep`, `keep_period`,
@@ -181,6 +189,8 @@ class CheckpointManagerOptions:
     local_save_on_steps: frozenset[int] = field(default_factory=frozenset)
     local_max_to_keep: int | None = 2
     on_local_commit: Callable[[int], None] | None = None
+    local_replication: int = 1
+    local_failure_domain: Callable[[int], Hashable] | None = None
     save_options: SaveOptions = field(default_factory=SaveOptions)
     restore_options: RestoreOptions = field(default_factory=RestoreOptions)
     save_decision: Any = None
@@ -208,6 +218,13 @@ class CheckpointManagerOptions:
             raise ValueError(f"local_directory must be a path or URL, got {self.local_directory!r}")
         if self.local_directory is None and (self.local_save_interval_steps is not None or self.local_save_on_steps):
             raise ValueError("local_save_interval_steps and local_save_on_steps need local_directory")
+        if self.local_replication is None:
+            raise ValueError("local_replication must be an integer >= 1, got None")
+        _optional_int("local_replication", self.local_replication, 1)
+        if self.local_replication > 1 and self.local_directory is None:
+            raise ValueError("local_replication needs local_directory")
+        if self.local_failure_domain is not None and not callable(self.local_failure_domain):
+            raise ValueError("local_failure_domain must be callable (process index -> failure domain)")
         for name in ("coordination_timeout_s", "lock_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

@@ -6,7 +6,7 @@ of as many processes as now), newest first, as long as they are at least as new 
 newest step; then that persistent step. A process whose local tier is empty (a replaced VM) therefore makes
 every process use the persistent tier. `resume` tries them in order: a local step is used only if every process
 restored it whole (every chunk it needs present, every checksum verified on read, the metadata's included);
-otherwise all fall back together (`agree`) and restore every object again from the next one. The choice is
+otherwise all fall back together (`failures`) and restore every object again from the next one. The choice is
 logged on the ``xla_tensorstore_ckpt`` logger. `redo_persistent_copy` saves a resumed local step to the
 persistent tier again when the run that made it was killed while copying it there.
 
@@ -26,6 +26,7 @@ from . import formats
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, StorageError
 from .managed_tier import LOCAL, PERSISTENT
+from .peer_copies import Holdings, PeerCopies, source_of
 from .records import StepMetadata
 from .tier import Tier
 
@@ -46,33 +47,51 @@ class Candidate:
     tier: str
     step: int
     redo_persistent: bool = False
+    fetch: tuple[tuple[int, int], ...] = ()  # (process, source): local steps a process gets from a peer first
 
 
-def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, wanted: int | None) -> list[Candidate]:
+def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, wanted: int | None,
+               peers: PeerCopies | None = None) -> tuple[list[Candidate], list[Holdings]]:
     """The steps to try, best first; `wanted` a given step (tried in the local tier first), or None for the
-    newest. `local` holds only this run's local steps (the manager leaves out the others). Every process gets
-    the same list."""
+    newest; and what every process holds (its own local steps, and with `peers` its peer copies). `local`
+    holds only this run's local steps (the manager leaves out the others). A local step is a candidate if every
+    process has it, or (with `peers`) can get its own index's from another process. Every process gets the same
+    lists."""
     persistent_steps = persistent.committed()
-    mine: list[tuple[int, bool]] = []
+    mine: list[tuple[int, bool, int | None]] = []
     if local is not None:
-        mine = sorted((step, marker.persistent_copy) for step, marker in local.committed().items())
-    everyone = [dict(entries) for entries in coordinator.all_gather(mine)]
-    common = set(everyone[0]).intersection(*everyone[1:])
-    due_copy = {step for step in common if all(flags[step] for flags in everyone)}
+        mine = sorted((step, marker.persistent_copy, marker.writer) for step, marker in local.committed().items())
+    copies = frozenset(peers.held()) if peers is not None else frozenset()
+    gathered = coordinator.all_gather((mine, copies))
+    everyone = [{step: flag for step, flag, _ in entries} for entries, _ in gathered]
+    holdings = [Holdings(frozenset((step, writer) for step, _, writer in entries if writer is not None), held)
+                for entries, held in gathered]
+    fetches: dict[int, tuple[tuple[int, int], ...]] = {}
+    for step in set().union(*everyone):
+        missing = [p for p, steps in enumerate(everyone) if step not in steps]
+        sources = {p: source_of(holdings, p, step, p) for p in missing} if peers is not None else {p: None
+                                                                                                  for p in missing}
+        if all(source is not None for source in sources.values()):
+            fetches[step] = tuple(sorted(sources.items()))
+    due_copy = {step for step in fetches if all(flags.get(step, True) for flags in everyone)}
 
     def local_candidate(step: int) -> Candidate:
-        return Candidate(LOCAL, step, redo_persistent=step in due_copy and step not in persistent_steps)
+        return Candidate(LOCAL, step, redo_persistent=step in due_copy and step not in persistent_steps,
+                         fetch=fetches[step])
+
+    common = set(fetches)
 
     if wanted is not None:
         out = [local_candidate(wanted)] if wanted in common else []
-        return out + ([Candidate(PERSISTENT, wanted)] if wanted in persistent_steps else [])
+        return out + ([Candidate(PERSISTENT, wanted)] if wanted in persistent_steps else []), holdings
     newest = max(persistent_steps, default=None)
     out = [local_candidate(step) for step in sorted(common, reverse=True) if newest is None or step >= newest]
-    return out + ([Candidate(PERSISTENT, newest)] if newest is not None else [])
+    return out + ([Candidate(PERSISTENT, newest)] if newest is not None else []), holdings
 
 
 def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wanted: int | None,
-           restore: Callable[[Candidate], None]) -> Candidate | None:
+           restore: Callable[[Candidate], None], peers: PeerCopies | None = None,
+           fetched: Callable[[int, int, int, bool], None] | None = None) -> Candidate | None:
     """Restore the best intact candidate (`wanted`: a step, or None for the newest) with `restore`, which
     restores every requested object from a candidate on this process and raises what restoring raises; return
     the candidate every process restored, or None if there is none (nothing committed; a `wanted` step that is
@@ -81,10 +100,15 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
     A local candidate that fails with damage on any process (`DAMAGE`) is skipped on every process with a
     warning naming the step, each failing process and its path, and the next candidate is restored, every
     object again. Any other failure, and any failure of the persistent candidate, is raised on every process.
-    Raises `CorruptCheckpointError` if every candidate was damaged."""
-    choices = candidates(coordinator, local, persistent, wanted)
+    Raises `CorruptCheckpointError` if every candidate was damaged.
+
+    With `peers` (local_replication), a process that lacks a local candidate gets its step from a peer first
+    (`PeerCopies.fetch`), and processes that find it damaged replace the files that differ from a peer copy and
+    restore again (`PeerCopies.repair`) before anyone falls back; `fetched(step, nbytes, source, repair)` is
+    told of each step that came so."""
+    choices, holdings = candidates(coordinator, local, persistent, wanted, peers)
     if wanted is not None and not choices:
-        choices = candidates(coordinator, local, persistent, None)
+        choices, holdings = candidates(coordinator, local, persistent, None, peers)
         newest = f"the newest committed step, {choices[0].step}" if choices else "nothing"
         warnings.warn(f"step {wanted} is not committed in the persistent tier {persistent.root}"
                       + (f" nor in every process's local tier ({local.root} here)" if local is not None else "")
@@ -100,10 +124,34 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
         else:
             error = None
             try:
+                if choice.fetch:
+                    _fetch(coordinator, tier, peers, choice, fetched)
                 restore(choice)
-            except Exception as exc:  # noqa: BLE001 - every process learns of it in `agree`, which raises
+            except Exception as exc:  # noqa: BLE001 - every process learns of it in `failures`
                 error = exc
-            if not agree(coordinator, choice, where, error):
+            failed = failures(coordinator, choice, where, error)
+            sources = None if not failed or peers is None else _repair_sources(failed, holdings, choice)
+            if sources is not None:
+                assert peers is not None
+                warnings.warn(f"step {choice.step} of the local tier is damaged on process"
+                              f"{'es' if len(failed) > 1 else ''} {sorted(failed)} ({_reasons(failed)}): "
+                              f"replacing the damaged files from peer copies on {sorted(set(sources.values()))}",
+                              stacklevel=3)
+                error = None
+                try:
+                    writers = {p: _writer(holdings, p, choice) for p in sources}
+                    nbytes = peers.repair(coordinator, choice.step, tier.index.location(choice.step).name, writers,
+                                          sources)
+                    if coordinator.index in sources:
+                        if fetched is not None:
+                            fetched(choice.step, nbytes, sources[coordinator.index], True)
+                        restore(choice)  # this process again; the others' restores stand
+                except Exception as exc:  # noqa: BLE001 - every process learns of it below
+                    error = exc
+                failed = failures(coordinator, choice, where, error)
+            if failed:
+                warnings.warn(f"skipping step {choice.step} of the local tier ({where} here): not intact on every "
+                              f"process ({_reasons(failed)}); falling back to the next candidate", stacklevel=3)
                 continue
         log.info("restored step %d from the %s tier (%s)", choice.step, choice.tier, where)
         return choice
@@ -120,26 +168,62 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
         f"on some process (see the warnings), and the persistent tier {persistent.root} holds no committed step")
 
 
-def agree(coordinator: Coordinator, candidate: Candidate, where: str, error: Exception | None) -> bool:
+def failures(coordinator: Coordinator, candidate: Candidate, where: str, error: Exception | None) -> dict[int, str]:
     """After every process tried to restore a local `candidate` from its step directory `where` (`error`: how it
-    failed here, or None): True if every process succeeded. Otherwise each process learns why, a warning names
-    the step and each failing process with its path and error, and the caller falls back; a failure that is not
-    damage (`DAMAGE`) is raised instead, on every process."""
+    failed here, or None): the processes where it failed with damage (`DAMAGE`), each with its path and error,
+    the same on every process. A failure that is not damage is raised instead, on every process."""
     statuses = coordinator.all_gather(None if error is None else (isinstance(error, DAMAGE), where,
                                                                   f"{type(error).__name__}: {error}"))
     failed = {process: status for process, status in enumerate(statuses) if status is not None}
-    if not failed:
-        return True
     if error is not None and not isinstance(error, DAMAGE):
         raise error
     fatal = {process: (path, text) for process, (damage, path, text) in failed.items() if not damage}
     if fatal:
         raise CheckpointError(f"restoring step {candidate.step} from the local tier failed on other processes: "
                               + "; ".join(f"process {p} ({path}): {text}" for p, (path, text) in fatal.items()))
-    reasons = "; ".join(f"process {p} ({path}): {text}" for p, (_, path, text) in failed.items())
-    warnings.warn(f"skipping step {candidate.step} of the local tier ({where} here): not intact on every process "
-                  f"({reasons}); falling back to the next candidate", stacklevel=4)
-    return False
+    return {process: f"({path}): {text}" for process, (_, path, text) in failed.items()}
+
+
+def _reasons(failed: dict[int, str]) -> str:
+    return "; ".join(f"process {p} {text}" for p, text in sorted(failed.items()))
+
+
+def _writer(holdings: list[Holdings], process: int, candidate: Candidate) -> int:
+    """Who wrote the step `candidate` in `process`'s local tier: itself if it got it from a peer."""
+    if any(target == process for target, _ in candidate.fetch):
+        return process
+    return next((writer for step, writer in holdings[process].own if step == candidate.step), process)
+
+
+def _repair_sources(failed: dict[int, str], holdings: list[Holdings], candidate: Candidate) -> dict[int, int] | None:
+    """For each process of `failed`, another that holds a peer copy of its step (copies carry every file's
+    CRC32C, so only the damaged files need to travel); None if one has none."""
+    sources = {}
+    for process in failed:
+        writer = _writer(holdings, process, candidate)
+        source = next((h for h, held in enumerate(holdings)
+                       if h != process and (writer, candidate.step) in held.copies), None)
+        if source is None:
+            return None
+        sources[process] = source
+    return sources
+
+
+def _fetch(coordinator: Coordinator, local: Tier, peers: PeerCopies | None, candidate: Candidate,
+           fetched: Callable[[int, int, int, bool], None] | None) -> None:
+    """Bring the local step `candidate` to the processes that lack it (collective), and into their tier's
+    bookkeeping."""
+    assert peers is not None  # only peers make candidates with fetches
+    sources = dict(candidate.fetch)
+    own = {coordinator.index: local.marker(candidate.step).writer} if candidate.step in local.committed() else {}
+    name = local.index.location(candidate.step).name
+    nbytes = peers.fetch(coordinator, candidate.step, name, own, sources)
+    if coordinator.index in sources:
+        local.adopt(candidate.step)
+        log.info("step %d of the local tier came from process %d (%d bytes)", candidate.step,
+                 sources[coordinator.index], nbytes)
+        if fetched is not None:
+            fetched(candidate.step, nbytes, sources[coordinator.index], False)
 
 
 def redo_persistent_copy(step: int, marker: StepMetadata, restored: Collection[str], persistent: Tier,

@@ -65,7 +65,7 @@ class StepIndex:
         names = self.root.list()
         self._learn_width(names)
         for name in names:
-            step = self._step_of(name)
+            step = self.step_of(name)
             if step is not None:
                 entries.append(self._entry(step, name))
         return sorted(entries, key=lambda e: (e.step, e.name))
@@ -76,7 +76,7 @@ class StepIndex:
         self._width = max((w for w in widths if w is not None), default=None)
         self._width_known = True
 
-    def _step_of(self, name: str) -> int | None:
+    def step_of(self, name: str) -> int | None:
         return layout.parse_step_name(_final_name(name), None if self.prefix == ANY_PREFIX else self.prefix,
                                       any_prefix=self.prefix == ANY_PREFIX)
 

@@ -70,6 +70,16 @@ class Tier:
                                     f"{sorted(self.committed()) or 'none'})", step=step)
         return marker
 
+    def adopt(self, step: int) -> StepMetadata:
+        """Count the step committed in its directory (one that arrived from elsewhere: a peer) and return its
+        marker. Raises `StepNotFoundError` if it has none. Blocks (a read)."""
+        marker = formats.read_step(self.index.location(step), step)
+        if marker is None:
+            raise StepNotFoundError(f"step {step} has no marker under {self.root}", step=step)
+        with self._guard:
+            self._steps[step] = marker
+        return marker
+
     def forget(self, step: int) -> None:
         with self._guard:
             self._steps.pop(step, None)

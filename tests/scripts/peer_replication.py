@@ -1,0 +1,119 @@
+"""One process of a simulated four-host job with a local tier per host replicated to one peer
+(``local_replication=2``: host h's steps are also held by host h + 2 mod 4). Gloo on 127.0.0.1; RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT in the environment. The rows a process holds follow its host, as devices do on a pod.
+
+usage: peer_replication.py save ROOT LOCAL_BASE [KILL_HOST]
+           saves steps 1-3 (persistent every 2, local every step) and waits for the replication; with KILL_HOST,
+           that host's process kills itself in the replication of step 3, when the copy it received is about to
+           commit (the others then fail that step's replication)
+       peer_replication.py restore ROOT LOCAL_BASE
+           restore("latest"), every value checked against its step
+Rank r runs on host XTC_HOSTS[r] (a comma-separated list; default 0,1,2,3), whose local tier is
+LOCAL_BASE/host<HOST>. Prints one JSON line: {"rank", "host", ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import warnings
+
+import torch
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import peer_copies
+
+HOSTS, ROWS, COLUMNS = 4, 16, 32
+SHAPE, SHARD = (HOSTS * ROWS, COLUMNS), (ROWS, COLUMNS)
+
+
+def global_value(step: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(step))
+
+
+def model_for(step: int | None, host: int) -> dict:
+    index = ((host * ROWS, (host + 1) * ROWS), (0, COLUMNS))
+    if step is None:
+        return {"w": xtc.ShardedArray.target(SHAPE, torch.float32, SHARD, [index])}
+    return {"w": xtc.ShardedArray.from_tensor(global_value(step), SHARD, [index])}
+
+
+class Loader:
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def kill_before_committing_step(step: int) -> None:
+    """Die (SIGKILL) when this process is about to commit a peer copy of `step` it received."""
+    commit = peer_copies._commit_dir
+
+    def dying(partial: str, final: str, manifest):
+        if manifest is not None and manifest.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return commit(partial, final, manifest)
+
+    peer_copies._commit_dir = dying
+
+
+def main() -> None:
+    mode, root, local_base = sys.argv[1], sys.argv[2], sys.argv[3]
+    kill_host = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    rank = int(os.environ["RANK"])
+    host = int(os.environ.get("XTC_HOSTS", "0,1,2,3").split(",")[rank])
+    events: list[dict] = []
+
+    def listen(event) -> None:
+        events.append({"kind": event.kind, "tier": event.tier, "step": event.step, "nbytes": event.nbytes,
+                       "details": event.details})
+
+    logs: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("xla_tensorstore_ckpt").addHandler(handler)
+    logging.getLogger("xla_tensorstore_ckpt").setLevel(logging.INFO)
+    options = xtc.CheckpointManagerOptions(
+        save_interval_steps=2, max_to_keep=2, local_directory=os.path.join(local_base, f"host{host}"),
+        local_save_interval_steps=1, local_max_to_keep=2, local_replication=2, coordination_timeout_s=120,
+        listeners=(listen,))
+    manager = xtc.CheckpointManager(root, options)
+    out: dict = {"rank": rank, "host": host}
+    if mode == "save":
+        if kill_host == host:
+            kill_before_committing_step(3)
+        try:
+            for step in (1, 2, 3):
+                torch.manual_seed(100 * step + host)
+                manager.save(step, model=model_for(step, host), data_loader=Loader(10 * step))
+            manager.wait_until_finished()
+            out["error"] = None
+        except xtc.CheckpointError as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out.update(local=manager.all_steps("local"), persistent=manager.all_steps("persistent"))
+    else:
+        model, loader = model_for(None, host), Loader()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = manager.restore("latest", model=model, data_loader=loader)
+        (index, data), = model["w"].shards
+        expected = global_value(step)[index[0][0]:index[0][1]]
+        out.update(step=step, equal=bool(torch.equal(data, expected)), position=loader.position,
+                   draw=torch.rand(1).item(), warnings=[str(w.message) for w in caught])
+    out.update(logs=logs, events=[e for e in events if e["kind"] != "save_started"])
+    try:
+        manager.close()
+    except xtc.CheckpointError as exc:
+        out["close_error"] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

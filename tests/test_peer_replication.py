@@ -1,0 +1,163 @@
+"""Peer-replicated local tiers (`local_replication=2`) with four processes over gloo, each with its own local
+directory (tests/scripts/peer_replication.py: host h's steps are copied to host h + 2 mod 4). A wiped host
+resumes from the newest local step with its step fetched from its peer and nothing read from the persistent
+tier; two hosts holding each other's copies wiped → the persistent step; a damaged chunk → only its file comes
+from the peer; a process killed while replicating → that step is not counted as replicated; processes on other
+hosts after a restart repair from the copy of the step their host holds."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from forked import launch_job
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "peer_replication.py")
+
+
+def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_ok: bool = True) -> list[dict]:
+    results = launch_job(SCRIPT, 4, mode, str(root), str(local_base), *args, env={"XTC_HOSTS": hosts})
+    if expect_ok:
+        for r in results:
+            assert r["returncode"] == 0, r["stderr"][-3000:]
+    return results
+
+
+def lines(results: list[dict]) -> list[dict]:
+    return [r["lines"][-1] for r in results]
+
+
+def draw_after_seed(seed: int) -> float:
+    return torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()
+
+
+def tree_bytes(path) -> dict[str, int]:
+    return {os.path.relpath(os.path.join(d, n), path): os.path.getsize(os.path.join(d, n))
+            for d, _, names in os.walk(path) for n in names}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    root, local_base = tmp_path / "persistent", tmp_path / "local"
+    for r in lines(run("save", root, local_base)):
+        assert r["error"] is None and r["local"] == [2, 3] and r["persistent"] == [2], r
+        replicated = [e for e in r["events"] if e["kind"] == "peer_copies_committed"]
+        assert [e["step"] for e in replicated] == [1, 2, 3]
+        assert replicated[-1]["details"]["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+    return root, local_base
+
+
+def hide_persistent_data(root) -> None:
+    """Keep the persistent step listed but make every read of its items fail: a restore that reads from it
+    cannot succeed, so a successful one read nothing there."""
+    for item in ("model", "data_loader", "rng"):
+        shutil.rmtree(root / "2" / item)
+
+
+def test_copies_are_the_writers_files_and_retention_keeps_the_local_count(saved):
+    _, local_base = saved
+    for host in range(4):
+        writer = (host + 2) % 4
+        copies = local_base / f"host{host}" / "peer_copies" / str(writer)
+        assert sorted(os.listdir(copies)) == ["2", "3"]  # local_max_to_keep=2: step 1's copy went with step 1
+        for step in ("2", "3"):
+            copied = tree_bytes(copies / step)
+            assert copied.pop("copy.json") > 0
+            assert copied == tree_bytes(local_base / f"host{writer}" / step)  # disk: k x its own shard bytes
+            for name in copied:
+                assert (copies / step / name).read_bytes() == (local_base / f"host{writer}" / step / name).read_bytes()
+
+
+def test_a_wiped_host_resumes_from_the_local_step_with_nothing_from_the_persistent_tier(saved):
+    root, local_base = saved
+    shutil.rmtree(local_base / "host1")  # a replaced VM
+    hide_persistent_data(root)
+    for r in lines(run("restore", root, local_base)):
+        assert r["step"] == 3 and r["equal"] and r["position"] == 30, r
+        assert r["draw"] == draw_after_seed(300 + r["host"])  # host 1's generators came back with its step
+        assert any("restored step 3 from the local tier" in line for line in r["logs"]), r["logs"]
+        assert not [e for e in r["events"] if e["tier"] == "persistent"], r["events"]
+        fetched = [e for e in r["events"] if e["kind"] == "peer_fetched"]
+        if r["host"] == 1:
+            assert [(e["step"], e["details"]) for e in fetched] == [(3, {"source": 3, "repair": False})]
+            assert fetched[0]["nbytes"] == sum(tree_bytes(local_base / "host3" / "peer_copies" / "1" / "3").values()) \
+                - os.path.getsize(local_base / "host3" / "peer_copies" / "1" / "3" / "copy.json")
+        else:
+            assert not fetched
+    copy = local_base / "host3" / "peer_copies" / "1" / "3"
+    fetched_files = tree_bytes(local_base / "host1" / "3")
+    assert fetched_files == {name: size for name, size in tree_bytes(copy).items() if name != "copy.json"}
+    for name in fetched_files:
+        assert (local_base / "host1" / "3" / name).read_bytes() == (copy / name).read_bytes()
+
+
+def test_two_wiped_hosts_holding_each_others_copies_fall_back_to_the_persistent_tier(saved):
+    root, local_base = saved
+    shutil.rmtree(local_base / "host0")
+    shutil.rmtree(local_base / "host2")  # host 0's copies were on host 2, and host 2's on host 0
+    for r in lines(run("restore", root, local_base)):
+        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
+        assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]
+
+
+def damage_largest_file(step_dir) -> str:
+    files = sorted((p for p in (step_dir / "model").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(files[-1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[-1].write_bytes(bytes(data))
+    return str(files[-1].relative_to(step_dir))
+
+
+def test_a_damaged_chunk_comes_from_a_peer(saved):
+    root, local_base = saved
+    damaged = damage_largest_file(local_base / "host0" / "3")
+    hide_persistent_data(root)
+    for r in lines(run("restore", root, local_base)):
+        assert r["step"] == 3 and r["equal"] and r["position"] == 30, r
+        assert r["draw"] == draw_after_seed(300 + r["host"])
+        assert any("damaged on process [0]" in w and "replacing the damaged files" in w for w in r["warnings"]), r
+        fetched = [e for e in r["events"] if e["kind"] == "peer_fetched"]
+        if r["host"] == 0:  # the damaged file alone travelled
+            assert [(e["step"], e["details"], e["nbytes"]) for e in fetched] == [
+                (3, {"source": 2, "repair": True}, os.path.getsize(local_base / "host0" / "3" / damaged))]
+        else:
+            assert not fetched
+    original = local_base / "host2" / "peer_copies" / "0" / "3" / damaged
+    assert (local_base / "host0" / "3" / damaged).read_bytes() == original.read_bytes()
+
+
+def test_a_process_killed_while_replicating_leaves_that_step_unreplicated(tmp_path):
+    root, local_base = tmp_path / "persistent", tmp_path / "local"
+    # Host 1 dies as it is about to commit its copy of host 3's step 3.
+    results = run("save", root, local_base, "1", expect_ok=False)
+    assert results[1]["returncode"] == -9 and not results[1]["lines"]
+    for rank in (0, 2, 3):
+        out = results[rank]["lines"][-1]
+        assert "replicating step 3" in (out["error"] or out.get("close_error") or ""), out
+        assert out["local"] == [2, 3]
+    assert "3" not in os.listdir(local_base / "host1" / "peer_copies" / "3")  # never committed there
+    shutil.rmtree(local_base / "host3")  # the host whose step 3 has no committed copy anywhere
+    hide_persistent_data(root)
+    for r in lines(run("restore", root, local_base)):
+        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r  # step 3 is not counted as replicated
+        assert any("restored step 2 from the local tier" in line for line in r["logs"]), r["logs"]
+        if r["host"] == 3:
+            assert any("step 2 of the local tier came from process 1" in line for line in r["logs"]), r["logs"]
+    assert not [n for n in os.listdir(local_base / "host1" / "peer_copies") if "partial" in n]
+    assert not [n for n in os.listdir(local_base / "host1" / "peer_copies" / "3") if "partial" in n]
+
+
+def test_processes_on_other_hosts_repair_from_the_copy_of_their_hosts_step(saved):
+    root, local_base = saved
+    damaged = damage_largest_file(local_base / "host0" / "3")
+    hide_persistent_data(root)
+    for r in lines(run("restore", root, local_base, hosts="1,0,3,2")):  # rank 1 on host 0, rank 3 on host 2
+        assert r["step"] == 3 and r["equal"] and r["position"] == 30, r
+        assert r["draw"] == draw_after_seed(300 + r["host"])  # the host's generators, whatever its index
+        fetched = [e for e in r["events"] if e["kind"] == "peer_fetched"]
+        # host 0's step (writer 0) is copied on host 2, now rank 3
+        assert [e["details"] for e in fetched] == ([{"source": 3, "repair": True}] if r["host"] == 0 else [])
+    assert (local_base / "host0" / "3" / damaged).read_bytes() == \
+        (local_base / "host2" / "peer_copies" / "0" / "3" / damaged).read_bytes()

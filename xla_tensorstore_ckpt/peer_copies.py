@@ -1,0 +1,474 @@
+"""Copies of each process's local steps on peer processes (``CheckpointManagerOptions(local_replication=k)``), so
+that a host that lost its local disk resumes from its peers instead of the persistent tier.
+
+After a local step commits on every process, each process sends the files of its step directory to its k - 1
+peers (`peers_of`: other failure domains), who write them under ``<local root>/peer_copies/<writer>/`` and
+commit each copy on their own: a temporary directory, then ``copy.json`` (the writer, the step, every file's
+size and CRC32C) and a rename into place, so a copy cut short by a crash never looks committed. The copies
+travel on a background thread of their own (`PeerReplicator`), over a gloo group of their own, in rounds of at
+most `ROUND_BYTES` per process.
+
+At a restart (`resume`), a process whose local tier lacks the chosen step fetches its own index's step from a
+process that holds it (a peer copy, or the step itself) and commits it into its local tier first
+(`fetch_missing`); a process that finds its step damaged fetches the files that differ from a peer copy and
+the job tries the step again (`repair`). Files only: the bytes are the writer's, verified against the copy's
+CRC32C by the receiver before it commits anything.
+
+Everything here needs the local tier on a file system (a local SSD or RAM disk); the collectives are called by
+every process in the same order and block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+
+from .async_save import BackgroundCommitter
+from .distributed import Coordinator
+from .errors import CorruptCheckpointError, UsageError
+
+COPIES_DIR = "peer_copies"  # under the local root; not a step name, so the local tier's scans pass it by
+COPY_MARKER = "copy.json"
+_PARTIAL = ".partial-"
+ROUND_BYTES = 256 << 20  # file bytes a process holds per round of an exchange, sent and received together
+_PIECE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class StepFiles:
+    """The files of one step directory: relative paths, sizes and (where known) CRC32Cs, in path order."""
+
+    writer: int
+    step: int
+    files: tuple[tuple[str, int], ...]
+    crcs: tuple[int, ...] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+
+# ----------------------------------------------------------------------------------------- placement
+
+def peers_of(process: int, count: int, k: int, domain: Callable[[int], Hashable] | None = None) -> list[int]:
+    """The k - 1 processes that hold copies of `process`'s local steps: by default ``process + j * count // k``
+    (mod count) for j = 1 .. k - 1, the processes farthest from it in index order (whole slices, racks or pods
+    apart when indices follow the topology); with `domain` (process index -> failure domain), the first
+    processes after it in index order whose domains differ from its own and from each other's. Raises
+    `UsageError` if there are not enough."""
+    if k <= 1:
+        return []
+    if k > count:
+        raise UsageError(f"local_replication={k} needs at least {k} processes (the job has {count})")
+    if domain is None:
+        peers = [(process + j * count // k) % count for j in range(1, k)]
+        return list(dict.fromkeys(peers))
+    used, peers = {domain(process)}, []
+    for offset in range(1, count):
+        other = (process + offset) % count
+        if domain(other) not in used:
+            used.add(domain(other))
+            peers.append(other)
+            if len(peers) == k - 1:
+                return peers
+    raise UsageError(f"local_replication={k}: process {process} finds only {len(peers)} processes in other failure "
+                     f"domains than its own ({domain(process)!r}); {k - 1} are needed")
+
+
+# -------------------------------------------------------------------------------------- files on disk
+
+def copies_root(local_root: str) -> str:
+    return os.path.join(local_root, COPIES_DIR)
+
+
+def copy_dir(local_root: str, writer: int, step_name: str) -> str:
+    return os.path.join(copies_root(local_root), str(writer), step_name)
+
+
+def list_files(directory: str, writer: int, step: int) -> StepFiles:
+    """The files under `directory` (a committed step), sizes from the file system."""
+    out = []
+    for parent, dirs, names in os.walk(directory):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(parent, name)
+            out.append((os.path.relpath(path, directory), os.path.getsize(path)))
+    return StepFiles(writer, step, tuple(sorted(out)))
+
+
+def read_copy(directory: str) -> StepFiles | None:
+    """The manifest of a committed peer copy, or None if `directory` holds none (absent, partial, unreadable)."""
+    try:
+        with open(os.path.join(directory, COPY_MARKER)) as f:
+            record = json.load(f)
+        return StepFiles(int(record["writer"]), int(record["step"]),
+                         tuple((str(path), int(size)) for path, size, _ in record["files"]),
+                         tuple(int(crc) for _, _, crc in record["files"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def held_copies(local_root: str, step_of: Callable[[str], int | None]) -> dict[tuple[int, int], str]:
+    """The committed peer copies this process holds: (writer, step) -> directory. Removes partial ones (a copy
+    cut short). `step_of` parses a step directory's name."""
+    held: dict[tuple[int, int], str] = {}
+    base = copies_root(local_root)
+    for writer in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        if _PARTIAL in writer:  # a fetch cut short
+            shutil.rmtree(os.path.join(base, writer), ignore_errors=True)
+        if not writer.isdigit():
+            continue
+        for name in sorted(os.listdir(os.path.join(base, writer))):
+            directory = os.path.join(base, writer, name)
+            if _PARTIAL in name:
+                shutil.rmtree(directory, ignore_errors=True)
+                continue
+            step = step_of(name)
+            manifest = read_copy(directory)
+            if step is not None and manifest is not None and manifest.step == step:
+                held[(int(writer), step)] = directory
+    return held
+
+
+def file_crcs(directory: str, files: Sequence[tuple[str, int]]) -> list[int | None]:
+    """The CRC32C of each file under `directory` (None where it is missing or has another size)."""
+    out: list[int | None] = []
+    for path, size in files:
+        full = os.path.join(directory, path)
+        if not os.path.isfile(full) or os.path.getsize(full) != size:
+            out.append(None)
+            continue
+        crc = 0
+        with open(full, "rb") as f:
+            while block := f.read(_PIECE_BYTES):
+                crc = crc32c.crc32c(block, crc)
+        out.append(crc)
+    return out
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(directory: str) -> None:
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            _fsync(os.path.join(parent, name))
+
+
+def _commit_dir(partial: str, final: str, manifest: StepFiles | None) -> None:
+    """Sync the files of `partial`, write the copy marker (if `manifest`), and rename it to `final` (replacing
+    what is there)."""
+    _sync_tree(partial)
+    if manifest is not None:
+        assert manifest.crcs is not None
+        record = {"writer": manifest.writer, "step": manifest.step,
+                  "files": [[path, size, crc] for (path, size), crc in zip(manifest.files, manifest.crcs)]}
+        with open(os.path.join(partial, COPY_MARKER), "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    os.rename(partial, final)
+    _fsync(os.path.dirname(final))
+
+
+# ------------------------------------------------------------------------------------------ transfers
+
+@dataclass(frozen=True)
+class Transfer:
+    """Files of one directory going from `source` to `target`."""
+
+    source: int
+    target: int
+    files: StepFiles
+    paths: tuple[str, ...]  # which of the files (all by default)
+
+
+def _pieces(transfer: Transfer) -> list[tuple[str, int, int]]:
+    sizes = dict(transfer.files.files)
+    return [(path, start, min(_PIECE_BYTES, sizes[path] - start)) for path in transfer.paths
+            for start in range(0, max(sizes[path], 1), _PIECE_BYTES)]
+
+
+def _rounds(pieces: list[tuple[str, int, int]], budget: int) -> list[list[tuple[str, int, int]]]:
+    rounds: list[list[tuple[str, int, int]]] = [[]]
+    held = 0
+    for piece in pieces:
+        if rounds[-1] and held + piece[2] > budget:
+            rounds.append([])
+            held = 0
+        rounds[-1].append(piece)
+        held += piece[2]
+    return rounds
+
+
+def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dirs: Mapping[int, str],
+             target_dirs: Mapping[int, str], what: str) -> dict[int, list[int]]:
+    """Move the files of every transfer (the same list on every process): this process reads those it is the
+    source of from ``source_dirs[i]`` (i: the transfer's position) and writes those it is the target of under
+    ``target_dirs[i]``, at most `ROUND_BYTES` in flight per process. Returns, per transfer this process took
+    part in, the CRC32C of each of its files as read (source) or written (target), for the receiver to check
+    against the sender's before it commits anything. Collective: every process calls it with the same
+    `transfers`. Raises `CoordinationError` naming a peer that dies meanwhile."""
+    me = coordinator.index
+    plans = [(i, t, _rounds(_pieces(t), max(_PIECE_BYTES, ROUND_BYTES // 2))) for i, t in enumerate(transfers)
+             if me in (t.source, t.target)]
+    crcs: dict[int, dict[str, int]] = {i: {} for i, _, _ in plans}
+    handles: dict[tuple[int, str], object] = {}
+    total_rounds = coordinator.all_gather(max((len(r) for _, _, r in plans), default=0))
+    try:
+        for number in range(max(total_rounds)):
+            sends: dict[int, list[np.ndarray]] = {}
+            receives: dict[int, list[np.ndarray]] = {}
+            landing: list[tuple[int, str, int, np.ndarray]] = []
+            for i, t, rounds in plans:
+                if number >= len(rounds):
+                    continue
+                for path, start, length in rounds[number]:
+                    if t.source == me:
+                        with open(os.path.join(source_dirs[i], path), "rb") as f:
+                            f.seek(start)
+                            data = np.frombuffer(f.read(length), dtype=np.uint8)
+                        if data.size != length:
+                            raise CorruptCheckpointError(f"{what}: {os.path.join(source_dirs[i], path)} is shorter "
+                                                         f"than its {t.files.files} record")
+                        sends.setdefault(t.target, []).append(data)
+                        crcs[i][path] = crc32c.crc32c(data, crcs[i].get(path, 0))
+                    else:
+                        buffer = np.empty(length, dtype=np.uint8)
+                        receives.setdefault(t.source, []).append(buffer)
+                        landing.append((i, path, start, buffer))
+            coordinator.exchange(sends, receives, lambda peer: f"files of {what}")
+            for i, path, start, buffer in landing:
+                key = (i, path)
+                if key not in handles:
+                    full = os.path.join(target_dirs[i], path)
+                    os.makedirs(os.path.dirname(full), exist_ok=True)
+                    handles[key] = open(full, "wb")  # noqa: SIM115 - closed below, after its last piece
+                handle = handles[key]
+                handle.seek(start)
+                handle.write(buffer)
+                crcs[i][path] = crc32c.crc32c(buffer, crcs[i].get(path, 0))
+    finally:
+        for handle in handles.values():
+            handle.close()
+    for i, t, _ in plans:  # an empty file's one piece carried nothing: create it
+        for path in t.paths:
+            full = os.path.join(target_dirs[i], path) if t.target == me else None
+            if full is not None and not os.path.exists(full):
+                os.makedirs(os.path.dirname(full), exist_ok=True)
+                open(full, "wb").close()
+    return {i: [crcs[i].get(path, 0) for path in transfers[i].paths] for i in crcs}
+
+
+# ------------------------------------------------------------------------------------- replication
+
+class PeerReplicator:
+    """Sends each committed local step of this process to its peers and commits the copies it receives, on a
+    background thread of its own, in the order the steps were committed (the same on every process: whether a
+    step is due for the local tier depends only on the step). Errors are kept and raised by `check` / `close`
+    like those of a background save."""
+
+    def __init__(self, coordinator: Coordinator, local_root: str, k: int,
+                 domain: Callable[[int], Hashable] | None, keep: int | None,
+                 on_committed: Callable[[int, dict[int, list[int]], int, int], None]):
+        self._coordinator, self._root, self._keep = coordinator, local_root, keep
+        self._peers = {p: peers_of(p, coordinator.count, k, domain) for p in range(coordinator.count)}
+        self._on_committed = on_committed
+        self._committer = BackgroundCommitter(max_pending=1 << 30)
+
+    def peers(self, process: int) -> list[int]:
+        return self._peers[process]
+
+    def replicate(self, step: int, step_name: str, directory: str | None) -> None:
+        """Queue the replication of `step` (`directory`: this process's committed step, or None if its commit
+        failed here: the others still take part, and nothing of this process is copied). Does not block."""
+        self._committer.defer(f"replicating step {step} of the local tier {self._root} to peers", step,
+                              lambda: self._replicate(step, step_name, directory))
+
+    def _replicate(self, step: int, step_name: str, directory: str | None) -> None:
+        c = self._coordinator
+        mine = None if directory is None else list_files(directory, c.index, step)
+        everyone = c.all_gather(mine)
+        transfers = [Transfer(writer, peer, files, tuple(path for path, _ in files.files))
+                     for writer, files in enumerate(everyone) if files is not None for peer in self._peers[writer]]
+        partials = {i: copy_dir(self._root, t.source, step_name) + f"{_PARTIAL}{time.time_ns()}"
+                    for i, t in enumerate(transfers) if t.target == c.index}
+        sources = {i: directory for i, t in enumerate(transfers) if t.source == c.index}
+        crcs_of = transfer(c, transfers, sources, partials, f"step {step}")
+        # Each writer tells its receivers the CRC32Cs of what it read; a copy commits only if they match.
+        truth = c.all_gather({i: crcs for i, crcs in crcs_of.items() if transfers[i].source == c.index})
+        committed: list[int] = []
+        for i in partials:
+            t, crcs = transfers[i], crcs_of[i]
+            if crcs != truth[t.source][i]:
+                shutil.rmtree(partials[i], ignore_errors=True)
+                continue
+            manifest = StepFiles(t.source, step, t.files.files, tuple(crcs))
+            _commit_dir(partials[i], copy_dir(self._root, t.source, step_name), manifest)
+            committed.append(t.source)
+        holders = c.all_gather(committed)
+        held_by: dict[int, list[int]] = {}
+        for holder, writers in enumerate(holders):
+            for writer in writers:
+                held_by.setdefault(writer, []).append(holder)
+        self._retain()
+        self._on_committed(step, held_by, sum(t.files.nbytes for t in transfers if t.source == c.index),
+                           sum(transfers[i].files.nbytes for i in partials))
+
+    def _retain(self) -> None:
+        """Keep the newest `keep` copies of each writer (the local tier's count)."""
+        if self._keep is None:
+            return
+        base = copies_root(self._root)
+        for writer in os.listdir(base) if os.path.isdir(base) else []:
+            entries = []
+            for name in os.listdir(os.path.join(base, writer)):
+                manifest = read_copy(os.path.join(base, writer, name))
+                if manifest is not None:
+                    entries.append((manifest.step, name))
+            for _, name in sorted(entries)[:-self._keep]:
+                shutil.rmtree(os.path.join(base, writer, name), ignore_errors=True)
+
+    def check(self) -> None:
+        self._committer.check()
+
+    def wait(self) -> None:
+        self._committer.wait()
+
+    def close(self) -> None:
+        """Finish the queued replications (raising their first error), then release the group."""
+        try:
+            self._committer.close()
+        finally:
+            self._coordinator.close()
+
+
+# ------------------------------------------------------------------------------------------- resuming
+
+@dataclass(frozen=True)
+class Holdings:
+    """What one process has for a resume: its own committed local steps (step, writer) and the committed peer
+    copies it holds (writer, step)."""
+
+    own: frozenset[tuple[int, int]]
+    copies: frozenset[tuple[int, int]]
+
+
+def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int) -> int | None:
+    """A process other than `process` that holds `writer`'s step `step`: one with a committed peer copy first
+    (verifiable: its marker has every file's CRC32C), else one whose own step was written by `writer` (a job
+    restarted with other indices). None if there is none."""
+    for holder, held in enumerate(everyone):
+        if holder != process and (writer, step) in held.copies:
+            return holder
+    for holder, held in enumerate(everyone):
+        if holder != process and (step, writer) in held.own:
+            return holder
+    return None
+
+
+class PeerCopies:
+    """The peer copies in this process's local tier at `local_root`, for resuming (`resume`): what it holds,
+    and the collectives that bring a missing or damaged step from a peer."""
+
+    def __init__(self, local_root: str, step_of: Callable[[str], int | None]):
+        self.root, self._step_of = local_root, step_of
+
+    def held(self) -> dict[tuple[int, int], str]:
+        """The committed copies here, (writer, step) -> directory (partial ones removed)."""
+        return held_copies(self.root, self._step_of)
+
+    def fetch(self, coordinator: Coordinator, step: int, step_name: str, own_writer: Mapping[int, int],
+              sources: Mapping[int, int]) -> int:
+        """Every process `t` of `sources` receives the step `step` of writer `t` from ``sources[t]`` and commits it
+        as its local step ``step_name`` (a temporary directory renamed into place: a crash leaves a partial step
+        that the tier removes). `own_writer`: the writer of this process's own step `step`, if it serves from
+        it. Returns the bytes received here. Raises `CorruptCheckpointError` on the receiver if what arrived
+        does not match the copy's CRC32Cs (nothing is committed then). Collective."""
+        me = coordinator.index
+        held = self.held()
+        served: dict[int, tuple[str, StepFiles]] = {}
+        for target, source in sources.items():
+            if source == me:
+                directory = held.get((target, step))
+                if directory is not None and (manifest := read_copy(directory)) is not None:
+                    served[target] = (directory, manifest)
+                else:
+                    directory = os.path.join(self.root, step_name)
+                    served[target] = (directory, list_files(directory, own_writer[me], step))
+        manifests = coordinator.all_gather({target: files for target, (_, files) in served.items()})
+        transfers = [Transfer(source, target, manifests[source][target],
+                              tuple(path for path, _ in manifests[source][target].files))
+                     for target, source in sorted(sources.items())]
+        return self._move(coordinator, step, transfers, {t: d for t, (d, _) in served.items()},
+                          lambda i: os.path.join(self.root, step_name), replace_files=False)
+
+    def repair(self, coordinator: Coordinator, step: int, step_name: str, writers: Mapping[int, int],
+               sources: Mapping[int, int]) -> int:
+        """Every process `t` of `sources` replaces the files of its local step ``step_name`` that differ from the
+        peer copy of writer ``writers[t]`` held by ``sources[t]`` (checked by CRC32C: only those travel).
+        Returns the bytes received here. Raises `CorruptCheckpointError` as `fetch` does. Collective."""
+        me = coordinator.index
+        held = self.held()
+        served = {target: held[(writers[target], step)] for target, source in sources.items() if source == me}
+        manifests = coordinator.all_gather({target: read_copy(d) for target, d in served.items()})
+        wanted: list[str] = []
+        if me in sources:
+            manifest = manifests[sources[me]][me]
+            if manifest is None:
+                raise CorruptCheckpointError(f"the peer copy of step {step} on process {sources[me]} is unreadable")
+            local = file_crcs(os.path.join(self.root, step_name), manifest.files)
+            wanted = [path for (path, _), crc, good in zip(manifest.files, local, manifest.crcs or ())
+                      if crc != good]
+        requests = coordinator.all_gather(wanted)
+        transfers = [Transfer(source, target, manifests[source][target], tuple(requests[target]))
+                     for target, source in sorted(sources.items())]
+        return self._move(coordinator, step, transfers, {t: d for t, d in served.items()},
+                          lambda i: os.path.join(self.root, step_name), replace_files=True)
+
+    def _move(self, coordinator: Coordinator, step: int, transfers: list[Transfer], served: Mapping[int, str],
+              final_of: Callable[[int], str], *, replace_files: bool) -> int:
+        me = coordinator.index
+        partials = {i: os.path.join(copies_root(self.root), f"{_PARTIAL}{time.time_ns()}-{i}")
+                    for i, t in enumerate(transfers) if t.target == me}
+        sources = {i: served[t.target] for i, t in enumerate(transfers) if t.source == me}
+        crcs_of = transfer(coordinator, transfers, sources, partials, f"step {step}")
+        truth = coordinator.all_gather({i: crcs for i, crcs in crcs_of.items() if transfers[i].source == me})
+        received = 0
+        for i, partial in partials.items():
+            t = transfers[i]
+            recorded = dict(zip((path for path, _ in t.files.files), t.files.crcs or ()))
+            expected = [recorded.get(path, sent) for path, sent in zip(t.paths, truth[t.source][i])]
+            if crcs_of[i] != truth[t.source][i] or crcs_of[i] != expected:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise CorruptCheckpointError(
+                    f"step {step} from process {t.source} arrived damaged or its copy there is damaged (CRC32C "
+                    f"mismatch in {[p for p, a, b in zip(t.paths, crcs_of[i], expected) if a != b] or t.paths}); "
+                    "nothing of it was kept")
+            final = final_of(i)
+            if replace_files:  # file by file: each is whole, old or new, whenever a crash comes
+                _sync_tree(partial)
+                for path in t.paths:
+                    os.makedirs(os.path.dirname(os.path.join(final, path)), exist_ok=True)
+                    os.replace(os.path.join(partial, path), os.path.join(final, path))
+                    _fsync(os.path.dirname(os.path.join(final, path)))
+                shutil.rmtree(partial, ignore_errors=True)
+            else:
+                _commit_dir(partial, final, None)
+            received += sum(size for path, size in t.files.files if path in set(t.paths))
+        return received
