@@ -6,8 +6,15 @@ persistent tier is on local disk, the GCS emulator or moto's S3 server (--persis
 loop's included. Medians (min-max) of repeats, variants interleaved. --scale scales every state (the loop's
 width follows).
 
+First, peer replication (`local_replication=2`; benchmarks/peer_replication_job.py): a job of 4 processes over
+gloo, 64 MiB x scale per process, a local tier each, the persistent tier on the GCS emulator (or the run's object
+store): save() blocking time with replication on and off (ABBA); resume with intact local tiers, with one wiped
+host, and with two wiped hosts holding each other's copies (the persistent fallback); bytes sent to peers per
+step and read from the persistent tier; disk per host.
+
 usage: python benchmarks/bench_multi_tier.py [--scale 1.0] [--repeats 5] [--loop-steps 10] [--loop-repeats 3]
                                             [--persistent-every 5] [--persistent local|gcs|s3]
+                                            [--replication-repeats 7] [--only-replication]
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import torch_xla  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402
 import workloads  # noqa: E402
 from bench_async import LAYERS, loop_state_bytes, loop_width, training_loop  # noqa: E402
 from run import start_object_store  # noqa: E402
@@ -124,6 +133,46 @@ def loops(root: str, tmp: str, args: argparse.Namespace, width: int) -> dict[str
     return times
 
 
+def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, str]) -> dict:
+    """The peer-replication job (benchmarks/peer_replication_job.py): 4 processes over gloo, a local tier each,
+    the persistent tier at `root`. Returns its summary, also printed."""
+    answers = jobs.run_job([os.path.join(HERE, "peer_replication_job.py"), "--root", f"{root}/replication",
+                            "--local-base", os.path.join(tmp, "replication"), "--mib", str(64 * args.scale),
+                            "--repeats", str(args.replication_repeats)], 4, env=env)
+
+    def slowest(key: str, name) -> list[float]:
+        return [max(a[key][name][i] for a in answers) for i in range(len(answers[0][key][name]))]
+
+    blocked = {k: slowest("blocked", k) for k in ("1", "2")}
+    resumes = {name: slowest("resumes", name) for name in answers[0]["resumes"]}
+    summary = {
+        "processes": len(answers), "state_bytes_per_process": answers[0]["state_bytes"],
+        "blocked_s": blocked, "blocked_ratio": statistics.median(blocked["2"]) / statistics.median(blocked["1"]),
+        "resume_s": resumes,
+        "wiped_over_intact": statistics.median(resumes["one wiped host"]) / statistics.median(resumes["intact"]),
+        "persistent_bytes": {name: max(max(a["persistent_bytes"][name]) for a in answers) for name in resumes},
+        "sent_per_step": [statistics.median(a["sent_per_step"]) for a in answers],
+        "own_step_bytes": [a["own_step_bytes"] for a in answers],
+        "disk": [a["disk"] for a in answers], "exact": all(a["exact"] for a in answers)}
+    mib = 2**20
+    print(f"peer replication (local_replication=2), 4 processes over gloo, "
+          f"{summary['state_bytes_per_process'] / mib:.0f} MiB per process, persistent tier on {root.split(':')[0]}; "
+          f"slowest process, median (min-max) of {args.replication_repeats} (blocking: {2 * args.replication_repeats})")
+    print(f"  save() blocks: replication off {spread(blocked['1'])}, on {spread(blocked['2'])} = "
+          f"{summary['blocked_ratio']:.2f}x (goal <= 1.1x)")
+    for name, values in resumes.items():
+        print(f"  resume, {name:20s} {spread(values)}; bytes read from the persistent tier (max per process) "
+              f"{summary['persistent_bytes'][name] / mib:.1f} MiB")
+    print(f"  one wiped host / intact = {summary['wiped_over_intact']:.2f}x (goal <= 1.5x)")
+    print(f"  sent to peers per step, per process: {[round(b / mib, 2) for b in summary['sent_per_step']]} MiB; "
+          f"one step's own files {[round(b / mib, 2) for b in summary['own_step_bytes']]} MiB")
+    print("  disk per host (local tier, 2 steps kept): off " + ", ".join(
+        f"{d['1'] / mib:.1f}" for d in summary["disk"]) + " MiB; on " + ", ".join(
+        f"{d['2'] / mib:.1f}" for d in summary["disk"]) + " MiB (goal <= 2x off)")
+    print(f"  exact: {summary['exact']}")
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scale", type=float, default=1.0, help="the states: 1 GiB x scale")
@@ -136,6 +185,8 @@ def main() -> None:
                         help="the loop's MLP width (default: its training state is 1 GiB x scale)")
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--persistent", choices=("local", "gcs", "s3"), default="local")
+    parser.add_argument("--replication-repeats", type=int, default=7, help="0: no peer-replication job")
+    parser.add_argument("--only-replication", action="store_true", help="the peer-replication job alone")
     args = parser.parse_args()
     server, bucket = start_object_store(args.persistent)
     if server is not None:
@@ -143,6 +194,18 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-tiers-") as tmp:
             root = bucket or os.path.join(tmp, "persistent")
+            if args.replication_repeats:
+                # Its persistent tier on an object store: the GCS emulator unless the run has one.
+                job_server, job_root = (None, bucket) if bucket else start_object_store("gcs")
+                try:
+                    env = dict(os.environ, **(job_server.environment if job_server else {}))
+                    env.pop("PJRT_DEVICE", None)
+                    replication(args, tmp, job_root, env)
+                finally:
+                    if job_server is not None:
+                        job_server.stop()
+            if args.only_replication:
+                return
             state = workloads.build_state("large", args.scale)
             where = {"gcs": "the GCS emulator", "s3": "moto's S3 server"}.get(args.persistent, "local disk")
             print(f"1 GiB x {args.scale}, persistent tier on {where}, local tier on local disk; "

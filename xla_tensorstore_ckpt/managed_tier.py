@@ -100,7 +100,9 @@ class ManagedTier:
         step_events.emit(events.SAVE_COMMITTED, seconds=done - phases.get("written", begun),
                          details={"total_seconds": done - started})
         if doomed and self.coordinator.is_primary:
-            self.committer.defer(f"deleting steps {doomed} of {self.describe()} (retention after step {save.step})",
+            # Behind the step's replication, which may still be reading a step retention lets go.
+            queue = self.committer if self.replicator is None else self.replicator
+            queue.defer(f"deleting steps {doomed} of {self.describe()} (retention after step {save.step})",
                                  save.step, lambda: self._retire(doomed, step_events))
 
     def _retire(self, doomed: list[int], step_events: events.Emitter) -> None:

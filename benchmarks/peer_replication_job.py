@@ -1,0 +1,116 @@
+"""One process of bench_multi_tier.py's peer-replication job (gloo on 127.0.0.1: RANK, WORLD_SIZE, MASTER_*).
+Each process holds one row shard of every array (`ShardedArray`, no devices) and has a local tier of its own.
+
+1. save() blocking time, local tier due every step, `local_replication=2` against 1, alternating ABBA; bytes
+   sent to peers per step; disk used per host.
+2. resumes (restore("latest") onto fresh targets, values compared exactly), per repeat: intact local tiers;
+   one wiped host (process 1's local directory deleted: its step comes from its peer); two wiped hosts holding
+   each other's copies (0 and 2: the persistent tier, --root, is used). Bytes each restore read from the
+   persistent tier, from the restore events.
+
+Prints one JSON line. Run by bench_multi_tier.py; not meant to be run alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+
+import torch
+
+import xla_tensorstore_ckpt as xtc
+
+ARRAYS, COLUMNS = 4, 1024
+
+
+def state(step: int | None, rows: int, index: int, count: int) -> dict:
+    shape, shard = (rows * count, COLUMNS), (rows, COLUMNS)
+    box = [((index * rows, (index + 1) * rows), (0, COLUMNS))]
+    if step is None:
+        return {f"w{i}": xtc.ShardedArray.target(shape, torch.float32, shard, box) for i in range(ARRAYS)}
+    return {f"w{i}": xtc.ShardedArray(shape, torch.float32, shard, ((box[0], torch.full(shard, float(step * 10 + i))),))
+            for i in range(ARRAYS)}
+
+
+def du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--local-base", required=True)
+    parser.add_argument("--mib", type=float, required=True, help="state per process")
+    parser.add_argument("--repeats", type=int, required=True)
+    args = parser.parse_args()
+    coordinator = xtc.Coordinator.from_environment()
+    me, count = coordinator.index, coordinator.count
+    rows = max(1, int(args.mib * 2**20 / (ARRAYS * COLUMNS * 4)))
+    events: list = []
+    base = dict(max_to_keep=2, save_rng=False, local_save_interval_steps=1, local_max_to_keep=2,
+                listeners=(events.append,))
+
+    def local_dir(name: str, process: int = me) -> str:
+        return os.path.join(args.local_base, name, f"host{process}")
+
+    # 1. blocking time of save(), replication on and off, alternating ABBA
+    managers = {k: xtc.CheckpointManager(f"{args.root}/blocking-{k}", xtc.CheckpointManagerOptions(
+        save_interval_steps=None, local_directory=local_dir(f"blocking-{k}"), local_replication=k, **base))
+        for k in (1, 2)}
+    blocked: dict[int, list[float]] = {1: [], 2: []}
+    for step in range(2 * args.repeats + 1):  # step 0 warms both up
+        order = (1, 2) if step % 4 in (0, 3) else (2, 1)
+        for k in order:
+            values = state(step, rows, me, count)
+            coordinator.everywhere("align", lambda: None)
+            start = time.perf_counter()
+            managers[k].save(step, model=values, force=True)
+            elapsed = time.perf_counter() - start
+            managers[k].wait_until_finished()
+            if step:
+                blocked[k].append(elapsed)
+    sent = [e.details["sent_bytes"] for e in events if e.kind == "peer_copies_committed"]
+    own = du(os.path.join(local_dir("blocking-2"), str(2 * args.repeats)))
+    disk = {k: du(local_dir(f"blocking-{k}")) for k in (1, 2)}
+    for manager in managers.values():
+        manager.close()
+
+    # 2. resumes: intact, one wiped host, two wiped hosts holding each other's copies
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, local_directory=local_dir("resume"),
+                                           local_replication=2, coordination_timeout_s=300, **base)
+    resumes: dict[str, list[float]] = {"intact": [], "one wiped host": [], "persistent fallback": []}
+    persistent_bytes: dict[str, list[int]] = {name: [] for name in resumes}
+    wiped = {"intact": (), "one wiped host": (1,), "persistent fallback": (0, 2)}
+    exact = True
+    for repeat in range(args.repeats + 1):  # repeat 0 warms up
+        with xtc.CheckpointManager(f"{args.root}/resume", options) as manager:
+            manager.save(repeat + 1, model=state(repeat + 1, rows, me, count), force=True)
+        for name, hosts in wiped.items():
+            if me in hosts:
+                shutil.rmtree(local_dir("resume"), ignore_errors=True)
+            coordinator.everywhere("wiped", lambda: None)
+            with xtc.CheckpointManager(f"{args.root}/resume", options) as manager:
+                target = state(None, rows, me, count)
+                events.clear()
+                coordinator.everywhere("align", lambda: None)
+                start = time.perf_counter()
+                step = manager.restore("latest", model=target)
+                elapsed = time.perf_counter() - start
+            expected = state(repeat + 1, rows, me, count)
+            exact &= step == repeat + 1 and all(torch.equal(target[k].shards[0][1], expected[k].shards[0][1])
+                                                for k in target)
+            if repeat:
+                resumes[name].append(elapsed)
+                persistent_bytes[name].append(sum(e.details.get("storage_bytes") or 0 for e in events
+                                                  if e.kind == "restore_finished" and e.tier == "persistent"))
+    coordinator.close()
+    print(json.dumps({"process": me, "state_bytes": rows * COLUMNS * 4 * ARRAYS, "blocked": blocked,
+                      "sent_per_step": sent, "own_step_bytes": own, "disk": disk, "resumes": resumes,
+                      "persistent_bytes": persistent_bytes, "exact": exact}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
