@@ -196,7 +196,7 @@ class Transfer:
     source: int
     target: int
     files: StepFiles
-    paths: tuple[str, ...]  # which of the files (all by default)
+    paths: tuple[str, ...]  # which of the files travel
 
 
 def _pieces(transfer: Transfer) -> list[tuple[str, int, int]]:
@@ -215,6 +215,20 @@ def _rounds(pieces: list[tuple[str, int, int]], budget: int) -> list[list[tuple[
         rounds[-1].append(piece)
         held += piece[2]
     return rounds
+
+
+_DAMAGED = -1  # the CRC32C recorded for a file its source could not read whole
+
+
+def _read_piece(path: str, start: int, length: int) -> np.ndarray | None:
+    """`length` bytes of `path` from `start`, or None if the file is missing or shorter."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = np.frombuffer(f.read(length), dtype=np.uint8)
+    except OSError:
+        return None
+    return data if data.size == length else None
 
 
 def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dirs: Mapping[int, str],
@@ -241,14 +255,12 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
                     continue
                 for path, start, length in rounds[number]:
                     if t.source == me:
-                        with open(os.path.join(source_dirs[i], path), "rb") as f:
-                            f.seek(start)
-                            data = np.frombuffer(f.read(length), dtype=np.uint8)
-                        if data.size != length:
-                            raise CorruptCheckpointError(f"{what}: {os.path.join(source_dirs[i], path)} is shorter "
-                                                         f"than its {t.files.files} record")
-                        sends.setdefault(t.target, []).append(data)
-                        crcs[i][path] = crc32c.crc32c(data, crcs[i].get(path, 0))
+                        data = _read_piece(os.path.join(source_dirs[i], path), start, length)
+                        sends.setdefault(t.target, []).append(np.zeros(length, np.uint8) if data is None else data)
+                        # A piece that could not be read still travels (the peer expects it), as zeros marked
+                        # damaged: the receiver then refuses the file instead of waiting for it.
+                        crcs[i][path] = _DAMAGED if data is None or crcs[i].get(path) == _DAMAGED else \
+                            crc32c.crc32c(data, crcs[i].get(path, 0))
                     else:
                         buffer = np.empty(length, dtype=np.uint8)
                         receives.setdefault(t.source, []).append(buffer)
@@ -291,9 +303,6 @@ class PeerReplicator:
         self._peers = {p: peers_of(p, coordinator.count, k, domain) for p in range(coordinator.count)}
         self._on_committed = on_committed
         self._committer = BackgroundCommitter(max_pending=1 << 30)
-
-    def peers(self, process: int) -> list[int]:
-        return self._peers[process]
 
     def replicate(self, step: int, step_name: str, directory: str | None) -> None:
         """Queue the replication of `step` (`directory`: this process's committed step, or None if its commit
@@ -434,18 +443,20 @@ class PeerCopies:
         served = {target: held[(writers[target], step)] for target, source in sources.items() if source == me}
         manifests = coordinator.all_gather({target: read_copy(d) for target, d in served.items()})
         wanted: list[str] = []
-        if me in sources:
+        unreadable = me in sources and manifests[sources[me]][me] is None
+        if me in sources and not unreadable:
             manifest = manifests[sources[me]][me]
-            if manifest is None:
-                raise CorruptCheckpointError(f"the peer copy of step {step} on process {sources[me]} is unreadable")
             local = file_crcs(os.path.join(self.root, step_name), manifest.files)
             wanted = [path for (path, _), crc, good in zip(manifest.files, local, manifest.crcs or ())
                       if crc != good]
         requests = coordinator.all_gather(wanted)
-        transfers = [Transfer(source, target, manifests[source][target], tuple(requests[target]))
-                     for target, source in sorted(sources.items())]
-        return self._move(coordinator, step, transfers, {t: d for t, d in served.items()},
-                          lambda i: os.path.join(self.root, step_name), replace_files=True)
+        transfers = [Transfer(source, target, manifests[source][target] or StepFiles(target, step, ()),
+                              tuple(requests[target])) for target, source in sorted(sources.items())]
+        received = self._move(coordinator, step, transfers, dict(served),
+                              lambda i: os.path.join(self.root, step_name), replace_files=True)
+        if unreadable:  # raised only now: the others went through every collective with this process
+            raise CorruptCheckpointError(f"the peer copy of step {step} on process {sources[me]} is unreadable")
+        return received
 
     def _move(self, coordinator: Coordinator, step: int, transfers: list[Transfer], served: Mapping[int, str],
               final_of: Callable[[int], str], *, replace_files: bool) -> int:

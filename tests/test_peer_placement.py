@@ -1,0 +1,47 @@
+"""Where peer copies go (`peer_copies.peers_of`) and the options that ask for them; in one process."""
+
+from __future__ import annotations
+
+import pytest
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import peer_copies
+from xla_tensorstore_ckpt.errors import UsageError
+
+
+def test_default_peers_are_the_farthest_processes_in_index_order():
+    assert [peer_copies.peers_of(p, 4, 2) for p in range(4)] == [[2], [3], [0], [1]]
+    assert peer_copies.peers_of(1, 8, 4) == [3, 5, 7]
+    assert peer_copies.peers_of(0, 4, 1) == []
+
+
+def test_peers_are_in_other_failure_domains_than_the_process_and_each_other():
+    domain = {0: "vm0", 1: "vm0", 2: "vm1", 3: "vm1", 4: "vm2", 5: "vm2"}.__getitem__
+    assert peer_copies.peers_of(0, 6, 3, domain) == [2, 4]
+    assert peer_copies.peers_of(3, 6, 2, domain) == [4]
+    for p in range(6):
+        chosen = peer_copies.peers_of(p, 6, 3, domain)
+        assert len({domain(q) for q in [p, *chosen]}) == 3
+
+
+def test_too_few_processes_or_domains_are_refused():
+    with pytest.raises(UsageError, match="needs at least 3 processes"):
+        peer_copies.peers_of(0, 2, 3)
+    with pytest.raises(UsageError, match="other failure domains"):
+        peer_copies.peers_of(0, 4, 2, lambda p: "one rack")
+
+
+def test_options_check_local_replication(tmp_path):
+    with pytest.raises(ValueError, match="local_replication needs local_directory"):
+        xtc.CheckpointManagerOptions(local_replication=2)
+    for bad in (0, None, 1.5, True):
+        with pytest.raises(ValueError, match="local_replication"):
+            xtc.CheckpointManagerOptions(local_directory=str(tmp_path), local_replication=bad)
+    with pytest.raises(ValueError, match="local_failure_domain must be callable"):
+        xtc.CheckpointManagerOptions(local_directory=str(tmp_path), local_replication=2, local_failure_domain=3)
+
+
+def test_a_single_process_cannot_replicate(tmp_path):
+    options = xtc.CheckpointManagerOptions(local_directory=str(tmp_path / "local"), local_replication=2)
+    with pytest.raises(UsageError, match="needs at least 2 processes"):
+        xtc.CheckpointManager(str(tmp_path / "root"), options)
