@@ -240,13 +240,13 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
     against the sender's before it commits anything. Collective: every process calls it with the same
     `transfers`. Raises `CoordinationError` naming a peer that dies meanwhile."""
     me = coordinator.index
-    plans = [(i, t, _rounds(_pieces(t), max(_PIECE_BYTES, ROUND_BYTES // 2))) for i, t in enumerate(transfers)
-             if me in (t.source, t.target)]
+    # Every process knows every transfer, so all count the same rounds without asking each other.
+    everyone = [(i, t, _rounds(_pieces(t), max(_PIECE_BYTES, ROUND_BYTES // 2))) for i, t in enumerate(transfers)]
+    plans = [(i, t, rounds) for i, t, rounds in everyone if me in (t.source, t.target)]
     crcs: dict[int, dict[str, int]] = {i: {} for i, _, _ in plans}
     handles: dict[tuple[int, str], object] = {}
-    total_rounds = coordinator.all_gather(max((len(r) for _, _, r in plans), default=0))
     try:
-        for number in range(max(total_rounds)):
+        for number in range(max((len(rounds) for _, _, rounds in everyone), default=0)):
             sends: dict[int, list[np.ndarray]] = {}
             receives: dict[int, list[np.ndarray]] = {}
             landing: list[tuple[int, str, int, np.ndarray]] = []
