@@ -7,6 +7,7 @@ hosts after a restart repair from the copy of the step their host holds."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -17,8 +18,10 @@ from forked import launch_job
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "peer_replication.py")
 
 
-def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_ok: bool = True) -> list[dict]:
-    results = launch_job(SCRIPT, 4, mode, str(root), str(local_base), *args, env={"XTC_HOSTS": hosts})
+def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_ok: bool = True,
+        layout: str = "fsdp") -> list[dict]:
+    results = launch_job(SCRIPT, 4, mode, str(root), str(local_base), *args,
+                         env={"XTC_HOSTS": hosts, "XTC_LAYOUT": layout})
     if expect_ok:
         for r in results:
             assert r["returncode"] == 0, r["stderr"][-3000:]
@@ -161,3 +164,36 @@ def test_processes_on_other_hosts_repair_from_the_copy_of_their_hosts_step(saved
         assert [e["details"] for e in fetched] == ([{"source": 3, "repair": True}] if r["host"] == 0 else [])
     assert (local_base / "host0" / "3" / damaged).read_bytes() == \
         (local_base / "host2" / "peer_copies" / "0" / "3" / damaged).read_bytes()
+
+
+def test_data_parallel_replicas_copy_only_what_the_replica_lacks(tmp_path):
+    root, local_base = tmp_path / "persistent", tmp_path / "local"
+    saved = lines(run("save", root, local_base, layout="dp"))
+    for r in saved:
+        assert r["error"] is None and r["local"] == [2, 3], r
+    for host in range(4):  # its peer (host + 2) is its data-parallel replica: the model is not copied
+        copy = local_base / f"host{(host + 2) % 4}" / "peer_copies" / str(host) / "3"
+        assert sorted(os.listdir(copy)) == ["_CHECKPOINT_METADATA", "commit_success.txt", "copy.json",
+                                            "data_loader", "rng"]
+        assert json.loads((copy / "copy.json").read_text())["shared"] == [["model", (host + 2) % 4]]
+        sent = [e for e in saved[host]["events"] if e["kind"] == "peer_copies_committed"][-1]["details"]
+        assert sent["sent_bytes"] == sum(tree_bytes(copy).values()) - (copy / "copy.json").stat().st_size
+
+    damage_largest_file(local_base / "host1" / "3")  # a model file: the model comes whole from host 3's own step
+    shutil.rmtree(local_base / "host0")  # its model comes from host 2's own step, the rest from its copy there
+    hide_persistent_data(root)
+    for r in lines(run("restore", root, local_base, layout="dp")):
+        assert r["step"] == 3 and r["equal"] and r["position"] == 30, r
+        assert r["draw"] == draw_after_seed(300 + r["host"])
+        fetched = [(e["details"], e["nbytes"]) for e in r["events"] if e["kind"] == "peer_fetched"]
+        if r["host"] == 0:
+            assert fetched == [({"source": 2, "repair": False}, sum(tree_bytes(local_base / "host0" / "3").values()))]
+        elif r["host"] == 1:  # (host 3's OCDBT files are named after it: the item travels whole)
+            model = sum(tree_bytes(local_base / "host3" / "3" / "model").values())
+            assert fetched == [({"source": 3, "repair": True}, model)]
+        else:
+            assert not fetched
+    assert tree_bytes(local_base / "host0" / "3" / "model") == tree_bytes(local_base / "host2" / "3" / "model")
+    for name in tree_bytes(local_base / "host3" / "3" / "model"):
+        assert (local_base / "host1" / "3" / "model" / name).read_bytes() == \
+            (local_base / "host3" / "3" / "model" / name).read_bytes()

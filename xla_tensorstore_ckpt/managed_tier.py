@@ -18,8 +18,9 @@ from .async_save import BackgroundCommitter
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError, UsageError
 from .options import CheckpointManagerOptions
-from .peer_copies import PeerReplicator
+from .peer_copies import PeerReplicator, item_keys
 from .tier import PendingSave, Tier
+from .training_state import RNG_ITEM
 
 log = logging.getLogger("xla_tensorstore_ckpt")
 
@@ -92,10 +93,11 @@ class ManagedTier:
                                       on_written=written)
         except BaseException:
             if self.replicator is not None:  # the peers still expect this process in the step's replication
-                self.replicator.replicate(save.step, save.final.name, None)
+                self.replicator.replicate(save.step, save.final.name, None, {})
             raise
         if self.replicator is not None:
-            self.replicator.replicate(save.step, save.final.name, save.final.path)
+            self.replicator.replicate(save.step, save.final.name, save.final.path,
+                                      item_keys(save.plans, per_process=(RNG_ITEM,)))
         done = time.perf_counter()
         step_events.emit(events.SAVE_COMMITTED, seconds=done - phases.get("written", begun),
                          details={"total_seconds": done - started})

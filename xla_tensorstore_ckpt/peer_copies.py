@@ -20,12 +20,13 @@ every process in the same order and block.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import crc32c
 import numpy as np
@@ -33,6 +34,8 @@ import numpy as np
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator
 from .errors import CorruptCheckpointError, UsageError
+from .save_plan import SavePlan
+from .tensor_layout import Placement
 
 COPIES_DIR = "peer_copies"  # under the local root; not a step name, so the local tier's scans pass it by
 COPY_MARKER = "copy.json"
@@ -49,6 +52,7 @@ class StepFiles:
     step: int
     files: tuple[tuple[str, int], ...]
     crcs: tuple[int, ...] | None = None
+    shared: tuple[tuple[str, int], ...] = ()  # (item, process): items not copied, held identical by that process
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +86,32 @@ def peers_of(process: int, count: int, k: int, domain: Callable[[int], Hashable]
                      f"domains than its own ({domain(process)!r}); {k - 1} are needed")
 
 
+# ------------------------------------------------------------------------------------ de-duplication
+
+_GLOBAL = (Placement.REPLICATED, Placement.TILED, Placement.HOST)
+
+
+def item_keys(plans: Mapping[str, SavePlan], per_process: Collection[str]) -> dict[str, str]:
+    """For each item of a local step (`plans`: its save plans) that can be shared with a data-parallel replica:
+    a digest of which regions of which arrays this process wrote. Only items whose arrays are all global
+    (SPMD-sharded or replicated XLA tensors, `ShardedArray`s) qualify, not `per_process` ones (the generator
+    states: one row per process, alike in shape only): two processes writing the same regions of the same
+    global arrays wrote the same values, the invariant the persistent tier's one writer per shard rests on."""
+    keys = {}
+    for name, plan in plans.items():
+        if name in per_process or not plan.arrays or any(a.layout.placement not in _GLOBAL for a in plan.arrays):
+            continue
+        regions = sorted((repr(a.key_path), sorted(w.region for w in a.writes)) for a in plan.arrays)
+        keys[name] = hashlib.sha256(repr(regions).encode()).hexdigest()
+    return keys
+
+
+def _file_crc(path: str) -> int | None:
+    if not os.path.isfile(path):
+        return None
+    return file_crcs(os.path.dirname(path), [(os.path.basename(path), os.path.getsize(path))])[0]
+
+
 # -------------------------------------------------------------------------------------- files on disk
 
 def copies_root(local_root: str) -> str:
@@ -110,15 +140,17 @@ def read_copy(directory: str) -> StepFiles | None:
             record = json.load(f)
         return StepFiles(int(record["writer"]), int(record["step"]),
                          tuple((str(path), int(size)) for path, size, _ in record["files"]),
-                         tuple(int(crc) for _, _, crc in record["files"]))
+                         tuple(int(crc) for _, _, crc in record["files"]),
+                         tuple((str(item), int(process)) for item, process in record.get("shared", [])))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def held_copies(local_root: str, step_of: Callable[[str], int | None]) -> dict[tuple[int, int], str]:
-    """The committed peer copies this process holds: (writer, step) -> directory. Removes partial ones (a copy
-    cut short). `step_of` parses a step directory's name."""
-    held: dict[tuple[int, int], str] = {}
+def held_copies(local_root: str,
+                step_of: Callable[[str], int | None]) -> dict[tuple[int, int], tuple[str, StepFiles]]:
+    """The committed peer copies this process holds: (writer, step) -> (directory, manifest). Removes partial
+    ones (a copy cut short). `step_of` parses a step directory's name."""
+    held: dict[tuple[int, int], tuple[str, StepFiles]] = {}
     base = copies_root(local_root)
     for writer in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         if _PARTIAL in writer:  # a fetch cut short
@@ -133,7 +165,7 @@ def held_copies(local_root: str, step_of: Callable[[str], int | None]) -> dict[t
             step = step_of(name)
             manifest = read_copy(directory)
             if step is not None and manifest is not None and manifest.step == step:
-                held[(int(writer), step)] = directory
+                held[(int(writer), step)] = (directory, manifest)
     return held
 
 
@@ -175,7 +207,8 @@ def _commit_dir(partial: str, final: str, manifest: StepFiles | None, *, fsync: 
     if manifest is not None:
         assert manifest.crcs is not None
         record = {"writer": manifest.writer, "step": manifest.step,
-                  "files": [[path, size, crc] for (path, size), crc in zip(manifest.files, manifest.crcs)]}
+                  "files": [[path, size, crc] for (path, size), crc in zip(manifest.files, manifest.crcs)],
+                  "shared": [list(entry) for entry in manifest.shared]}
         with open(os.path.join(partial, COPY_MARKER), "w") as f:
             json.dump(record, f)
             f.flush()
@@ -300,22 +333,49 @@ class PeerReplicator:
                  domain: Callable[[int], Hashable] | None, keep: int | None,
                  on_committed: Callable[[int, dict[int, list[int]], int, int], None]):
         self._coordinator, self._root, self._keep = coordinator, local_root, keep
+        self._domain = domain or (lambda process: process)
         self._peers = {p: peers_of(p, coordinator.count, k, domain) for p in range(coordinator.count)}
         self._on_committed = on_committed
         self._committer = BackgroundCommitter(max_pending=1 << 30)
 
-    def replicate(self, step: int, step_name: str, directory: str | None) -> None:
+    def replicate(self, step: int, step_name: str, directory: str | None, keys: Mapping[str, str]) -> None:
         """Queue the replication of `step` (`directory`: this process's committed step, or None if its commit
-        failed here: the others still take part, and nothing of this process is copied). Does not block."""
+        failed here: the others still take part, and nothing of this process is copied; `keys`: `item_keys`
+        of its plans). Does not block."""
         self._committer.defer(f"replicating step {step} of the local tier {self._root} to peers", step,
-                              lambda: self._replicate(step, step_name, directory))
+                              lambda: self._replicate(step, step_name, directory, keys))
 
-    def _replicate(self, step: int, step_name: str, directory: str | None) -> None:
+    def _sharers(self, writer: int, everyone: Sequence) -> dict[str, int]:
+        """The items of `writer`'s step that another process, in another failure domain, holds identical (the
+        same item key and metadata files): item -> the first such process after it in index order."""
+        count = len(everyone)
+        shared = {}
+        for item, key in everyone[writer][1].items():
+            for offset in range(1, count):
+                other = (writer + offset) % count
+                if everyone[other] is not None and everyone[other][1].get(item) == key and \
+                        self._domain(other) != self._domain(writer):
+                    shared[item] = other
+                    break
+        return shared
+
+    def _replicate(self, step: int, step_name: str, directory: str | None, keys: Mapping[str, str]) -> None:
         c = self._coordinator
-        mine = None if directory is None else list_files(directory, c.index, step)
+        mine = None
+        if directory is not None:
+            mine = (list_files(directory, c.index, step),
+                    {item: (key, _file_crc(os.path.join(directory, item, "_METADATA")),
+                            _file_crc(os.path.join(directory, item, "_strings.json"))) for item, key in keys.items()})
         everyone = c.all_gather(mine)
-        transfers = [Transfer(writer, peer, files, tuple(path for path, _ in files.files))
-                     for writer, files in enumerate(everyone) if files is not None for peer in self._peers[writer]]
+        transfers = []
+        for writer, entry in enumerate(everyone):
+            if entry is None:
+                continue
+            shared = self._sharers(writer, everyone)
+            sent = tuple((path, size) for path, size in entry[0].files if path.split("/", 1)[0] not in shared)
+            files = StepFiles(writer, step, sent, shared=tuple(sorted(shared.items())))
+            paths = tuple(path for path, _ in sent)
+            transfers += [Transfer(writer, peer, files, paths) for peer in self._peers[writer]]
         partials = {i: copy_dir(self._root, t.source, step_name) + f"{_PARTIAL}{time.time_ns()}"
                     for i, t in enumerate(transfers) if t.target == c.index}
         sources = {i: directory for i, t in enumerate(transfers) if t.source == c.index}
@@ -328,7 +388,7 @@ class PeerReplicator:
             if crcs != truth[t.source][i]:
                 shutil.rmtree(partials[i], ignore_errors=True)
                 continue
-            manifest = StepFiles(t.source, step, t.files.files, tuple(crcs))
+            manifest = StepFiles(t.source, step, t.files.files, tuple(crcs), t.files.shared)
             _commit_dir(partials[i], copy_dir(self._root, t.source, step_name), manifest)
             committed.append(t.source)
         holders = c.all_gather(committed)
@@ -378,18 +438,21 @@ class PeerReplicator:
 @dataclass(frozen=True)
 class Holdings:
     """What one process has for a resume: its own committed local steps (step, writer) and the committed peer
-    copies it holds (writer, step)."""
+    copies it holds, (writer, step) -> the processes whose own steps hold the items the copy left out."""
 
     own: frozenset[tuple[int, int]]
-    copies: frozenset[tuple[int, int]]
+    copies: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
 
 
 def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int) -> int | None:
     """A process other than `process` that holds `writer`'s step `step`: one with a committed peer copy first
-    (verifiable: its marker has every file's CRC32C), else one whose own step was written by `writer` (a job
-    restarted with other indices). None if there is none."""
+    (verifiable: its marker has every file's CRC32C) whose shared items' holders still have their own step,
+    else one whose own step was written by `writer` (a job restarted with other indices). None if there is
+    none."""
     for holder, held in enumerate(everyone):
-        if holder != process and (writer, step) in held.copies:
+        sharers = held.copies.get((writer, step))
+        if holder != process and sharers is not None and all(
+                q != process and (step, q) in everyone[q].own for q in sharers):
             return holder
     for holder, held in enumerate(everyone):
         if holder != process and (step, writer) in held.own:
@@ -399,93 +462,133 @@ def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int
 
 class PeerCopies:
     """The peer copies in this process's local tier at `local_root`, for resuming (`resume`): what it holds,
-    and the collectives that bring a missing or damaged step from a peer."""
+    and the collectives that bring a missing or damaged step from peers."""
 
     def __init__(self, local_root: str, step_of: Callable[[str], int | None]):
         self.root, self._step_of = local_root, step_of
 
-    def held(self) -> dict[tuple[int, int], str]:
-        """The committed copies here, (writer, step) -> directory (partial ones removed)."""
+    def held(self) -> dict[tuple[int, int], tuple[str, StepFiles]]:
+        """The committed copies here, (writer, step) -> (directory, manifest); partial ones removed."""
         return held_copies(self.root, self._step_of)
+
+    def holdings(self, own: frozenset[tuple[int, int]]) -> Holdings:
+        return Holdings(own, {key: tuple(q for _, q in manifest.shared) for key, (_, manifest) in self.held().items()})
 
     def fetch(self, coordinator: Coordinator, step: int, step_name: str, own_writer: Mapping[int, int],
               sources: Mapping[int, int]) -> int:
-        """Every process `t` of `sources` receives the step `step` of writer `t` from ``sources[t]`` and commits it
-        as its local step ``step_name`` (a temporary directory renamed into place: a crash leaves a partial step
-        that the tier removes). `own_writer`: the writer of this process's own step `step`, if it serves from
-        it. Returns the bytes received here. Raises `CorruptCheckpointError` on the receiver if what arrived
-        does not match the copy's CRC32Cs (nothing is committed then). Collective."""
+        """Every process `t` of `sources` receives the step `step` of writer `t` from ``sources[t]`` (and the items
+        its copy left out from the processes holding them identical) and commits it as its local step
+        ``step_name`` (a temporary directory renamed into place; a crash leaves only a partial directory, removed
+        later). `own_writer`: the writer of this process's own step `step`, if it serves from it. Returns the
+        bytes received here. Raises `CorruptCheckpointError` on the receiver if what arrived does not match the
+        CRC32Cs (nothing is committed then). Collective."""
         me = coordinator.index
+        own_dir = os.path.join(self.root, step_name)
         held = self.held()
         served: dict[int, tuple[str, StepFiles]] = {}
         for target, source in sources.items():
             if source == me:
-                directory = held.get((target, step))
-                if directory is not None and (manifest := read_copy(directory)) is not None:
-                    served[target] = (directory, manifest)
-                else:
-                    directory = os.path.join(self.root, step_name)
-                    served[target] = (directory, list_files(directory, own_writer[me], step))
+                served[target] = held.get((target, step)) or (own_dir, list_files(own_dir, own_writer[me], step))
         manifests = coordinator.all_gather({target: files for target, (_, files) in served.items()})
-        transfers = [Transfer(source, target, manifests[source][target],
-                              tuple(path for path, _ in manifests[source][target].files))
-                     for target, source in sorted(sources.items())]
-        return self._move(coordinator, step, transfers, {t: d for t, (d, _) in served.items()},
-                          lambda i: os.path.join(self.root, step_name), replace_files=False)
+        main = {target: manifests[source][target] for target, source in sources.items()}
+        needs = sorted((t, item, q) for t, files in main.items() for item, q in files.shared)
+        lists = self._item_files(coordinator, needs, own_dir, step, with_crcs=False)
+        transfers = [Transfer(s, t, main[t], tuple(path for path, _ in main[t].files))
+                     for t, s in sorted(sources.items())]
+        dirs = [served[t][0] if s == me else None for t, s in sorted(sources.items())]
+        for t, item, q in needs:
+            files = lists[q][(t, item)]
+            transfers.append(Transfer(q, t, files, tuple(path for path, _ in files.files)))
+            dirs.append(own_dir if q == me else None)
+        return self._move(coordinator, step, transfers, dirs, own_dir, replace_files=False)
 
     def repair(self, coordinator: Coordinator, step: int, step_name: str, writers: Mapping[int, int],
                sources: Mapping[int, int]) -> int:
         """Every process `t` of `sources` replaces the files of its local step ``step_name`` that differ from the
-        peer copy of writer ``writers[t]`` held by ``sources[t]`` (checked by CRC32C: only those travel).
-        Returns the bytes received here. Raises `CorruptCheckpointError` as `fetch` does. Collective."""
+        peer copy of writer ``writers[t]`` held by ``sources[t]`` (and, for the items that copy left out, from the
+        own steps of the processes holding them identical), checked by CRC32C: only those files travel. Returns
+        the bytes received here. Raises `CorruptCheckpointError` as `fetch` does. Collective."""
         me = coordinator.index
+        own_dir = os.path.join(self.root, step_name)
         held = self.held()
-        served = {target: held[(writers[target], step)] for target, source in sources.items() if source == me}
-        manifests = coordinator.all_gather({target: read_copy(d) for target, d in served.items()})
-        wanted: list[str] = []
-        unreadable = me in sources and manifests[sources[me]][me] is None
-        if me in sources and not unreadable:
-            manifest = manifests[sources[me]][me]
-            local = file_crcs(os.path.join(self.root, step_name), manifest.files)
-            wanted = [path for (path, _), crc, good in zip(manifest.files, local, manifest.crcs or ())
-                      if crc != good]
+        served = {t: held[(writers[t], step)] for t, s in sources.items() if s == me}
+        manifests = coordinator.all_gather({t: files for t, (_, files) in served.items()})
+        main = {t: manifests[s][t] for t, s in sources.items()}
+        needs = sorted((t, item, q) for t, files in main.items() for item, q in files.shared)
+        lists = self._item_files(coordinator, needs, own_dir, step, with_crcs=True)
+        wanted: list[list[str]] = []
+        whole: set[str] = set()  # shared items this process replaces whole: another process's files are named
+        if me in sources:      # after it (its OCDBT files), so they come all together or not at all
+            wanted.append([path for (path, _), crc, good in
+                           zip(main[me].files, file_crcs(own_dir, main[me].files), main[me].crcs or ()) if crc != good])
+            for t, item, q in needs:
+                if t == me:
+                    ref = lists[q][(t, item)]
+                    intact = file_crcs(own_dir, ref.files) == list(ref.crcs or ())
+                    wanted.append([] if intact else [path for path, _ in ref.files])
+                    whole |= set() if intact else {item}
         requests = coordinator.all_gather(wanted)
-        transfers = [Transfer(source, target, manifests[source][target] or StepFiles(target, step, ()),
-                              tuple(requests[target])) for target, source in sorted(sources.items())]
-        received = self._move(coordinator, step, transfers, dict(served),
-                              lambda i: os.path.join(self.root, step_name), replace_files=True)
-        if unreadable:  # raised only now: the others went through every collective with this process
-            raise CorruptCheckpointError(f"the peer copy of step {step} on process {sources[me]} is unreadable")
-        return received
+        transfers, dirs = [], []
+        for t, s in sorted(sources.items()):
+            transfers.append(Transfer(s, t, main[t], tuple(requests[t][0])))
+            dirs.append(served[t][0] if s == me else None)
+        position = {t: 1 for t in sources}
+        for t, item, q in needs:
+            transfers.append(Transfer(q, t, lists[q][(t, item)], tuple(requests[t][position[t]])))
+            dirs.append(own_dir if q == me else None)
+            position[t] += 1
+        return self._move(coordinator, step, transfers, dirs, own_dir, replace_files=True, whole_items=whole)
 
-    def _move(self, coordinator: Coordinator, step: int, transfers: list[Transfer], served: Mapping[int, str],
-              final_of: Callable[[int], str], *, replace_files: bool) -> int:
+    def _item_files(self, coordinator: Coordinator, needs: list[tuple[int, str, int]], own_dir: str, step: int, *,
+                    with_crcs: bool) -> list[dict[tuple[int, str], StepFiles]]:
+        """For each (target, item, holder) of `needs` (the same on every process): the files of `item` in the
+        holder's own step, listed by the holder (with their CRC32Cs if asked). Collective if `needs`."""
+        if not needs:
+            return [{} for _ in range(coordinator.count)]
+        mine = {}
+        for target, item, holder in needs:
+            if holder == coordinator.index:
+                files = tuple(f for f in list_files(own_dir, holder, step).files if f[0].startswith(item + "/"))
+                crcs = tuple(crc or 0 for crc in file_crcs(own_dir, files)) if with_crcs else None
+                mine[(target, item)] = StepFiles(holder, step, files, crcs)
+        return coordinator.all_gather(mine)
+
+    def _move(self, coordinator: Coordinator, step: int, transfers: list[Transfer], dirs: list[str | None],
+              final: str, *, replace_files: bool, whole_items: Collection[str] = ()) -> int:
+        """Run `transfers` (their sources read from `dirs`), check what this process received against the
+        CRC32Cs the sources read and those recorded, then put it in place: the step directory `final` replaced
+        whole, or (`replace_files`) the files received replaced one by one, the item directories of
+        `whole_items` first emptied."""
         me = coordinator.index
-        partials = {i: os.path.join(copies_root(self.root), f"{_PARTIAL}{time.time_ns()}-{i}")
-                    for i, t in enumerate(transfers) if t.target == me}
-        sources = {i: served[t.target] for i, t in enumerate(transfers) if t.source == me}
-        crcs_of = transfer(coordinator, transfers, sources, partials, f"step {step}")
+        mine = [i for i, t in enumerate(transfers) if t.target == me]
+        partial = os.path.join(copies_root(self.root), f"{_PARTIAL}{time.time_ns()}") if mine else None
+        crcs_of = transfer(coordinator, transfers, {i: d for i, d in enumerate(dirs) if d is not None},
+                           {i: partial for i in mine}, f"step {step}")
         truth = coordinator.all_gather({i: crcs for i, crcs in crcs_of.items() if transfers[i].source == me})
-        received = 0
-        for i, partial in partials.items():
+        if partial is None:
+            return 0
+        damaged = []
+        for i in mine:
             t = transfers[i]
             recorded = dict(zip((path for path, _ in t.files.files), t.files.crcs or ()))
             expected = [recorded.get(path, sent) for path, sent in zip(t.paths, truth[t.source][i])]
-            if crcs_of[i] != truth[t.source][i] or crcs_of[i] != expected:
-                shutil.rmtree(partial, ignore_errors=True)
-                raise CorruptCheckpointError(
-                    f"step {step} from process {t.source} arrived damaged or its copy there is damaged (CRC32C "
-                    f"mismatch in {[p for p, a, b in zip(t.paths, crcs_of[i], expected) if a != b] or t.paths}); "
-                    "nothing of it was kept")
-            final = final_of(i)
-            # Not synced: the restore that follows reads from the page cache and checks every chunk's CRC32C, and
-            # after a power loss a torn file is damage that the next resume repairs from the copy again.
-            if replace_files:  # file by file: each is whole, old or new, whenever a crash comes
-                for path in t.paths:
+            damaged += [f"{path} from process {t.source}" for path, got, sent, want in
+                        zip(t.paths, crcs_of[i], truth[t.source][i], expected) if not got == sent == want]
+        if damaged:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise CorruptCheckpointError(f"step {step} arrived damaged, or its copy is damaged where it came from "
+                                         f"(CRC32C mismatch: {', '.join(damaged)}); nothing of it was kept")
+        # Not synced: the restore that follows reads from the page cache and checks every chunk's CRC32C, and
+        # after a power loss a torn file is damage that the next resume repairs from the copy again.
+        if replace_files:  # file by file: each is whole, old or new, whenever a crash comes
+            for item in whole_items:
+                shutil.rmtree(os.path.join(final, item), ignore_errors=True)
+            for i in mine:
+                for path in transfers[i].paths:
                     os.makedirs(os.path.dirname(os.path.join(final, path)), exist_ok=True)
                     os.replace(os.path.join(partial, path), os.path.join(final, path))
-                shutil.rmtree(partial, ignore_errors=True)
-            else:
-                _commit_dir(partial, final, None, fsync=False)
-            received += sum(size for path, size in t.files.files if path in set(t.paths))
-        return received
+            shutil.rmtree(partial, ignore_errors=True)
+        elif os.path.isdir(partial):
+            _commit_dir(partial, final, None, fsync=False)
+        sizes = {(i, path): size for i in mine for path, size in transfers[i].files.files}
+        return sum(sizes[(i, path)] for i in mine for path in transfers[i].paths)

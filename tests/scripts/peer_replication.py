@@ -8,6 +8,7 @@ usage: peer_replication.py save ROOT LOCAL_BASE [KILL_HOST]
            commit (the others then fail that step's replication)
        peer_replication.py restore ROOT LOCAL_BASE
            restore("latest"), every value checked against its step
+With XTC_LAYOUT=dp, host h holds row shard h % 2 of two (data-parallel replicas: 0 and 2, 1 and 3).
 Rank r runs on host XTC_HOSTS[r] (a comma-separated list; default 0,1,2,3), whose local tier is
 LOCAL_BASE/host<HOST>. Prints one JSON line: {"rank", "host", ...}.
 """
@@ -27,7 +28,9 @@ import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import peer_copies
 
 HOSTS, ROWS, COLUMNS = 4, 16, 32
-SHAPE, SHARD = (HOSTS * ROWS, COLUMNS), (ROWS, COLUMNS)
+# XTC_LAYOUT=dp: data-parallel replicas, DP=2 x FSDP=2: host h holds row shard h % 2 of two (hosts 0 and 2 alike)
+SHARDS = 2 if os.environ.get("XTC_LAYOUT") == "dp" else HOSTS
+SHAPE, SHARD = (SHARDS * ROWS, COLUMNS), (ROWS, COLUMNS)
 
 
 def global_value(step: int) -> torch.Tensor:
@@ -35,7 +38,8 @@ def global_value(step: int) -> torch.Tensor:
 
 
 def model_for(step: int | None, host: int) -> dict:
-    index = ((host * ROWS, (host + 1) * ROWS), (0, COLUMNS))
+    shard = host % SHARDS
+    index = ((shard * ROWS, (shard + 1) * ROWS), (0, COLUMNS))
     if step is None:
         return {"w": xtc.ShardedArray.target(SHAPE, torch.float32, SHARD, [index])}
     return {"w": xtc.ShardedArray.from_tensor(global_value(step), SHARD, [index])}
