@@ -62,8 +62,9 @@ def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, w
     if local is not None:
         mine = sorted((step, marker.persistent_copy, marker.writer) for step, marker in local.committed().items())
     own = frozenset((step, writer) for step, _, writer in mine if writer is not None)
-    holdings = coordinator.all_gather(peers.holdings(own) if peers is not None else Holdings(own))
-    everyone = [{step: flag for step, flag, _ in entries} for entries in coordinator.all_gather(mine)]
+    gathered = coordinator.all_gather((mine, peers.holdings(own) if peers is not None else Holdings(own)))
+    everyone = [{step: flag for step, flag, _ in entries} for entries, _ in gathered]
+    holdings = [held for _, held in gathered]
     fetches: dict[int, tuple[tuple[int, int], ...]] = {}
     for step in set().union(*everyone):
         missing = [p for p, steps in enumerate(everyone) if step not in steps]
