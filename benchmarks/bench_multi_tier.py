@@ -8,9 +8,10 @@ width follows).
 
 First, peer replication (`local_replication=2`; benchmarks/peer_replication_job.py): a job of 4 processes over
 gloo, 64 MiB x scale per process, a local tier each, the persistent tier on the GCS emulator (or the run's object
-store): save() blocking time with replication on and off (ABBA); resume with intact local tiers, with one wiped
-host, and with two wiped hosts holding each other's copies (the persistent fallback); bytes sent to peers per
-step and read from the persistent tier; disk per host.
+store), FSDP=4 and DP=2 x FSDP=2 (whose peers already hold their shards): save() blocking time with
+replication on and off (ABBA); resume with intact local tiers, with one wiped host, and with two wiped hosts
+holding each other's copies (the persistent fallback); bytes sent to peers per step and read from the
+persistent tier; disk per host.
 
 usage: python benchmarks/bench_multi_tier.py [--scale 1.0] [--repeats 5] [--loop-steps 10] [--loop-repeats 3]
                                             [--persistent-every 5] [--persistent local|gcs|s3]
@@ -133,12 +134,13 @@ def loops(root: str, tmp: str, args: argparse.Namespace, width: int) -> dict[str
     return times
 
 
-def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, str]) -> dict:
+def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, str], replicas: int) -> dict:
     """The peer-replication job (benchmarks/peer_replication_job.py): 4 processes over gloo, a local tier each,
-    the persistent tier at `root`. Returns its summary, also printed."""
-    answers = jobs.run_job([os.path.join(HERE, "peer_replication_job.py"), "--root", f"{root}/replication",
-                            "--local-base", os.path.join(tmp, "replication"), "--mib", str(64 * args.scale),
-                            "--repeats", str(args.replication_repeats)], 4, env=env)
+    `replicas` data-parallel replicas, the persistent tier at `root`. Returns its summary, also printed."""
+    answers = jobs.run_job([os.path.join(HERE, "peer_replication_job.py"), "--root", f"{root}/replication-{replicas}",
+                            "--local-base", os.path.join(tmp, f"replication-{replicas}"), "--mib",
+                            str(64 * args.scale), "--repeats", str(args.replication_repeats), "--replicas",
+                            str(replicas)], 4, env=env)
 
     def slowest(key: str, name) -> list[float]:
         return [max(a[key][name][i] for a in answers) for i in range(len(answers[0][key][name]))]
@@ -155,7 +157,7 @@ def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, st
         "own_step_bytes": [a["own_step_bytes"] for a in answers],
         "disk": [a["disk"] for a in answers], "exact": all(a["exact"] for a in answers)}
     mib = 2**20
-    print(f"peer replication (local_replication=2), 4 processes over gloo, "
+    print(f"peer replication (local_replication=2), 4 processes over gloo, DP={replicas} x FSDP={4 // replicas}, "
           f"{summary['state_bytes_per_process'] / mib:.0f} MiB per process, persistent tier on {root.split(':')[0]}; "
           f"slowest process, median (min-max) of {args.replication_repeats} (blocking: {2 * args.replication_repeats})")
     print(f"  save() blocks: replication off {spread(blocked['1'])}, on {spread(blocked['2'])} = "
@@ -200,7 +202,8 @@ def main() -> None:
                 try:
                     env = dict(os.environ, **(job_server.environment if job_server else {}))
                     env.pop("PJRT_DEVICE", None)
-                    replication(args, tmp, job_root, env)
+                    for replicas in (1, 2):  # DP=2: each process's peer is its replica, which holds its shards
+                        replication(args, tmp, job_root, env, replicas)
                 finally:
                     if job_server is not None:
                         job_server.stop()

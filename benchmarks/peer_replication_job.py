@@ -1,5 +1,6 @@
 """One process of bench_multi_tier.py's peer-replication job (gloo on 127.0.0.1: RANK, WORLD_SIZE, MASTER_*).
-Each process holds one row shard of every array (`ShardedArray`, no devices) and has a local tier of its own.
+Each process holds one row shard of every array (`ShardedArray`, no devices; with --replicas R, DP = R x
+FSDP = 4 / R: data-parallel replicas hold the same shard) and has a local tier of its own.
 
 1. save() blocking time, local tier due every step, `local_replication=2` against 1, alternating ABBA; bytes
    sent to peers per step; disk used per host.
@@ -26,8 +27,10 @@ import xla_tensorstore_ckpt as xtc
 ARRAYS, COLUMNS = 4, 1024
 
 
-def state(step: int | None, rows: int, index: int, count: int) -> dict:
-    shape, shard = (rows * count, COLUMNS), (rows, COLUMNS)
+def state(step: int | None, rows: int, index: int, count: int, replicas: int = 1) -> dict:
+    """Process `index` holds row shard `index mod count / replicas` of every array (DP = replicas x FSDP)."""
+    shards = count // replicas
+    shape, shard, index = (rows * shards, COLUMNS), (rows, COLUMNS), index % shards
     box = [((index * rows, (index + 1) * rows), (0, COLUMNS))]
     if step is None:
         return {f"w{i}": xtc.ShardedArray.target(shape, torch.float32, shard, box) for i in range(ARRAYS)}
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--local-base", required=True)
     parser.add_argument("--mib", type=float, required=True, help="state per process")
     parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (DP x FSDP layout)")
     args = parser.parse_args()
     coordinator = xtc.Coordinator.from_environment()
     me, count = coordinator.index, coordinator.count
@@ -64,7 +68,7 @@ def main() -> None:
     for step in range(2 * args.repeats + 1):  # step 0 warms both up
         order = (1, 2) if step % 4 in (0, 3) else (2, 1)
         for k in order:
-            values = state(step, rows, me, count)
+            values = state(step, rows, me, count, args.replicas)
             coordinator.everywhere("align", lambda: None)
             start = time.perf_counter()
             managers[k].save(step, model=values, force=True)
@@ -87,19 +91,19 @@ def main() -> None:
     exact = True
     for repeat in range(args.repeats + 1):  # repeat 0 warms up
         with xtc.CheckpointManager(f"{args.root}/resume", options) as manager:
-            manager.save(repeat + 1, model=state(repeat + 1, rows, me, count), force=True)
+            manager.save(repeat + 1, model=state(repeat + 1, rows, me, count, args.replicas), force=True)
         for name, hosts in wiped.items():
             if me in hosts:
                 shutil.rmtree(local_dir("resume"), ignore_errors=True)
             coordinator.everywhere("wiped", lambda: None)
             with xtc.CheckpointManager(f"{args.root}/resume", options) as manager:
-                target = state(None, rows, me, count)
+                target = state(None, rows, me, count, args.replicas)
                 events.clear()
                 coordinator.everywhere("align", lambda: None)
                 start = time.perf_counter()
                 step = manager.restore("latest", model=target)
                 elapsed = time.perf_counter() - start
-            expected = state(repeat + 1, rows, me, count)
+            expected = state(repeat + 1, rows, me, count, args.replicas)
             exact &= step == repeat + 1 and all(torch.equal(target[k].shards[0][1], expected[k].shards[0][1])
                                                 for k in target)
             if repeat:
