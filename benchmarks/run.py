@@ -2,7 +2,7 @@
 in one run, with the machine's floors measured in the same run. Prints an aligned table with ratios against
 torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/results/.
 
-usage: python benchmarks/run.py [--scale 1.0] [--repeats 3]
+usage: python benchmarks/run.py [--quick] [--scale 1.0] [--repeats 3]
                                 [--workloads large,small,model,orbax-interop,hf-import,size-sweep,multi-tier,scale]
                                 [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
                                 [--storage local|gcs|s3] [--warm-restore] [--resumes 5] [--sweep 0.25,1,4]
@@ -19,7 +19,11 @@ blocking with both tiers due against one, a training loop saving the local tier 
 tier; the persistent tier on --storage); `scale` jobs of 1-8 processes, replication 1, 2, 4, single-replica reads
 on and off, on local disk and the GCS emulator (benchmarks/bench_scale.py; run with --storage local only, its
 results beside this run's as <output>-scale.json / .txt / .png).
-`--scale 0.1` shrinks them for a quick run. The Orbax contender runs with JAX on 8 CPU devices in its own
+`--quick` is a smoke test of a few minutes (0.1 scale, one repeat, the large and small workloads, this
+library against torch_xla's manager) and says what it leaves out; `--scale` shrinks every workload. Only the full
+run with the default options writes benchmarks/results/<storage>.{json,txt,png}; any other writes to the
+temporary directory (or --output) and names the files it wrote.
+The Orbax contender runs with JAX on 8 CPU devices in its own
 virtual environment (benchmarks/.venv-orbax, created on first use from the package registry); the interop
 workload with the Orbax of the test extra. With --storage gcs every contender writes to a fake-gcs-server
 started on 127.0.0.1, with --storage s3 to moto's S3 server; torch_xla's manager
@@ -276,6 +280,10 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+QUICK = ["--scale", "0.1", "--repeats", "1", "--resumes", "1", "--workloads", "large,small",
+         "--contenders", "xtc,torch_xla"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0)
@@ -290,11 +298,24 @@ def main() -> None:
     parser.add_argument("--resumes", type=int, default=5,
                         help="resumes per contender on the large and model workloads: fresh process, page cache "
                         "evicted, one restore (0: none)")
-    parser.add_argument("--output", default=None, help="default: benchmarks/results/<storage>.json (+ .png)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a quick look (a few minutes here): {' '.join(QUICK)}")
+    parser.add_argument("--output", default=None,
+                        help="default: benchmarks/results/<storage>.json (+ .txt, .png) for the full run with the "
+                        "default options; a file in the temporary directory for any other (the committed "
+                        "reference results are never replaced by a scaled or partial run)")
     parser.add_argument("--events", metavar="FILE", default=None,
                         help="this library's contenders write every save and restore event to FILE (JSON lines)")
     args = parser.parse_args()
-    output = args.output or os.path.join(HERE, "results", f"{args.storage}.json")
+    if args.quick:
+        parser.parse_args(QUICK, namespace=args)
+        print(f"quick run ({' '.join(QUICK)}): leaves out the model, orbax-interop, hf-import, "
+              "size-sweep, multi-tier and scale workloads, torch.save, Orbax and the async contenders; "
+              "figures at 0.1 scale and 1 repeat are a smoke test, not a measurement", file=sys.stderr)
+    reference = all(getattr(args, name) == parser.get_default(name) for name in (
+        "scale", "repeats", "workloads", "sweep", "contenders", "warm_restore", "resumes"))
+    output = args.output or (os.path.join(HERE, "results", f"{args.storage}.json") if reference else os.path.join(
+        tempfile.gettempdir(), f"xtc-bench-{args.storage}-{'quick' if args.quick else 'partial'}.json"))
     contenders = args.contenders.split(",")
     env = dict(os.environ)
     if args.events:
@@ -396,13 +417,16 @@ def main() -> None:
                    "storage": args.storage, "floors": floor, "results": results, "orbax_interop": interop,
                    "hf_import": hf_import, "multi_tier": multi_tier, "scaling": scaling}, f,
                   indent=1)
-    with open(os.path.splitext(output)[0] + ".txt", "w") as f:
+    stem = os.path.splitext(output)[0]
+    with open(stem + ".txt", "w") as f:
         f.write(text + "\n")
+    written = [output, stem + ".txt"]
     try:
-        plot(results, os.path.splitext(output)[0] + ".png")
+        plot(results, stem + ".png")
+        written.append(stem + ".png")
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
-    print(f"\nwritten {output} (+ .txt, .png)")
+    print("\nwritten " + ", ".join(written))
 
 
 if __name__ == "__main__":
