@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 from . import layout, storage
 from .errors import CheckpointExistsError, UsageError
+from .storage.local import fsync_path
 
 _TMP_MARK = ".xtckpt-tmp-"
 
@@ -107,7 +108,7 @@ class StagedFiles:
             target = os.path.join(self.directory, name)
             os.replace(self.path_of(name), target)
             final.append(target)
-        _fsync_directory(self.directory)
+        fsync_path(self.directory)
         return final
 
     def path_of(self, name: str) -> str:
@@ -120,10 +121,3 @@ class StagedFiles:
             except FileNotFoundError:
                 pass
 
-
-def _fsync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -35,6 +35,7 @@ from .async_save import BackgroundCommitter
 from .distributed import Coordinator
 from .errors import CorruptCheckpointError, UsageError
 from .save_plan import SavePlan
+from .storage.local import fsync_path
 from .tensor_layout import Placement
 
 COPIES_DIR = "peer_copies"  # under the local root; not a step name, so the local tier's scans pass it by
@@ -185,18 +186,10 @@ def file_crcs(directory: str, files: Sequence[tuple[str, int]]) -> list[int | No
     return out
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sync_tree(directory: str) -> None:
     for parent, _, names in os.walk(directory):
         for name in names:
-            _fsync(os.path.join(parent, name))
+            fsync_path(os.path.join(parent, name))
 
 
 def _commit_dir(partial: str, final: str, manifest: StepFiles | None, *, fsync: bool = True) -> None:
@@ -217,7 +210,7 @@ def _commit_dir(partial: str, final: str, manifest: StepFiles | None, *, fsync: 
         shutil.rmtree(final)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     os.rename(partial, final)
-    _fsync(os.path.dirname(final))
+    fsync_path(os.path.dirname(final))
 
 
 # ------------------------------------------------------------------------------------------ transfers

@@ -68,8 +68,7 @@ def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, w
     fetches: dict[int, tuple[tuple[int, int], ...]] = {}
     for step in set().union(*everyone):
         missing = [p for p, steps in enumerate(everyone) if step not in steps]
-        sources = {p: source_of(holdings, p, step, p) for p in missing} if peers is not None else {p: None
-                                                                                                  for p in missing}
+        sources = {p: source_of(holdings, p, step, p) if peers is not None else None for p in missing}
         if all(source is not None for source in sources.values()):
             fetches[step] = tuple(sorted(sources.items()))
     due_copy = {step for step in fetches if all(flags.get(step, True) for flags in everyone)}
@@ -78,13 +77,11 @@ def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, w
         return Candidate(LOCAL, step, redo_persistent=step in due_copy and step not in persistent_steps,
                          fetch=fetches[step])
 
-    common = set(fetches)
-
     if wanted is not None:
-        out = [local_candidate(wanted)] if wanted in common else []
+        out = [local_candidate(wanted)] if wanted in fetches else []
         return out + ([Candidate(PERSISTENT, wanted)] if wanted in persistent_steps else []), holdings
     newest = max(persistent_steps, default=None)
-    out = [local_candidate(step) for step in sorted(common, reverse=True) if newest is None or step >= newest]
+    out = [local_candidate(step) for step in sorted(fetches, reverse=True) if newest is None or step >= newest]
     return out + ([Candidate(PERSISTENT, newest)] if newest is not None else []), holdings
 
 

@@ -23,6 +23,7 @@ import sys
 import warnings
 
 import torch
+from multitier import Loader  # this directory's: the same data loader as the two-host tests
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import peer_copies
@@ -43,17 +44,6 @@ def model_for(step: int | None, host: int) -> dict:
     if step is None:
         return {"w": xtc.ShardedArray.target(SHAPE, torch.float32, SHARD, [index])}
     return {"w": xtc.ShardedArray.from_tensor(global_value(step), SHARD, [index])}
-
-
-class Loader:
-    def __init__(self, position: int = 0) -> None:
-        self.position = position
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = state["position"]
 
 
 def kill_before_committing_step(step: int) -> None:

@@ -84,8 +84,8 @@ class LocalBackend(Backend):
                 _remove_quietly(tmp)
                 raise
             if fsync:  # the file's directory entry, and that directory's own entry in its parent
-                _fsync(directory)
-                _fsync(os.path.dirname(directory))
+                fsync_path(directory)
+                fsync_path(os.path.dirname(directory))
         except OSError as exc:
             raise StorageError(f"cannot write {path}: {exc}") from exc
 
@@ -156,7 +156,7 @@ class LocalBackend(Backend):
     def rename_dir(self, source: str, target: str) -> None:
         try:
             os.rename(source, target)
-            _fsync(os.path.dirname(target))
+            fsync_path(os.path.dirname(target))
         except OSError as exc:
             raise StorageError(f"cannot rename {source} to {target}: {exc}") from exc
 
@@ -174,7 +174,7 @@ class LocalBackend(Backend):
                 os.rename(target, old)
                 os.rename(source, target)
                 _remove(old)
-            _fsync(os.path.dirname(target))
+            fsync_path(os.path.dirname(target))
         except OSError as exc:
             raise StorageError(f"cannot put {source} in place of {target}: {exc}") from exc
 
@@ -271,7 +271,9 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Flush a file or directory of the local file system to disk (for a directory: the names in it). Blocks;
+    raises OSError."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -280,9 +282,9 @@ def _fsync(path: str) -> None:
 
 
 def _fsync_reporting(path: str) -> str | None:
-    """`_fsync`, returning the error text instead of raising (so that every path is tried)."""
+    """`fsync_path`, returning the error text instead of raising (so that every path is tried)."""
     try:
-        _fsync(path)
+        fsync_path(path)
     except OSError as exc:
         return f"{path}: {exc.strerror}"
     return None
