@@ -195,19 +195,35 @@ def test_a_lock_naming_a_reused_pid_is_stale(tmp_path):
     import socket
     import time
 
-    from xla_tensorstore_ckpt.root_lock import _process_start
+    from xla_tensorstore_ckpt.processes import process_start
 
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": "another-boot:1", "token": "ab12",
               "heartbeat": time.time()}
     (tmp_path / layout.MANAGER_LOCK).write_text(json.dumps(holder))
     with xtc.CheckpointManager(tmp_path, options()) as mgr:
         assert mgr.save(1, model={"w": torch.ones(4)})
-    holder["started"] = _process_start(os.getpid())
+    holder["started"] = process_start(os.getpid())
     (tmp_path / layout.MANAGER_LOCK).write_text(json.dumps(holder))
     with xtc.CheckpointManager(tmp_path, options()) as mgr:
         with pytest.raises(xtc.CheckpointError, match="owned by another checkpoint manager"):
             mgr.save(2, model={"w": torch.ones(4)})
 
+
+def test_a_lock_write_killed_midway_leaves_nothing_after_the_next_open(tmp_path):
+    # A writer killed between writing the lock's temporary file and renaming it into place: the next manager of
+    # the root removes that file (its writer is dead), and keeps the temporary file of a live writer.
+    from xla_tensorstore_ckpt.processes import host_tag
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    stale = tmp_path / f".{layout.MANAGER_LOCK}.{host_tag()}-{int(dead.stdout)}.a1b2c3d4.tmp"
+    live = tmp_path / f".{layout.MANAGER_LOCK}.{host_tag()}-{os.getpid()}.e5f6g7h8.tmp"
+    stale.write_text("{}")
+    live.write_text("{}")
+    with xtc.CheckpointManager(tmp_path, options()) as mgr:
+        assert mgr.save(1, model={"w": torch.ones(4)})
+    assert not stale.exists() and live.exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(["1", live.name])
 
 def test_restoring_while_another_process_saves(tmp_path):
     # The saver keeps saving (async, retention on) until the reader has restored two steps while it runs: the

@@ -22,6 +22,7 @@ import uuid
 import warnings
 
 from . import layout
+from .processes import pid_alive, process_start
 from .storage import Location
 
 _TAKEOVER = f"{layout.MANAGER_LOCK}.takeover."
@@ -33,7 +34,7 @@ class RootLock:
     def __init__(self, root: Location, timeout_s: float):
         self.root = root
         self.timeout_s = timeout_s
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": process_start(os.getpid()),
                       "token": uuid.uuid4().hex}
         self.owned = False
         self.holder: dict | None = None  # another live owner, when one was found
@@ -99,10 +100,10 @@ class RootLock:
     def _is_live(self, holder: dict) -> bool:
         if holder.get("host") == self.owner["host"]:
             pid, started = holder.get("pid"), holder.get("started")
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 return False
             # A live pid is another process if it started at another time (pids are reused, from 1 in containers).
-            return not isinstance(started, str) or _process_start(pid) in (None, started)  # type: ignore[arg-type]
+            return not isinstance(started, str) or process_start(pid) in (None, started)  # type: ignore[arg-type]
         heartbeat = holder.get("heartbeat")
         return isinstance(heartbeat, (int, float)) and time.time() - heartbeat < self.timeout_s
 
@@ -113,28 +114,3 @@ def _decode(data: bytes) -> dict | None:
     except (UnicodeDecodeError, ValueError):
         return None
     return holder if isinstance(holder, dict) else None
-
-
-def _process_start(pid: int) -> str | None:
-    """When process `pid` started, as ``<boot id>:<start time in clock ticks>`` (Linux), or None if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("ascii", "replace")
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
-    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
-
-
-def _pid_alive(pid: object) -> bool:
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -95,6 +95,7 @@ class Tier:
                 if entry.status == "invalid":
                     warnings.warn(f"ignoring step {entry.step}: {entry.problem}", stacklevel=5)
             if self.lock.holder is None:
+                self.root.remove_stale_temporaries()  # of the lock and the index, by a writer killed mid-write
                 removed, failed = self.index.remove_partial(entries)
                 if removed:
                     warnings.warn(f"removed partial steps {removed} of {self.root}: saves that never committed "

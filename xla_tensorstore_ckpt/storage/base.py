@@ -124,6 +124,12 @@ class Backend(ABC):
         durable, with every directory entry leading to them, up to `directory` and its parent. Nothing to do
         where writes are durable."""
 
+    def remove_stale_temporaries(self, path: str) -> list[str]:
+        """Remove the temporary files directly in directory `path` that writers on this host left when they died
+        mid-write (killed between writing and renaming into place); their names. Nothing to do where writes
+        need no temporary file."""
+        return []
+
     def file_written(self, path: str) -> None:  # noqa: B027 - optional, no-op by default
         """A hint that a large file at `path` is complete and will be synced: start writing it to stable
         storage now. Best effort, silent; called from a background thread."""
@@ -255,6 +261,9 @@ class Location:
 
     def file_written(self, name: str) -> None:
         self.backend.file_written(self._file(name))
+
+    def remove_stale_temporaries(self) -> list[str]:
+        return self.backend.remove_stale_temporaries(self.path)
 
     def rename_to(self, target: Location) -> None:
         self.backend.rename_dir(self.path, target.path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -14,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import StorageError
+from ..processes import host_tag, pid_alive
 from .base import Backend, Capabilities, RangeNotSatisfiableError
 
 
@@ -88,6 +90,16 @@ class LocalBackend(Backend):
                 fsync_path(os.path.dirname(directory))
         except OSError as exc:
             raise StorageError(f"cannot write {path}: {exc}") from exc
+
+    def remove_stale_temporaries(self, path: str) -> list[str]:
+        here = host_tag()
+        removed = []
+        for name in self.list_dir(path):
+            writer = _TEMPORARY.fullmatch(name)
+            if writer is not None and writer["host"] == here and not pid_alive(int(writer["pid"])):
+                _remove_quietly(os.path.join(path, name))
+                removed.append(name)
+        return removed
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         # Written under a temporary name and hard-linked into place: the link fails if the name exists, and a
@@ -217,11 +229,16 @@ def absolute(path: str) -> str:
     return os.path.abspath(path).rstrip("/") or "/"
 
 
+_TEMPORARY = re.compile(r"\..+\.(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)\.[^.]+\.tmp")
+
+
 def _temporary_copy(path: str, data: bytes, *, fsync: bool) -> str:
     """`data` in a new temporary file beside `path` (its directory created if needed); the file's path."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    # The writer in the name: a later manager removes what a writer that died (SIGKILL) left behind.
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{host_tag()}-{os.getpid()}.", suffix=".tmp",
+                               dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
