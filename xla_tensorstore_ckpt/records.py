@@ -70,6 +70,26 @@ class RawArrayMetadata(ArrayMetadata):
 
 
 @dataclass(frozen=True)
+class PieceMetadata:
+    """One saved shard of a tensor stored as a piece of its own (a DCP chunk): the region [`offsets`,
+    `offsets + sizes`) of the tensor, in the entry at [`start`, `start + length`) of `file`."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PiecesArrayMetadata(ArrayMetadata):
+    """A tensor stored as pieces that tile it, each a ``torch.save`` blob of one region (a DCP tensor): `path` is
+    its key. `chunk_shape` is the row block streaming readers take at a time (pieces need not form a grid)."""
+
+    pieces: tuple[PieceMetadata, ...] = ()
+
+
+@dataclass(frozen=True)
 class ArrayStore:
     """Where and how an item's arrays are stored.
 

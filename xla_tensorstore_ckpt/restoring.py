@@ -81,6 +81,8 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
             saved = manifest.leaves()
             if key_map is not None:
                 saved = renamed(saved, key_map, dict(tree.flatten(target)) if target is not None else {}, loc)
+            elif target is not None and formats.item_format(manifest).MATCH_BY_NAME:
+                saved = renamed(saved, {}, dict(tree.flatten(target)), loc)
             wanted = ({p: None for p in saved} if target is None
                       else _match(loc, saved, dict(tree.flatten(target)), strict))
             reader = arrays.reader(loc, manifest.store)

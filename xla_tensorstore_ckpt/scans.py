@@ -263,6 +263,9 @@ def _unchecked(store: ArrayStore) -> str:
     if store.kind == "safetensors":
         return ("Hugging Face safetensors files carry no checksums: checked that every tensor's bytes are present "
                 "and read")
+    if store.kind == "dcp":
+        return ("torch.distributed.checkpoint files carry no checksums: checked that every chunk's entry is present, "
+                "is the tensor the metadata describes, and reads")
     note = "written by Orbax, whose chunks carry no checksums: checked that every chunk is present and decodes"
     if store.fill_missing:
         note += (" (written without store_array_data_equal_to_fill_value, so chunks equal to the fill value are not "

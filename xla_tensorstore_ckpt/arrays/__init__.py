@@ -2,10 +2,10 @@
 protocol (`base`).
 
 Reading: `reader(item, store)` picks, once per item and operation, the `ArrayReader` for how the item stores its
-arrays and what its storage can do: byte ranges of files for Hugging Face tensors (`byte_ranges`), chunk files
-read straight from local disk for this library's checksummed arrays (`local_chunks`), tensorstore for every
-other zarr array, on any backend (`tensorstore_io`). Callers see only the protocol: `reader.open(meta)` gives an
-`Opening`, its result a `StoredArray` that reads regions.
+arrays and what its storage can do: byte ranges of files for Hugging Face tensors (`byte_ranges`), the pieces of DCP
+tensors (`pieces`), chunk files read straight from local disk for this library's checksummed arrays
+(`local_chunks`), tensorstore for every other zarr array, on any backend (`tensorstore_io`). Callers see only the
+protocol: `reader.open(meta)` gives an `Opening`, its result a `StoredArray` that reads regions.
 
 Writing (saves, conversions): `create`, `write`, `commit` and `new_transaction` start tensorstore operations and
 return `Pending` futures; `wait_all` and `drain` wait for them; `merge_ocdbt` merges the per-process OCDBT stores
@@ -23,6 +23,7 @@ from . import local_chunks
 from .base import ArrayReader, Empty, Index, Opening, PendingRead, Ready, StoredArray, drain, wait_all
 from .byte_ranges import ByteRangeReader
 from .ocdbt import OCDBT_LANES, merge_ocdbt
+from .pieces import PiecesReader
 from .tensorstore_io import (
     ArrayRef,
     Pending,
@@ -44,6 +45,8 @@ def reader(item: storage.Location, store: ArrayStore, context: ts.Context | None
     (`context`: its tensorstore context, `storage.operation_context()` by default). Does no I/O."""
     if store.kind == "safetensors":
         return ByteRangeReader(item)
+    if store.kind == "dcp":
+        return PiecesReader(item)
     tensorstore = TensorstoreReader(item, store, context)
     if local_chunks.covers(item, store):
         return local_chunks.LocalChunkReader(item, store, tensorstore)
@@ -53,6 +56,6 @@ def reader(item: storage.Location, store: ArrayStore, context: ts.Context | None
 def open_for_user(item: storage.Location, store: ArrayStore, meta: ArrayMetadata) -> object:
     """The array `meta` of an item for a caller of `xtc.open_array`: a read-only tensorstore array where
     tensorstore reads it (every zarr array), else the reader's own `StoredArray` (a Hugging Face tensor). Blocks."""
-    if store.kind == "safetensors":
-        return ByteRangeReader(item).open(meta).result()
+    if store.kind in ("safetensors", "dcp"):
+        return reader(item, store).open(meta).result()
     return TensorstoreReader(item, store).open(meta).result().tensorstore

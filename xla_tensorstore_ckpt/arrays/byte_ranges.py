@@ -86,7 +86,7 @@ class ByteRangeArray:
         if self._local is not None:
             self._fetched.add(out.nbytes)
             return RawRead(self, out, [], _COPIES.submit(self._copy_mapped, region, out))
-        requests = _requests(_runs(self.shape, region, self._row.itemsize, self.offset))
+        requests = requests_of(_runs(self.shape, region, self._row.itemsize, self.offset))
         self._fetched.add(sum(stop - start for start, stop, _ in requests))
         pending = [self.file.parent.read_range(self.file.name, start, stop) for start, stop, _ in requests]
         return RawRead(self, out, list(zip(requests, pending)), None)
@@ -100,7 +100,7 @@ class ByteRangeArray:
     def _copy_mapped(self, region: Index, out: np.ndarray) -> None:
         runs = _runs(self.shape, region, self._row.itemsize, self.offset)
         if len(runs) <= MAX_POSITIONED_READS:
-            self._read_runs(runs, out)
+            read_runs(self._local, runs, out, self.where)
             return
         try:
             mapped = np.memmap(self._local, dtype=out.dtype, mode="r", offset=self.offset,
@@ -109,24 +109,26 @@ class ByteRangeArray:
             raise StorageError(f"cannot map {self.where}: {exc}") from exc
         np.copyto(out, mapped[tuple(slice(a, b) for a, b in region)])
 
-    def _read_runs(self, runs: list[tuple[int, int, int]], out: np.ndarray) -> None:
-        flat = memoryview(out.reshape(-1).view(np.uint8))
-        try:
-            fd = os.open(self._local, os.O_RDONLY)
-        except OSError as exc:
-            raise StorageError(f"cannot open {self.where}: {exc}") from exc
-        try:
-            for source, length, target in runs:
-                done = 0
-                while done < length:
-                    n = os.preadv(fd, [flat[target + done:target + length]], source + done)
-                    if n == 0:
-                        raise CorruptCheckpointError(f"{self.where}: the file ends before the tensor's data")
-                    done += n
-        except OSError as exc:
-            raise StorageError(f"cannot read {self.where}: {exc}") from exc
-        finally:
-            os.close(fd)
+
+def read_runs(path: str, runs: list[tuple[int, int, int]], out: np.ndarray, where: str) -> None:
+    """Positioned reads of `runs` (`runs_between`) of the local file `path` into `out`."""
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise StorageError(f"cannot open {where}: {exc}") from exc
+    try:
+        for source, length, target in runs:
+            done = 0
+            while done < length:
+                n = os.preadv(fd, [flat[target + done:target + length]], source + done)
+                if n == 0:
+                    raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
+                done += n
+    except OSError as exc:
+        raise StorageError(f"cannot read {where}: {exc}") from exc
+    finally:
+        os.close(fd)
 
 
 class RawRead:
@@ -158,23 +160,34 @@ class RawRead:
 
 def _runs(shape: Sequence[int], region: Index, itemsize: int, offset: int) -> list[tuple[int, int, int]]:
     """(file offset, length, offset in the region's buffer) of each contiguous run of `region`, in order."""
+    return runs_between(shape, region, itemsize, offset, tuple(b - a for a, b in region), (0,) * len(region))
+
+
+def runs_between(shape: Sequence[int], box: Index, itemsize: int, offset: int, out_shape: Sequence[int],
+                 out_start: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(file offset, length, offset in the output buffer) of each contiguous run that copies `box` of a C-order
+    tensor of `shape` stored at `offset` into a C-order buffer of `out_shape` at `out_start`, in order."""
     rank = len(shape)
     if rank == 0:
         return [(offset, itemsize, 0)]
-    # Runs span the trailing dimensions the region covers whole, and a range of the one before.
+    extents = [b - a for a, b in box]
+    # Runs span the trailing dimensions the box covers whole in both, and a range of the one before.
     split = rank - 1
-    while split > 0 and region[split] == (0, shape[split]):
+    while split > 0 and box[split] == (0, shape[split]) and out_shape[split] == extents[split]:
         split -= 1
     strides = [math.prod(shape[d + 1:]) * itemsize for d in range(rank)]
-    length = (region[split][1] - region[split][0]) * strides[split]
-    starts = np.full(1, offset + region[split][0] * strides[split], dtype=np.int64)
+    out_strides = [math.prod(out_shape[d + 1:]) * itemsize for d in range(rank)]
+    length = extents[split] * strides[split]
+    starts = np.full(1, offset + box[split][0] * strides[split], dtype=np.int64)
+    targets = np.full(1, out_start[split] * out_strides[split], dtype=np.int64)
     for d in range(split - 1, -1, -1):
-        along = np.arange(region[d][0], region[d][1], dtype=np.int64) * strides[d]
-        starts = (along[:, None] + starts[None, :]).reshape(-1)
-    return [(int(s), length, i * length) for i, s in enumerate(starts)]
+        along = np.arange(extents[d], dtype=np.int64)
+        starts = (((along + box[d][0]) * strides[d])[:, None] + starts[None, :]).reshape(-1)
+        targets = (((along + out_start[d]) * out_strides[d])[:, None] + targets[None, :]).reshape(-1)
+    return [(int(s), length, int(t)) for s, t in zip(starts, targets)]
 
 
-def _requests(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+def requests_of(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
     """Runs grouped into ranged requests: (start, stop, runs) with gaps of at most `MERGE_GAP_BYTES` and spans
     of at most `MAX_REQUEST_BYTES` (a longer run is split)."""
     pieces = []

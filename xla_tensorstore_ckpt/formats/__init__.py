@@ -2,13 +2,13 @@
 index, inspection, export) gets an item's `ItemManifest` or a step's `StepMetadata`, and through which writers
 encode them.
 
-Each format is one module implementing the protocols of `base`: this library's versions (`v1`, frozen; `v2`,
-Orbax's schema with ours inside, the one written), checkpoints Orbax wrote itself (`orbax`), and Hugging Face
-safetensors files and directories (`safetensors`). A format is recognised by content, never by a file name
-alone: the names ``_METADATA`` and ``_CHECKPOINT_METADATA`` are shared with Orbax, and version 1 used them with
-other contents. A document none claims is a `FormatVersionError` if it declares a version of ours newer than
-this reader knows, else a `CorruptCheckpointError` naming it. Adding a format: a module, and its name in
-`ITEM_FORMATS` / `STEP_FORMATS` (and `WRITERS` if this library writes it).
+Each format is one module implementing the protocols of `base`: this library's versions (`v1`, frozen; `v2`, Orbax's
+schema with ours inside, the one written), checkpoints Orbax wrote itself (`orbax`), Hugging Face safetensors files
+and directories (`safetensors`), and torch.distributed.checkpoint directories (`dcp`). A format is recognised by
+content, never by a file name alone: the names ``_METADATA`` and ``_CHECKPOINT_METADATA`` are shared with Orbax, and
+version 1 used them with other contents. A document none claims is a `FormatVersionError` if it declares a version
+of ours newer than this reader knows, else a `CorruptCheckpointError` naming it. Adding a format: a module, and its
+name in `ITEM_FORMATS` / `STEP_FORMATS` (and `WRITERS` if this library writes it).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVers
 from ..records import ItemManifest, StepMetadata
 from ..storage import Location
 from ..version import __version__
-from . import orbax, safetensors, v1, v2
+from . import dcp, orbax, safetensors, v1, v2
 from .base import ItemFormat, StepFormat, WriteFormat
 
 __all__ = ["ITEM_FORMATS", "STEP_FORMATS", "WRITERS", "WRITE_FORMAT", "array_names", "encode_step",
@@ -27,7 +27,7 @@ __all__ = ["ITEM_FORMATS", "STEP_FORMATS", "WRITERS", "WRITE_FORMAT", "array_nam
            "step_format", "writer", "writer_versions"]
 
 # In the order asked: the first format that claims a document reads it.
-ITEM_FORMATS: tuple[ItemFormat, ...] = (safetensors, v2, orbax, v1)
+ITEM_FORMATS: tuple[ItemFormat, ...] = (safetensors, dcp, v2, orbax, v1)
 STEP_FORMATS: tuple[StepFormat, ...] = (v2, orbax, v1)
 WRITERS: dict[str, WriteFormat] = {v2.NAME: v2}
 WRITE_FORMAT = v2.NAME  # what `SaveOptions.format` names unless told otherwise

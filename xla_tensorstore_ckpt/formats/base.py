@@ -1,6 +1,6 @@
 """What a format is: the protocols each format module implements, and that the registry (`formats`) picks from.
 
-A format module (`v1`, `v2`, `orbax`, `safetensors`) is itself the implementation: its module-level names
+A format module (`v1`, `v2`, `orbax`, `safetensors`, `dcp`) is itself the implementation: its module-level names
 satisfy these protocols, so adding a format is one module and one line in the registry. Formats are recognised
 by content, each asked in the registry's order whether a document is its own (`claims_*`); none may claim a
 document another format also claims.
@@ -22,6 +22,9 @@ class ItemFormat(Protocol):
     NAME: str  # the registry's key, recorded in `ItemManifest.format`
     DESCRIPTION: str  # for people: "Orbax", "Hugging Face safetensors", ...
     FILE_SUFFIX: str | None  # an item that is one file with this suffix: asked before ``_METADATA`` is read
+    # Restores match the target's keys by dotted name, not by key path (DCP: its keys are flattened names, and
+    # ``{"state": {0: ...}}`` is saved as ``state.0``).
+    MATCH_BY_NAME: bool
 
     def claims_item(self, loc: Location, doc: dict | None) -> bool:
         """True if the item at `loc` is in this format; `doc` is its ``_METADATA`` decoded, None if it has none.

@@ -35,6 +35,7 @@ _OURS = "xla_tensorstore_ckpt"  # v2.KEY (v2 builds on this module)
 NAME = "orbax"
 DESCRIPTION = "Orbax"
 FILE_SUFFIX = None
+MATCH_BY_NAME = False
 VERSION = 0
 COMPLETION_MARK = False  # its mark is its commit point on storage that cannot rename (`is_committed`)
 

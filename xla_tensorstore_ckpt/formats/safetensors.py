@@ -45,6 +45,7 @@ STORE = ArrayStore(kind="safetensors", zarr_format=0, checksums=False)
 NAME = "safetensors"
 DESCRIPTION = "Hugging Face safetensors"
 FILE_SUFFIX = SUFFIX
+MATCH_BY_NAME = False
 _SAFE_FILE_NAME = re.compile(r"[^/\\\x00-\x1f]+")
 
 
@@ -170,7 +171,7 @@ def _tensors(directory: Location, name: str, file: str, *, listed: list[str] | N
                 f"the file{_size_text(exc.size)}") from None
     out = {}
     for key, dtype, shape, (start, _) in entries:
-        chunk = _row_block(shape, dtypes.by_name(dtype).itemsize)
+        chunk = row_block(shape, dtypes.by_name(dtype).itemsize)
         out[key] = RawArrayMetadata(path=key, shape=shape, dtype=dtype, chunk_shape=chunk, file=file,
                                      offset=data_start + start)
     return out
@@ -218,7 +219,7 @@ def _check_layout(entries: Iterable[tuple[str, str, tuple[int, ...], tuple[int, 
             previous = (key, stop)
 
 
-def _row_block(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+def row_block(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     """Whole trailing dimensions, and as many leading rows as fit in `READ_BLOCK_BYTES`."""
     if not shape:
         return ()

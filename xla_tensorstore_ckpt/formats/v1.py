@@ -26,6 +26,7 @@ from ..storage import Location
 NAME = "v1"
 DESCRIPTION = "xla_tensorstore_ckpt format 1"
 FILE_SUFFIX = None
+MATCH_BY_NAME = False
 VERSION = 1
 COMPLETION_MARK = False  # never wrote Orbax's
 

@@ -34,6 +34,7 @@ from . import checksums, orbax, v1
 NAME = "v2"
 DESCRIPTION = "xla_tensorstore_ckpt format 2"
 FILE_SUFFIX = None
+MATCH_BY_NAME = False
 VERSION = 2
 COMPLETION_MARK = True
 KEY = "xla_tensorstore_ckpt"
