@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import events, formats, local_tier, policies, resume, step_save, storage, training_state
+from . import events, foreign_runs, formats, local_tier, policies, resume, step_save, storage, training_state
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointExistsError, StepNotFoundError, UsageError
 from .gc_pause import paused_gc
@@ -328,7 +328,11 @@ class CheckpointManager:
         `init_from` starts a run from other weights when no step is committed (and `resume_from` is not None):
         `model` is restored from that checkpoint instead (a Hugging Face safetensors file or directory, an item
         `xtc.save` or Orbax wrote), with `strict` and `key_map` as above, and None is returned, as no step was
-        restored. Once a step is committed, it wins: a restarted run resumes from its own checkpoints.
+        restored. A torch_xla CheckpointManager root (its newest complete step) or a DCP directory resumes the run
+        instead: every object given is restored from the saved state dict's entry of its name (``model``,
+        ``optim`` or ``optimizer``, ``scheduler`` or ``lr_scheduler``; `items` names others; `key_map` renames
+        the model's keys), and the step resumed from is returned (`foreign_runs`). Once a step is committed, it
+        wins: a restarted run resumes from its own checkpoints.
 
         A module's tensors are replaced one by one, each old device buffer released right before its new data
         is placed, so the restore needs no device memory beyond the state. Mismatches are found before anything
@@ -351,12 +355,7 @@ class CheckpointManager:
         if self._local is not None:
             local_tier.discard_steps_after(self._local.tier, None if choice is None else choice.step)
         if choice is None:
-            if init_from is not None:
-                training_state.restore_object(storage.location(init_from), model, strict=strict,
-                                              options=self._options.restore_options, key_map=key_map,
-                                              events=self._restore_events.bound(item="model"),
-                                              coordinator=self._coordinator)
-            return None
+            return None if init_from is None else self._initialise(init_from, requested, strict, key_map, items)
         if choice.redo_persistent:
             assert self._local is not None  # only a local candidate has a copy to redo
             resume.redo_persistent_copy(
@@ -364,6 +363,25 @@ class CheckpointManager:
                 [*((items or {}).get(name, name) for name in requested), *([RNG_ITEM] if rng else [])],
                 self._persistent.tier, lambda base: self._save(choice.step, [self._persistent], requested, base))
         return choice.step
+
+    def _initialise(self, init_from: str, requested: Mapping[str, Any], strict: bool, key_map: KeyMap | None,
+                    items: Mapping[str, str] | None) -> int | None:
+        """`restore`'s `init_from`, with no step committed: a torch_xla root or DCP directory resumes every object
+        (`foreign_runs`), other weights initialise the model."""
+        source = storage.location(init_from)
+        found = foreign_runs.find(source)
+        if found is None:
+            training_state.restore_object(source, requested["model"], strict=strict,
+                                          options=self._options.restore_options, key_map=key_map,
+                                          events=self._restore_events.bound(item="model"),
+                                          coordinator=self._coordinator)
+            return None
+        step = foreign_runs.restore(found, requested, strict=strict, key_map=key_map, items=items,
+                                    options=self._options.restore_options,
+                                    events=self._restore_events.bound(path=str(found.loc)),
+                                    coordinator=self._coordinator)
+        log.info("resumed %s from %s (step %s)", ", ".join(requested), found.loc, step)
+        return step
 
     def _restore_step(self, choice: Candidate, requested: Mapping[str, Any], rng: bool, strict: bool,
                       key_map: KeyMap | None, items: Mapping[str, str] | None) -> None:

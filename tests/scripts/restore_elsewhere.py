@@ -39,19 +39,24 @@ def main() -> None:
 
     xr.use_spmd()
     import xla_tensorstore_ckpt as xtc
+    from xla_tensorstore_ckpt import tree
+    from xla_tensorstore_ckpt.records import ArrayMetadata
 
     n = xr.global_runtime_device_count()
-    info = xtc.metadata(checkpoint)
-    target = {}
-    for key, meta in info.items():
+
+    def zeros(_path, meta):  # each array on this process's devices, 2D ones sharded
+        if not isinstance(meta, ArrayMetadata):
+            return meta
         t = torch.zeros(meta.shape, dtype=meta.torch_dtype).to("xla")
         if n > 1 and len(meta.shape) == 2:
             mesh = xs.Mesh(np.arange(n), (n // 2, 2), ("a", "b")) if n >= 4 else xs.Mesh(np.arange(n), (n,), ("d",))
             xs.mark_sharding(t, mesh, ("b", "a") if n >= 4 else (None, "d"))
-        target[key] = t
+        return t
+
+    target = tree.rebuild(xtc.metadata(checkpoint), zeros)
     torch_xla.sync()
     restored = xtc.restore(checkpoint, target)
-    xtc.save(output, {k: v.cpu() for k, v in restored.items()})
+    xtc.save(output, tree.rebuild(restored, lambda _p, v: v.cpu() if isinstance(v, torch.Tensor) else v))
     print(f"devices={n}")
 
 
