@@ -6,6 +6,7 @@ meshes and device counts; incomplete and hostile steps are skipped without runni
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -20,6 +21,7 @@ from conftest import make_mesh
 from forked import launch_job
 
 import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import cli
 from xla_tensorstore_ckpt.errors import CheckpointNotFoundError, ItemNotFoundError
 
 HERE = os.path.dirname(__file__)
@@ -94,8 +96,12 @@ def test_optimizer_state_keyed_by_name_onto_another_mesh(runs, tmp_path):
         assert opt.state_dict()["state"] == {}
 
 
-def test_incomplete_and_hostile_steps_are_skipped_and_nothing_runs(runs, tmp_path, mesh_4x2, caplog):
+def test_incomplete_and_hostile_steps_are_skipped_and_nothing_runs(runs, tmp_path, mesh_4x2, caplog, capsys):
     source, _, _ = runs["index"]
+    assert cli.main(["steps", source, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(s["step"], s["status"]) for s in listed] == [(2, "committed"), (4, "committed"), (6, "committed")]
+    assert all(s["bytes"] > 0 and s["committed_at"] for s in listed)
     root = str(tmp_path / "copy")
     shutil.copytree(source, root)
     os.remove(os.path.join(root, "6", ".manager_metadata"))  # a save that never finished
@@ -112,6 +118,10 @@ def test_incomplete_and_hostile_steps_are_skipped_and_nothing_runs(runs, tmp_pat
             xtc.CheckpointManager(tmp_path / "run") as manager:
         assert manager.restore("latest", model=net, optimizer=opt, lr_scheduler=sched, init_from=root) == 2
     assert "refusing to load class posix.system" in caplog.text
+    assert cli.main(["steps", root, "--json"]) == 0
+    listed = {s["step"]: s for s in json.loads(capsys.readouterr().out)}
+    assert [listed[s]["status"] for s in (2, 4, 6)] == ["committed", "partial", "partial"]
+    assert "posix.system" in listed[4]["problem"] and ".manager_metadata" in listed[6]["problem"]
     assert not sentinel.exists()
     assert sched.last_epoch == 2
     os.remove(os.path.join(root, "2", ".manager_metadata"))

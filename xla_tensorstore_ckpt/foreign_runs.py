@@ -52,47 +52,73 @@ class ForeignStep:
     step: int | None
 
 
+@dataclass(frozen=True)
+class TorchXlaStep:
+    """One step directory of a torch_xla manager root: complete (``problem`` is None) or why not."""
+
+    step: int
+    name: str
+    committed_at: float | None  # the save time its marker records
+    problem: str | None
+
+
 def find(loc: Location) -> ForeignStep | None:
     """The step to resume from if `loc` is a DCP directory or a torch_xla manager root (its newest complete
     step), else None (another kind of checkpoint). Raises `CheckpointNotFoundError` for a torch_xla root whose
     steps are all incomplete. Blocks on a listing and a few small reads."""
     if dcp.claims_item(loc, None):
-        return ForeignStep(loc, _marker_step(loc))
+        recorded, _, problem = _marker(loc)
+        if problem is not None:
+            log.warning("%s: %s; its step is taken from its state", loc, problem)
+        return ForeignStep(loc, recorded)
     if formats.is_item(loc):
         return None
-    steps = sorted(((int(name), name) for name in loc.list() if name.isdigit()), reverse=True)
-    torch_xla_steps = [(step, name) for step, name in steps
-                       if loc.child(name).read_range(TORCH_XLA_MARKER, 0, 0).result() is not None
-                       or dcp.claims_item(loc.child(name), None)]
-    if not torch_xla_steps:
+    steps = torch_xla_steps(loc)
+    if steps is None:
         return None
-    for step, name in torch_xla_steps:
-        child = loc.child(name)
-        recorded = _marker_step(child)
-        if recorded is None:
-            log.warning("skipping %s: no %s (a save that did not finish)", child, TORCH_XLA_MARKER)
-        elif recorded != step:
-            log.warning("skipping %s: its %s records step %s", child, TORCH_XLA_MARKER, recorded)
-        elif not dcp.claims_item(child, None):
-            log.warning("skipping %s: no DCP .metadata", child)
-        else:
-            return ForeignStep(child, step)
+    for found in reversed(steps):
+        if found.problem is None:
+            return ForeignStep(loc.child(found.name), found.step)
+        log.warning("skipping %s: %s", loc.child(found.name), found.problem)
     raise CheckpointNotFoundError(f"{loc} is a torch_xla CheckpointManager root with no complete step (steps "
-                                  f"{', '.join(n for _, n in torch_xla_steps[:10])} are damaged)")
+                                  f"{', '.join(s.name for s in steps[-10:])} are not)")
 
 
-def _marker_step(loc: Location) -> int | None:
+def torch_xla_steps(loc: Location) -> list[TorchXlaStep] | None:
+    """The step directories of a torch_xla manager root, oldest first; None if `loc` is not one (no
+    step-numbered directory with torch_xla's marker or a DCP ``.metadata``). Called by `find` and by
+    ``xtckpt steps``; blocks on a listing and a small read or two per step; a hostile marker is a step's
+    problem, not an error."""
+    names = sorted((int(name), name) for name in loc.list() if name.isdigit())
+    out = []
+    for step, name in names:
+        child = loc.child(name)
+        has_dcp = dcp.claims_item(child, None)
+        recorded, committed_at, problem = _marker(child)
+        if recorded is None and not has_dcp and problem is None:
+            continue  # a directory of something else
+        if problem is None and recorded is None:
+            problem = f"no {TORCH_XLA_MARKER} (a save that did not finish)"
+        elif problem is None and recorded != step:
+            problem = f"its {TORCH_XLA_MARKER} records step {recorded}"
+        elif problem is None and not has_dcp:
+            problem = "no DCP .metadata"
+        out.append(TorchXlaStep(step, name, committed_at, problem))
+    return out or None
+
+
+def _marker(loc: Location) -> tuple[int | None, float | None, str | None]:
+    """(step, save time, problem) of the torch_xla marker in `loc`; all None without one."""
     data = loc.read(TORCH_XLA_MARKER)
     if data is None:
-        return None
+        return None, None, None
     if len(data) > MAX_MARKER_BYTES:
-        log.warning("%s: %d bytes, not torch_xla's marker", loc.child(TORCH_XLA_MARKER), len(data))
-        return -1
+        return None, None, f"{TORCH_XLA_MARKER}: {len(data)} bytes, not torch_xla's marker"
     try:
-        return torch_pickle.load_manager_step(data, str(loc.child(TORCH_XLA_MARKER)))
+        step, committed_at = torch_pickle.load_manager_marker(data, str(loc.child(TORCH_XLA_MARKER)))
     except CorruptCheckpointError as exc:
-        log.warning("%s", exc)
-        return -1
+        return None, None, str(exc)
+    return step, committed_at, None
 
 
 def restore(found: ForeignStep, objects: Mapping[str, Any], *, strict: bool, key_map: KeyMap | None,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import arrays, formats, layout, local_tier, storage, tree
+from . import arrays, foreign_runs, formats, layout, local_tier, storage, tree
 from .errors import CheckpointError, CheckpointNotFoundError, UsageError
 from .records import ArrayMetadata, ItemManifest, StepMetadata
 from .sharded_array import ShardedArray
@@ -145,8 +145,14 @@ def list_steps(root: str, local: str | None = None, processes: int | None = None
 
 
 def _steps_of(root: str, tier: str) -> list[StepInfo]:
+    loc = storage.location(root)
+    entries = StepIndex(loc, ANY_PREFIX).scan()
+    if all(entry.marker is None for entry in entries):
+        foreign = foreign_runs.torch_xla_steps(loc)
+        if foreign is not None:
+            return [_torch_xla_step(loc, s, tier) for s in foreign]
     out = []
-    for entry in StepIndex(storage.location(root), ANY_PREFIX).scan():
+    for entry in entries:
         if entry.marker is None:
             out.append(StepInfo(entry.step, entry.name, entry.status, None, None, None, entry.problem, tier))
             continue
@@ -160,6 +166,17 @@ def _steps_of(root: str, tier: str) -> list[StepInfo]:
                             entry.marker.metrics, tier=tier, writer=entry.marker.writer,
                             process_count=entry.marker.process_count, marker=entry.marker))
     return out
+
+
+def _torch_xla_step(root: storage.Location, found: foreign_runs.TorchXlaStep, tier: str) -> StepInfo:
+    """A step of a torch_xla CheckpointManager root, as ``xtckpt steps`` shows it (its marker as the commit)."""
+    if found.problem is not None:
+        return StepInfo(found.step, found.name, "partial", None, None, None, found.problem, tier)
+    try:
+        nbytes = sum(meta.nbytes for _, meta in formats.read_item(root.child(found.name)).arrays())
+    except CheckpointError as exc:
+        return StepInfo(found.step, found.name, "invalid", None, None, None, str(exc), tier)
+    return StepInfo(found.step, found.name, "committed", found.committed_at, nbytes, None, tier=tier)
 
 
 # -------------------------------------------------------------------------------------------------- tree

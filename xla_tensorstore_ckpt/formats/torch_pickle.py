@@ -4,13 +4,15 @@ DCP stores as bytes (learning rates, betas, step counters), and torch_xla's ``.m
 
 Each reader is an unpickler whose `find_class` knows a short list of names and answers each with a stand-in of
 this module (a `Record` holding the attributes the pickle sets, a dtype name, a tuple), never with the class the
-pickle names: nothing is imported, constructed or called on the pickle's behalf. Any other name is a
+pickle names: nothing is imported, constructed or called on the pickle's behalf (one exception: a naive
+``datetime`` is rebuilt from its 10 bytes by the standard library's own constructor). Any other name is a
 `CorruptCheckpointError` naming the class and the file. Records are data: callers validate every field before
 using it. No torch here.
 """
 
 from __future__ import annotations
 
+import datetime
 import io
 import pickle
 from dataclasses import dataclass
@@ -110,6 +112,16 @@ def _tuple(value: Any) -> tuple:
     return tuple(value)
 
 
+def _datetime(*args: Any) -> datetime.datetime | None:
+    # A naive datetime pickles as its 10-byte state; anything else (a time zone object) is not rebuilt.
+    if len(args) == 1 and isinstance(args[0], bytes) and len(args[0]) == 10:
+        try:
+            return datetime.datetime(args[0])
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
 def _ordered_dict(*args: Any) -> dict:
     return dict(*args[:1]) if args and isinstance(args[0], (list, tuple, dict)) else {}
 
@@ -133,7 +145,7 @@ _TENSOR_CLASSES = {("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
 _VALUE_CLASSES = {("collections", "OrderedDict"): _ordered_dict, ("torch", "Size"): _size}
 _MANAGER_CLASSES = {("torch_xla.experimental.distributed_checkpoint.manager", "_CheckpointMetadata"):
                     _record("_CheckpointMetadata"),
-                    ("datetime", "datetime"): lambda *args: None}  # the save time: not needed
+                    ("datetime", "datetime"): lambda *args: _datetime(*args)}
 
 
 class _Restricted(pickle.Unpickler):
@@ -202,10 +214,12 @@ def load_value(data: bytes, where: str) -> Any:
     return _load(data, dict(_VALUE_CLASSES), where)
 
 
-def load_manager_step(data: bytes, where: str) -> int:
-    """The step a torch_xla CheckpointManager's ``.manager_metadata`` records."""
+def load_manager_marker(data: bytes, where: str) -> tuple[int, float | None]:
+    """The step a torch_xla CheckpointManager's ``.manager_metadata`` records, and its save time (seconds since
+    the epoch; None if it records none)."""
     found = _load(data, dict(_MANAGER_CLASSES), where)
     step = found.get("step") if isinstance(found, Record) else None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CorruptCheckpointError(f"{where}: records no step")
-    return step
+    ts = found.get("ts")
+    return step, ts.timestamp() if isinstance(ts, datetime.datetime) else None
