@@ -3,16 +3,21 @@ in one run, with the machine's floors measured in the same run. Prints an aligne
 torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/results/.
 
 usage: python benchmarks/run.py [--quick] [--scale 1.0] [--repeats 3]
-                                [--workloads large,small,model,orbax-interop,hf-import,size-sweep,multi-tier,scale]
+                                [--workloads large,small,model,orbax-interop,hf-import,torch_xla-import,
+                                             size-sweep,multi-tier,scale]
                                 [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
-                                [--storage local|gcs|s3] [--warm-restore] [--resumes 5] [--sweep 0.25,1,4]
-                                [--events FILE]
+                                [--storage local|gcs|s3] [--warm-restore] [--warm-memory] [--resumes 5]
+                                [--sweep 0.25,1,4] [--events FILE]
 
 Workloads (benchmarks/workloads.py): `large` 1 GiB of 2D-sharded float32 + bfloat16; `small` 2,000 tensors of
 4 KiB-256 KiB; `model` a ~200M-parameter decoder with AdamW moments (~2.4 GiB), FSDP-sharded, also restored onto
 4 devices; `orbax-interop` a 1 GiB step Orbax writes, restored by this library onto torch_xla and by Orbax in
 JAX (benchmarks/bench_orbax_interop.py); `hf-import` the model's tensors as Hugging Face safetensors files,
 loaded onto an FSDP mesh by this library and by the usual load_file path (benchmarks/bench_hf_import.py);
+`torch_xla-import` the large and model workloads saved by torch_xla's CheckpointManager, restored by its own
+restore and by this library (`xtc.restore`, the manager's `init_from`) in fresh processes with the page cache
+evicted, at least 7 rounds ABBA, with CPU seconds, fresh memory and bytes read; `xtckpt convert` of the model
+checkpoint; raw DCP entry reads against torch.load (benchmarks/bench_torch_xla_import.py);
 `size-sweep` the large workload at 0.25, 1 and 4 GiB (`--sweep`), this library and torch_xla's manager;
 `multi-tier` the manager with a local tier in front of the persistent one (benchmarks/bench_multi_tier.py: save()
 blocking with both tiers due against one, a training loop saving the local tier every step, resume from each
@@ -48,6 +53,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_hf_import  # noqa: E402
 import bench_orbax_interop  # noqa: E402
+import bench_torch_xla_import  # noqa: E402
 import fresh_process  # noqa: E402
 import workloads  # noqa: E402
 
@@ -288,13 +294,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", default="large,small,model,orbax-interop,hf-import,size-sweep,multi-tier,scale")
+    parser.add_argument("--workloads", default="large,small,model,orbax-interop,hf-import,torch_xla-import,size-sweep,"
+                                                 "multi-tier,scale")
     parser.add_argument("--sweep", default="0.25,1,4",
                         help="size-sweep: sizes in GiB (times --scale) of the large workload, for xtc and torch_xla")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
     parser.add_argument("--storage", choices=("local", "gcs", "s3"), default="local")
     parser.add_argument("--warm-restore", action="store_true",
                         help="each contender restores once, uncounted, before the timed restores (as for saves)")
+    parser.add_argument("--warm-memory", action="store_true",
+                        help="torch_xla-import: a throwaway process touches twice the checkpoint's bytes before each "
+                        "timed process (this VM's fresh memory is slow to hand over; docs/performance.md)")
     parser.add_argument("--resumes", type=int, default=5,
                         help="resumes per contender on the large and model workloads: fresh process, page cache "
                         "evicted, one restore (0: none)")
@@ -309,11 +319,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         parser.parse_args(QUICK, namespace=args)
-        print(f"quick run ({' '.join(QUICK)}): leaves out the model, orbax-interop, hf-import, "
+        print(f"quick run ({' '.join(QUICK)}): leaves out the model, orbax-interop, hf-import, torch_xla-import, "
               "size-sweep, multi-tier and scale workloads, torch.save, Orbax and the async contenders; "
               "figures at 0.1 scale and 1 repeat are a smoke test, not a measurement", file=sys.stderr)
     reference = all(getattr(args, name) == parser.get_default(name) for name in (
-        "scale", "repeats", "workloads", "sweep", "contenders", "warm_restore", "resumes"))
+        "scale", "repeats", "workloads", "sweep", "contenders", "warm_restore", "warm_memory", "resumes"))
     output = args.output or (os.path.join(HERE, "results", f"{args.storage}.json") if reference else os.path.join(
         tempfile.gettempdir(), f"xtc-bench-{args.storage}-{'quick' if args.quick else 'partial'}.json"))
     contenders = args.contenders.split(",")
@@ -325,7 +335,7 @@ def main() -> None:
         env.update(server.environment)
         os.environ.update(server.environment)  # for the object store floor
         contenders = [c for c in contenders if c not in ("torch.save", "orbax")]  # local files only
-    results, floor, interop, hf_import, multi_tier, scaling = [], {}, None, None, None, None
+    results, floor, interop, hf_import, torch_xla_import, multi_tier, scaling = [], {}, None, None, None, None, None
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
             base = base or workdir
@@ -359,6 +369,12 @@ def main() -> None:
                             [sys.executable, os.path.join(HERE, "bench_scale.py"), "--scale", str(args.scale),
                              "--repeats", str(args.repeats), "--output", os.path.splitext(output)[0] + "-scale.json"],
                             env=dict(os.environ), capture_output=True, text=True, check=True).stdout.strip()
+                    continue
+                if workload == "torch_xla-import":
+                    if server is None:  # torch_xla's manager writes local files here
+                        print("running the torch_xla import ...", file=sys.stderr, flush=True)
+                        torch_xla_import = bench_torch_xla_import.measure(args.scale, max(args.repeats, 7), workdir,
+                                                                          warm_memory=args.warm_memory)
                     continue
                 if workload == "hf-import":
                     if server is None:  # local safetensors files
@@ -405,6 +421,8 @@ def main() -> None:
                  f"({interop['orbax_over_xtc_in_place']:.2f}x)")
     if hf_import is not None:
         text += "\n\n" + bench_hf_import.describe(hf_import)
+    if torch_xla_import is not None:
+        text += "\n\n" + bench_torch_xla_import.describe(torch_xla_import)
     text += sweep_summary(results)
     if multi_tier is not None:
         text += "\n\nmulti-tier: " + multi_tier
@@ -415,8 +433,8 @@ def main() -> None:
     with open(output, "w") as f:
         json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "scale": args.scale, "repeats": args.repeats,
                    "storage": args.storage, "floors": floor, "results": results, "orbax_interop": interop,
-                   "hf_import": hf_import, "multi_tier": multi_tier, "scaling": scaling}, f,
-                  indent=1)
+                   "hf_import": hf_import, "torch_xla_import": torch_xla_import, "multi_tier": multi_tier,
+                   "scaling": scaling}, f, indent=1)
     stem = os.path.splitext(output)[0]
     with open(stem + ".txt", "w") as f:
         f.write(text + "\n")
