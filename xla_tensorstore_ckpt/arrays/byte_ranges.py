@@ -29,6 +29,7 @@ from .base import ArrayReader, ByteCounter, Empty, Index, Picked, Ready, index_b
 MERGE_GAP_BYTES = 1 << 20
 MAX_POSITIONED_READS = 16  # runs per region read with pread; more are copied out of a memory map
 MAX_REQUEST_BYTES = 16 << 20
+_IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per preadv
 
 _COPIES = ThreadPoolExecutor(4, thread_name_prefix="xtc-raw-read")
 
@@ -100,7 +101,7 @@ class ByteRangeArray:
     def _copy_mapped(self, region: Index, out: np.ndarray) -> None:
         runs = _runs(self.shape, region, self._row.itemsize, self.offset)
         if len(runs) <= MAX_POSITIONED_READS:
-            read_runs(self._local, runs, out, self.where)
+            read_runs(self._local, into(runs, out), self.where)
             return
         try:
             mapped = np.memmap(self._local, dtype=out.dtype, mode="r", offset=self.offset,
@@ -110,25 +111,50 @@ class ByteRangeArray:
         np.copyto(out, mapped[tuple(slice(a, b) for a, b in region)])
 
 
-def read_runs(path: str, runs: list[tuple[int, int, int]], out: np.ndarray, where: str) -> None:
-    """Positioned reads of `runs` (`runs_between`) of the local file `path` into `out`."""
-    flat = memoryview(out.reshape(-1).view(np.uint8))
+def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str) -> None:
+    """Positioned reads of the local file `path`: each run is (file offset, the buffer its bytes go to). Runs
+    that follow one another in the file (a piece's rows split between the regions that read it) are read by one
+    call into up to `_IOV_MAX` buffers: a positioned read per run cost a GIL hand-off per row."""
+    runs = sorted(runs, key=lambda run: run[0])
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise StorageError(f"cannot open {where}: {exc}") from exc
     try:
-        for source, length, target in runs:
-            done = 0
-            while done < length:
-                n = os.preadv(fd, [flat[target + done:target + length]], source + done)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
-                done += n
+        i = 0
+        while i < len(runs):
+            start, first = runs[i]
+            views, end = [first], start + len(first)
+            i += 1
+            while i < len(runs) and runs[i][0] == end and len(views) < _IOV_MAX:
+                views.append(runs[i][1])
+                end += len(runs[i][1])
+                i += 1
+            _read_fully(fd, views, start, where)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
     finally:
         os.close(fd)
+
+
+def into(runs: list[tuple[int, int, int]], out: np.ndarray) -> list[tuple[int, memoryview]]:
+    """Runs of `runs_between` as `read_runs` takes them: each with the part of `out` it fills."""
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    return [(source, flat[target:target + length]) for source, length, target in runs]
+
+
+def _read_fully(fd: int, views: list[memoryview], at: int, where: str) -> None:
+    first = 0
+    while first < len(views):
+        n = os.preadv(fd, views[first:first + _IOV_MAX], at)
+        if n == 0:
+            raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
+        at += n
+        while first < len(views) and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        if n:
+            views[first] = views[first][n:]
 
 
 class RawRead:

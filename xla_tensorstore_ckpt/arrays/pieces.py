@@ -20,7 +20,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..formats import torch_zip
 from ..records import ArrayMetadata, PiecesArrayMetadata
 from .base import ArrayReader, ByteCounter, Empty, Index, Picked, index_box
-from .byte_ranges import read_runs, requests_of, runs_between
+from .byte_ranges import into, read_runs, requests_of, runs_between
 
 _POOL = ThreadPoolExecutor(8, thread_name_prefix="xtc-pieces")
 
@@ -88,38 +88,50 @@ class PiecesArray:
         self._fetched = fetched
 
     def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, PiecesRead]:
-        """Start reading each region into a buffer from `empty`."""
-        return {region: self._read(region, empty) for region in regions}
+        """Start reading each region into a buffer from `empty`. The runs every region needs of one local piece
+        are read by one task, so runs that follow one another in the file share positioned reads."""
+        local: dict[int, tuple[list, list[PiecesRead]]] = {}  # piece -> its runs, the reads that need them
+        reads = {region: self._read(region, empty, local) for region in regions}
+        for i, (runs, users) in local.items():
+            piece = self._pieces[i][0]
+            future = _POOL.submit(read_runs, self._local[piece.file], runs, self._where(piece))
+            for read in users:
+                read.copies.append(future)
+        return reads
 
     def read_index(self, index: tuple[slice | int, ...]) -> Picked:
         """Start reading `index` (normalized integers and slices, strides allowed): its bounding box, indexed."""
         box, within = index_box(index, self.shape)
-        return Picked(self._read(box, np.empty), within)
+        return Picked(self.read([box])[box], within)
 
-    def _read(self, region: Index, empty: Empty) -> PiecesRead:
+    def _where(self, piece) -> str:  # noqa: ANN001
+        return f"{self.item.child(piece.file)} [{self.key} chunk at {list(piece.offsets)}]"
+
+    def _read(self, region: Index, empty: Empty, local: dict[int, tuple[list, list[PiecesRead]]]) -> PiecesRead:
         out_shape = tuple(b - a for a, b in region)
         out = empty(out_shape, self._row.copy_dtype)
         read = PiecesRead(self, out)
         if out.size == 0:
             return read
         itemsize = self._row.itemsize
-        for piece, data in self._pieces:
+        for i, (piece, data) in enumerate(self._pieces):
             overlap = tuple((max(a, o), min(b, o + n)) for (a, b), o, n in zip(region, piece.offsets, piece.sizes))
             if any(a >= b for a, b in overlap):
                 continue
             box = tuple((a - o, b - o) for (a, b), o in zip(overlap, piece.offsets))
             out_start = tuple(a - r for (a, _), (r, _) in zip(overlap, region))
-            where = f"{self.item.child(piece.file)} [{self.key} chunk at {list(piece.offsets)}]"
-            local = self._local[piece.file]
+            where = self._where(piece)
             if not data.contiguous:
                 self._fetched.add(data.storage_bytes)
                 read.copies.append(_POOL.submit(self._copy_strided, piece.file, data, box, out, out_start, where))
                 continue
             runs = runs_between(piece.sizes, box, itemsize, data.offset + data.storage_offset * itemsize,
                                 out_shape, out_start)
-            if local is not None:
+            if self._local[piece.file] is not None:
                 self._fetched.add(sum(length for _, length, _ in runs))
-                read.copies.append(_POOL.submit(read_runs, local, runs, out, where))
+                piece_runs, users = local.setdefault(i, ([], []))
+                piece_runs += into(runs, out)
+                users.append(read)
             else:
                 requests = requests_of(runs)
                 self._fetched.add(sum(stop - start for start, stop, _ in requests))
