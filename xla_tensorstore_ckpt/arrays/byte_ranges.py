@@ -15,7 +15,6 @@ through `storage`); no torch_xla.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -25,11 +24,11 @@ from .. import dtypes, storage
 from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..records import ArrayMetadata, RawArrayMetadata
 from .base import ArrayReader, ByteCounter, Empty, Index, Picked, Ready, index_box
+from .local_reads import read_runs
 
 MERGE_GAP_BYTES = 1 << 20
 MAX_POSITIONED_READS = 16  # runs per region read with pread; more are copied out of a memory map
 MAX_REQUEST_BYTES = 16 << 20
-_IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per preadv
 
 _COPIES = ThreadPoolExecutor(4, thread_name_prefix="xtc-raw-read")
 
@@ -111,50 +110,10 @@ class ByteRangeArray:
         np.copyto(out, mapped[tuple(slice(a, b) for a, b in region)])
 
 
-def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str) -> None:
-    """Positioned reads of the local file `path`: each run is (file offset, the buffer its bytes go to). Runs
-    that follow one another in the file (a piece's rows split between the regions that read it) are read by one
-    call into up to `_IOV_MAX` buffers: a positioned read per run cost a GIL hand-off per row."""
-    runs = sorted(runs, key=lambda run: run[0])
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise StorageError(f"cannot open {where}: {exc}") from exc
-    try:
-        i = 0
-        while i < len(runs):
-            start, first = runs[i]
-            views, end = [first], start + len(first)
-            i += 1
-            while i < len(runs) and runs[i][0] == end and len(views) < _IOV_MAX:
-                views.append(runs[i][1])
-                end += len(runs[i][1])
-                i += 1
-            _read_fully(fd, views, start, where)
-    except OSError as exc:
-        raise StorageError(f"cannot read {where}: {exc}") from exc
-    finally:
-        os.close(fd)
-
-
 def into(runs: list[tuple[int, int, int]], out: np.ndarray) -> list[tuple[int, memoryview]]:
     """Runs of `runs_between` as `read_runs` takes them: each with the part of `out` it fills."""
     flat = memoryview(out.reshape(-1).view(np.uint8))
     return [(source, flat[target:target + length]) for source, length, target in runs]
-
-
-def _read_fully(fd: int, views: list[memoryview], at: int, where: str) -> None:
-    first = 0
-    while first < len(views):
-        n = os.preadv(fd, views[first:first + _IOV_MAX], at)
-        if n == 0:
-            raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
-        at += n
-        while first < len(views) and n >= len(views[first]):
-            n -= len(views[first])
-            first += 1
-        if n:
-            views[first] = views[first][n:]
 
 
 class RawRead:

@@ -20,7 +20,8 @@ from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..formats import torch_zip
 from ..records import ArrayMetadata, PiecesArrayMetadata
 from .base import ArrayReader, ByteCounter, Empty, Index, Picked, index_box
-from .byte_ranges import into, read_runs, requests_of, runs_between
+from .byte_ranges import into, requests_of, runs_between
+from .local_reads import read_runs
 
 _POOL = ThreadPoolExecutor(8, thread_name_prefix="xtc-pieces")
 

@@ -1,0 +1,148 @@
+"""Positioned reads of a local file into many buffers: through the page cache where it holds the bytes,
+around it (``O_DIRECT``) where it does not.
+
+A cold restore through the page cache fills it with bytes it never reads again, and on a VM that hands fresh
+memory to its hypervisor and back, filling it is most of the cost: a buffered cold read of a 2.48 GB file into
+fresh memory took 5.8-6.6 s here, a direct one 2.2-2.4 s. Direct reads need aligned offsets, lengths and
+buffers, and a tensor's bytes lie anywhere in a file, so they go through one aligned window per thread and are
+copied out. Whether the file is cached is asked of the kernel (a ``RWF_NOWAIT`` read of one page, which fails
+rather than wait for the disk): a warm file is read buffered, as before. File systems without ``O_DIRECT``
+(tmpfs) are read buffered. Used by the readers of DCP pieces and safetensors regions; no torch, no tensorstore.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+
+from ..errors import CorruptCheckpointError, StorageError
+
+ALIGN = 4096  # a multiple of every logical block size O_DIRECT asks for
+WINDOW_BYTES = 8 << 20  # each thread's aligned window
+_IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per preadv
+_windows = threading.local()
+
+
+def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str) -> None:
+    """Read each run (file offset, the buffer its bytes go to) of the local file `path`. Runs that follow one
+    another in the file are read by one call (buffered) or one window (direct). Called on reading threads;
+    blocks; raises `CorruptCheckpointError` where the file ends before a run, `StorageError` for other OS
+    errors (both naming `where`)."""
+    runs = sorted(runs, key=lambda run: run[0])
+    if not runs:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        # No readahead: it would cache the pieces after these, and the probe would then take them as warm.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except OSError as exc:
+        raise StorageError(f"cannot open {where}: {exc}") from exc
+    try:
+        if _cached(fd, runs) or not _read_direct(path, runs, where):
+            _read_buffered(fd, runs, where)
+    except OSError as exc:
+        raise StorageError(f"cannot read {where}: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _cached(fd: int, runs: list[tuple[int, memoryview]]) -> bool:
+    """Whether the page cache holds the middle of the runs (their first page may be cached by the reads that
+    located them). Where the kernel cannot say, True: read as before."""
+    probe = bytearray(1)
+    try:
+        os.preadv(fd, [probe], runs[len(runs) // 2][0], os.RWF_NOWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:  # RWF_NOWAIT not supported here
+        return True
+    return True
+
+
+def _read_buffered(fd: int, runs: list[tuple[int, memoryview]], where: str) -> None:
+    i = 0
+    while i < len(runs):
+        start, first = runs[i]
+        views, end = [first], start + len(first)
+        i += 1
+        while i < len(runs) and runs[i][0] == end and len(views) < _IOV_MAX:
+            views.append(runs[i][1])
+            end += len(runs[i][1])
+            i += 1
+        _read_fully(fd, views, start, where)
+
+
+def _read_fully(fd: int, views: list[memoryview], at: int, where: str) -> None:
+    first = 0
+    while first < len(views):
+        n = os.preadv(fd, views[first:first + _IOV_MAX], at)
+        if n == 0:
+            raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
+        at += n
+        while first < len(views) and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        if n:
+            views[first] = views[first][n:]
+
+
+def _read_direct(path: str, runs: list[tuple[int, memoryview]], where: str) -> bool:
+    """Read the runs window by window with O_DIRECT; False (nothing to rely on having been read) where the
+    file system refuses it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        window = _window()
+        for start, parts in _by_window(runs):
+            stop = -(-max(source + len(dest) for source, dest in parts) // ALIGN) * ALIGN
+            try:
+                got = _fill(fd, window[:stop - start], start)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    return False
+                raise
+            for source, dest in parts:
+                if source + len(dest) > start + got:
+                    raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
+                dest[:] = window[source - start:source - start + len(dest)]
+    finally:
+        os.close(fd)
+    return True
+
+
+def _by_window(runs: list[tuple[int, memoryview]]) -> list[tuple[int, list[tuple[int, memoryview]]]]:
+    """The runs cut at the boundaries of `WINDOW_BYTES` windows aligned in the file, grouped by window: (the
+    aligned offset the window's read starts at, its parts)."""
+    groups: dict[int, list[tuple[int, memoryview]]] = {}
+    for source, dest in runs:
+        while len(dest):
+            base = source // WINDOW_BYTES * WINDOW_BYTES
+            take = min(len(dest), base + WINDOW_BYTES - source)
+            groups.setdefault(base, []).append((source, dest[:take]))
+            source, dest = source + take, dest[take:]
+    return [(min(s for s, _ in parts) // ALIGN * ALIGN, parts) for _, parts in sorted(groups.items())]
+
+
+def _fill(fd: int, view: memoryview, at: int) -> int:
+    """Read into `view` from `at` until it is full or the file ends; the bytes read."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], at + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _window() -> memoryview:
+    """This thread's aligned window (an anonymous mapping: page-aligned), made on first use."""
+    window = getattr(_windows, "view", None)
+    if window is None or len(window) != WINDOW_BYTES:
+        _windows.view = window = memoryview(mmap.mmap(-1, WINDOW_BYTES))
+    return window
