@@ -8,17 +8,10 @@ that. Linux only; plain standard library (the Orbax worker imports it in its own
 from __future__ import annotations
 
 import resource
-import time
 from collections.abc import Callable
 from typing import Any
 
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+import memory
 
 
 def _page_cache_bytes() -> int:
@@ -40,15 +33,9 @@ def measure(fn: Callable[[], Any]) -> tuple[dict, Any]:
     ``page_cache_growth_bytes`` (machine-wide: meaningful on a quiet machine), ``fresh_bytes`` (their sum),
     ``read_bytes`` / ``written_bytes`` (from storage, this process) and ``read_calls_bytes`` (through read
     system calls, page cache hits included)."""
-    rss = _status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
     cache, io, usage = _page_cache_bytes(), _io(), resource.getrusage(resource.RUSAGE_SELF)
-    start = time.perf_counter()
-    result = fn()
-    wall = time.perf_counter() - start
+    wall, rss_growth, result = memory.measure(fn)
     after_usage, after_io = resource.getrusage(resource.RUSAGE_SELF), _io()
-    rss_growth = max(0, _status_bytes("VmHWM") - rss)
     cache_growth = max(0, _page_cache_bytes() - cache)
     return {"wall_s": wall, "user_s": after_usage.ru_utime - usage.ru_utime,
             "system_s": after_usage.ru_stime - usage.ru_stime, "rss_growth_bytes": rss_growth,
