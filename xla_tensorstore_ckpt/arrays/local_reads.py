@@ -75,9 +75,10 @@ def _read_buffered(fd: int, runs: list[tuple[int, memoryview]], where: str) -> N
 
 
 def _read_fully(fd: int, views: list[memoryview], at: int, where: str) -> None:
+    """Fill `views` (at most `_IOV_MAX`) from the file bytes that follow one another from `at`."""
     first = 0
     while first < len(views):
-        n = os.preadv(fd, views[first:first + _IOV_MAX], at)
+        n = os.preadv(fd, views[first:], at)
         if n == 0:
             raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
         at += n
@@ -143,6 +144,6 @@ def _fill(fd: int, view: memoryview, at: int) -> int:
 def _window() -> memoryview:
     """This thread's aligned window (an anonymous mapping: page-aligned), made on first use."""
     window = getattr(_windows, "view", None)
-    if window is None or len(window) != WINDOW_BYTES:
+    if window is None:
         _windows.view = window = memoryview(mmap.mmap(-1, WINDOW_BYTES))
     return window
