@@ -89,13 +89,13 @@ def peers_of(process: int, count: int, k: int, domain: Callable[[int], Hashable]
 
 # ------------------------------------------------------------------------------------ de-duplication
 
-_GLOBAL = (Placement.REPLICATED, Placement.TILED, Placement.HOST)
+_GLOBAL = (Placement.REPLICATED, Placement.TILED, Placement.HOST, Placement.DTENSOR)
 
 
 def item_keys(plans: Mapping[str, SavePlan], per_process: Collection[str]) -> dict[str, str]:
     """For each item of a local step (`plans`: its save plans) that can be shared with a data-parallel replica:
     a digest of which regions of which arrays this process wrote. Only items whose arrays are all global
-    (SPMD-sharded or replicated XLA tensors, `ShardedArray`s) qualify, not `per_process` ones (the generator
+    (SPMD-sharded or replicated XLA tensors, DTensors, `ShardedArray`s) qualify, not `per_process` ones (the generator
     states: one row per process, alike in shape only): two processes writing the same regions of the same
     global arrays wrote the same values, the invariant the persistent tier's one writer per shard rests on."""
     keys = {}

@@ -12,7 +12,7 @@ from functools import cached_property
 
 import torch
 
-from . import dtypes, grid, layout
+from . import dtensors, dtypes, grid, layout
 from .options import RestoreOptions
 from .records import ArrayMetadata
 from .sharded_array import ShardedArray
@@ -44,7 +44,7 @@ class ReadJob:
 
     key_path: layout.KeyPath
     meta: ArrayMetadata
-    reference: torch.Tensor | ShardedArray | None  # gives sharding and device; None: a CPU tensor
+    reference: torch.Tensor | ShardedArray | None  # gives sharding and device (XLA, DTensor); None: a CPU tensor
     dtype: torch.dtype
     layout: TensorLayout  # where the data goes: the reference's local shards, or one whole-array shard
     max_amplification: float = MAX_READ_AMPLIFICATION  # stored bytes fetched per byte, at most, to read by shard
@@ -119,9 +119,12 @@ def jobs(saved: dict, wanted: dict, max_amplification: float) -> list[ReadJob]:
     restore reads, and what `restore_plan` reports."""
     targets = {p: (t.reference, t.dtype) if isinstance(t, RestoreAs) else (t, t.dtype)
                for p, t in wanted.items() if isinstance(t, (torch.Tensor, RestoreAs, ShardedArray))}
-    xla = [(p, ref) for p, (ref, _) in targets.items() if isinstance(ref, torch.Tensor) and ref.device.type == "xla"]
+    xla = [(p, ref) for p, (ref, _) in targets.items() if isinstance(ref, torch.Tensor) and ref.device.type == "xla"
+           and not dtensors.is_dtensor(ref)]
+    distributed = [(p, ref) for p, (ref, _) in targets.items() if dtensors.is_dtensor(ref)]
     layouts: dict[layout.KeyPath, TensorLayout] = {
         p: host_layout(ref) for p, (ref, _) in targets.items() if isinstance(ref, ShardedArray)}
+    layouts.update(zip([p for p, _ in distributed], dtensors.layouts([t for _, t in distributed])))
     if xla:
         from . import sharding
 

@@ -15,8 +15,9 @@ from . import dtypes, layout, tree
 
 @dataclass(frozen=True)
 class SavedSharding:
-    """How a tensor was sharded when saved: its HLO sharding, the number of tiles per dimension, the
-    replication factor, and when they could be recovered the mesh and partition spec."""
+    """How a tensor was sharded when saved: its HLO sharding (empty for a DTensor), the number of tiles per
+    dimension, the replication factor, when they could be recovered the mesh and partition spec, and a
+    DTensor's placements."""
 
     hlo: str
     tiles: tuple[int, ...]
@@ -25,9 +26,14 @@ class SavedSharding:
     mesh_shape: tuple[int, ...] | None = None
     axis_names: tuple[str, ...] | None = None
     partition_spec: tuple[Any, ...] | None = None
+    placements: tuple[str, ...] | None = None  # a DTensor's, e.g. ("Shard(dim=0)", "Replicate()")
 
     def describe(self) -> str:
-        """Short text for listings: ``mesh (4, 2) ('x', 'y') spec ('x', None)`` or the tile layout."""
+        """Short text for listings: ``mesh (4, 2) ('x', 'y') spec ('x', None)``, a DTensor's mesh and
+        placements, or the tile layout."""
+        if self.placements is not None:
+            names = f" {self.axis_names}" if self.axis_names else ""
+            return f"dtensor mesh {self.mesh_shape}{names} placements ({', '.join(self.placements)})"
         if self.mesh_shape is not None and self.partition_spec is not None:
             names = f" {self.axis_names}" if self.axis_names else ""
             return f"mesh {self.mesh_shape}{names} spec {self.partition_spec}"

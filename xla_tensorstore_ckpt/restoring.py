@@ -17,7 +17,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import arrays, dtypes, formats, host_memory, layout, read_jobs, replica_reads, restore_arenas, storage, tree
+from . import (
+    arrays,
+    dtensors,
+    dtypes,
+    formats,
+    host_memory,
+    layout,
+    read_jobs,
+    replica_reads,
+    restore_arenas,
+    storage,
+    tree,
+)
 from .distributed import Coordinator, default_coordinator
 from .errors import (
     CheckpointError,
@@ -359,6 +371,11 @@ def _build(job: ReadJob, regions: dict, *, release: bool = False) -> torch.Tenso
                                                                                           dtype=saved_dtype)
             shards.append((shard.index, data.to(job.dtype).contiguous()))
         return ShardedArray(lay.shape, job.dtype, lay.shard_shape, tuple(shards))
+    if lay.placement is Placement.DTENSOR:
+        extent = lay.shards[0].extent if lay.shards else (0,) * len(lay.shape)
+        region = _region(lay.shards[0].index, regions) if lay.shards else None
+        data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(extent, dtype=saved_dtype)
+        return dtensors.build(job.reference, data.to(job.dtype))
     if lay.placement in (Placement.CPU, Placement.UNSHARDED):
         region = _region(lay.shards[0].index, regions)
         data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(lay.shape, dtype=saved_dtype)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import dtypes, formats, grid, layout, tree
+from . import dtensors, dtypes, formats, grid, layout, tree
 from .distributed import Coordinator, balance
 from .errors import UnsupportedValueError
 from .options import SaveOptions
@@ -28,7 +28,7 @@ from .records import ArrayMetadata, ArrayStore, ItemManifest
 from .sharded_array import ShardedArray
 from .tensor_layout import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
 
-ArrayLike = torch.Tensor | ShardedArray
+ArrayLike = torch.Tensor | ShardedArray  # a CPU or XLA tensor, a DTensor, host shards
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,10 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     scalars: list[tuple[layout.KeyPath, torch.Tensor]] = []
     string_leaves: list[tuple[layout.KeyPath, str]] = []
     for path, leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
+        if dtensors.is_dtensor(leaf):
+            _check_dtensor(path, leaf)
+            values.append((path, leaf))
+        elif isinstance(leaf, torch.Tensor):
             _check_tensor(path, leaf)
             values.append((path, leaf))
         elif isinstance(leaf, ShardedArray):
@@ -216,9 +219,13 @@ def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], scalars: list[t
     return plans
 
 
+def _is_xla(value: ArrayLike) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "xla" and not dtensors.is_dtensor(value)
+
+
 def _sharding_specs(values: Sequence[ArrayLike]) -> list[str | None]:
     """The HLO sharding string of each XLA tensor (None for the others), once pending computations have run."""
-    xla = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+    xla = [i for i, v in enumerate(values) if _is_xla(v)]
     out: list[str | None] = [None] * len(values)
     if xla:
         from . import sharding
@@ -244,6 +251,8 @@ def _signature(value: ArrayLike, spec: str | None, mesh: tuple | None) -> tuple:
     global mesh, from `_mesh_key`)."""
     if isinstance(value, ShardedArray):
         return ("host", value.shape, value.dtype, value.shard_shape, tuple(index for index, _ in value.shards))
+    if dtensors.is_dtensor(value):
+        return ("dtensor", tuple(value.shape), value.dtype, dtensors.signature(value))
     if value.device.type == "xla":
         return ("xla", tuple(value.shape), value.dtype, spec, value.device, mesh)
     return ("cpu", tuple(value.shape), value.dtype)
@@ -259,6 +268,13 @@ def _check_tensor(path: layout.KeyPath, tensor: torch.Tensor) -> None:
     _check_dtype(path, tensor.dtype)
 
 
+def _check_dtensor(path: layout.KeyPath, value: Any) -> None:
+    reason = dtensors.unsaveable(value)
+    if reason is not None:
+        raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: {reason}")
+    _check_dtype(path, value.dtype)
+
+
 def _check_dtype(path: layout.KeyPath, dtype: torch.dtype) -> None:
     try:
         dtypes.by_torch(dtype)
@@ -268,10 +284,13 @@ def _check_dtype(path: layout.KeyPath, dtype: torch.dtype) -> None:
 
 def _layouts(values: Sequence[ArrayLike], specs: Sequence[str | None]) -> list[TensorLayout]:
     """The layout of each value; `specs` from `_sharding_specs` (XLA tensors materialized)."""
-    xla = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+    xla = [i for i, v in enumerate(values) if _is_xla(v)]
+    distributed = [i for i, v in enumerate(values) if dtensors.is_dtensor(v)]
     out: list[TensorLayout | None] = [
         host_layout(v) if isinstance(v, ShardedArray) else cpu_layout(tuple(v.shape)) if v.device.type == "cpu"
         else None for v in values]
+    for i, lay in zip(distributed, dtensors.layouts([values[i] for i in distributed])):
+        out[i] = lay
     if xla:
         from . import sharding
 
@@ -282,7 +301,7 @@ def _layouts(values: Sequence[ArrayLike], specs: Sequence[str | None]) -> list[T
 
 def _local_chunks(lay: TensorLayout, chunk_shape: tuple[int, ...]) -> dict[Index, LocalShard]:
     """The chunks whose data this process holds, each with the local shard (lowest replica) holding it."""
-    if chunk_shape == lay.chunk_shape:  # chunks are the shards themselves
+    if chunk_shape == lay.chunk_shape and lay.placement is not Placement.DTENSOR:  # chunks are the shards
         return {shard.index: shard for shard in lay.distinct_shards()}
     out: dict[Index, LocalShard] = {}
     meta_grid = grid.regions(lay.shape, chunk_shape)
@@ -300,8 +319,8 @@ def _assign_writers(local: list[tuple[ArrayMetadata, TensorLayout]], options: Sa
     The chunk grid is the shard grid, except that a large array that every process holds whole (one chunk,
     held everywhere) is cut along its first dimension into one chunk per process, so that all share its
     writing. Collective with several processes."""
-    mine = [(meta.path, meta.shape, meta.dtype, meta.chunk_shape,
-             tuple(s.index for s in lay.distinct_shards())) for meta, lay in local]
+    mine = [(meta.path, meta.shape, meta.dtype, meta.chunk_shape, tuple(_local_chunks(lay, meta.chunk_shape)))
+            for meta, lay in local]
     everyone = coordinator.all_gather(mine)
     reference = [entry[:4] for entry in everyone[0]]
     holders: dict[tuple[str, Index], list[int]] = {}

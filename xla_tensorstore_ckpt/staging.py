@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import grid
+from . import dtensors, grid
 from .options import SaveOptions
 from .save_plan import ArrayPlan, ChunkWrite, SavePlan
 from .tensor_layout import LocalShard, Placement
@@ -34,6 +34,8 @@ def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[Lo
         elif p.layout.placement is Placement.HOST and p.writes:
             held = dict(zip(p.layout.shards, (d for _, d in p.value.shards)))
             sources[i] = {s: held[s].clone() if copy_cpu else held[s] for s in p.sources}
+        elif p.layout.placement is Placement.DTENSOR and p.writes:
+            sources[i] = {p.layout.shards[0]: dtensors.local_data(p.value, copy=copy_cpu)}
     if xla:
         from . import sharding
 

@@ -1,8 +1,8 @@
 """Immutable records describing where a tensor's data lives and which chunks this process writes or reads.
 
 A `TensorLayout` lists a tensor's local shards (one per local device, in the runtime's device order) with their
-index in the global array. It comes from `sharding.layouts` for XLA tensors and from `cpu_layout` for CPU
-tensors, so the checkpointer never touches torch_xla itself. Pure Python.
+index in the global array. It comes from `sharding.layouts` for XLA tensors, `dtensors.layouts` for DTensors and
+from `cpu_layout` for CPU tensors, so the checkpointer never touches torch_xla itself. Pure Python.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class Placement(Enum):
     REPLICATED = "replicated"  # an XLA tensor replicated on every device
     TILED = "tiled"  # an XLA tensor split into tiles, possibly partially replicated
     HOST = "host"  # a ShardedArray: host shards of a global array
+    DTENSOR = "dtensor"  # a DTensor: this process's local tensor, a shard of a global array
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ class LocalShard:
 @dataclass(frozen=True)
 class TensorLayout:
     """How one tensor is laid out over this process's devices. `shard_shape` is the padded per-device shape
-    (the chunk shape on disk, except that chunk dimensions are at least 1)."""
+    (the chunk shape on disk, except that chunk dimensions are at least 1); for a DTensor, whose shards may
+    differ in size, the chunk grid its shards are made of."""
 
     shape: tuple[int, ...]
     placement: Placement

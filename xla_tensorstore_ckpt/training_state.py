@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import checkpointer, formats, layout, restoring, rng_state, tree
+from . import checkpointer, dtensors, formats, layout, restoring, rng_state, tree
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError, ItemNotFoundError, UnsupportedValueError, UsageError
 from .events import Emitter
@@ -75,14 +75,16 @@ def optimizer_target(optimizer: torch.optim.Optimizer, saved: Any, where: str) -
 
 def assign_in_place(target: Any, values: dict[KeyPath, Any]) -> None:
     """Write restored `values` into the `target` tree: tensors keep their identity, device and sharding (XLA
-    data is swapped without computation, CPU data copied); other leaves are replaced in their (mutable)
-    containers."""
+    data is swapped without computation, CPU data and a DTensor's local tensor copied); other leaves are
+    replaced in their (mutable) containers."""
     xla_pairs = []
     for path, value in values.items():
         container, key = _parent(target, path)
         current = container[key]
         if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
-            if current.device.type == "xla":
+            if dtensors.is_dtensor(current):
+                dtensors.copy_into(current, value)
+            elif current.device.type == "xla":
                 xla_pairs.append((current, value))
             else:
                 with torch.no_grad():

@@ -164,6 +164,7 @@ def _sharding_json(sharding: SavedSharding) -> dict:
         "axis_names": None if sharding.axis_names is None else list(sharding.axis_names),
         "partition_spec": None if sharding.partition_spec is None else [
             list(p) if isinstance(p, tuple) else p for p in sharding.partition_spec],
+        **({} if sharding.placements is None else {"placements": list(sharding.placements)}),
     }
 
 
@@ -181,6 +182,8 @@ def _sharding(data: Any, where: str) -> SavedSharding:
             string(a, where) for a in listing(data["axis_names"], where)),
         partition_spec=None if spec is None else tuple(
             tuple(p) if isinstance(p, list) else p for p in listing(spec, where)),
+        placements=None if data.get("placements") is None else tuple(
+            string(p, where) for p in listing(data["placements"], where)),
     )
 
 

@@ -1,0 +1,147 @@
+"""The only module that touches `torch.distributed.tensor`: which region of the global array a DTensor's local
+tensor holds, the chunk grid its shards tile, its saved sharding, its local data, and DTensors built from host
+data on a reference's mesh and placements.
+
+A DTensor is to this library what a process's addressable shards of an SPMD tensor are: one shard per process
+(its local tensor) at an index in the global array, replicated where the mesh has `Replicate()` dimensions. The
+save and restore paths treat it like a `ShardedArray` (`tensor_layout.Placement.DTENSOR`). torch_xla is never
+imported here, so a process that trains with DTensors alone saves and restores without it. Pure functions over
+metadata except `local_data`, `build` and `copy_into`; no collectives (the mesh's coordinates are computed, not
+exchanged).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from .records import SavedSharding
+from .tensor_layout import Index, LocalShard, Placement, TensorLayout
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether `value` is a DTensor. Cheap, and imports nothing: DTensors exist only once their module is."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def unsaveable(value: Any) -> str | None:
+    """Why the DTensor `value` cannot be saved as it is, or None: a `Partial` placement holds unreduced
+    summands, not the array (the caller names the key)."""
+    partial = [str(p) for p in value.placements if p.is_partial()]
+    if partial:
+        return (f"its placements {_names(value.placements)} include {partial[0]}: it holds partial sums, not the "
+                "array; reduce it first (e.g. `value.redistribute(placements=[Replicate()] * mesh.ndim)`)")
+    return None
+
+
+def layouts(values: Sequence[Any]) -> list[TensorLayout]:
+    """The layout of each DTensor: the one shard this process holds (its local tensor, at its index in the
+    global array; none if this process is not in the mesh), on the coarsest chunk grid that every shard of the
+    mesh is made of whole chunks of (the shard shape for even and `torch.chunk`-uneven splits), with the saved
+    sharding (mesh shape, dimension names, placements). No device work."""
+    out = []
+    for value in values:
+        mesh = value.device_mesh
+        coordinate = mesh.get_coordinate()
+        geometry = _geometry(tuple(value.shape), tuple(mesh.shape), tuple(value.placements),
+                             None if coordinate is None else tuple(coordinate))
+        chunks, index, replica, sharding = geometry
+        device = str(value._local_tensor.device)
+        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+        if names is not None:
+            sharding = SavedSharding(sharding.hlo, sharding.tiles, sharding.replicas, sharding.num_devices,
+                                     sharding.mesh_shape, names, _named(sharding.partition_spec, names),
+                                     sharding.placements)
+        shards = () if index is None else (LocalShard(0, device, index, replica),)
+        out.append(TensorLayout(tuple(value.shape), Placement.DTENSOR, chunks, shards, sharding))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _geometry(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple,
+              coordinate: tuple[int, ...] | None) -> tuple[tuple[int, ...], Index | None, int, SavedSharding]:
+    """(chunk shape, this coordinate's index, its replica id, saved sharding) of a DTensor's geometry; the
+    index of every mesh coordinate is computed as DTensor computes its own (nested `torch.chunk` splits, in
+    the order strided shards imply)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    boxes = {}
+    for point in itertools.product(*(range(n) for n in mesh_shape)):
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(point), placements)
+        boxes[point] = tuple((o, o + s) if s else (n, n) for o, s, n in zip(offset, local, shape))
+    chunks = []
+    for d, n in enumerate(shape):
+        cuts = {c for box in boxes.values() if box[d][0] < box[d][1] for c in box[d] if 0 < c < n}
+        chunks.append(math.gcd(*cuts) if cuts else n)
+    index = None if coordinate is None else boxes[coordinate]
+    replica = 0 if index is None else sorted(p for p, box in boxes.items() if box == index).index(coordinate)
+    return tuple(chunks), index, replica, _saved_sharding(len(shape), mesh_shape, placements)
+
+
+def _saved_sharding(rank: int, mesh_shape: tuple[int, ...], placements: tuple) -> SavedSharding:
+    """The record of a DTensor's sharding: tiles per tensor dimension, replication, the mesh, a partition spec
+    over mesh dimensions (by position; `layouts` puts in names) in the order the splits nest, the placements."""
+    from torch.distributed.tensor._utils import _explicit_order_placements
+
+    axes: list[list[int]] = [[] for _ in range(rank)]
+    for mesh_dim, placement in _explicit_order_placements(mesh_shape, placements):
+        if placement.is_shard():
+            axes[placement.dim].append(mesh_dim)
+    tiles = tuple(math.prod(mesh_shape[a] for a in dims) for dims in axes)
+    replicas = math.prod(n for n, p in zip(mesh_shape, placements) if p.is_replicate())
+    spec = tuple(None if not dims else dims[0] if len(dims) == 1 else tuple(dims) for dims in axes)
+    return SavedSharding("", tiles, replicas, math.prod(mesh_shape), mesh_shape, None, spec, _names(placements))
+
+
+def _named(spec: tuple | None, names: tuple[str, ...]) -> tuple | None:
+    if spec is None:
+        return None
+    return tuple(None if s is None else names[s] if isinstance(s, int) else tuple(names[a] for a in s) for s in spec)
+
+
+def _names(placements: Sequence[Any]) -> tuple[str, ...]:
+    return tuple(repr(p) for p in placements)
+
+
+def signature(value: Any) -> tuple:
+    """What a DTensor's layout depends on besides its shape and dtype (mesh, coordinate, placements, device):
+    a save plan made for one DTensor serves another of the same signature."""
+    mesh = value.device_mesh
+    return (tuple(value.placements), tuple(mesh.shape), tuple(mesh.mesh.reshape(-1).tolist()),
+            mesh.mesh_dim_names, mesh.get_coordinate(), value._local_tensor.device)
+
+
+def local_data(value: Any, *, copy: bool) -> torch.Tensor:
+    """The DTensor's local tensor on the host, detached: a view of it if it is on the CPU, unless `copy` (a
+    caller that returns before writing it must not see the training loop change it). Blocks for a copy off an
+    accelerator."""
+    with torch.no_grad():
+        local = value.to_local().detach()
+    if local.device.type != "cpu":
+        return local.cpu()
+    return local.clone() if copy else local
+
+
+def build(reference: Any, data: torch.Tensor) -> Any:
+    """A DTensor on `reference`'s mesh and placements, of its global shape and stride, whose local tensor is
+    `data` (this process's region of it) moved to the reference's local device. No communication."""
+    from torch.distributed.tensor import DTensor
+
+    device = reference._local_tensor.device
+    return DTensor.from_local(data if data.device == device else data.to(device), reference.device_mesh,
+                              reference.placements, run_check=False, shape=reference.shape,
+                              stride=reference.stride())
+
+
+def copy_into(target: Any, value: Any) -> None:
+    """Copy the restored DTensor `value` into `target`'s local tensor in place (same mesh and placements), so
+    that `target` keeps its identity (an FSDP2 parameter stays its optimizer's and its module's). Blocks."""
+    with torch.no_grad():
+        target.to_local().copy_(value.to_local())
