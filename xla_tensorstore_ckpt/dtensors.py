@@ -34,7 +34,7 @@ def is_dtensor(value: Any) -> bool:
 def unsaveable(value: Any) -> str | None:
     """Why the DTensor `value` cannot be saved as it is, or None: a `Partial` placement holds unreduced
     summands, not the array (the caller names the key)."""
-    partial = [str(p) for p in value.placements if p.is_partial()]
+    partial = [repr(p) for p in value.placements if p.is_partial()]
     if partial:
         return (f"its placements {_names(value.placements)} include {partial[0]}: it holds partial sums, not the "
                 "array; reduce it first (e.g. `value.redistribute(placements=[Replicate()] * mesh.ndim)`)")
