@@ -3,13 +3,16 @@ and its training steps, and the manager options most tests start from."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
 import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import events
+from xla_tensorstore_ckpt import dtypes, events, formats, storage
+
+CHECKSUM_BYTES = 4  # a CRC32C after each stored chunk
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
           torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
@@ -99,3 +102,13 @@ class Recorder:
 
     def kinds(self, **where) -> list[str]:
         return [e.kind for e in self.events if all(getattr(e, k) == v for k, v in where.items())]
+
+
+def stored_chunk_bytes(path: str) -> int:
+    """Every stored chunk of the item at `path` with its checksum: what reading it all once fetches."""
+    total = 0
+    for meta in formats.read_item(storage.location(path)).leaves().values():
+        if hasattr(meta, "chunk_shape"):
+            chunks = math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape))
+            total += chunks * (math.prod(meta.chunk_shape) * dtypes.by_name(meta.dtype).itemsize + CHECKSUM_BYTES)
+    return total

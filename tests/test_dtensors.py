@@ -10,16 +10,23 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_mesh, sharded
 from forked import launch_job
+from helpers import stored_chunk_bytes
+from hf_files import write_hf_dir
+from orbax_process import leaf, orbax, same
+from safetensors.torch import load_file
 
 import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import cli, dtypes
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "dtensor_job.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
 import dtensor_job  # noqa: E402
+import orbax_trees  # noqa: E402
 
 
 def launch(world: int, *args: str) -> list[dict]:
@@ -40,7 +47,7 @@ def saved(tmp_path_factory):
     return root, lines_with(launch(4, "save", root), "bytes")
 
 
-def test_four_processes_save_dtensors_as_one_global_array_each(saved):
+def test_four_processes_save_dtensors_as_one_global_array_each(saved, capsys):
     root, _ = saved
     info = xtc.metadata(root / "item")
     restored = xtc.restore(root / "item")  # CPU tensors, no mesh at all
@@ -58,6 +65,9 @@ def test_four_processes_save_dtensors_as_one_global_array_each(saved):
     assert sharding.placements == ("Replicate()", "Shard(dim=0)") and sharding.partition_spec == ("tp", None)
     assert info["two_dims"].sharding.partition_spec == ("dp", "tp")
     assert info["nested"].sharding.partition_spec == (("dp", "tp"), None)
+    assert cli.main(["tree", str(root / "item")]) == 0
+    shown = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "dtensor mesh (2, 2) ('dp', 'tp') placements (Replicate(), Shard(dim=0))" in shown["hsdp"]
 
 
 def test_replicated_dtensors_are_written_once_and_spread(saved):
@@ -79,6 +89,20 @@ def test_restore_onto_other_placements_and_process_counts(saved, world):
         assert line["local"]["replicated"] == [min(rows, 1024 - rows * line["rank"]), 512]
 
 
+def test_single_replica_reads_fetch_each_stored_chunk_once(saved):
+    root, _ = saved
+    results = launch(4, "replica_reads", root)
+    on, off = ([line for r in results for line in r["lines"] if line.get("single") is single]
+               for single in (True, False))
+    assert all(line["equal"] for line in on + off) and len(on) == len(off) == 4, results
+    seen = []  # one process reading the whole item: each stored chunk once (small ones inline in OCDBT's index)
+    xtc.restore(root / "item", options=xtc.RestoreOptions(listeners=(seen.append,)))
+    once = next(e for e in seen if e.kind == "restore_finished").details["storage_bytes"]
+    assert once >= 2 << 20 and once <= stored_chunk_bytes(str(root / "item"))
+    assert sum(line["storage_bytes"] for line in on) == once and sum(line["received"] for line in on) > 0
+    assert sum(line["storage_bytes"] for line in off) > 1.5 * once  # each replica fetched its own
+
+
 def test_partial_dtensors_are_refused_by_key(tmp_path):
     for line in lines_with(launch(2, "partial", tmp_path), "error"):
         assert line["error"] and "layer/grad" in line["error"] and "Partial" in line["error"], line
@@ -98,6 +122,43 @@ def test_torch_xla_spmd_save_restores_as_dtensors_and_back(tmp_path):
         back = xtc.restore(tmp_path / "back", target)
         for name, value in values.items():
             assert torch.equal(back[name].cpu(), value), (world, name)
+
+
+def test_a_dtensor_save_is_an_orbax_checkpoint_jax_restores(saved):
+    root, _ = saved
+    for mode in ("restore", "restore_sharded"):  # the saved shardings alone, then JAX's NamedShardings on a mesh
+        dumped = orbax(mode, root / "item")
+        tree = dumped["tree"] if mode == "restore_sharded" else dumped
+        for name in dtensor_job.ARRAYS:
+            assert same(leaf(tree[name]), dtensor_job.global_value(name)), (mode, name)
+        assert int(leaf(tree["meta.step"])) == 3
+
+
+def test_an_orbax_save_restores_as_dtensors(tmp_path):
+    orbax("write", tmp_path / "orbax", "--ocdbt", "1", "--zarr3", "1")
+    arrays = {k: dtensor_job.digest(dtypes.numpy_to_tensor(v)) for k, v in dtensor_job.leaves(orbax_trees.tree())
+              if isinstance(v, np.ndarray)}
+    values = {k: v for k, v in dtensor_job.leaves(orbax_trees.tree()) if not isinstance(v, np.ndarray)}
+    for world in (2, 4):
+        for line in lines_with(launch(world, "foreign", tmp_path / "orbax"), "digests"):
+            assert line["digests"] == {**arrays, **values} and line["dtensors"] == sorted(arrays), (world, line)
+
+
+def test_dtensor_checkpoints_export_to_safetensors_and_hf_weights_start_an_fsdp2_model(saved, tmp_path):
+    root, _ = saved
+    assert cli.main(["convert", str(root / "item"), str(tmp_path / "hf-out"), "--to", "safetensors"]) == 0
+    exported = {}
+    for name in os.listdir(tmp_path / "hf-out"):
+        if name.endswith(".safetensors"):
+            exported.update(load_file(tmp_path / "hf-out" / name))
+    for name in dtensor_job.ARRAYS:
+        assert torch.equal(exported[name], dtensor_job.global_value(name)), name
+    weights = write_hf_dir(str(tmp_path / "hf"))
+    expected = {name: dtensor_job.digest(value) for name, value in weights.items()}
+    for world in (2, 4):
+        for line in lines_with(launch(world, "from_hf", tmp_path / "hf", tmp_path / f"run{world}"), "digests"):
+            assert line["digests"] == expected and line["start"] is None, (world, line)
+            assert line["kept"] and line["dtensors"], line
 
 
 def test_a_peer_dying_mid_save_commits_nothing(tmp_path):
@@ -146,3 +207,25 @@ def test_fsdp2_state_reshards_onto_four_processes_and_an_hsdp_mesh(fsdp_run):
         for line in lines_with(launch(args[0], "state", base / "whole", 6, *args[1:]), "digests"):
             assert line["digests"] == reference["digests"] and line["lr"] == reference["lr"], (args, line)
             assert line["position"] == 6
+
+
+def test_fsdp2_state_of_four_processes_reshards_onto_two(tmp_path):
+    reference = lines_with(launch(4, "train", tmp_path / "four", 2), "digests")[0]
+    for line in lines_with(launch(2, "state", tmp_path / "four", 2), "digests"):
+        assert line["digests"] == reference["digests"] and line["lr"] == reference["lr"], line
+        assert line["position"] == 2
+
+
+def test_fsdp2_training_resumes_from_the_local_tier(fsdp_run, tmp_path):
+    """Every step to a local tier per process, every third to the persistent one: killed after step 4's
+    commit, the run resumes from local step 4 (the persistent tier has step 3) and continues bit for bit."""
+    _, whole, _, _ = fsdp_run
+    first = launch(2, "train", tmp_path / "root", 6, "--stop-at", 4, "--local")
+    with xtc.CheckpointManager(tmp_path / "root", xtc.CheckpointManagerOptions()) as manager:
+        assert manager.all_steps() == [3]
+    second = launch(2, "train", tmp_path / "root", 6, "--resume", "latest", "--local")
+    for line in lines_with(second, "restored"):
+        assert line["restored"] == 4 and line["position"] == 4 and line["same_parameters"], line
+    for rank in range(2):
+        assert losses(first)[rank] + losses(second)[rank] == losses(whole)[rank], rank
+    assert lines_with(second, "digests") == lines_with(whole, "digests")

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from forked import launch_job
+from helpers import CHECKSUM_BYTES, stored_chunk_bytes
 
 from xla_tensorstore_ckpt import dtypes, formats, grid, storage
 
@@ -20,22 +21,11 @@ sys.path.insert(0, os.path.dirname(SCRIPT))
 import replica_reads  # noqa: E402
 
 WORLD = 4
-CHECKSUM_BYTES = 4
 
 
 def launch(*args: str, env: dict | None = None) -> list[dict]:
     """Run the script as the 4 processes of one job."""
     return launch_job(SCRIPT, WORLD, *args, env=env)
-
-
-def stored_chunk_bytes(path: str) -> int:
-    """Every stored chunk of the item at `path` with its checksum: what reading it all once fetches."""
-    total = 0
-    for meta in formats.read_item(storage.location(path)).leaves().values():
-        if hasattr(meta, "chunk_shape"):
-            chunks = math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape))
-            total += chunks * (math.prod(meta.chunk_shape) * dtypes.by_name(meta.dtype).itemsize + CHECKSUM_BYTES)
-    return total
 
 
 def fetched_alone(path: str, rank: int) -> int:

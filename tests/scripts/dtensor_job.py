@@ -12,6 +12,12 @@ usage: dtensor_job.py save ROOT                -> saves ROOT/item: DTensors of m
        dtensor_job.py state ROOT STEP [--mesh fsdp|hsdp]
                                                -> restores STEP onto a fresh FSDP2 model and optimizer, prints
                                                   digests of the full state
+       dtensor_job.py replica_reads ROOT       -> restores ROOT/item onto a (2, world // 2) mesh, replicated
+                                                  over its first dimension, with and without single-replica reads
+       dtensor_job.py foreign SOURCE           -> restores SOURCE (an Orbax item) onto DTensors sharded by rows
+                                                  where they divide, prints digests of every leaf
+       dtensor_job.py from_hf SOURCE ROOT      -> an FSDP2 model named as SOURCE's (an HF directory) starts
+                                                  from it through the manager's init_from, prints digests
 Prints JSON lines: {"rank": r, ...}.
 """
 
@@ -80,6 +86,14 @@ def count_bytes() -> dict:
     return written
 
 
+def stored_once(rank: int, restored: dict, events_seen: list) -> dict:
+    """What one restore fetched from storage (its restore_finished event) and whether every value is exact."""
+    details = next(e for e in events_seen if e.kind == "restore_finished").details
+    equal = all(torch.equal(restored[name].full_tensor(), global_value(name)) for name in ARRAYS)
+    return {"equal": equal, "storage_bytes": details["storage_bytes"],
+            "received": details.get("peer_bytes_received", 0)}
+
+
 def digest(tensor: torch.Tensor) -> str:
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
     return hashlib.sha256(full.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
@@ -140,17 +154,21 @@ def state_digests(model, optimizer) -> dict:
 
 
 def train(args, rank: int, world: int) -> None:
+    """Train STEPS steps with the manager saving every step (with --local: every third step to ROOT, every step
+    to a local tier of this process's own in ROOT-local/RANK)."""
     model, optimizer, scheduler = fsdp_model(world, args.mesh)
     ids = [id(p) for p in model.parameters()]
     data = {"position": 0}
-    options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=args.async_save)
+    tiers = {} if not args.local else {
+        "save_interval_steps": 3, "local_directory": f"{args.root}-local/{rank}", "local_save_interval_steps": 1}
+    options = xtc.CheckpointManagerOptions(**{"save_interval_steps": 1, **tiers}, async_save=args.async_save)
     with xtc.CheckpointManager(args.root, options) as manager:
         resume = None if args.resume == "none" else "latest"
         restored = manager.restore(resume, model=model, optimizer=optimizer, lr_scheduler=scheduler, extra=data)
         start = restored or 0
         same_parameters = ids == [id(p) for p in model.parameters()] and all(
             p is q for p, q in zip(model.parameters(), optimizer.param_groups[0]["params"]))
-        emit(rank, restored=restored, same_parameters=same_parameters,
+        emit(rank, restored=restored, same_parameters=same_parameters, position=data["position"],
              dtensors=all(isinstance(p, DTensor) for p in model.parameters()))
         for step in range(start + 1, int(args.steps) + 1):
             batch = batch_at(data["position"] * world + rank)
@@ -180,6 +198,74 @@ def state(args, rank: int, world: int) -> None:
     emit(rank, digests=state_digests(model, optimizer), lr=scheduler.get_last_lr(), position=data["position"])
 
 
+class Named(torch.nn.Module):
+    """A module tree whose parameters carry the given dotted names, shapes and dtypes (a Hugging Face model's,
+    without its code); 0-d entries are buffers, which FSDP2 leaves unsharded."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        super().__init__()
+        for name, (shape, dtype) in shapes.items():
+            owner = self
+            *parents, leaf = name.split(".")
+            for part in parents:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            if shape:
+                owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=dtype)))
+            else:
+                owner.register_buffer(leaf, torch.zeros(shape, dtype=dtype))
+
+
+def from_hf(source: str, root: str, rank: int, world: int) -> None:
+    """Every module owning parameters is its own FSDP2 unit (one dtype each), then the whole model."""
+    shapes = {name: (tuple(meta.shape), meta.torch_dtype) for name, meta in xtc.metadata(source).items()}
+    model = Named(shapes)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    for module in list(model.modules())[1:]:
+        if any(True for _ in module.parameters(recurse=False)):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = {name: id(p) for name, p in model.named_parameters()}
+    with xtc.CheckpointManager(root, xtc.CheckpointManagerOptions()) as manager:
+        start = manager.restore("latest", model=model, init_from=source)
+    kept = before == {name: id(p) for name, p in model.named_parameters()}
+    emit(rank, start=start, kept=kept, dtensors=all(isinstance(p, DTensor) for p in model.parameters()),
+         digests={k: digest(v) for k, v in model.state_dict().items()})
+
+
+def leaves(tree, prefix: str = ""):
+    """(dotted path, leaf) of a tree of dicts and lists."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from leaves(value, f"{prefix}{key}.")
+    elif isinstance(tree, list):
+        for index, value in enumerate(tree):
+            yield from leaves(value, f"{prefix}{index}.")
+    else:
+        yield prefix[:-1], tree
+
+
+def foreign(source: str, rank: int, world: int) -> None:
+    """The target: each saved array as a DTensor sharded by rows where they divide evenly, else replicated."""
+    mesh = meshes(world)["1d"]
+
+    def placed(meta):
+        if isinstance(meta, dict):
+            return {k: placed(v) for k, v in meta.items()}
+        if isinstance(meta, list):
+            return [placed(v) for v in meta]
+        if not hasattr(meta, "shape"):
+            return meta
+        rows = meta.shape[0] if meta.shape else 0
+        return distribute_tensor(torch.zeros(meta.shape, dtype=meta.torch_dtype), mesh,
+                                 [Shard(0) if rows and rows % world == 0 else Replicate()])
+
+    out = xtc.restore(source, placed(xtc.metadata(source)))
+    emit(rank, digests={k: digest(v) if isinstance(v, torch.Tensor) else v for k, v in leaves(out)},
+         dtensors=sorted(k for k, v in leaves(out) if isinstance(v, DTensor)))
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -192,6 +278,7 @@ def main() -> None:
     parser.add_argument("--resume", default="none")
     parser.add_argument("--mesh", default="fsdp")
     parser.add_argument("--async", dest="async_save", action="store_true")
+    parser.add_argument("--local", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -249,6 +336,20 @@ def main() -> None:
             emit(rank, step2=type(exc).__name__, error=str(exc)[:500])
         emit(rank, steps=manager.all_steps())
         manager.close()
+    elif mode == "replica_reads":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "fsdp"))
+        target = {name: distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, [Replicate(), Shard(0)])
+                  for name, (shape, dtype, *_) in ARRAYS.items()}
+        target["meta"] = {"step": 0}
+        for single in (True, False):
+            seen: list = []
+            options = xtc.RestoreOptions(single_replica_reads=single, listeners=(seen.append,))
+            emit(rank, single=single, **stored_once(rank, xtc.restore(f"{root}/item", target, options=options),
+                                                    seen))
+    elif mode == "foreign":
+        foreign(root, rank, world)
+    elif mode == "from_hf":
+        from_hf(root, args.steps, rank, world)
     elif mode == "train":
         train(args, rank, world)
     elif mode == "state":
