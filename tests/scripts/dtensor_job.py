@@ -356,6 +356,9 @@ def main() -> None:
         state(args, rank, world)
     else:
         raise SystemExit(f"unknown mode {mode}")
+    if mode != "die":  # no process leaves while another still connects the mesh's groups (or uses them)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
