@@ -73,8 +73,8 @@ def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget
     xtc.save(tmp_path / "ck", state)
     events = []
     real_issue, real_build = restoring._issue_reads, restoring._build
-    monkeypatch.setattr(restoring, "_issue_reads", lambda loc, group, opened, arena, exchange: events.append(
-        ("read", tuple(j.key_path[0] for j in group))) or real_issue(loc, group, opened, arena, exchange))
+    monkeypatch.setattr(restoring, "_issue_reads", lambda loc, group, opened, arena, *rest: events.append(
+        ("read", tuple(j.key_path[0] for j in group))) or real_issue(loc, group, opened, arena, *rest))
     monkeypatch.setattr(restoring, "_build", lambda job, regions, **kw: events.append(
         ("place", job.key_path[0])) or real_build(job, regions, **kw))
     monkeypatch.setattr(host_memory, "keep_within", lambda start, limit: events.append(("trim",)))
@@ -181,8 +181,8 @@ def test_under_a_budget_a_tensor_larger_than_a_batch_is_read_alone_without_arena
     _, handed = _spy_arenas(monkeypatch)
     events = []
     real_issue = restoring._issue_reads
-    monkeypatch.setattr(restoring, "_issue_reads", lambda loc, group, opened, arena, exchange: events.append(
-        (group[0].key_path[0], arena is not None)) or real_issue(loc, group, opened, arena, exchange))
+    monkeypatch.setattr(restoring, "_issue_reads", lambda loc, group, opened, arena, *rest: events.append(
+        (group[0].key_path[0], arena is not None)) or real_issue(loc, group, opened, arena, *rest))
     # Budget 1 MiB: batches of 256 KiB (64 KiB a small tensor); the 1 MiB tensor is a batch of its own.
     out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(tuple(v.shape)), mesh, ("y", "x"))
                                         for k, v in state.items()},

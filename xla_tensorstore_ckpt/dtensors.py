@@ -140,8 +140,16 @@ def build(reference: Any, data: torch.Tensor) -> Any:
                               stride=reference.stride())
 
 
+def local_tensor(value: Any) -> torch.Tensor:
+    """The DTensor's local tensor itself (its memory, not a copy)."""
+    return value._local_tensor
+
+
 def copy_into(target: Any, value: Any) -> None:
     """Copy the restored DTensor `value` into `target`'s local tensor in place (same mesh and placements), so
-    that `target` keeps its identity (an FSDP2 parameter stays its optimizer's and its module's). Blocks."""
+    that `target` keeps its identity (an FSDP2 parameter stays its optimizer's and its module's); nothing to
+    copy where `value` was read into that memory already. Blocks."""
     with torch.no_grad():
-        target.to_local().copy_(value.to_local())
+        local, restored = target.to_local(), value.to_local()
+        if local.data_ptr() != restored.data_ptr() or local.numel() == 0:
+            local.copy_(restored)

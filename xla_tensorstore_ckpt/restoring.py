@@ -7,6 +7,7 @@ Restoring needs no coordination between processes: each reads its own regions. E
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import time
@@ -68,8 +69,11 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
     memory, not twice the state. With `release_targets` too (the caller replaces every target tensor with the
     value it is handed), each XLA target's device data is released once its regions are read and checked,
     right before its new value is placed: no device memory beyond the state; if placing then fails, that
-    tensor is left without values. Keys and shapes are checked before anything is read; if reading fails
-    later (damaged data), the tensors already handed over stay restored.
+    tensor is left without values. Host targets (CPU tensors, DTensors' local tensors) of the saved dtype are
+    read into directly, their own memory the read's buffer: no second copy of the state, no fresh memory. Keys
+    and shapes are checked before anything is read; if reading fails later (damaged data), the tensors already
+    handed over stay restored, and the error names the targets left as they were and those a read had
+    started writing into.
 
     `events` (by default `options.listeners` with the item's path) is told when the reads are planned and when
     they are done (`events.RESTORE_PLANNED`, `RESTORE_FINISHED`: the bytes this process reads, and in its
@@ -112,8 +116,9 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
             events.emit(RESTORE_PLANNED, nbytes=planned_bytes,
                         details={"arrays": len(jobs), "chunks": sum(job.chunks_touched for job in jobs)})
             begun = time.perf_counter()
+            into = _readable_into(wanted) if release_targets else {}
             values = read_arrays(loc, reader, jobs, options, take, release_targets=release_targets,
-                                 exchange=exchange)
+                                 exchange=exchange, into=into)
             fetched = reader.fetched_bytes()
         finally:
             reader.close()  # every read has finished: read_arrays waits for them, also on errors
@@ -123,6 +128,20 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
         events.emit(RESTORE_FINISHED, seconds=time.perf_counter() - begun, nbytes=planned_bytes, details=details)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values
+
+
+def _readable_into(wanted: Mapping[layout.KeyPath, Any]) -> dict[layout.KeyPath, torch.Tensor]:
+    """The target tensors of a restore in place that reads may fill directly: not those sharing memory with
+    another target (tied weights: two reads into one memory would race; copied one after the other instead)."""
+    tensors = {p: t for p, t in wanted.items() if isinstance(t, torch.Tensor)}
+    memory = [_memory_of(t) for t in tensors.values()]
+    counts = collections.Counter(memory)
+    return {p: t for (p, t), m in zip(tensors.items(), memory) if counts[m] == 1}
+
+
+def _memory_of(tensor: torch.Tensor) -> int:
+    local = dtensors.local_tensor(tensor) if dtensors.is_dtensor(tensor) else tensor
+    return local.data_ptr() if local.device.type == "cpu" else id(local)
 
 
 def _shared(options: RestoreOptions, coordinator: Coordinator | None) -> Coordinator | None:
@@ -190,7 +209,8 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
 
 def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequence[ReadJob], options: RestoreOptions,
                 take: Callable[[dict], None] | None = None, *, release_targets: bool = False,
-                exchange: replica_reads.Exchange | None = None) -> dict:
+                exchange: replica_reads.Exchange | None = None,
+                into: Mapping[layout.KeyPath, torch.Tensor] | None = None) -> dict:
     """Read every job's regions and build its tensor, batch by batch as `read_jobs.schedule` plans them: the
     reads of the next batch overlap building this one (unless both exceed `options.max_host_bytes`), one
     transfer to the devices runs while the next tensor is copied, and under a budget the freed host memory is
@@ -198,10 +218,11 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
     by `reader`. The tensors are returned, or with `take` handed to it one by one (see `read_item`, also for
     `release_targets`). On error, outstanding reads are waited for before the error propagates. With an
     `exchange` (single-replica reads), the batches are the ones every process agreed on, and each is settled
-    with the others (`replica_reads.Exchange`) before it is built."""
+    with the others (`replica_reads.Exchange`) before it is built. `into`: target tensors by key path that the
+    reads may fill directly (`read_item`'s restores in place)."""
     _check_sizes(loc, jobs)
     schedule = read_jobs.schedule(list(jobs), options, exchange and exchange.batches)
-    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs}, exchange)
+    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs}, exchange, into or {})
     transfers = _Transfers()
     resident_at_start = host_memory.resident_bytes() if schedule.budget is not None else None
     results: dict[layout.KeyPath, torch.Tensor] = {}
@@ -231,18 +252,27 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
         batches.drain()
         if exchange is not None:
             exchange.abandon(exc)
-        if take is not None and restored and isinstance(exc, CheckpointError):
-            _name_unrestored(exc, [job.key_path for job in jobs if job.key_path not in restored])
+        if take is not None and (restored or batches.written_into) and isinstance(exc, CheckpointError):
+            unrestored = [job.key_path for job in jobs if job.key_path not in restored]
+            _name_unrestored(exc, [k for k in unrestored if k not in batches.written_into],
+                             [k for k in unrestored if k in batches.written_into])
         raise
     return results
 
 
-def _name_unrestored(error: CheckpointError, keys: Sequence[layout.KeyPath]) -> None:
-    """Say in `error` which targets restored in place kept their old values (the others are restored)."""
-    if keys:
-        names = ", ".join(tree.format_key_path(k) for k in keys[:5]) + (f" and {len(keys) - 5} more"
-                                                                         if len(keys) > 5 else "")
-        error.args = (f"{error} [not restored, left as they were: {names}]", *error.args[1:])
+def _name_unrestored(error: CheckpointError, kept: Sequence[layout.KeyPath],
+                     overwritten: Sequence[layout.KeyPath]) -> None:
+    """Say in `error` which targets restored in place kept their old values and which a read had started to
+    write into (the others are restored)."""
+    def names(keys: Sequence[layout.KeyPath]) -> str:
+        return ", ".join(tree.format_key_path(k) for k in keys[:5]) + (f" and {len(keys) - 5} more"
+                                                                       if len(keys) > 5 else "")
+
+    if kept:
+        error.args = (f"{error} [not restored, left as they were: {names(kept)}]", *error.args[1:])
+    if overwritten:
+        error.args = (f"{error} [not restored, partly overwritten by the failed reads: {names(overwritten)}]",
+                      *error.args[1:])
 
 
 def _check_sizes(loc: storage.Location, jobs: Sequence[ReadJob]) -> None:
@@ -259,10 +289,13 @@ class _Batches:
     buffers of its own); a region's buffer is dropped once its tensor is built."""
 
     def __init__(self, loc: storage.Location, schedule: read_jobs.ReadSchedule, opened: dict,
-                 exchange: replica_reads.Exchange | None = None):
+                 exchange: replica_reads.Exchange | None = None,
+                 into: Mapping[layout.KeyPath, torch.Tensor] | None = None):
         self._loc, self._schedule, self._opened, self._exchange = loc, schedule, opened, exchange
         self._arenas = (restore_arenas.Arena(schedule.batch_bytes), restore_arenas.Arena(schedule.batch_bytes))
         self._issued: dict[int, list[dict]] = {}
+        self._into = into or {}
+        self.written_into: set[layout.KeyPath] = set()  # targets whose own memory a read was started into
 
     def issue(self, k: int) -> None:
         """Start the reads of batch k, if not yet started (batch k - 2, read into the same arena, is built)."""
@@ -274,7 +307,8 @@ class _Batches:
             arena = None
         else:
             arena.reset()
-        self._issued[k] = _issue_reads(self._loc, self._schedule.groups[k], self._opened, arena, self._exchange)
+        self._issued[k] = _issue_reads(self._loc, self._schedule.groups[k], self._opened, arena, self._exchange,
+                                       self._into, self.written_into)
 
     def take(self, k: int, i: int) -> dict:
         """The read regions of job i of batch k (blocks until they are read); the batch no longer holds them."""
@@ -322,17 +356,46 @@ class _Transfers:
 
 
 def _issue_reads(loc: storage.Location, group: Sequence[ReadJob], opened: dict,
-                 arena: restore_arenas.Arena | None, exchange: replica_reads.Exchange | None) -> list[dict]:
+                 arena: restore_arenas.Arena | None, exchange: replica_reads.Exchange | None,
+                 into: Mapping[layout.KeyPath, torch.Tensor], written_into: set[layout.KeyPath]) -> list[dict]:
     """Start the reads of `group` (through `exchange`, if given). Data bound for XLA devices is read into
     `arena` if given (torch_xla copies it before `_build` returns, so the arena is free again once the group is
-    built); CPU and host results own theirs."""
+    built); a host target restored in place (`into`) is read into directly where it can be (`_target_memory`;
+    its key is added to `written_into`); other CPU and host results own theirs."""
     issued = []
     for job in group:
         stored = opened[job.key_path].result()
         _check_stored(loc, job, stored)
         empty = arena.empty if arena is not None and job.layout.placement in XLA_PLACEMENTS else np.empty
+        memory = _target_memory(job, into.get(job.key_path))
+        if memory is not None:
+            empty = _into(memory)
+            written_into.add(job.key_path)
         issued.append(stored.read(job.reads, empty) if exchange is None else exchange.read(job, stored, empty))
     return issued
+
+
+def _target_memory(job: ReadJob, target: torch.Tensor | None) -> np.ndarray | None:
+    """The memory of a host target restored in place, as the buffer of its one read, or None where it cannot be
+    one: another dtype than the saved one (a cast), a non-contiguous local tensor, more than one read."""
+    if target is None or job.layout.placement not in (Placement.CPU, Placement.DTENSOR) or len(job.reads) != 1:
+        return None
+    local = dtensors.local_tensor(target) if job.layout.placement is Placement.DTENSOR else target
+    extent = tuple(b - a for a, b in job.reads[0])
+    if (local.device.type != "cpu" or local.dtype != job.dtype or job.dtype != job.meta.torch_dtype
+            or not local.is_contiguous() or tuple(local.shape) != extent or local.numel() == 0):
+        return None
+    return dtypes.tensor_to_numpy(local.detach())
+
+
+def _into(memory: np.ndarray) -> arrays.Empty:
+    """An `Empty` that gives `memory` for its one region (viewed as the reader's dtype of the same size)."""
+    def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if tuple(shape) == memory.shape and np.dtype(dtype).itemsize == memory.itemsize:
+            return memory.view(dtype)
+        return np.empty(shape, dtype)
+
+    return empty
 
 
 def _check_stored(loc: storage.Location, job: ReadJob, stored: arrays.StoredArray) -> None:

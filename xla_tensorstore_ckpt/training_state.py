@@ -86,7 +86,7 @@ def assign_in_place(target: Any, values: dict[KeyPath, Any]) -> None:
                 dtensors.copy_into(current, value)
             elif current.device.type == "xla":
                 xla_pairs.append((current, value))
-            else:
+            elif current.data_ptr() != value.data_ptr() or current.numel() == 0:  # not read into it already
                 with torch.no_grad():
                     current.copy_(value)
         elif isinstance(container, (dict, list)):
