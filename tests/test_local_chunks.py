@@ -213,15 +213,83 @@ def test_a_restore_leaves_no_data_file_open(tmp_path, reading_thread, monkeypatc
     assert opened and still_open() == []
 
 
-def test_a_restore_in_place_that_meets_damage_names_the_targets_it_left_alone(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["read-into-targets", "cast"])
+def test_a_restore_in_place_that_meets_damage_names_the_targets_it_left_alone(tmp_path, dtype):
+    """Targets of the saved dtype are read into directly: a failed read may have written into them, and the
+    error says so; targets that take a cast keep their values until their tensor is built."""
     from xla_tensorstore_ckpt import storage, training_state
 
-    state = {name: torch.full((64, 64), float(i)) for i, name in enumerate(("a", "b", "c"))}
+    state = {name: torch.full((64, 64), float(i + 1)) for i, name in enumerate(("a", "b", "c"))}
     xtc.save(tmp_path / "ck", state, options=PLAIN)
     (tmp_path / "ck" / "b" / "c" / "0" / "0").write_bytes(b"damaged")
-    target = {name: torch.zeros(64, 64) for name in state}
+    target = {name: torch.zeros(64, 64, dtype=dtype) for name in state}
+    memory = {name: t.data_ptr() for name, t in target.items()}
     with pytest.raises(xtc.CorruptCheckpointError) as err:  # one batch: a is placed, then b's read fails
         training_state.restore_object(storage.location(str(tmp_path / "ck")), target, strict=True,
                                       options=xtc.RestoreOptions())
-    assert "[not restored, left as they were: b, c]" in str(err.value)
-    assert torch.equal(target["a"], state["a"]) and not target["b"].any() and not target["c"].any()
+    assert torch.equal(target["a"], state["a"].to(dtype))
+    assert {name: t.data_ptr() for name, t in target.items()} == memory  # in place
+    if dtype == torch.float32:
+        assert "[not restored, partly overwritten by the failed reads: b, c]" in str(err.value)
+        assert "left as they were" not in str(err.value)
+    else:
+        assert "[not restored, left as they were: b, c]" in str(err.value)
+        assert not target["b"].any() and not target["c"].any()
+
+
+def test_a_restore_in_place_reads_into_the_targets_memory(tmp_path, monkeypatch):
+    """Host targets of the saved dtype are the reads' buffers (no second copy of the state); tied targets (one
+    memory under two keys) are not, and take the last key's values as before."""
+    from xla_tensorstore_ckpt import restoring, storage, training_state
+
+    state = {"a": torch.randn(64, 32), "b": torch.randn(16), "c": torch.randn(8, 8).to(torch.bfloat16),
+             "x": torch.full((4, 4), 1.0), "y": torch.full((4, 4), 2.0)}
+    xtc.save(tmp_path / "ck", state, options=PLAIN)
+    tied = torch.zeros(4, 4)
+    target = {"a": torch.zeros(64, 32), "b": torch.zeros(16), "c": torch.zeros(8, 8, dtype=torch.bfloat16),
+              "x": tied, "y": tied}
+    buffers = []
+    real = restoring._target_memory
+
+    def recording(job, tensor):
+        memory = real(job, tensor)
+        if memory is not None:
+            buffers.append(memory.__array_interface__["data"][0])
+        return memory
+
+    monkeypatch.setattr(restoring, "_target_memory", recording)
+    training_state.restore_object(storage.location(str(tmp_path / "ck")), target, strict=True,
+                                  options=xtc.RestoreOptions())
+    assert sorted(buffers) == sorted(target[k].data_ptr() for k in ("a", "b", "c"))
+    for key in ("a", "b", "c"):
+        assert torch.equal(target[key], state[key]), key
+    assert target["x"] is tied and torch.equal(tied, state["y"])
+
+
+@pytest.mark.parametrize("options", [PLAIN, xtc.SaveOptions()], ids=["chunk-files", "ocdbt"])
+def test_cold_chunks_are_read_around_the_page_cache(tmp_path, monkeypatch, options, mesh_4x2, mesh_2x4):
+    """A chunk the page cache does not hold is read with O_DIRECT (a cold restore does not fill the cache with
+    bytes it never reads again), bit for bit: whole chunks into their destination, and in pieces onto another
+    sharding."""
+    from conftest import sharded
+
+    from xla_tensorstore_ckpt.arrays import local_reads
+
+    state = {"whole": _values((512, 256), torch.float32), "bf16": _values((304, 40), torch.bfloat16, seed=1)}
+    xtc.save(tmp_path / "ck", {k: sharded(v, mesh_4x2, ("x", "y")) for k, v in state.items()}, options=options)
+    seen = []
+    real_direct = local_reads._read_direct
+    monkeypatch.setattr(local_reads, "_read_direct", lambda *a: seen.append(real_direct(*a)) or seen[-1])
+    others = {k: sharded(torch.zeros_like(v), mesh_2x4, ("b", None)) for k, v in state.items()}
+    for target in (None, others):
+        os.sync()
+        for root, _, names in os.walk(tmp_path / "ck"):
+            for name in names:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        seen.clear()
+        out = xtc.restore(tmp_path / "ck", target)
+        for key, value in state.items():
+            assert torch.equal(out[key].cpu(), value), key
+        assert seen and all(seen), seen  # read direct, and the file system took it

@@ -3,11 +3,11 @@
 A chunk of ours is its elements in C order, little-endian, followed by their CRC32C (the ``bytes`` and ``crc32c``
 codecs), in a file of its own or at a byte range of an OCDBT data file (`ocdbt.ocdbt_index` says where). A read
 of some regions of an array reads each chunk they touch once, however many regions share it, with positioned
-reads: straight into the destination where the chunk is one contiguous block of it (a restore onto the sharding
-it was saved with), else in pieces of at most `PIECE_BYTES` through a buffer each reading thread keeps, copying out
-of each piece what each region needs. The checksum is computed with the processor's CRC32C instruction (the
-`crc32c` package) as the pieces pass, and a chunk that fails it, is missing or has the wrong size is an error
-naming the array and the chunk.
+reads (`local_reads`: around the page cache where it does not hold the chunk): straight into the destination
+where the chunk is one contiguous block of it (a restore onto the sharding it was saved with), else in pieces of
+at most `PIECE_BYTES` through a buffer each reading thread keeps, copying out of each piece what each region
+needs. The checksum is computed with the processor's CRC32C instruction (the `crc32c` package) as the pieces
+pass, and a chunk that fails it, is missing or has the wrong size is an error naming the array and the chunk.
 
 Why not tensorstore here: it maps the files into memory and takes a page fault per 4 KiB on every restore, warm or
 cold (a quarter of a million per GiB, at several microseconds each on a busy VM); its CRC32C is the portable one
@@ -36,6 +36,7 @@ from .. import bounds, dtypes, layout, storage
 from ..errors import CorruptCheckpointError, StorageError
 from ..records import ArrayMetadata, ArrayStore
 from .base import ArrayReader, ByteCounter, Empty, Index, Opening, Picked, Ready, index_box
+from .local_reads import open_for_runs, read_runs
 from .ocdbt import StoredValue, ocdbt_index
 from .tensorstore_io import TensorstoreReader
 
@@ -348,17 +349,11 @@ class _Reader:
                 view[:] = self.source.inline[at:at + len(view)]
                 at += len(view)
             return
-        position = self.source.offset + at
-        while views:
-            done = os.preadv(self._fd, views, position)
-            if done == 0:
-                raise CorruptCheckpointError(f"{self._what} ends early ({self.source.where})")
-            position += done
-            while views and done >= len(views[0]):
-                done -= len(views[0])
-                views.pop(0)
-            if views and done:
-                views[0] = views[0][done:]
+        runs, position = [], self.source.offset + at
+        for view in views:
+            runs.append((position, view))
+            position += len(view)
+        read_runs(self.source.file, runs, f"{self._what} ({self.source.where})", fd=self._fd)
 
 
 class _OpenFiles:
@@ -388,7 +383,7 @@ class _OpenFiles:
 def _open_sized(path: str) -> tuple[int, int]:
     """A read-only descriptor of the regular file `path` and its size. Raises OSError (also for a FIFO or a
     device, which a read would block on or never finish)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    fd = open_for_runs(path, os.O_NONBLOCK)
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)

@@ -7,7 +7,8 @@ fresh memory took 5.8-6.6 s here, a direct one 2.2-2.4 s. Direct reads need alig
 buffers, and a tensor's bytes lie anywhere in a file, so they go through one aligned window per thread and are
 copied out. Whether the file is cached is asked of the kernel (a ``RWF_NOWAIT`` read of one page, which fails
 rather than wait for the disk): a warm file is read buffered, as before. File systems without ``O_DIRECT``
-(tmpfs) are read buffered. Used by the readers of DCP pieces and safetensors regions; no torch, no tensorstore.
+(tmpfs) are read buffered. Used by the readers of DCP pieces, safetensors regions and this library's chunks
+(`local_chunks`); no torch, no tensorstore.
 """
 
 from __future__ import annotations
@@ -25,27 +26,41 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per preadv
 _windows = threading.local()
 
 
-def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str) -> None:
+def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: int | None = None) -> None:
     """Read each run (file offset, the buffer its bytes go to) of the local file `path`. Runs that follow one
-    another in the file are read by one call (buffered) or one window (direct). Called on reading threads;
-    blocks; raises `CorruptCheckpointError` where the file ends before a run, `StorageError` for other OS
-    errors (both naming `where`)."""
+    another in the file are read by one call (buffered) or one window (direct). `fd`: a descriptor of `path`
+    the caller keeps open (opened by `open_for_runs`), else one is opened for the call. Called on reading
+    threads; blocks; raises `CorruptCheckpointError` where the file ends before a run, `StorageError` for other
+    OS errors (both naming `where`)."""
     runs = sorted(runs, key=lambda run: run[0])
     if not runs:
         return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        # No readahead: it would cache the pieces after these, and the probe would then take them as warm.
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    except OSError as exc:
-        raise StorageError(f"cannot open {where}: {exc}") from exc
+    own = fd is None
+    if own:
+        try:
+            fd = open_for_runs(path)
+        except OSError as exc:
+            raise StorageError(f"cannot open {where}: {exc}") from exc
     try:
         if _cached(fd, runs) or not _read_direct(path, runs, where):
             _read_buffered(fd, runs, where)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
     finally:
+        if own:
+            os.close(fd)
+
+
+def open_for_runs(path: str, flags: int = 0) -> int:
+    """A read-only descriptor of `path` for `read_runs` (`flags` added). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        # No readahead: it would cache the pieces after these, and the probe would then take them as warm.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except OSError:
         os.close(fd)
+        raise
+    return fd
 
 
 def _cached(fd: int, runs: list[tuple[int, memoryview]]) -> bool:
