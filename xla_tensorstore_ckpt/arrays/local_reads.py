@@ -18,11 +18,14 @@ import mmap
 import os
 import threading
 
+import numpy as np
+
 from ..errors import CorruptCheckpointError, StorageError
 
 ALIGN = 4096  # a multiple of every logical block size O_DIRECT asks for
 WINDOW_BYTES = 8 << 20  # each thread's aligned window
 _IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per preadv
+_NUMPY_COPY_BYTES = 64 << 10  # smaller copies out of a window are cheaper as memoryview copies (no arrays made)
 _windows = threading.local()
 
 
@@ -126,10 +129,19 @@ def _read_direct(path: str, runs: list[tuple[int, memoryview]], where: str) -> b
             for source, dest in parts:
                 if source + len(dest) > start + got:
                     raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
-                dest[:] = window[source - start:source - start + len(dest)]
+                _copy(dest, window[source - start:source - start + len(dest)])
     finally:
         os.close(fd)
     return True
+
+
+def _copy(dest: memoryview, source: memoryview) -> None:
+    """`dest[:] = source`; a large copy through numpy, which lets go of the GIL while it copies (the reading
+    threads' copies out of their windows then overlap each other and the restoring thread)."""
+    if len(dest) < _NUMPY_COPY_BYTES:
+        dest[:] = source
+    else:
+        np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(source, np.uint8))
 
 
 def _by_window(runs: list[tuple[int, memoryview]]) -> list[tuple[int, list[tuple[int, memoryview]]]]:
