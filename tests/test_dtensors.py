@@ -79,19 +79,24 @@ def test_replicated_dtensors_are_written_once_and_spread(saved):
     assert max(per_process) <= 1.25 * total / 4, per_process
 
 
+@pytest.fixture(scope="module")
+def restored(saved):
+    """The item restored by 2 and by 4 processes (these also with single-replica reads), by process count."""
+    return {world: launch(world, "restore", saved[0]) for world in (2, 4)}
+
+
 @pytest.mark.parametrize("world", [2, 4], ids=["2-processes", "4-processes"])
-def test_restore_onto_other_placements_and_process_counts(saved, world):
-    root, _ = saved
-    for line in lines_with(launch(world, "restore", root), "equal"):
+def test_restore_onto_other_placements_and_process_counts(restored, world):
+    for line in lines_with(restored[world], "equal"):
         assert all(line["equal"].values()) and all(line["laid_out"].values()), line
         assert line["meta"] == {"step": 3}
         rows = -(-1024 // world)  # 'replicated' restored as Shard(0): this rank's rows only
         assert line["local"]["replicated"] == [min(rows, 1024 - rows * line["rank"]), 512]
 
 
-def test_single_replica_reads_fetch_each_stored_chunk_once(saved):
+def test_single_replica_reads_fetch_each_stored_chunk_once(saved, restored):
     root, _ = saved
-    results = launch(4, "replica_reads", root)
+    results = restored[4]
     on, off = ([line for r in results for line in r["lines"] if line.get("single") is single]
                for single in (True, False))
     assert all(line["equal"] for line in on + off) and len(on) == len(off) == 4, results
@@ -139,9 +144,8 @@ def test_an_orbax_save_restores_as_dtensors(tmp_path):
     arrays = {k: dtensor_job.digest(dtypes.numpy_to_tensor(v)) for k, v in dtensor_job.leaves(orbax_trees.tree())
               if isinstance(v, np.ndarray)}
     values = {k: v for k, v in dtensor_job.leaves(orbax_trees.tree()) if not isinstance(v, np.ndarray)}
-    for world in (2, 4):
-        for line in lines_with(launch(world, "foreign", tmp_path / "orbax"), "digests"):
-            assert line["digests"] == {**arrays, **values} and line["dtensors"] == sorted(arrays), (world, line)
+    for line in lines_with(launch(4, "foreign", tmp_path / "orbax"), "digests"):
+        assert line["digests"] == {**arrays, **values} and line["dtensors"] == sorted(arrays), line
 
 
 def test_dtensor_checkpoints_export_to_safetensors_and_hf_weights_start_an_fsdp2_model(saved, tmp_path):
@@ -155,10 +159,8 @@ def test_dtensor_checkpoints_export_to_safetensors_and_hf_weights_start_an_fsdp2
         assert torch.equal(exported[name], dtensor_job.global_value(name)), name
     weights = write_hf_dir(str(tmp_path / "hf"))
     expected = {name: dtensor_job.digest(value) for name, value in weights.items()}
-    for world in (2, 4):
-        for line in lines_with(launch(world, "from_hf", tmp_path / "hf", tmp_path / f"run{world}"), "digests"):
-            assert line["digests"] == expected and line["start"] is None, (world, line)
-            assert line["kept"] and line["dtensors"], line
+    for line in lines_with(launch(2, "from_hf", tmp_path / "hf", tmp_path / "run"), "digests"):
+        assert line["digests"] == expected and line["start"] is None and line["kept"] and line["dtensors"], line
 
 
 def test_a_peer_dying_mid_save_commits_nothing(tmp_path):

@@ -2,7 +2,9 @@
 environment). Never imports torch_xla: every mode reports whether it got imported anyway.
 
 usage: dtensor_job.py save ROOT                -> saves ROOT/item: DTensors of many placements (4 processes)
-       dtensor_job.py restore ROOT             -> restores ROOT/item onto other meshes and placements
+       dtensor_job.py restore ROOT             -> restores ROOT/item onto other meshes and placements; on 4
+                                                  processes also onto a (2, 2) mesh replicated over its first
+                                                  dimension, with and without single-replica reads
        dtensor_job.py partial ROOT             -> tries to save a Partial DTensor
        dtensor_job.py from_spmd ROOT           -> restores ROOT/spmd (saved by torch_xla SPMD) as DTensors,
                                                   saves them to ROOT/back
@@ -12,8 +14,6 @@ usage: dtensor_job.py save ROOT                -> saves ROOT/item: DTensors of m
        dtensor_job.py state ROOT STEP [--mesh fsdp|hsdp]
                                                -> restores STEP onto a fresh FSDP2 model and optimizer, prints
                                                   digests of the full state
-       dtensor_job.py replica_reads ROOT       -> restores ROOT/item onto a (2, world // 2) mesh, replicated
-                                                  over its first dimension, with and without single-replica reads
        dtensor_job.py foreign SOURCE           -> restores SOURCE (an Orbax item) onto DTensors sharded by rows
                                                   where they divide, prints digests of every leaf
        dtensor_job.py from_hf SOURCE ROOT      -> an FSDP2 model named as SOURCE's (an HF directory) starts
@@ -234,6 +234,19 @@ def from_hf(source: str, root: str, rank: int, world: int) -> None:
          digests={k: digest(v) for k, v in model.state_dict().items()})
 
 
+def replica_reads(root: str, world: int, rank: int) -> None:
+    """Restore ROOT/item onto a (2, world // 2) mesh, replicated over its first dimension, with single-replica
+    reads and without."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "fsdp"))
+    target = {name: distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, [Replicate(), Shard(0)])
+              for name, (shape, dtype, *_) in ARRAYS.items()}
+    target["meta"] = {"step": 0}
+    for single in (True, False):
+        seen: list = []
+        options = xtc.RestoreOptions(single_replica_reads=single, listeners=(seen.append,))
+        emit(rank, single=single, **stored_once(rank, xtc.restore(f"{root}/item", target, options=options), seen))
+
+
 def leaves(tree, prefix: str = ""):
     """(dotted path, leaf) of a tree of dicts and lists."""
     if isinstance(tree, dict):
@@ -302,6 +315,8 @@ def main() -> None:
                     for name in ARRAYS}
         local = {name: list(out[name].to_local().shape) for name in ARRAYS}
         emit(rank, equal=equal, laid_out=laid_out, local=local, meta=out["meta"])
+        if world == 4:
+            replica_reads(root, world, rank)
     elif mode == "partial":
         mesh = meshes(world)["1d"]
         summand = DTensor.from_local(torch.ones(4, 4), mesh, [Partial()])
@@ -336,16 +351,6 @@ def main() -> None:
             emit(rank, step2=type(exc).__name__, error=str(exc)[:500])
         emit(rank, steps=manager.all_steps())
         manager.close()
-    elif mode == "replica_reads":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "fsdp"))
-        target = {name: distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, [Replicate(), Shard(0)])
-                  for name, (shape, dtype, *_) in ARRAYS.items()}
-        target["meta"] = {"step": 0}
-        for single in (True, False):
-            seen: list = []
-            options = xtc.RestoreOptions(single_replica_reads=single, listeners=(seen.append,))
-            emit(rank, single=single, **stored_once(rank, xtc.restore(f"{root}/item", target, options=options),
-                                                    seen))
     elif mode == "foreign":
         foreign(root, rank, world)
     elif mode == "from_hf":
