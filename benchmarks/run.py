@@ -4,7 +4,7 @@ torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/
 
 usage: python benchmarks/run.py [--quick] [--scale 1.0] [--repeats 3]
                                 [--workloads large,small,model,orbax-interop,hf-import,torch_xla-import,
-                                             size-sweep,multi-tier,scale]
+                                             dtensor,size-sweep,multi-tier,scale]
                                 [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
                                 [--storage local|gcs|s3] [--warm-restore] [--warm-memory] [--resumes 5]
                                 [--sweep 0.25,1,4] [--events FILE]
@@ -18,6 +18,10 @@ loaded onto an FSDP mesh by this library and by the usual load_file path (benchm
 restore and by this library (`xtc.restore`, the manager's `init_from`) in fresh processes with the page cache
 evicted, at least 7 rounds ABBA, with CPU seconds, fresh memory and bytes read; `xtckpt convert` of the model
 checkpoint; raw DCP entry reads against torch.load (benchmarks/bench_torch_xla_import.py);
+`dtensor` the large and model workloads as DTensors (4 gloo processes, Shard(0) as FSDP2 shards them, no
+torch_xla) saved (sync; async: blocking and total) and restored by this library and by torch.distributed.checkpoint
+in the same job, at least 7 rounds ABBA, with CPU seconds, fresh memory and bytes read and written; each checkpoint
+opened by `xtckpt tree` and by Orbax in JAX (benchmarks/bench_dtensor.py);
 `size-sweep` the large workload at 0.25, 1 and 4 GiB (`--sweep`), this library and torch_xla's manager;
 `multi-tier` the manager with a local tier in front of the persistent one (benchmarks/bench_multi_tier.py: save()
 blocking with both tiers due against one, a training loop saving the local tier every step, resume from each
@@ -51,6 +55,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import bench_dtensor  # noqa: E402
 import bench_hf_import  # noqa: E402
 import bench_orbax_interop  # noqa: E402
 import bench_torch_xla_import  # noqa: E402
@@ -294,8 +299,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", default="large,small,model,orbax-interop,hf-import,torch_xla-import,size-sweep,"
-                                                 "multi-tier,scale")
+    parser.add_argument("--workloads", default="large,small,model,orbax-interop,hf-import,torch_xla-import,dtensor,"
+                                                 "size-sweep,multi-tier,scale")
     parser.add_argument("--sweep", default="0.25,1,4",
                         help="size-sweep: sizes in GiB (times --scale) of the large workload, for xtc and torch_xla")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
@@ -303,8 +308,9 @@ def main() -> None:
     parser.add_argument("--warm-restore", action="store_true",
                         help="each contender restores once, uncounted, before the timed restores (as for saves)")
     parser.add_argument("--warm-memory", action="store_true",
-                        help="torch_xla-import: a throwaway process touches twice the checkpoint's bytes before each "
-                        "timed process (this VM's fresh memory is slow to hand over; docs/performance.md)")
+                        help="torch_xla-import and dtensor: a throwaway process touches twice the checkpoint's bytes "
+                        "before each timed process or region (this VM's fresh memory is slow to hand over; "
+                        "docs/performance.md)")
     parser.add_argument("--resumes", type=int, default=5,
                         help="resumes per contender on the large and model workloads: fresh process, page cache "
                         "evicted, one restore (0: none)")
@@ -320,7 +326,7 @@ def main() -> None:
     if args.quick:
         parser.parse_args(QUICK, namespace=args)
         print(f"quick run ({' '.join(QUICK)}): leaves out the model, orbax-interop, hf-import, torch_xla-import, "
-              "size-sweep, multi-tier and scale workloads, torch.save, Orbax and the async contenders; "
+              "dtensor, size-sweep, multi-tier and scale workloads, torch.save, Orbax and the async contenders; "
               "figures at 0.1 scale and 1 repeat are a smoke test, not a measurement", file=sys.stderr)
     reference = all(getattr(args, name) == parser.get_default(name) for name in (
         "scale", "repeats", "workloads", "sweep", "contenders", "warm_restore", "warm_memory", "resumes"))
@@ -336,6 +342,7 @@ def main() -> None:
         os.environ.update(server.environment)  # for the object store floor
         contenders = [c for c in contenders if c not in ("torch.save", "orbax")]  # local files only
     results, floor, interop, hf_import, torch_xla_import, multi_tier, scaling = [], {}, None, None, None, None, None
+    dtensor = None
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
             base = base or workdir
@@ -375,6 +382,12 @@ def main() -> None:
                         print("running the torch_xla import ...", file=sys.stderr, flush=True)
                         torch_xla_import = bench_torch_xla_import.measure(args.scale, max(args.repeats, 7), workdir,
                                                                           warm_memory=args.warm_memory)
+                    continue
+                if workload == "dtensor":
+                    if server is None:  # DCP's FileSystemWriter writes local files here
+                        print("running the DTensor benchmark ...", file=sys.stderr, flush=True)
+                        dtensor = bench_dtensor.measure(args.scale, max(args.repeats, 7), workdir,
+                                                        warm_memory=args.warm_memory)
                     continue
                 if workload == "hf-import":
                     if server is None:  # local safetensors files
@@ -423,6 +436,8 @@ def main() -> None:
         text += "\n\n" + bench_hf_import.describe(hf_import)
     if torch_xla_import is not None:
         text += "\n\n" + bench_torch_xla_import.describe(torch_xla_import)
+    if dtensor is not None:
+        text += "\n\n" + bench_dtensor.describe(dtensor)
     text += sweep_summary(results)
     if multi_tier is not None:
         text += "\n\nmulti-tier: " + multi_tier
@@ -433,7 +448,8 @@ def main() -> None:
     with open(output, "w") as f:
         json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "scale": args.scale, "repeats": args.repeats,
                    "storage": args.storage, "floors": floor, "results": results, "orbax_interop": interop,
-                   "hf_import": hf_import, "torch_xla_import": torch_xla_import, "multi_tier": multi_tier,
+                   "hf_import": hf_import, "torch_xla_import": torch_xla_import, "dtensor": dtensor,
+                   "multi_tier": multi_tier,
                    "scaling": scaling}, f, indent=1)
     stem = os.path.splitext(output)[0]
     with open(stem + ".txt", "w") as f:
