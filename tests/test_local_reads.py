@@ -97,3 +97,18 @@ def test_a_run_past_the_end_names_the_file(tmp_path, small_windows, cache):
     out = bytearray(100)
     with pytest.raises(CorruptCheckpointError, match="the test file: the file ends before"):
         local_reads.read_runs(path, [(len(data) - 50, memoryview(out))], "the test file")
+
+
+def test_a_held_descriptor_is_read_cold_even_after_its_name_is_removed(tmp_path, small_windows):
+    path = tmp_path / "data"
+    payload = os.urandom(3 * 16384 + 123)
+    path.write_bytes(payload)
+    fd = local_reads.open_for_runs(str(path))
+    try:
+        _evict(path)
+        os.unlink(path)
+        out = bytearray(20000)
+        local_reads.read_runs(str(path), [(100, memoryview(out))], "data", fd=fd)
+    finally:
+        os.close(fd)
+    assert bytes(out) == payload[100:20100]

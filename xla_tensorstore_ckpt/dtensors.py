@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .records import SavedSharding
 from .tensor_layout import Index, LocalShard, Placement, TensorLayout
@@ -153,3 +154,5 @@ def copy_into(target: Any, value: Any) -> None:
         local, restored = target.to_local(), value.to_local()
         if local.data_ptr() != restored.data_ptr() or local.numel() == 0:
             local.copy_(restored)
+        else:
+            increment_version(target)  # written by the read, as copy_ would have: autograd sees the change

@@ -7,7 +7,6 @@ Restoring needs no coordination between processes: each reads its own regions. E
 
 from __future__ import annotations
 
-import collections
 import math
 import os
 import time
@@ -131,17 +130,26 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
 
 
 def _readable_into(wanted: Mapping[layout.KeyPath, Any]) -> dict[layout.KeyPath, torch.Tensor]:
-    """The target tensors of a restore in place that reads may fill directly: not those sharing memory with
-    another target (tied weights: two reads into one memory would race; copied one after the other instead)."""
-    tensors = {p: t for p, t in wanted.items() if isinstance(t, torch.Tensor)}
-    memory = [_memory_of(t) for t in tensors.values()]
-    counts = collections.Counter(memory)
-    return {p: t for (p, t), m in zip(tensors.items(), memory) if counts[m] == 1}
-
-
-def _memory_of(tensor: torch.Tensor) -> int:
-    local = dtensors.local_tensor(tensor) if dtensors.is_dtensor(tensor) else tensor
-    return local.data_ptr() if local.device.type == "cpu" else id(local)
+    """The host target tensors of a restore in place that reads may fill directly: not those whose memory
+    overlaps another target's (tied weights, overlapping views: two reads into one memory would race, and a
+    chunk's checksum is computed over the memory it was read into; they are copied one after the other)."""
+    spans = []
+    for path, tensor in wanted.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        local = dtensors.local_tensor(tensor) if dtensors.is_dtensor(tensor) else tensor
+        if local.device.type == "cpu" and local.numel() > 0:
+            start = local.data_ptr()
+            spans.append((start, start + local.numel() * local.element_size(), path, tensor))
+    spans.sort(key=lambda span: span[0])
+    overlapping = set()
+    reach, reacher = -1, None  # the furthest end so far, and whose
+    for start, end, path, _ in spans:
+        if start < reach:
+            overlapping.update((path, reacher))
+        if end > reach:
+            reach, reacher = end, path
+    return {path: tensor for _, _, path, tensor in spans if path not in overlapping}
 
 
 def _shared(options: RestoreOptions, coordinator: Coordinator | None) -> Coordinator | None:
@@ -383,7 +391,8 @@ def _target_memory(job: ReadJob, target: torch.Tensor | None) -> np.ndarray | No
     local = dtensors.local_tensor(target) if job.layout.placement is Placement.DTENSOR else target
     extent = tuple(b - a for a, b in job.reads[0])
     if (local.device.type != "cpu" or local.dtype != job.dtype or job.dtype != job.meta.torch_dtype
-            or not local.is_contiguous() or tuple(local.shape) != extent or local.numel() == 0):
+            or not local.is_contiguous() or tuple(local.shape) != extent or local.numel() == 0
+            or local.is_conj() or local.is_neg()):  # lazily conjugated or negated views: their memory is not the values
         return None
     return dtypes.tensor_to_numpy(local.detach())
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from . import checkpointer, dtensors, formats, layout, restoring, rng_state, tree
 from .distributed import Coordinator
@@ -89,6 +90,8 @@ def assign_in_place(target: Any, values: dict[KeyPath, Any]) -> None:
             elif current.data_ptr() != value.data_ptr() or current.numel() == 0:  # not read into it already
                 with torch.no_grad():
                     current.copy_(value)
+            else:
+                increment_version(current)  # written by the read, as copy_ would have: autograd sees the change
         elif isinstance(container, (dict, list)):
             container[key] = value
     if xla_pairs:

@@ -45,7 +45,7 @@ def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: 
         except OSError as exc:
             raise StorageError(f"cannot open {where}: {exc}") from exc
     try:
-        if _cached(fd, runs) or not _read_direct(path, runs, where):
+        if _cached(fd, runs) or not _read_direct(path if own else f"/proc/self/fd/{fd}", runs, where):
             _read_buffered(fd, runs, where)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
@@ -109,7 +109,8 @@ def _read_fully(fd: int, views: list[memoryview], at: int, where: str) -> None:
 
 def _read_direct(path: str, runs: list[tuple[int, memoryview]], where: str) -> bool:
     """Read the runs window by window with O_DIRECT; False (nothing to rely on having been read) where the
-    file system refuses it."""
+    file system refuses it. `path` may be a descriptor's ``/proc/self/fd`` link: the file the caller holds open
+    is read even if its name was removed or replaced meanwhile."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError as exc:
