@@ -6,7 +6,7 @@ A DTensor is to this library what a process's addressable shards of an SPMD tens
 (its local tensor) at an index in the global array, replicated where the mesh has `Replicate()` dimensions. The
 save and restore paths treat it like a `ShardedArray` (`tensor_layout.Placement.DTENSOR`). torch_xla is never
 imported here, so a process that trains with DTensors alone saves and restores without it. Pure functions over
-metadata except `local_data`, `build` and `copy_into`; no collectives (the mesh's coordinates are computed, not
+metadata except `local_data` and `build`; no collectives (the mesh's coordinates are computed, not
 exchanged).
 """
 
@@ -20,7 +20,6 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from torch.autograd.graph import increment_version
 
 from .records import SavedSharding
 from .tensor_layout import Index, LocalShard, Placement, TensorLayout
@@ -142,17 +141,6 @@ def build(reference: Any, data: torch.Tensor) -> Any:
 
 
 def local_tensor(value: Any) -> torch.Tensor:
-    """The DTensor's local tensor itself (its memory, not a copy)."""
+    """The DTensor's local tensor itself (its memory, not a copy): what a restore in place reads into or copies
+    into, so that the DTensor keeps its identity (an FSDP2 parameter stays its optimizer's and its module's)."""
     return value._local_tensor
-
-
-def copy_into(target: Any, value: Any) -> None:
-    """Copy the restored DTensor `value` into `target`'s local tensor in place (same mesh and placements), so
-    that `target` keeps its identity (an FSDP2 parameter stays its optimizer's and its module's); nothing to
-    copy where `value` was read into that memory already. Blocks."""
-    with torch.no_grad():
-        local, restored = target.to_local(), value.to_local()
-        if local.data_ptr() != restored.data_ptr() or local.numel() == 0:
-            local.copy_(restored)
-        else:
-            increment_version(target)  # written by the read, as copy_ would have: autograd sees the change

@@ -137,7 +137,7 @@ def _readable_into(wanted: Mapping[layout.KeyPath, Any]) -> dict[layout.KeyPath,
     for path, tensor in wanted.items():
         if not isinstance(tensor, torch.Tensor):
             continue
-        local = dtensors.local_tensor(tensor) if dtensors.is_dtensor(tensor) else tensor
+        local = _host_local(tensor)
         if local.device.type == "cpu" and local.numel() > 0:
             start = local.data_ptr()
             spans.append((start, start + local.numel() * local.element_size(), path, tensor))
@@ -150,6 +150,11 @@ def _readable_into(wanted: Mapping[layout.KeyPath, Any]) -> dict[layout.KeyPath,
         if end > reach:
             reach, reacher = end, path
     return {path: tensor for _, _, path, tensor in spans if path not in overlapping}
+
+
+def _host_local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory holds a host target's data: a DTensor's local tensor, else the tensor."""
+    return dtensors.local_tensor(tensor) if dtensors.is_dtensor(tensor) else tensor
 
 
 def _shared(options: RestoreOptions, coordinator: Coordinator | None) -> Coordinator | None:
@@ -230,7 +235,7 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
     reads may fill directly (`read_item`'s restores in place)."""
     _check_sizes(loc, jobs)
     schedule = read_jobs.schedule(list(jobs), options, exchange and exchange.batches)
-    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs}, exchange, into or {})
+    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs}, exchange, into)
     transfers = _Transfers()
     resident_at_start = host_memory.resident_bytes() if schedule.budget is not None else None
     results: dict[layout.KeyPath, torch.Tensor] = {}
@@ -388,7 +393,7 @@ def _target_memory(job: ReadJob, target: torch.Tensor | None) -> np.ndarray | No
     one: another dtype than the saved one (a cast), a non-contiguous local tensor, more than one read."""
     if target is None or job.layout.placement not in (Placement.CPU, Placement.DTENSOR) or len(job.reads) != 1:
         return None
-    local = dtensors.local_tensor(target) if job.layout.placement is Placement.DTENSOR else target
+    local = _host_local(target)
     extent = tuple(b - a for a, b in job.reads[0])
     if (local.device.type != "cpu" or local.dtype != job.dtype or job.dtype != job.meta.torch_dtype
             or not local.is_contiguous() or tuple(local.shape) != extent or local.numel() == 0

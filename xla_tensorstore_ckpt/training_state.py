@@ -83,21 +83,29 @@ def assign_in_place(target: Any, values: dict[KeyPath, Any]) -> None:
         container, key = _parent(target, path)
         current = container[key]
         if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
-            if dtensors.is_dtensor(current):
-                dtensors.copy_into(current, value)
-            elif current.device.type == "xla":
+            if current.device.type == "xla" and not dtensors.is_dtensor(current):
                 xla_pairs.append((current, value))
-            elif current.data_ptr() != value.data_ptr() or current.numel() == 0:  # not read into it already
-                with torch.no_grad():
-                    current.copy_(value)
             else:
-                increment_version(current)  # written by the read, as copy_ would have: autograd sees the change
+                _copy_host(current, value)
         elif isinstance(container, (dict, list)):
             container[key] = value
     if xla_pairs:
         from . import sharding
 
         sharding.replace([t for t, _ in xla_pairs], [v for _, v in xla_pairs])
+
+
+def _copy_host(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the restored `value` into the host target `target` (a CPU tensor, or a DTensor's local tensor: same
+    mesh and placements), unless the restore read it into that memory already; then only its autograd version
+    moves, as a copy would have moved it."""
+    if dtensors.is_dtensor(target):
+        target, value = dtensors.local_tensor(target), dtensors.local_tensor(value)
+    with torch.no_grad():
+        if target.data_ptr() != value.data_ptr() or target.numel() == 0:
+            target.copy_(value)
+        else:
+            increment_version(target)
 
 
 def _parent(root: Any, path: KeyPath) -> tuple[Any, Any]:
