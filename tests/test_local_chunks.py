@@ -316,3 +316,12 @@ def test_a_restore_in_place_copies_into_overlapping_and_lazily_conjugated_target
     training_state.restore_object(storage.location(str(tmp_path / "w")), {"w": weight}, strict=True,
                                   options=xtc.RestoreOptions())
     assert torch.equal(weight.detach(), torch.ones(2, 2)) and weight._version > version  # autograd sees it
+
+
+def test_a_strided_target_over_a_read_targets_memory_keeps_both_out_of_direct_reads(tmp_path):
+    """A column view spans more memory than its elements: its span, not its size, decides what it overlaps."""
+    from xla_tensorstore_ckpt import restoring
+
+    base = torch.zeros(8, 8)
+    wanted = {("row",): base[7], ("column",): base[:, 0], ("apart",): torch.zeros(3)}
+    assert set(restoring._readable_into(wanted)) == {("apart",)}

@@ -139,8 +139,9 @@ def _readable_into(wanted: Mapping[layout.KeyPath, Any]) -> dict[layout.KeyPath,
             continue
         local = _host_local(tensor)
         if local.device.type == "cpu" and local.numel() > 0:
-            start = local.data_ptr()
-            spans.append((start, start + local.numel() * local.element_size(), path, tensor))
+            start = local.data_ptr()  # a strided view's memory reaches its last element (strides are >= 0)
+            elements = 1 + sum((n - 1) * step for n, step in zip(local.shape, local.stride()))
+            spans.append((start, start + elements * local.element_size(), path, tensor))
     spans.sort(key=lambda span: span[0])
     overlapping = set()
     reach, reacher = -1, None  # the furthest end so far, and whose
