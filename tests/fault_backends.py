@@ -4,7 +4,8 @@ process at a named point of a save, through the storage protocol rather than the
 Operations are named as the `Backend` methods are, with array opening as ``open_array`` (the kvstore spec is
 asked for once per array opened or created). Hooks get the operation, the path and how many times the operation
 has been called so far (1 for the first call). `hook` runs before each operation; `after`, if given, once it has
-returned (not for ``open_array``, whose work happens later, in tensorstore).
+returned (not for ``open_array``, whose work happens later, in tensorstore). `count_bytes` counts the chunk
+bytes a process writes.
 """
 
 from __future__ import annotations
@@ -147,3 +148,19 @@ def wait_for(operation: str, event: threading.Event) -> Hook:
         if op == operation:
             event.wait()
     return hook
+
+
+def count_bytes() -> dict:
+    """Count the chunk bytes this process hands to the array writer from now on (the job scripts' check that
+    each chunk is written once): ``{"bytes": n}``, updated as writes are issued."""
+    from xla_tensorstore_ckpt import arrays
+
+    written = {"bytes": 0}
+    real = arrays.write
+
+    def counting(store, loc, chunks, **kwargs):
+        written["bytes"] += sum(d.nbytes for _, d in chunks)
+        return real(store, loc, chunks, **kwargs)
+
+    arrays.write = counting
+    return written

@@ -36,10 +36,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from fault_backends import hooked, kill_at  # noqa: E402
+from fault_backends import count_bytes, hooked, kill_at  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
-from xla_tensorstore_ckpt import arrays  # noqa: E402
 
 # name -> (shape, dtype, mesh ("1d" over every process, "2d" as (2, world // 2)), placements saved, restored)
 ARRAYS = {
@@ -72,18 +71,6 @@ def meshes(world: int) -> dict:
     else:
         out["2d"] = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     return out
-
-
-def count_bytes() -> dict:
-    written = {"bytes": 0}
-    real = arrays.write
-
-    def counting(store, loc, chunks, **kwargs):
-        written["bytes"] += sum(d.nbytes for _, d in chunks)
-        return real(store, loc, chunks, **kwargs)
-
-    arrays.write = counting
-    return written
 
 
 def stored_once(rank: int, restored: dict, events_seen: list) -> dict:

@@ -21,10 +21,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from fault_backends import hooked, kill_at  # noqa: E402
+from fault_backends import count_bytes, hooked, kill_at  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
-from xla_tensorstore_ckpt import arrays
 from xla_tensorstore_ckpt.distributed import Coordinator
 
 # name -> (shape, dtype, save shard shape, restore shard shape)
@@ -59,18 +58,6 @@ def state(rank: int, world: int) -> dict:
             for name in ARRAYS}
     tree["meta"] = {"step": 7, "note": "multi-host"}
     return tree
-
-
-def count_bytes() -> dict:
-    written = {"bytes": 0}
-    real = arrays.write
-
-    def counting(store, loc, chunks, **kwargs):
-        written["bytes"] += sum(d.nbytes for _, d in chunks)
-        return real(store, loc, chunks, **kwargs)
-
-    arrays.write = counting
-    return written
 
 
 def main() -> None:
