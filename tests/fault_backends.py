@@ -153,14 +153,14 @@ def wait_for(operation: str, event: threading.Event) -> Hook:
 def count_bytes() -> dict:
     """Count the chunk bytes this process hands to the array writer from now on (the job scripts' check that
     each chunk is written once): ``{"bytes": n}``, updated as writes are issued."""
-    from xla_tensorstore_ckpt import arrays
+    from xla_tensorstore_ckpt import writing
 
     written = {"bytes": 0}
-    real = arrays.write
+    real = writing.ChunkWriter.write
 
-    def counting(store, loc, chunks, **kwargs):
-        written["bytes"] += sum(d.nbytes for _, d in chunks)
-        return real(store, loc, chunks, **kwargs)
+    def counting(self, group, data):
+        written["bytes"] += sum(d.nbytes for chunks in data for d in chunks)
+        return real(self, group, data)
 
-    arrays.write = counting
+    writing.ChunkWriter.write = counting
     return written

@@ -4,13 +4,14 @@ and its training steps, and the manager options most tests start from."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import torch
 import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import dtypes, events, formats, storage
+from xla_tensorstore_ckpt import dtypes, events, formats, layout, storage
 
 CHECKSUM_BYTES = 4  # a CRC32C after each stored chunk
 
@@ -112,3 +113,11 @@ def stored_chunk_bytes(path: str) -> int:
             chunks = math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape))
             total += chunks * (math.prod(meta.chunk_shape) * dtypes.by_name(meta.dtype).itemsize + CHECKSUM_BYTES)
     return total
+
+
+def ocdbt_data_files(item) -> list[str]:
+    """The data files of every per-process OCDBT store of the item at `item`, largest first (the chunk data: the
+    process's own stores hold it, its metadata store only the arrays' metadata)."""
+    stores = [os.path.join(item, n, "d") for n in os.listdir(item) if n.startswith(layout.OCDBT_PROCESS_PREFIX)]
+    files = [os.path.join(d, f) for d in stores if os.path.isdir(d) for f in os.listdir(d)]
+    return sorted(files, key=os.path.getsize, reverse=True)

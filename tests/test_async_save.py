@@ -18,7 +18,7 @@ from fault_backends import hooked, wait_for
 from helpers import assert_trees_equal, cpu_state, train_steps, xla_net
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, layout, staging
+from xla_tensorstore_ckpt import arrays, layout, staging, writing
 
 
 def async_options(**kw):
@@ -136,21 +136,21 @@ def test_max_pending_saves_allows_overlap(tmp_path):
 def test_max_host_bytes_streams_the_save(tmp_path, monkeypatch):
     issued, waited = {}, []
     in_flight_peaks = []
-    real_write, real_wait_all = arrays.write, arrays.wait_all
+    real_write, real_wait_all = writing.ChunkWriter.write, arrays.wait_all
 
-    def tracking_write(store, loc, chunks, **kwargs):
-        pending, files = real_write(store, loc, chunks, **kwargs)
-        issued[id(pending[-1])] = sum(d.nbytes for _, d in chunks)
+    def tracking_write(self, group, data):
+        pending = real_write(self, group, data)
+        issued[id(pending[-1])] = sum(d.nbytes for chunks in data for d in chunks)
         outstanding = sum(issued.values()) - sum(waited)
         in_flight_peaks.append(outstanding)
-        return pending, files
+        return pending
 
     def tracking_wait_all(pending):
         result = real_wait_all(pending)
         waited.extend(issued.pop(id(p), 0) for p in pending)
         return result
 
-    monkeypatch.setattr(arrays, "write", tracking_write)
+    monkeypatch.setattr(writing.ChunkWriter, "write", tracking_write)
     monkeypatch.setattr(arrays, "wait_all", tracking_wait_all)
     state = {f"t{i}": torch.randn(256, 256) for i in range(16)}  # 16 x 256 KiB = 4 MiB
     cap = 1 << 20

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from helpers import DTYPES, assert_trees_equal, random_tensor
+from helpers import DTYPES, assert_trees_equal, ocdbt_data_files, random_tensor
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import layout
@@ -129,8 +129,7 @@ def _chunk_file(item, array):
 
 
 def _largest_data_file(item):
-    files = [os.path.join(r, f) for r, _, fs in os.walk(item / "ocdbt.process_0" / "d") for f in fs]
-    return max(files, key=os.path.getsize)
+    return ocdbt_data_files(item)[0]
 
 
 def test_flipped_byte_is_detected_naming_array_and_chunk(tmp_path):

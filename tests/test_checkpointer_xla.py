@@ -55,15 +55,15 @@ def test_chunk_grid_is_the_shard_grid_and_metadata_names_mesh_and_spec(tmp_path,
 
 def test_replicas_are_written_once(tmp_path, mesh_4x2, monkeypatch):
     written = []
-    from xla_tensorstore_ckpt import arrays
+    from xla_tensorstore_ckpt import writing
 
-    real_write = arrays.write
+    real_write = writing.ChunkWriter.write
 
-    def spy(store, ref, chunks, **kwargs):
-        written.extend((ref.name, tuple((r.start, r.stop) for r in region)) for region, _ in chunks)
-        return real_write(store, ref, chunks, **kwargs)
+    def spy(self, group, data):
+        written.extend((p.meta.path, w.region) for p in group for w in p.writes)
+        return real_write(self, group, data)
 
-    monkeypatch.setattr(arrays, "write", spy)
+    monkeypatch.setattr(writing.ChunkWriter, "write", spy)
     src = torch.randn(8, 6)
     state = {"rows": sharded(src, mesh_4x2, ("x", None)), "full": sharded(src, mesh_4x2, (None, None)),
              "plain": sharded(src, None, None)}

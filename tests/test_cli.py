@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch_xla.distributed.spmd as xs
 from conftest import make_mesh, sharded
+from helpers import ocdbt_data_files
 from safetensors.torch import load_file
 
 import xla_tensorstore_ckpt as xtc
@@ -192,8 +194,7 @@ def test_verify_catches_damage_in_an_ocdbt_store(tmp_path, capsys):
     with xtc.CheckpointManager(tmp_path / "root", xtc.CheckpointManagerOptions(save_interval_steps=1)) as mgr:
         mgr.save(1, model={"w": torch.randn(64, 64), "b": torch.ones(3)})
     assert run("verify", tmp_path / "root", capsys=capsys)[0] == 0
-    data_dir = tmp_path / "root" / "1" / "model" / "ocdbt.process_0" / "d"
-    largest = max(data_dir.iterdir(), key=lambda f: f.stat().st_size)
+    largest = pathlib.Path(ocdbt_data_files(tmp_path / "root" / "1" / "model")[0])
     data = bytearray(largest.read_bytes())
     data[len(data) // 2] ^= 0x10
     largest.write_bytes(bytes(data))

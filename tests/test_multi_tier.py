@@ -19,6 +19,7 @@ import torch
 import torch_xla
 from conftest import GCS_BUCKET, make_mesh, sharded
 from forked import run_forked
+from helpers import ocdbt_data_files
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import formats, inspection, layout, local_tier, staging, storage
@@ -311,10 +312,9 @@ def test_steps_of_a_plain_manager_in_the_local_directory_are_left_alone(tmp_path
 
 def test_a_missing_data_file_is_skipped(trained, mesh):
     root, local, _ = trained
-    data = os.path.join(local, "6", "model", "ocdbt.process_0", "d")
-    files = sorted(os.listdir(data), key=lambda name: os.path.getsize(os.path.join(data, name)))
+    files = ocdbt_data_files(os.path.join(local, "6", "model"))
     assert len(files) > 1  # deleting one file of several: the others, and every manifest, stay
-    os.remove(os.path.join(data, files[-1]))
+    os.remove(files[0])
     step, model, loader, _, _, messages = resume(root, local, mesh)
     assert step == 5 and loader.position == 50
     assert_state(model, 5)

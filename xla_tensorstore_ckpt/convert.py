@@ -262,9 +262,10 @@ def _copy(source: storage.Location, sources: dict[layout.KeyPath, Any], destinat
             in_flight.append((batch_bytes, writer.write([unit.plan for unit in batch],
                                                         _read_batch(batch, sources))))
             in_flight_bytes += batch_bytes
+        writer.finish()
         arrays.wait_all(writer.writes.pending)
     except BaseException:
-        arrays.drain(writer.writes.pending)
+        writer.abandon()
         raise
     if progress:
         progress(total, total)

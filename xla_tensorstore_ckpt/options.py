@@ -27,6 +27,10 @@ class SaveOptions:
         object stores. Off: one zarr directory per array (also readable by Orbax, with ``use_ocdbt=False``).
     fsync: sync every chunk file, metadata file and directory to stable storage before the save returns
         (local disk; object stores are durable once a write returns). Off trades crash durability for speed.
+    direct_io: on a local file system, with OCDBT, write the chunk data around the page cache (``O_DIRECT``,
+        `arrays.direct_ocdbt`): no copy into the page cache and no fresh memory for it (1 GiB saved here in
+        0.6 s instead of 1.1-4.0 s). Off: through tensorstore and the page cache, which keeps a just-saved
+        checkpoint cached for a read right after it.
     host_batch_bytes: device bytes fetched to host per torch_xla call; writes of one batch overlap the fetch
         of the next. Bounds the replicas held at once when a tensor is partially replicated.
     single_file_max_bytes: without OCDBT, an array of at most this size whose chunks are all written by this
@@ -42,6 +46,7 @@ class SaveOptions:
 
     use_ocdbt: bool = True
     fsync: bool = True
+    direct_io: bool = True
     host_batch_bytes: int = 64 * _MiB
     single_file_max_bytes: int = 4 * _MiB
     split_bytes: int = 16 * _MiB
@@ -51,7 +56,7 @@ class SaveOptions:
     def __post_init__(self) -> None:
         check_listeners(self.listeners, "SaveOptions.listeners")
         formats.writer(self.format)  # raises ValueError naming the formats written
-        for name in ("use_ocdbt", "fsync"):
+        for name in ("use_ocdbt", "fsync", "direct_io"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("host_batch_bytes", self.host_batch_bytes)

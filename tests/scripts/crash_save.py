@@ -3,14 +3,17 @@
 usage: crash_save.py ROOT --kill-at OPERATION:N [--steps 1,2,3] [--async] [--max-to-keep K] [--plain]
 Saves the given steps of a deterministic CPU state with a CheckpointManager on ROOT seen through a hooked storage
 backend (tests/fault_backends.py); the N-th storage operation OPERATION (write, delete, open_array, file_written,
-sync_files, ...) counted from the start of the last step's save kills the process before it runs. Exits 0 if the
-point was never reached. Arrays go to an OCDBT store, or with --plain to one directory each.
+sync_files, ...) counted from the start of the last step's save kills the process before it runs. ``fsize:N``
+kills it instead in the first write that takes a file past N bytes (the kernel's SIGXFSZ, RLIMIT_FSIZE): the
+chunk data this process writes itself, around the storage backend. Exits 0 if the point was never reached.
+Arrays go to an OCDBT store, or with --plain to one directory each.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import sys
 from collections import Counter
@@ -66,6 +69,9 @@ def main() -> None:
         if step == steps[-1]:
             manager.wait_until_finished()  # count operations of the last save only
             switch.armed = True
+            if switch.operation == "fsize":
+                signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python starts with it ignored
+                resource.setrlimit(resource.RLIMIT_FSIZE, (switch.count, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         manager.save(step, model=state_for(step))
     manager.close()
 

@@ -8,9 +8,10 @@ tensors (`pieces`), chunk files read straight from local disk for this library's
 protocol: `reader.open(meta)` gives an `Opening`, its result a `StoredArray` that reads regions.
 
 Writing (saves, conversions): `create`, `write`, `commit` and `new_transaction` start tensorstore operations and
-return `Pending` futures; `wait_all` and `drain` wait for them; `merge_ocdbt` merges the per-process OCDBT stores
-of an item (`ocdbt`). Errors are `CorruptCheckpointError` (damaged or missing data) or `StorageError`, naming the
-array.
+return `Pending` futures; `wait_all` and `drain` wait for them; on local disk, `DirectStore` writes a process's
+OCDBT store itself, around the page cache (`direct_ocdbt`, values from `encode_chunk`); `merge_ocdbt` merges the
+per-process OCDBT stores of an item (`ocdbt`). Errors are `CorruptCheckpointError` (damaged or missing data) or
+`StorageError`, naming the array.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ..records import ArrayMetadata, ArrayStore
 from . import local_chunks
 from .base import ArrayReader, Empty, Index, Opening, PendingRead, Ready, StoredArray, drain, wait_all
 from .byte_ranges import ByteRangeReader
-from .ocdbt import OCDBT_LANES, merge_ocdbt
+from .direct_ocdbt import DirectStore, encode_chunk
+from .ocdbt import OCDBT_DATA_FILE_BYTES, OCDBT_LANES, merge_ocdbt
 from .pieces import PiecesReader
 from .tensorstore_io import (
     ArrayRef,
@@ -35,9 +37,10 @@ from .tensorstore_io import (
     zarr_metadata,
 )
 
-__all__ = ["OCDBT_LANES", "ArrayReader", "ArrayRef", "Empty", "Index", "Opening", "Pending", "PendingRead", "Ready",
-           "StoredArray", "TensorstoreReader", "commit", "create", "drain", "merge_ocdbt", "new_transaction",
-           "open_for_user", "reader", "wait_all", "write", "zarr_metadata"]
+__all__ = ["OCDBT_DATA_FILE_BYTES", "OCDBT_LANES", "ArrayReader", "ArrayRef", "DirectStore", "Empty", "Index",
+           "Opening", "Pending", "PendingRead", "Ready", "StoredArray", "TensorstoreReader", "commit", "create",
+           "drain", "encode_chunk", "merge_ocdbt", "new_transaction", "open_for_user", "reader", "wait_all", "write",
+           "zarr_metadata"]
 
 
 def reader(item: storage.Location, store: ArrayStore, context: ts.Context | None = None) -> ArrayReader:

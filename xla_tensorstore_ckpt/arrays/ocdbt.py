@@ -9,6 +9,8 @@ store, which references their data files rather than copying them. Everything bl
 
 from __future__ import annotations
 
+import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +35,7 @@ _REMOTE_READ_COALESCING = {"experimental_read_coalescing_threshold_bytes": 1 << 
 # Commits to one OCDBT store are serialized, and each writes its data file sequentially: a process writes its
 # batches round robin into this many stores of its own, so that large chunks are written in parallel.
 OCDBT_LANES = 4
+MANIFEST = layout.OCDBT_MANIFEST
 
 
 def ocdbt_spec(item: storage.Location, store: str | None) -> dict:
@@ -48,6 +51,19 @@ def ocdbt_spec(item: storage.Location, store: str | None) -> dict:
     if store is not None:
         spec["target_data_file_size"] = OCDBT_REMOTE_DATA_FILE_BYTES if remote else OCDBT_DATA_FILE_BYTES
     return spec
+
+
+def manifest_bytes(root: str | None, statistics: dict) -> bytes:
+    """The ``manifest.ocdbt`` of a new store (this library's configuration, a fresh UUID) whose one version has the
+    B-tree root node at `root` (a ``btreenode::<file>:<offset>:<length>`` location; None: no keys) with
+    `statistics` (``num_keys``, ``num_tree_bytes``, ``num_indirect_value_bytes``). For stores written without
+    tensorstore (`direct_ocdbt`); tensorstore encodes it."""
+    config = {"compression": {"id": "zstd"}, "max_decoded_node_bytes": _OCDBT_CONFIG["max_decoded_node_bytes"],
+              "max_inline_value_bytes": _OCDBT_CONFIG["max_inline_value_bytes"], "uuid": secrets.token_hex(16),
+              "version_tree_arity_log2": 4}
+    version = {"commit_time": time.time_ns(), "generation_number": 1, "root_height": 0,
+               "root": {"statistics": statistics, **({"location": root} if root is not None else {})}}
+    return ts.ocdbt.undump_manifest({"config": config, "version_tree_nodes": [], "versions": [version]})
 
 
 def merge_ocdbt(item: storage.Location, stores: Sequence[str]) -> None:

@@ -1,0 +1,133 @@
+"""Saves around the page cache (`arrays.direct_ocdbt`): on local disk a process writes its OCDBT stores itself.
+What it stores is what tensorstore stores, byte for byte, key for key; tensorstore and the item merge read it;
+a write that fails names the array chunk and the file, and commits nothing."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import signal
+
+import pytest
+import tensorstore as ts
+import torch
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt.arrays import direct_ocdbt
+from xla_tensorstore_ckpt.arrays.direct_ocdbt import DirectStore
+
+THROUGH_TENSORSTORE = xtc.SaveOptions(direct_io=False)
+
+
+def _stored(path) -> dict[bytes, bytes]:
+    """Every key and value of the OCDBT store in directory `path`, read by tensorstore."""
+    store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
+    return {key: store.read(key).result().value for key in store.list().result()}
+
+
+def _state():
+    g = torch.Generator().manual_seed(3)
+    return {
+        "rows": torch.randn(10, 7, generator=g),
+        "bf16": torch.randn(33, 5, generator=g).to(torch.bfloat16),
+        "flags": torch.rand(9, generator=g) > 0.5,
+        "ints": torch.randint(-2**40, 2**40, (4, 4), generator=g),
+        "scalar": torch.tensor(2.5, dtype=torch.float16),
+        "empty": torch.zeros(0, 3),
+        "large": torch.randn(3 << 20, generator=g),  # 12 MiB: one value crosses several aligned windows
+    }
+
+
+def test_a_direct_save_stores_what_tensorstore_stores(tmp_path):
+    state = _state()
+    xtc.save(tmp_path / "direct", state)
+    xtc.save(tmp_path / "tensorstore", state, options=THROUGH_TENSORSTORE)
+    direct, through = _stored(tmp_path / "direct"), _stored(tmp_path / "tensorstore")
+    assert direct.keys() == through.keys() and any(k.endswith(b"/c/0") for k in direct)
+    assert [k for k in direct if direct[k] != through[k]] == []
+    out = xtc.restore(tmp_path / "direct")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    # the process's own chunk stores were written here, not by tensorstore (which never writes uncompressed nodes)
+    lanes = sorted(n for n in os.listdir(tmp_path / "direct") if n.startswith("ocdbt.process_0x"))
+    assert lanes and all(_root_node(tmp_path / "direct" / n)[13] == 0 for n in lanes)
+
+
+def test_edge_chunks_are_padded_as_tensorstore_pads_them(tmp_path):
+    """Two processes' shards of 10 rows in chunks of 4 end in a chunk of 2 rows: stored as 4, the rest zeros."""
+    value = torch.arange(70, dtype=torch.float32).reshape(10, 7)
+    encoded = direct_ocdbt.encode_chunk(value[8:].numpy(), (4, 7))
+    stored = bytes(encoded[0])
+    assert len(stored) == 4 * 7 * 4 and stored[2 * 7 * 4:] == bytes(2 * 7 * 4)
+    assert stored[:2 * 7 * 4] == value[8:].numpy().tobytes()
+
+
+def _root_node(path) -> bytes:
+    manifest = ts.ocdbt.dump(ts.KvStore.open(f"file://{path}/").result()).result()
+    _, where = manifest["versions"][-1]["root"]["location"].split("::")
+    file, offset, length = where.rsplit(":", 2)
+    with open(os.path.join(path, file), "rb") as f:
+        f.seek(int(offset))
+        return f.read(int(length))
+
+
+def test_a_store_spreads_over_data_files_and_reads_back(tmp_path):
+    values = {f"a/c/{i}": os.urandom(i * 300_001 + 7) for i in range(12)}
+    store = DirectStore(str(tmp_path / "s"), data_file_bytes=1 << 20)
+    for key in sorted(values, reverse=True):  # any order: the node lists them sorted
+        store.put(key, [memoryview(values[key])])
+    store.finish()
+    assert len(os.listdir(tmp_path / "s" / "d")) > 3
+    assert _stored(tmp_path / "s") == {k.encode(): v for k, v in values.items()}
+    node = _root_node(tmp_path / "s")
+    assert node[:4] == bytes.fromhex("0cdb20de")
+
+
+def test_an_empty_store_is_a_store_with_no_keys(tmp_path):
+    store = DirectStore(str(tmp_path / "s"), data_file_bytes=1 << 20)
+    store.finish()
+    assert _stored(tmp_path / "s") == {}
+
+
+def test_where_the_file_system_refuses_o_direct_the_store_is_written_buffered(tmp_path, monkeypatch):
+    """No file system here refuses O_DIRECT (tmpfs takes it on this kernel): `os.open` refuses it as one would."""
+    real_open = os.open
+
+    def refusing(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(direct_ocdbt.os, "open", refusing)
+    state = _state()
+    xtc.save(tmp_path / "ck", state)
+    out = xtc.restore(tmp_path / "ck")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+@pytest.fixture
+def file_size_limit():
+    """Writes past 4 MiB fail in this process with EFBIG, as on a full disk (a real OS error from the write
+    path; SIGXFSZ, which would kill the process, is ignored meanwhile)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_failed_write_names_the_chunk_and_file_and_commits_nothing(tmp_path, file_size_limit):
+    mgr = xtc.CheckpointManager(tmp_path / "run", xtc.CheckpointManagerOptions(
+        save_interval_steps=1, async_save=False, save_rng=False))
+    small = {"w": torch.ones(8)}
+    mgr.save(1, extra=small)
+    with pytest.raises(xtc.StorageError) as err:
+        mgr.save(2, extra={"w": torch.ones(8), "big": torch.randn(4 << 20)})  # 16 MiB
+    message = str(err.value)
+    assert "big" in message and "/c/0" in message and "ocdbt.process_0x" in message and "File too large" in message
+    assert mgr.all_steps() == [1]
+    restored = {"w": torch.zeros(8)}
+    assert mgr.restore("latest", extra=restored) == 1 and torch.equal(restored["w"], torch.ones(8))
