@@ -5,15 +5,18 @@ a write that fails names the array chunk and the file, and commits nothing."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import resource
 import signal
+import subprocess
 
 import pytest
 import tensorstore as ts
 import torch
 
 import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import writing
 from xla_tensorstore_ckpt.arrays import direct_ocdbt
 from xla_tensorstore_ckpt.arrays.direct_ocdbt import DirectStore
 
@@ -73,6 +76,7 @@ def _root_node(path) -> bytes:
 
 def test_a_store_spreads_over_data_files_and_reads_back(tmp_path):
     values = {f"a/c/{i}": os.urandom(i * 300_001 + 7) for i in range(12)}
+    values.update({f"{'é' * 40}/{i:03}": os.urandom(i * 7) for i in range(150)})  # small: kept in the node
     store = DirectStore(str(tmp_path / "s"), data_file_bytes=1 << 20)
     for key in sorted(values, reverse=True):  # any order: the node lists them sorted
         store.put(key, [memoryview(values[key])])
@@ -81,6 +85,10 @@ def test_a_store_spreads_over_data_files_and_reads_back(tmp_path):
     assert _stored(tmp_path / "s") == {k.encode(): v for k, v in values.items()}
     node = _root_node(tmp_path / "s")
     assert node[:4] == bytes.fromhex("0cdb20de")
+    base = ts.KvStore.open(f"file://{tmp_path / 's'}/").result()
+    where = ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]
+    entries = {e["key"]: e for e in ts.ocdbt.dump(base, where).result()["entries"]}
+    assert all(("inline_value" in entries[k.encode()]) == (len(v) <= 1024) for k, v in values.items())
 
 
 def test_an_empty_store_is_a_store_with_no_keys(tmp_path):
@@ -90,15 +98,16 @@ def test_an_empty_store_is_a_store_with_no_keys(tmp_path):
 
 
 def test_where_the_file_system_refuses_o_direct_the_store_is_written_buffered(tmp_path, monkeypatch):
-    """No file system here refuses O_DIRECT (tmpfs takes it on this kernel): `os.open` refuses it as one would."""
-    real_open = os.open
+    """tmpfs takes O_DIRECT on this kernel; here `fcntl` refuses it as such a file system does (EINVAL). The
+    next test mounts one that really does, where this process may."""
+    real_fcntl = direct_ocdbt.fcntl.fcntl
 
-    def refusing(path, flags, *args):
-        if flags & os.O_DIRECT:
+    def refusing(fd, command, arg=0):
+        if command == fcntl.F_SETFL and arg & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
+        return real_fcntl(fd, command, arg)
 
-    monkeypatch.setattr(direct_ocdbt.os, "open", refusing)
+    monkeypatch.setattr(direct_ocdbt.fcntl, "fcntl", refusing)
     state = _state()
     xtc.save(tmp_path / "ck", state)
     out = xtc.restore(tmp_path / "ck")
@@ -106,12 +115,63 @@ def test_where_the_file_system_refuses_o_direct_the_store_is_written_buffered(tm
 
 
 @pytest.fixture
-def file_size_limit():
-    """Writes past 4 MiB fail in this process with EFBIG, as on a full disk (a real OS error from the write
-    path; SIGXFSZ, which would kill the process, is ignored meanwhile)."""
+def ramfs(tmp_path):
+    """A ramfs file system (no O_DIRECT at all), mounted where this process may mount one."""
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount ramfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_save_onto_ramfs_is_written_buffered(ramfs):
+    with pytest.raises(OSError):
+        os.close(os.open(ramfs / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    state = _state()
+    xtc.save(ramfs / "ck", state)
+    out = xtc.restore(ramfs / "ck")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def _open_files() -> set[str]:
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # the descriptor listing the directory
+    return names
+
+
+def test_an_error_in_a_lane_fails_the_save_closes_its_files_and_commits_nothing(tmp_path, monkeypatch):
+    real = writing.arrays.encode_chunk
+
+    def failing(value, chunk_shape):
+        if value.size == 3 << 20:
+            raise MemoryError("no memory left to pad the chunk")
+        return real(value, chunk_shape)
+
+    monkeypatch.setattr(writing.arrays, "encode_chunk", failing)
+    before = _open_files()
+    with pytest.raises(xtc.StorageError, match=r"cannot encode large/c/0: no memory left"):
+        xtc.save(tmp_path / "ck", _state(), options=xtc.SaveOptions(host_batch_bytes=1 << 10))
+    assert not [f for f in _open_files() - before if str(tmp_path) in f]
+    with pytest.raises(xtc.CheckpointError):
+        xtc.restore(tmp_path / "ck")
+
+
+@pytest.fixture(params=[4 << 20, (4 << 20) + 100], ids=["aligned", "unaligned"])
+def file_size_limit(request):
+    """Writes past the limit fail in this process with EFBIG, as on a full disk (a real OS error from the write
+    path; SIGXFSZ, which would kill the process, is ignored meanwhile). An unaligned limit cuts a direct write
+    to a length O_DIRECT refuses: the error must still be the real one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (request.param, hard))
     try:
         yield
     finally:
@@ -124,10 +184,12 @@ def test_a_failed_write_names_the_chunk_and_file_and_commits_nothing(tmp_path, f
         save_interval_steps=1, async_save=False, save_rng=False))
     small = {"w": torch.ones(8)}
     mgr.save(1, extra=small)
+    before = _open_files()
     with pytest.raises(xtc.StorageError) as err:
         mgr.save(2, extra={"w": torch.ones(8), "big": torch.randn(4 << 20)})  # 16 MiB
     message = str(err.value)
     assert "big" in message and "/c/0" in message and "ocdbt.process_0x" in message and "File too large" in message
     assert mgr.all_steps() == [1]
+    assert not [f for f in _open_files() - before if str(tmp_path) in f]  # no file left open, deleted or not
     restored = {"w": torch.zeros(8)}
     assert mgr.restore("latest", extra=restored) == 1 and torch.equal(restored["w"], torch.ones(8))

@@ -231,7 +231,11 @@ class _DirectLane:
     def put(self, chunks: list[tuple[str, object, tuple[int, ...]]]) -> _LaneWrite:
         def work() -> None:
             for key, value, chunk_shape in chunks:
-                self.store.put(key, arrays.encode_chunk(value, chunk_shape))
+                try:
+                    parts = arrays.encode_chunk(value, chunk_shape)
+                except Exception as exc:  # noqa: BLE001 - the store is failed with it and it is re-raised
+                    self.store.fail(f"cannot encode {key}", exc)
+                self.store.put(key, parts)
         return _LaneWrite(self.thread.submit(work))
 
     def finish(self) -> _LaneWrite:

@@ -1,27 +1,33 @@
 """OCDBT stores a saving process writes by itself, around the page cache: its chunk values appended to data files
-with ``O_DIRECT``, then one B-tree leaf node that lists them and the store's manifest. Local file systems only.
+with ``O_DIRECT`` (a file under one 8 MiB window is written buffered), then one B-tree leaf node that lists them
+and the store's manifest. Local file systems only.
 
 Through tensorstore every saved byte is copied into the page cache first, and on a VM that hands fresh memory to
-its hypervisor and back, that copy is most of a save: 1 GiB written and fsynced took 1.1-4.0 s buffered here, 0.6 s
-direct (`benchmarks/bench_direct_writes.py`). The store is an ordinary OCDBT store, as tensorstore would write it
-(Orbax, tensorstore and the item's merge read it the same way): values in data files ``d/<32 hex digits>``, the
-B-tree node after them in the last file, and ``manifest.ocdbt`` (encoded by tensorstore, `ocdbt.manifest_bytes`).
-Each chunk value is what tensorstore's zarr codecs make of it (`encode_chunk`): the chunk's little-endian bytes,
-padded to the whole chunk at the array's edge, then their CRC32C.
+its hypervisor and back, that copy is most of a save: a save of the 1 GiB workload took 4.5 s that way here and
+1.4 s direct (`benchmarks/bench_direct_writes.py`). The store is an ordinary OCDBT store, as tensorstore would
+write it (Orbax, tensorstore and the item's merge read it the same way): values in data files
+``d/<32 hex digits>``, the B-tree node after them in the last file, and ``manifest.ocdbt`` (encoded by
+tensorstore, `ocdbt.manifest_bytes`). Each chunk value is what tensorstore's zarr codecs make of it
+(`encode_chunk`): the chunk's little-endian bytes, padded to the whole chunk at the array's edge, then their
+CRC32C.
 
 A `DirectStore` is written by one thread at a time (a lane of `writing.ChunkWriter`); its methods block and raise
-`StorageError` naming the file. File systems without ``O_DIRECT`` (tmpfs) are written buffered, the same way.
+`StorageError` naming the file. File systems without ``O_DIRECT`` (ramfs; tmpfs before Linux 6.6) are written
+buffered, the same way.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import secrets
 import struct
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
 
 import crc32c
 import numpy as np
@@ -32,7 +38,8 @@ from . import ocdbt
 ALIGN = 4096  # a multiple of every logical block size O_DIRECT asks for
 WINDOW_BYTES = 8 << 20  # each store's aligned window: values are copied into it and written a window at a time
 _BTREE_MAGIC = 0x0CDB20DE
-_INDIRECT = 1  # value kind: stored in a data file
+_INLINE, _INDIRECT = 0, 1  # value kinds: in the B-tree node, in a data file
+_KEPT_WINDOWS = 4
 # Windows of finished stores, kept for the next save's: each would otherwise be 8 MiB of fresh memory per save.
 _free_windows: list[memoryview] = []
 _free_windows_lock = threading.Lock()
@@ -42,42 +49,48 @@ def encode_chunk(data: np.ndarray, chunk_shape: Sequence[int]) -> list[memoryvie
     """The stored value of one zarr chunk under this library's codecs (``bytes`` little endian, ``crc32c``), as
     the parts to write: the chunk's bytes (`data` padded with zeros, the fill value, to `chunk_shape` where it
     lies at the array's edge) and their checksum. Copies only to pad or to make `data` contiguous."""
+    if data.dtype.itemsize in (1, 2, 4, 8):  # as unsigned integers: numpy copies ml_dtypes (bfloat16) per element
+        data = data.view(np.dtype(f"u{data.dtype.itemsize}"))
     if data.shape != tuple(chunk_shape):
         full = np.zeros(tuple(chunk_shape), data.dtype)
         full[tuple(slice(0, n) for n in data.shape)] = data
         data = full
-    raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))  # bytes of any dtype (bfloat16 too)
+    raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
     return [raw, memoryview(struct.pack("<I", crc32c.crc32c(raw)))]
 
 
 class DirectStore:
-    """One OCDBT store (the directory `path`) written by this process alone: `put` appends values, `finish`
-    writes the B-tree node and the manifest, after which tensorstore can open it. Values go into data files of
-    about `data_file_bytes` each (a value is never split)."""
+    """One OCDBT store (the directory `path`) written by this process alone: `put` adds values, `finish` writes
+    the B-tree node and the manifest, after which tensorstore can open it. Values of at most
+    `ocdbt.MAX_INLINE_VALUE_BYTES` are kept in the node, as tensorstore keeps them; larger ones are appended to
+    data files of about `data_file_bytes` each (a value is never split). After any failure the store is closed
+    and stays unfinished (no manifest); every later call raises the same `StorageError`."""
 
     def __init__(self, path: str, *, data_file_bytes: int):
         self.path = path
         self.data_file_bytes = data_file_bytes
         self.files: list[str] = []  # relative to `path`: d/<hex>
-        self.entries: list[tuple[bytes, int, int, int]] = []  # key, file index, offset, length
+        self.entries: list[_Entry] = []
         self._file: _DataFile | None = None
         self._window: memoryview | None = None
         self.failed: StorageError | None = None
 
     def put(self, key: str, parts: Sequence[memoryview]) -> None:
-        """Append the value of `key` (the concatenation of `parts`)."""
+        """Add the value of `key` (the concatenation of `parts`)."""
         self._check()
         length = sum(len(p) for p in parts)
+        if length <= ocdbt.MAX_INLINE_VALUE_BYTES:
+            self.entries.append(_Entry(key.encode(), -1, 0, length, b"".join(parts)))
+            return
         try:
             if self._file is None or self._file.size >= self.data_file_bytes:
                 self._next_file()
             offset = self._file.size
             for part in parts:
                 self._file.append(part)
-        except OSError as exc:
-            self.failed = StorageError(f"cannot write {key} to {self._where()}: {exc}")
-            raise self.failed from exc
-        self.entries.append((key.encode(), len(self.files) - 1, offset, length))
+        except BaseException as exc:  # noqa: BLE001 - closed, then re-raised as a StorageError
+            self.fail(f"cannot write {key} (or the values before it) to {self._where()}", exc)
+        self.entries.append(_Entry(key.encode(), len(self.files) - 1, offset, length, None))
 
     def finish(self) -> None:
         """Append the B-tree leaf node to the last data file, close it and write the manifest."""
@@ -85,36 +98,51 @@ class DirectStore:
         try:
             location, node_bytes = None, 0
             if self.entries:  # an empty store has no B-tree node at all (an empty node is invalid)
+                if self._file is None:  # every value inline
+                    self._next_file()
                 node = encode_leaf(sorted(self.entries), self.files)
                 offset, node_bytes = self._file.size, len(node)
                 self._file.append(memoryview(node))
                 self._close_file()
                 location = f"btreenode::{self.files[-1]}:{offset}:{node_bytes}"
             statistics = {"num_keys": len(self.entries), "num_tree_bytes": node_bytes,
-                          "num_indirect_value_bytes": sum(e[3] for e in self.entries)}
+                          "num_indirect_value_bytes": sum(e.length for e in self.entries if e.inline is None)}
             os.makedirs(self.path, exist_ok=True)
             _write_file(os.path.join(self.path, ocdbt.MANIFEST), ocdbt.manifest_bytes(location, statistics))
-        except OSError as exc:
-            self.failed = StorageError(f"cannot finish the array store {self.path}: {exc}")
-            raise self.failed from exc
+        except BaseException as exc:  # noqa: BLE001 - closed, then re-raised as a StorageError
+            self.fail(f"cannot finish the array store {self.path}", exc)
 
     def abort(self) -> None:
         """Close the open data file, if any (a failed save); the store stays unfinished: no manifest."""
-        if self._file is not None:
-            self._file.abandon()
-            self._file = None
-        self._give_back_window()
+        file, self._file = self._file, None
+        try:
+            if file is not None:
+                file.abandon()
+        finally:
+            self._give_back_window()
+
+    def fail(self, what: str, exc: BaseException) -> NoReturn:
+        """Give the store up after `exc` (closed, never finished) and raise it as a `StorageError` (`what`)."""
+        try:
+            self.abort()
+        except OSError:
+            pass  # the store is given up; `exc` is what the caller needs to know
+        self.failed = exc if isinstance(exc, StorageError) else StorageError(f"{what}: {exc}")
+        raise self.failed from exc
 
     def _close_file(self) -> None:
-        self._file.close()
-        self._file = None
-        self._give_back_window()
+        file, self._file = self._file, None
+        try:
+            file.close()
+        finally:
+            self._give_back_window()
 
     def _give_back_window(self) -> None:
-        if self._window is not None:
+        window, self._window = self._window, None
+        if window is not None:
             with _free_windows_lock:
-                _free_windows.append(self._window)
-            self._window = None
+                if len(_free_windows) < _KEPT_WINDOWS:
+                    _free_windows.append(window)
 
     def _check(self) -> None:
         if self.failed is not None:
@@ -125,16 +153,28 @@ class DirectStore:
 
     def _next_file(self) -> None:
         if self._file is not None:
-            self._file.close()
+            file, self._file = self._file, None
+            file.close()
         name = f"d/{secrets.token_hex(16)}"
         os.makedirs(os.path.join(self.path, "d"), exist_ok=True)
         if self._window is None:
             with _free_windows_lock:
                 self._window = _free_windows.pop() if _free_windows else None
-            if self._window is None:
-                self._window = memoryview(mmap.mmap(-1, WINDOW_BYTES))
+            if self._window is None:  # private: a forked child's writes never reach the parent's window
+                self._window = memoryview(mmap.mmap(-1, WINDOW_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
         self.files.append(name)
         self._file = _DataFile(os.path.join(self.path, name), self._window)
+
+
+@dataclass(frozen=True, order=True)
+class _Entry:
+    """One key of a store: its value `inline` (bytes) or `length` bytes at `offset` of data file `file`."""
+
+    key: bytes
+    file: int
+    offset: int
+    length: int
+    inline: bytes | None
 
 
 class _DataFile:
@@ -142,16 +182,15 @@ class _DataFile:
     (``O_DIRECT`` where the file system allows it); the last one padded, then the file cut to its size."""
 
     def __init__(self, path: str, window: memoryview):
-        self.path, self.window = path, window
+        self.window = window
         self.size = 0  # bytes appended
         self.filled = 0  # bytes of the window not yet written
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self.fd = os.open(path, flags, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        # Buffered until the first full window: a file smaller than one stays in the page cache, where reading
+        # it back right away costs no disk read (small saves, metadata-sized stores); larger ones go around it.
+        # O_DIRECT is set on the open file: a file system that refuses it (EINVAL) has the file written buffered.
+        self.direct = False
+        self.may_go_direct = True
 
     def append(self, data: memoryview) -> None:
         while len(data):
@@ -161,25 +200,54 @@ class _DataFile:
             self.size += take
             data = data[take:]
             if self.filled == len(self.window):
+                if self.may_go_direct:
+                    self.may_go_direct = False
+                    self.direct = self._set_direct(True)
                 self._flush(len(self.window))
 
     def close(self) -> None:
+        """Write what is left and close; closes the file even if the write fails. Once only."""
         try:
-            if self.filled:
+            if self.filled and self.direct:
                 self._flush(-(-self.filled // ALIGN) * ALIGN)
                 os.ftruncate(self.fd, self.size)
+            elif self.filled:
+                self._flush(self.filled)
         finally:
-            os.close(self.fd)
+            self.abandon()
 
     def abandon(self) -> None:
-        os.close(self.fd)
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def _set_direct(self, on: bool) -> bool:
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                self.abandon()
+                raise
+            return False
+        return on
 
     def _flush(self, nbytes: int) -> None:
         at = self.size - self.filled
         view = self.window[:nbytes]
         while len(view):
-            n = os.pwrite(self.fd, view, at)
+            try:
+                n = os.pwrite(self.fd, view, at)
+            except OSError as exc:
+                # Near a file size limit the kernel cuts a direct write to an unaligned length and refuses it:
+                # write buffered from here on, which stores the data or reports the real error.
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise
+                self.direct = self._set_direct(False)
+                continue
             view, at = view[n:], at + n
+            if len(view) and self.direct and at % ALIGN:  # a short write (a full disk) left an unaligned offset
+                self.direct = self._set_direct(False)
         self.filled = 0
 
 
@@ -201,29 +269,33 @@ def _write_file(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def encode_leaf(entries: Sequence[tuple[bytes, int, int, int]], files: Sequence[str]) -> bytes:
-    """An uncompressed B-tree leaf node (OCDBT format) of `entries` (key, index into `files`, offset, length;
-    sorted by key, every value in a data file); `files` are paths relative to the store (its data file table,
-    base paths empty)."""
-    keys = [e[0] for e in entries]
+def encode_leaf(entries: Sequence[_Entry], files: Sequence[str]) -> bytes:
+    """An uncompressed B-tree leaf node (OCDBT format) of `entries` (sorted by key; values inline or in a data
+    file, `files` being their paths relative to the store: its data file table, base paths empty)."""
+    keys = [e.key for e in entries]
     prefixes = [_common_prefix(a, b) for a, b in zip(keys, keys[1:])]
+    indirect = [e for e in entries if e.inline is None]
     body = bytearray([0])  # height: a leaf
     body += _file_table([f.encode() for f in files])
     body += _varint(len(entries))
     for n in prefixes:
         body += _varint(n)
     suffixes = [k[p:] for k, p in zip(keys, [0, *prefixes])]
-    for s in suffixes:
-        body += _varint(len(s))
-    for s in suffixes:
-        body += s
+    for suffix in suffixes:
+        body += _varint(len(suffix))
+    for suffix in suffixes:
+        body += suffix
     for e in entries:
-        body += _varint(e[3])
-    body += _varint(_INDIRECT) * len(entries)
+        body += _varint(e.length)
     for e in entries:
-        body += _varint(e[1])
+        body += _varint(_INLINE if e.inline is not None else _INDIRECT)
+    for e in indirect:
+        body += _varint(e.file)
+    for e in indirect:
+        body += _varint(e.offset)
     for e in entries:
-        body += _varint(e[2])
+        if e.inline is not None:
+            body += e.inline
     head = struct.pack(">I", _BTREE_MAGIC)
     tail = _varint(0) + _varint(0)  # format version 0, uncompressed
     length = len(head) + 8 + len(tail) + len(body) + 4

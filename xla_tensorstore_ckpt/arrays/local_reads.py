@@ -170,8 +170,9 @@ def _fill(fd: int, view: memoryview, at: int) -> int:
 
 
 def _window() -> memoryview:
-    """This thread's aligned window (an anonymous mapping: page-aligned), made on first use."""
+    """This thread's aligned window (an anonymous private mapping: page-aligned, and a forked child's reads into
+    its copy never reach the parent's), made on first use."""
     window = getattr(_windows, "view", None)
     if window is None:
-        _windows.view = window = memoryview(mmap.mmap(-1, WINDOW_BYTES))
+        _windows.view = window = memoryview(mmap.mmap(-1, WINDOW_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
     return window

@@ -36,6 +36,7 @@ _REMOTE_READ_COALESCING = {"experimental_read_coalescing_threshold_bytes": 1 << 
 # batches round robin into this many stores of its own, so that large chunks are written in parallel.
 OCDBT_LANES = 4
 MANIFEST = layout.OCDBT_MANIFEST
+MAX_INLINE_VALUE_BYTES = _OCDBT_CONFIG["max_inline_value_bytes"]  # smaller values live in the B-tree nodes
 
 
 def ocdbt_spec(item: storage.Location, store: str | None) -> dict:
@@ -59,7 +60,7 @@ def manifest_bytes(root: str | None, statistics: dict) -> bytes:
     `statistics` (``num_keys``, ``num_tree_bytes``, ``num_indirect_value_bytes``). For stores written without
     tensorstore (`direct_ocdbt`); tensorstore encodes it."""
     config = {"compression": {"id": "zstd"}, "max_decoded_node_bytes": _OCDBT_CONFIG["max_decoded_node_bytes"],
-              "max_inline_value_bytes": _OCDBT_CONFIG["max_inline_value_bytes"], "uuid": secrets.token_hex(16),
+              "max_inline_value_bytes": MAX_INLINE_VALUE_BYTES, "uuid": secrets.token_hex(16),
               "version_tree_arity_log2": 4}
     version = {"commit_time": time.time_ns(), "generation_number": 1, "root_height": 0,
                "root": {"statistics": statistics, **({"location": root} if root is not None else {})}}
