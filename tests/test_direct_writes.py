@@ -119,7 +119,10 @@ def ramfs(tmp_path):
     """A ramfs file system (no O_DIRECT at all), mounted where this process may mount one."""
     where = tmp_path / "ramfs"
     where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True)
+    try:
+        mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command here")
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount ramfs here: {mounted.stderr.decode().strip()}")
     try:
