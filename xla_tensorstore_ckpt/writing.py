@@ -180,7 +180,7 @@ class ChunkWriter:
         for lane in self.lanes.values():
             lane.abandon()
 
-    def _write_direct(self, group: Sequence[ArrayPlan], data: Sequence[Sequence[torch.Tensor]]) -> _LaneWrite:
+    def _write_direct(self, group: Sequence[ArrayPlan], data: Sequence[Sequence[torch.Tensor]]) -> Future:
         lane = 1 + self.batches % DIRECT_LANES  # lane 0 is tensorstore's store of the arrays' metadata
         if lane not in self.lanes:
             name = layout.ocdbt_store(self.writer, lane)
@@ -217,7 +217,7 @@ def _chunk_key(region: Sequence[tuple[int, int]], chunk_shape: Sequence[int]) ->
 
 
 # Stores a process writes around the page cache at once, each by a thread of its own: while one thread waits for
-# the disk, the other copies and checksums (2 lanes were as fast as 4 on 2 cores; one was slower).
+# the disk, the other copies and checksums. (Not tuned: other counts were not measured.)
 DIRECT_LANES = 2
 
 
@@ -228,7 +228,9 @@ class _DirectLane:
         self.store = store
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="xtc-direct-write")
 
-    def put(self, chunks: list[tuple[str, object, tuple[int, ...]]]) -> _LaneWrite:
+    def put(self, chunks: list[tuple[str, object, tuple[int, ...]]]) -> Future:
+        """Start writing `chunks` after the lane's earlier work; the future raises the lane's `StorageError`
+        (`arrays.wait_all` waits for it as for tensorstore's)."""
         def work() -> None:
             for key, value, chunk_shape in chunks:
                 try:
@@ -236,26 +238,16 @@ class _DirectLane:
                 except Exception as exc:  # noqa: BLE001 - the store is failed with it and it is re-raised
                     self.store.fail(f"cannot encode {key}", exc)
                 self.store.put(key, parts)
-        return _LaneWrite(self.thread.submit(work))
+        return self.thread.submit(work)
 
-    def finish(self) -> _LaneWrite:
-        done = _LaneWrite(self.thread.submit(self.store.finish))
+    def finish(self) -> Future:
+        done = self.thread.submit(self.store.finish)
         self.thread.shutdown(wait=False)
         return done
 
     def abandon(self) -> None:
         self.thread.shutdown(wait=True)
         self.store.abort()
-
-
-class _LaneWrite:
-    """A lane's work in flight, as `arrays.wait_all` waits for it: `result()` raises its `StorageError`."""
-
-    def __init__(self, future: Future):
-        self.future = future
-
-    def result(self) -> None:
-        return self.future.result()
 
 
 def prepare_directory(loc: storage.Location, *, overwrite: bool) -> str | None:

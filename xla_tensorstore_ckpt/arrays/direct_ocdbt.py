@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import mmap
 import os
 import secrets
 import struct
@@ -34,9 +33,8 @@ import numpy as np
 
 from ..errors import StorageError
 from . import ocdbt
+from .local_reads import ALIGN, copy_bytes, new_window  # the windows direct reads use
 
-ALIGN = 4096  # a multiple of every logical block size O_DIRECT asks for
-WINDOW_BYTES = 8 << 20  # each store's aligned window: values are copied into it and written a window at a time
 _BTREE_MAGIC = 0x0CDB20DE
 _INLINE, _INDIRECT = 0, 1  # value kinds: in the B-tree node, in a data file
 _KEPT_WINDOWS = 4
@@ -160,8 +158,8 @@ class DirectStore:
         if self._window is None:
             with _free_windows_lock:
                 self._window = _free_windows.pop() if _free_windows else None
-            if self._window is None:  # private: a forked child's writes never reach the parent's window
-                self._window = memoryview(mmap.mmap(-1, WINDOW_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+            if self._window is None:
+                self._window = new_window()
         self.files.append(name)
         self._file = _DataFile(os.path.join(self.path, name), self._window)
 
@@ -195,7 +193,7 @@ class _DataFile:
     def append(self, data: memoryview) -> None:
         while len(data):
             take = min(len(data), len(self.window) - self.filled)
-            _copy(self.window[self.filled:self.filled + take], data[:take])
+            copy_bytes(self.window[self.filled:self.filled + take], data[:take])
             self.filled += take
             self.size += take
             data = data[take:]
@@ -249,14 +247,6 @@ class _DataFile:
             if len(view) and self.direct and at % ALIGN:  # a short write (a full disk) left an unaligned offset
                 self.direct = self._set_direct(False)
         self.filled = 0
-
-
-def _copy(dest: memoryview, source: memoryview) -> None:
-    """A large copy through numpy, which lets go of the GIL while it copies."""
-    if len(dest) < (64 << 10):
-        dest[:] = source
-    else:
-        np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(source, np.uint8))
 
 
 def _write_file(path: str, data: bytes) -> None:

@@ -130,15 +130,16 @@ def _read_direct(path: str, runs: list[tuple[int, memoryview]], where: str) -> b
             for source, dest in parts:
                 if source + len(dest) > start + got:
                     raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
-                _copy(dest, window[source - start:source - start + len(dest)])
+                copy_bytes(dest, window[source - start:source - start + len(dest)])
     finally:
         os.close(fd)
     return True
 
 
-def _copy(dest: memoryview, source: memoryview) -> None:
+def copy_bytes(dest: memoryview, source: memoryview) -> None:
     """`dest[:] = source`; a large copy through numpy, which lets go of the GIL while it copies (the reading
-    threads' copies out of their windows then overlap each other and the restoring thread)."""
+    threads' copies out of their windows, and the writing threads' into theirs, then overlap each other and the
+    calling thread)."""
     if len(dest) < _NUMPY_COPY_BYTES:
         dest[:] = source
     else:
@@ -170,9 +171,14 @@ def _fill(fd: int, view: memoryview, at: int) -> int:
 
 
 def _window() -> memoryview:
-    """This thread's aligned window (an anonymous private mapping: page-aligned, and a forked child's reads into
-    its copy never reach the parent's), made on first use."""
+    """This thread's aligned window (`new_window`), made on first use."""
     window = getattr(_windows, "view", None)
     if window is None:
-        _windows.view = window = memoryview(mmap.mmap(-1, WINDOW_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+        _windows.view = window = new_window()
     return window
+
+
+def new_window() -> memoryview:
+    """An aligned window of `WINDOW_BYTES` for direct I/O: an anonymous private mapping (page-aligned, and a
+    forked child's copy never reaches the parent's)."""
+    return memoryview(mmap.mmap(-1, WINDOW_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
