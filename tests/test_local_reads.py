@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from xla_tensorstore_ckpt import CorruptCheckpointError
+from xla_tensorstore_ckpt import CorruptCheckpointError, StorageError
 from xla_tensorstore_ckpt.arrays import local_reads
 
 
@@ -112,3 +112,83 @@ def test_a_held_descriptor_is_read_cold_even_after_its_name_is_removed(tmp_path,
     finally:
         os.close(fd)
     assert bytes(out) == payload[100:20100]
+
+
+# --------------------------------------------------------------------------------- boxes of a stored array
+
+def _array_file(tmp_path, shape, dtype=np.float32, offset=123):
+    """A C-order array stored at an unaligned offset of a file, between other bytes."""
+    array = np.random.default_rng(1).standard_normal(shape).astype(dtype)
+    path = tmp_path / "array.bin"
+    path.write_bytes(os.urandom(offset) + array.tobytes() + os.urandom(77))
+    return str(path), array, offset
+
+
+def _boxes(array, boxes):
+    """Destinations for `boxes`: views into one output buffer each, as a region's buffer is cut."""
+    outs = [np.full([b - a for a, b in box], -1, array.dtype) for box in boxes]
+    return [(box, out) for box, out in zip(boxes, outs)], outs
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+@pytest.mark.parametrize("shape, boxes", [
+    # a row-sharded piece read column-sharded: every box a short run per row, rows over several windows
+    ((64, 96), [((0, 64), (0, 24)), ((0, 64), (24, 48)), ((0, 64), (48, 96))]),
+    # rows larger than a window (16 KiB here): read dimension by dimension
+    ((5, 40, 200), [((1, 4), (3, 37), (10, 190)), ((0, 5), (0, 40), (0, 200))]),
+    # rows with gaps between the boxes, a single element, a 1-D array
+    ((300, 7), [((0, 10), (2, 5)), ((200, 250), (0, 7)), ((299, 300), (6, 7))]),
+    ((5000,), [((10, 4990),), ((4000, 4100),)]),
+])
+def test_boxes_are_read_bit_exact_cold_or_warm(tmp_path, small_windows, cache, shape, boxes):
+    path, array, offset = _array_file(tmp_path, shape)
+    if cache == "cold":
+        _evict(path)
+    else:
+        open(path, "rb").read()
+    pairs, outs = _boxes(array, boxes)
+    local_reads.read_boxes(path, offset, shape, pairs, "the test array")
+    for box, out in zip(boxes, outs):
+        assert np.array_equal(out, array[tuple(slice(a, b) for a, b in box)])
+
+
+def test_a_zero_d_array_is_read(tmp_path):
+    path, array, offset = _array_file(tmp_path, ())
+    out = np.zeros((), np.float32)
+    local_reads.read_boxes(path, offset, (), [((), out[...])], "the test array")
+    assert out == array
+
+
+def test_boxes_on_a_file_system_without_o_direct_are_read_buffered(tmp_path, monkeypatch, small_windows):
+    path, array, offset = _array_file(tmp_path, (64, 96))
+    _evict(path)
+    real_open, opened = os.open, []
+
+    def no_direct(name, flags, *args):
+        opened.append(bool(flags & os.O_DIRECT))
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    pairs, outs = _boxes(array, [((0, 64), (8, 40))])
+    local_reads.read_boxes(path, offset, (64, 96), pairs, "the test array")
+    assert np.array_equal(outs[0], array[:, 8:40])
+    assert opened == [False, True] or not _direct_supported(path)
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_boxes_past_the_end_of_the_file_name_it(tmp_path, small_windows, cache):
+    path, array, offset = _array_file(tmp_path, (64, 96))
+    os.truncate(path, offset + array.nbytes // 2)
+    if cache == "cold":
+        _evict(path)
+    pairs, _ = _boxes(array, [((0, 64), (0, 10))])
+    with pytest.raises(CorruptCheckpointError, match="the test array: the file ends before"):
+        local_reads.read_boxes(path, offset, (64, 96), pairs, "the test array")
+
+
+def test_boxes_of_a_missing_file_are_a_storage_error(tmp_path):
+    with pytest.raises(StorageError, match="cannot open the test array"):
+        local_reads.read_boxes(str(tmp_path / "gone"), 0, (4, 4), [((((0, 4), (0, 4))), np.zeros((4, 4)))],
+                               "the test array")

@@ -14,9 +14,11 @@ rather than wait for the disk): a warm file is read buffered, as before. File sy
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,13 +47,119 @@ def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: 
         except OSError as exc:
             raise StorageError(f"cannot open {where}: {exc}") from exc
     try:
-        if _cached(fd, runs) or not _read_direct(path if own else f"/proc/self/fd/{fd}", runs, where):
+        direct_path = path if own else f"/proc/self/fd/{fd}"
+        if _cached(fd, runs[len(runs) // 2][0]) or not _read_direct(direct_path, runs, where):
             _read_buffered(fd, runs, where)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
     finally:
         if own:
             os.close(fd)
+
+
+def read_boxes(path: str, offset: int, shape: Sequence[int], boxes: list[tuple[Sequence[tuple[int, int]], np.ndarray]],
+               where: str) -> None:
+    """Copy boxes of the C-order array of `shape` stored at `offset` of the local file `path` into their
+    destinations: each (box: a (start, stop) per dimension, an array of the box's shape and of the stored dtype).
+    The rows (indices of the first dimension) the boxes need are read a window at a time, once for all boxes,
+    and each box takes its part of a window with one strided numpy copy (which lets go of the GIL), not a copy
+    per contiguous run: a piece saved row-sharded and read column-sharded has thousands of short runs. Rows too
+    large for a window are read dimension by dimension. Called on reading threads; blocks; raises
+    `CorruptCheckpointError` where the file ends before the array, `StorageError` for other OS errors (both
+    naming `where`)."""
+    boxes = [(box, dest) for box, dest in boxes if dest.size]
+    if not boxes:
+        return
+    if not shape:  # a 0-d array is a row of one element
+        shape, boxes = (1,), [(((0, 1),), dest.reshape(1)) for _, dest in boxes]
+    try:
+        fd = open_for_runs(path)
+    except OSError as exc:
+        raise StorageError(f"cannot open {where}: {exc}") from exc
+    try:
+        spans = _row_spans(boxes)
+        middle = (spans[0][0] + spans[-1][1]) // 2
+        direct = None if _cached(fd, offset + middle * _row_bytes(shape, boxes)) else _open_direct(path)
+        try:
+            _copy_rows(_Source(fd, direct), offset, tuple(shape), boxes, where)
+        finally:
+            if direct is not None:
+                os.close(direct)
+    except OSError as exc:
+        raise StorageError(f"cannot read {where}: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+class _Source:
+    """A file open for reading windows: around the page cache while `direct` (an O_DIRECT descriptor) is set and
+    the file system takes it, through it (`fd`) otherwise."""
+
+    def __init__(self, fd: int, direct: int | None):
+        self.fd, self.direct = fd, direct
+
+    def window(self, start: int, stop: int) -> tuple[memoryview, int]:
+        """This thread's window holding the file's bytes from `start` to at most `stop` (fewer where the file
+        ends), and where in it `start` is."""
+        window = _window()
+        if self.direct is not None:
+            at = start // ALIGN * ALIGN
+            try:
+                return window[:_fill(self.direct, window[:-(-stop // ALIGN) * ALIGN - at], at)], start - at
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct = None  # closed by the caller, which still holds it
+        return window[:_fill(self.fd, window[:stop - start], start)], 0
+
+
+def _row_bytes(shape: Sequence[int], boxes: list) -> int:
+    return math.prod(shape[1:]) * boxes[0][1].dtype.itemsize
+
+
+def _copy_rows(source: _Source, offset: int, shape: tuple[int, ...], boxes: list, where: str) -> None:
+    row_bytes = _row_bytes(shape, boxes)
+    per_window = (WINDOW_BYTES - 2 * ALIGN) // row_bytes if row_bytes else 0
+    for lo, hi in _row_spans(boxes):
+        if per_window == 0:  # a row larger than a window: each row is an array of one dimension less
+            for r in range(lo, hi):
+                inner = [(box[1:], dest[r - box[0][0]]) for box, dest in boxes if box[0][0] <= r < box[0][1]]
+                _copy_rows(source, offset + r * row_bytes, shape[1:], inner, where)
+            continue
+        for r in range(lo, hi, per_window):
+            k = min(per_window, hi - r)
+            start = offset + r * row_bytes
+            window, at = source.window(start, start + k * row_bytes)
+            if len(window) - at < k * row_bytes:
+                raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
+            dtype = boxes[0][1].dtype
+            rows = np.frombuffer(window, dtype, k * row_bytes // dtype.itemsize, at).reshape((k, *shape[1:]))
+            for box, dest in boxes:
+                a, b = max(box[0][0], r), min(box[0][1], r + k)
+                if a < b:
+                    np.copyto(dest[a - box[0][0]:b - box[0][0]],
+                              rows[(slice(a - r, b - r), *(slice(x, y) for x, y in box[1:]))])
+
+
+def _row_spans(boxes: list) -> list[tuple[int, int]]:
+    """The rows the boxes need, as sorted, disjoint (start, stop) ranges."""
+    spans: list[list[int]] = []
+    for a, b in sorted(box[0] for box, _ in boxes):
+        if spans and a <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], b)
+        else:
+            spans.append([a, b])
+    return [(a, b) for a, b in spans]
+
+
+def _open_direct(path: str) -> int | None:
+    """An O_DIRECT descriptor of `path`, or None where the file system refuses O_DIRECT. Raises OSError."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return None
+        raise
 
 
 def open_for_runs(path: str, flags: int = 0) -> int:
@@ -66,12 +174,13 @@ def open_for_runs(path: str, flags: int = 0) -> int:
     return fd
 
 
-def _cached(fd: int, runs: list[tuple[int, memoryview]]) -> bool:
-    """Whether the page cache holds the middle of the runs (their first page may be cached by the reads that
-    located them). Where the kernel cannot say, True: read as before."""
+def _cached(fd: int, at: int) -> bool:
+    """Whether the page cache holds the file's page at `at` (the callers probe the middle of what they read:
+    its first page may be cached by the reads that located it). Where the kernel cannot say, True: read as
+    before."""
     probe = bytearray(1)
     try:
-        os.preadv(fd, [probe], runs[len(runs) // 2][0], os.RWF_NOWAIT)
+        os.preadv(fd, [probe], at, os.RWF_NOWAIT)
     except BlockingIOError:
         return False
     except OSError:  # RWF_NOWAIT not supported here
@@ -111,12 +220,9 @@ def _read_direct(path: str, runs: list[tuple[int, memoryview]], where: str) -> b
     """Read the runs window by window with O_DIRECT; False (nothing to rely on having been read) where the
     file system refuses it. `path` may be a descriptor's ``/proc/self/fd`` link: the file the caller holds open
     is read even if its name was removed or replaced meanwhile."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
+    fd = _open_direct(path)
+    if fd is None:
+        return False
     try:
         window = _window()
         for start, parts in _by_window(runs):

@@ -3,13 +3,16 @@ of a DCP checkpoint, `records.PiecesArrayMetadata`): a region reads, from each p
 bytes of the overlap, as raw bytes at the blob's storage record, never through ``torch.load``.
 
 Opening an array locates every piece's storage record (`formats.torch_zip.locate`: a few small reads per piece,
-all pieces at once). A C-order piece is read as runs of bytes, straight into the region's buffer: positioned
-reads of local files, ranged requests elsewhere (runs merged as `byte_ranges` merges them). A piece saved with
+all pieces at once). A C-order piece of a local file is read once for all the regions it overlaps, a window of
+rows at a time, each region taking its box out of the window (`local_reads.read_boxes`); elsewhere it is read as
+runs of bytes with ranged requests (runs merged as `byte_ranges` merges them), straight into the region's
+buffer. A piece saved with
 other strides (a transposed tensor) is read whole and copied out. No tensorstore; no torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -20,8 +23,8 @@ from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..formats import torch_zip
 from ..records import ArrayMetadata, PiecesArrayMetadata
 from .base import ArrayReader, ByteCounter, Empty, Index, Picked, index_box
-from .byte_ranges import into, requests_of, runs_between
-from .local_reads import read_runs
+from .byte_ranges import requests_of, runs_between
+from .local_reads import read_boxes
 
 _POOL = ThreadPoolExecutor(8, thread_name_prefix="xtc-pieces")
 
@@ -89,13 +92,14 @@ class PiecesArray:
         self._fetched = fetched
 
     def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, PiecesRead]:
-        """Start reading each region into a buffer from `empty`. The runs every region needs of one local piece
-        are read by one task, so runs that follow one another in the file share positioned reads."""
-        local: dict[int, tuple[list, list[PiecesRead]]] = {}  # piece -> its runs, the reads that need them
+        """Start reading each region into a buffer from `empty`. The boxes every region needs of one local piece
+        are read by one task, which reads each of the piece's bytes once."""
+        local: dict[int, tuple[list, list[PiecesRead]]] = {}  # piece -> its boxes, the reads that need them
         reads = {region: self._read(region, empty, local) for region in regions}
-        for i, (runs, users) in local.items():
-            piece = self._pieces[i][0]
-            future = _POOL.submit(read_runs, self._local[piece.file], runs, self._where(piece))
+        for i, (boxes, users) in local.items():
+            piece, data = self._pieces[i]
+            future = _POOL.submit(read_boxes, self._local[piece.file], self._start(data), piece.sizes, boxes,
+                                  self._where(piece))
             for read in users:
                 read.copies.append(future)
         return reads
@@ -104,6 +108,10 @@ class PiecesArray:
         """Start reading `index` (normalized integers and slices, strides allowed): its bounding box, indexed."""
         box, within = index_box(index, self.shape)
         return Picked(self.read([box])[box], within)
+
+    def _start(self, data: torch_zip.TensorBytes) -> int:
+        """Where the piece's first element is in its file."""
+        return data.offset + data.storage_offset * self._row.itemsize
 
     def _where(self, piece) -> str:  # noqa: ANN001
         return f"{self.item.child(piece.file)} [{self.key} chunk at {list(piece.offsets)}]"
@@ -126,14 +134,14 @@ class PiecesArray:
                 self._fetched.add(data.storage_bytes)
                 read.copies.append(_POOL.submit(self._copy_strided, piece.file, data, box, out, out_start, where))
                 continue
-            runs = runs_between(piece.sizes, box, itemsize, data.offset + data.storage_offset * itemsize,
-                                out_shape, out_start)
             if self._local[piece.file] is not None:
-                self._fetched.add(sum(length for _, length, _ in runs))
-                piece_runs, users = local.setdefault(i, ([], []))
-                piece_runs += into(runs, out)
+                self._fetched.add(math.prod(b - a for a, b in box) * itemsize)
+                boxes, users = local.setdefault(i, ([], []))
+                target = (*(slice(s, s + b - a) for s, (a, b) in zip(out_start, box)), ...)  # a view, 0-d too
+                boxes.append((box, out[target]))
                 users.append(read)
             else:
+                runs = runs_between(piece.sizes, box, itemsize, self._start(data), out_shape, out_start)
                 requests = requests_of(runs)
                 self._fetched.add(sum(stop - start for start, stop, _ in requests))
                 read.requests += [(request, self.item.read_range(piece.file, request[0], request[1]), where)
