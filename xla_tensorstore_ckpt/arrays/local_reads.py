@@ -79,7 +79,16 @@ def read_boxes(path: str, offset: int, shape: Sequence[int], boxes: list[tuple[S
     try:
         spans = _row_spans(boxes)
         middle = (spans[0][0] + spans[-1][1]) // 2
-        direct = None if _cached(fd, offset + middle * _row_bytes(shape, boxes)) else _open_direct(path)
+        row_bytes = _row_bytes(shape, boxes)
+        direct = None if _cached(fd, offset + middle * row_bytes) else _open_direct(path)
+        if direct is None:  # from the page cache, a box of whole rows is read straight into its destination
+            rows_only = [(0, n) for n in shape[1:]]
+            whole = [list(box[1:]) == rows_only and dest.flags.c_contiguous for box, dest in boxes]
+            for (box, dest), read in zip(boxes, whole):
+                if read:
+                    _read_fully(fd, [memoryview(dest.reshape(-1).view(np.uint8))], offset + box[0][0] * row_bytes,
+                                where)
+            boxes = [pair for pair, read in zip(boxes, whole) if not read]
         try:
             _copy_rows(_Source(fd, direct), offset, tuple(shape), boxes, where)
         finally:
@@ -118,6 +127,8 @@ def _row_bytes(shape: Sequence[int], boxes: list) -> int:
 
 
 def _copy_rows(source: _Source, offset: int, shape: tuple[int, ...], boxes: list, where: str) -> None:
+    if not boxes:
+        return
     row_bytes = _row_bytes(shape, boxes)
     per_window = (WINDOW_BYTES - 2 * ALIGN) // row_bytes if row_bytes else 0
     for lo, hi in _row_spans(boxes):
