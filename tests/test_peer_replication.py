@@ -19,9 +19,11 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "peer_replication.py
 
 
 def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_ok: bool = True,
-        layout: str = "fsdp") -> list[dict]:
-    results = launch_job(SCRIPT, 4, mode, str(root), str(local_base), *args,
-                         env={"XTC_HOSTS": hosts, "XTC_LAYOUT": layout})
+        layout: str = "fsdp", piece_bytes: int | None = None) -> list[dict]:
+    env = {"XTC_HOSTS": hosts, "XTC_LAYOUT": layout}
+    if piece_bytes is not None:
+        env["XTC_PIECE_BYTES"] = str(piece_bytes)
+    results = launch_job(SCRIPT, 4, mode, str(root), str(local_base), *args, env=env)
     if expect_ok:
         for r in results:
             assert r["returncode"] == 0, r["stderr"][-3000:]
@@ -94,6 +96,25 @@ def test_a_wiped_host_resumes_from_the_local_step_with_nothing_from_the_persiste
     assert fetched_files == {name: size for name, size in tree_bytes(copy).items() if name != "copy.json"}
     for name in fetched_files:
         assert (local_base / "host1" / "3" / name).read_bytes() == (copy / name).read_bytes()
+
+
+def test_files_moved_in_many_rounds_two_in_flight_arrive_whole(tmp_path):
+    """Pieces of 1 KiB, two per round: every copy and the fetch of a wiped host's step take many rounds, each
+    started before the one before it has landed; the bytes are the writer's all the same."""
+    root, local_base = tmp_path / "persistent", tmp_path / "local"
+    for r in lines(run("save", root, local_base, piece_bytes=1024)):
+        assert r["error"] is None and r["local"] == [2, 3], r
+    writer = local_base / "host3" / "3"
+    copy = local_base / "host1" / "peer_copies" / "3" / "3"
+    assert max(tree_bytes(writer).values()) > 8 * 1024  # at least one file takes several rounds
+    for name in tree_bytes(writer):
+        assert (copy / name).read_bytes() == (writer / name).read_bytes()
+    shutil.rmtree(local_base / "host3")
+    hide_persistent_data(root)
+    for r in lines(run("restore", root, local_base, piece_bytes=1024)):
+        assert r["step"] == 3 and r["equal"], r
+    for name in tree_bytes(writer):
+        assert (writer / name).read_bytes() == (copy / name).read_bytes()
 
 
 def test_two_wiped_hosts_holding_each_others_copies_fall_back_to_the_persistent_tier(saved):

@@ -153,13 +153,21 @@ class Coordinator:
         packed into one message per pair. Blocks until every transfer has finished. `what(process)` describes
         what comes from `process`, for the error (`CoordinationError` naming it) if it dies or times out
         meanwhile. Only the processes named take part."""
+        self.start_exchange(sends, receives, what).wait()
+
+    def start_exchange(self, sends: Mapping[int, Sequence[np.ndarray]], receives: Mapping[int, Sequence[np.ndarray]],
+                       what: Callable[[int], str]) -> Exchange:
+        """`exchange` without the wait: the transfers are started and the returned `Exchange` waits for them.
+        Exchanges started one after another between the same processes pair up in the same order on both sides,
+        so a caller can prepare the next one while this one is in flight (the arrays must stay untouched until
+        its `wait` returns). Raises `CoordinationError` as `exchange` does."""
+        works: list[tuple[int, Any]] = []
+        unpack: list[tuple[np.ndarray, np.ndarray]] = []  # (received into, destination) copied after the wait
         if not sends and not receives:
-            return
+            return Exchange(self, works, unpack, receives, what)
         import torch
         import torch.distributed as dist
 
-        works: list[tuple[int, Any]] = []
-        unpack: list[tuple[np.ndarray, np.ndarray]] = []  # (received into, destination) copied after the wait
         peer = None
         try:
             for peer, arrays in sends.items():
@@ -170,14 +178,15 @@ class Coordinator:
                 unpack += pending
                 for message in messages:
                     works.append((peer, dist.irecv(torch.from_numpy(message), peer, group=self._group)))
-            for peer, work in works:  # noqa: B007 - `peer` names the failed transfer below
-                work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            receiving = f" while receiving {what(peer)}" if peer in receives and what(peer) else ""
-            raise CoordinationError(f"process {self.index}: transfer with process {peer} failed (it died or timed "
-                                    f"out after {self.timeout_s:g} s){receiving}: {exc}", process=peer) from exc
-        for message, destination in unpack:
-            copy_into(destination, message.view(destination.dtype).reshape(destination.shape))
+            raise self._transfer_error(peer, receives, what, exc) from exc
+        return Exchange(self, works, unpack, receives, what)
+
+    def _transfer_error(self, peer: int | None, receives: Mapping[int, Sequence[np.ndarray]],
+                        what: Callable[[int], str], exc: Exception) -> CoordinationError:
+        receiving = f" while receiving {what(peer)}" if peer in receives and what(peer) else ""
+        return CoordinationError(f"process {self.index}: transfer with process {peer} failed (it died or timed "
+                                 f"out after {self.timeout_s:g} s){receiving}: {exc}", process=peer)
 
     def on_primary(self, what: str, action: Callable[[], T], *, share: bool = False) -> T | None:
         """The primary runs `action`; then every process learns whether it succeeded and raises if not (the
@@ -217,6 +226,26 @@ def copy_into(destination: np.ndarray, source: np.ndarray) -> None:
     numpy copies ml_dtypes' types (bfloat16, float8) element by element otherwise."""
     raw = np.dtype(f"u{source.dtype.itemsize}") if source.dtype.itemsize in (1, 2, 4, 8) else source.dtype
     destination.view(raw)[...] = source.view(raw)
+
+
+class Exchange:
+    """Point-to-point transfers in flight (`Coordinator.start_exchange`)."""
+
+    def __init__(self, coordinator: Coordinator, works: list, unpack: list, receives: Mapping, what: Callable):
+        self._coordinator, self._works, self._unpack = coordinator, works, unpack
+        self._receives, self._what = receives, what
+
+    def wait(self) -> None:
+        """Block until every transfer has finished, then unpack what was received. Raises `CoordinationError`
+        naming the peer that died or timed out."""
+        timeout = datetime.timedelta(seconds=self._coordinator.timeout_s)
+        for peer, work in self._works:
+            try:
+                work.wait(timeout)
+            except RuntimeError as exc:
+                raise self._coordinator._transfer_error(peer, self._receives, self._what, exc) from exc
+        for message, destination in self._unpack:
+            copy_into(destination, message.view(destination.dtype).reshape(destination.shape))
 
 
 def _messages(arrays: Sequence[np.ndarray], *, copy: bool) -> tuple[list[np.ndarray], list]:
