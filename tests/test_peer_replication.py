@@ -134,6 +134,22 @@ def damage_largest_file(step_dir) -> str:
     return str(files[-1].relative_to(step_dir))
 
 
+def test_a_copy_damaged_where_it_is_held_is_refused_and_the_step_before_is_resumed(saved):
+    """Host 1 is wiped and the copy of its step 3 on host 3 has a flipped byte: what arrives does not match the
+    copy's CRC32Cs, nothing of it is kept, and the job resumes step 2 (its copy intact) from the local tier."""
+    root, local_base = saved
+    damaged = damage_largest_file(local_base / "host3" / "peer_copies" / "1" / "3")
+    shutil.rmtree(local_base / "host1")
+    results = lines(run("restore", root, local_base))
+    for r in results:
+        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
+        assert any("restored step 2 from the local tier" in line for line in r["logs"]), r["logs"]
+        skipped = [w for w in r["warnings"] if w.startswith("skipping step 3 of the local tier")]
+        assert len(skipped) == 1, r["warnings"]
+        assert "step 3 arrived damaged" in skipped[0] and f"{damaged} from process 3" in skipped[0], skipped
+    assert "3" not in os.listdir(local_base / "host1")  # nothing of what arrived was kept
+
+
 def test_a_damaged_chunk_comes_from_a_peer(saved):
     root, local_base = saved
     damaged = damage_largest_file(local_base / "host0" / "3")

@@ -493,10 +493,11 @@ class PeerReplicator:
 @dataclass(frozen=True)
 class Holdings:
     """What one process has for a resume: its own committed local steps (step, writer) and the committed peer
-    copies it holds, (writer, step) -> the processes whose own steps hold the items the copy left out."""
+    copies it holds, (writer, step) -> the copy's manifest (which names the processes whose own steps hold the
+    items the copy left out)."""
 
     own: frozenset[tuple[int, int]]
-    copies: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    copies: Mapping[tuple[int, int], StepFiles] = field(default_factory=dict)
 
 
 def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int) -> int | None:
@@ -505,9 +506,9 @@ def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int
     else one whose own step was written by `writer` (a job restarted with other indices). None if there is
     none."""
     for holder, held in enumerate(everyone):
-        sharers = held.copies.get((writer, step))
-        if holder != process and sharers is not None and all(
-                q != process and (step, q) in everyone[q].own for q in sharers):
+        copy = held.copies.get((writer, step))
+        if holder != process and copy is not None and all(
+                q != process and (step, q) in everyone[q].own for _, q in copy.shared):
             return holder
     for holder, held in enumerate(everyone):
         if holder != process and (step, writer) in held.own:
@@ -527,14 +528,15 @@ class PeerCopies:
         return held_copies(self.root, self._step_of)
 
     def holdings(self, own: frozenset[tuple[int, int]]) -> Holdings:
-        return Holdings(own, {key: tuple(q for _, q in manifest.shared) for key, (_, manifest) in self.held().items()})
+        return Holdings(own, {key: manifest for key, (_, manifest) in self.held().items()})
 
     def fetch(self, coordinator: Coordinator, step: int, step_name: str, own_writer: Mapping[int, int],
-              sources: Mapping[int, int]) -> int:
+              sources: Mapping[int, int], holdings: Sequence[Holdings]) -> int:
         """Every process `t` of `sources` receives the step `step` of writer `t` from ``sources[t]`` (and the items
         its copy left out from the processes holding them identical) and commits it as its local step
         ``step_name`` (a temporary directory renamed into place; a crash leaves only a partial directory, removed
-        later). `own_writer`: the writer of this process's own step `step`, if it serves from it. Returns the
+        later). `own_writer`: the writer of this process's own step `step`, if it serves from it. `holdings`:
+        every process's, as `resume` gathered them (a source serves a copy of `step` it holds first). Returns the
         bytes received here. Raises `CorruptCheckpointError` on the receiver if what arrived does not match the
         CRC32Cs (nothing is committed then). Collective."""
         me = coordinator.index
@@ -544,8 +546,11 @@ class PeerCopies:
         for target, source in sources.items():
             if source == me:
                 served[target] = held.get((target, step)) or (own_dir, list_files(own_dir, own_writer[me], step))
-        manifests = coordinator.all_gather({target: files for target, (_, files) in served.items()})
-        main = {target: manifests[source][target] for target, source in sources.items()}
+        if all((target, step) in holdings[source].copies for target, source in sources.items()):
+            main = {target: holdings[source].copies[(target, step)] for target, source in sources.items()}
+        else:  # some source serves its own step: only it can list the files
+            manifests = coordinator.all_gather({target: files for target, (_, files) in served.items()})
+            main = {target: manifests[source][target] for target, source in sources.items()}
         needs = sorted((t, item, q) for t, files in main.items() for item, q in files.shared)
         lists = self._item_files(coordinator, needs, own_dir, step, with_crcs=False)
         transfers = [Transfer(s, t, main[t], tuple(path for path, _ in main[t].files))
@@ -619,16 +624,21 @@ class PeerCopies:
         partial = os.path.join(copies_root(self.root), f"{_PARTIAL}{time.time_ns()}") if mine else None
         crcs_of = transfer(coordinator, transfers, {i: d for i, d in enumerate(dirs) if d is not None},
                            {i: partial for i in mine}, f"step {step}")
-        truth = coordinator.all_gather({i: crcs for i, crcs in crcs_of.items() if transfers[i].source == me})
+        # Files that come with the CRC32Cs of a copy's marker are checked against those; only files read from a
+        # step directory (no marker) need what their sender read. Every process knows which case this is.
+        recorded_all = all(t.files.crcs is not None for t in transfers)
+        truth = None if recorded_all else coordinator.all_gather(
+            {i: crcs for i, crcs in crcs_of.items() if transfers[i].source == me})
         if partial is None:
             return 0
         damaged = []
         for i in mine:
             t = transfers[i]
             recorded = dict(zip((path for path, _ in t.files.files), t.files.crcs or ()))
-            expected = [recorded.get(path, sent) for path, sent in zip(t.paths, truth[t.source][i])]
+            sent_crcs = [recorded[path] for path in t.paths] if truth is None else truth[t.source][i]
+            expected = [recorded.get(path, sent) for path, sent in zip(t.paths, sent_crcs)]
             damaged += [f"{path} from process {t.source}" for path, got, sent, want in
-                        zip(t.paths, crcs_of[i], truth[t.source][i], expected) if not got == sent == want]
+                        zip(t.paths, crcs_of[i], sent_crcs, expected) if not got == sent == want]
         if damaged:
             shutil.rmtree(partial, ignore_errors=True)
             raise CorruptCheckpointError(f"step {step} arrived damaged, or its copy is damaged where it came from "
