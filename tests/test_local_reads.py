@@ -190,5 +190,5 @@ def test_boxes_past_the_end_of_the_file_name_it(tmp_path, small_windows, cache):
 
 def test_boxes_of_a_missing_file_are_a_storage_error(tmp_path):
     with pytest.raises(StorageError, match="cannot open the test array"):
-        local_reads.read_boxes(str(tmp_path / "gone"), 0, (4, 4), [((((0, 4), (0, 4))), np.zeros((4, 4)))],
+        local_reads.read_boxes(str(tmp_path / "gone"), 0, (4, 4), [(((0, 4), (0, 4)), np.zeros((4, 4)))],
                                "the test array")

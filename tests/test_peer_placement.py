@@ -1,4 +1,5 @@
-"""Where peer copies go (`peer_copies.peers_of`) and the options that ask for them; in one process."""
+"""Where peer copies go (`peer_copies.peers_of`), the options that ask for them, and how a failed transfer ends; in
+one process."""
 
 from __future__ import annotations
 
@@ -45,3 +46,38 @@ def test_a_single_process_cannot_replicate(tmp_path):
     options = xtc.CheckpointManagerOptions(local_directory=str(tmp_path / "local"), local_replication=2)
     with pytest.raises(UsageError, match="needs at least 2 processes"):
         xtc.CheckpointManager(str(tmp_path / "root"), options)
+
+
+class _Exchanges:
+    """A coordinator of one process (index 1) whose exchanges are recorded, the first failing when waited for."""
+
+    index = 1
+
+    def __init__(self):
+        self.started, self.waited = [], []
+
+    def start_exchange(self, sends, receives, what):
+        number = len(self.started)
+        self.started.append(number)
+        outer = self
+
+        class Pending:
+            def wait(self):
+                outer.waited.append(number)
+                if number == 0:
+                    raise xtc.CoordinationError("process 1: transfer with process 0 failed (it died)", process=0)
+
+        return Pending()
+
+
+def test_a_failed_round_waits_for_the_round_in_flight_before_raising(tmp_path, monkeypatch):
+    """Round 1 is started before round 0 is waited for; when round 0 fails, round 1's messages are waited out
+    before the error is raised, so that none are left to pair up with the next transfer's on the group."""
+    monkeypatch.setattr(peer_copies, "_PIECE_BYTES", 100)
+    monkeypatch.setattr(peer_copies, "ROUND_BYTES", 200)
+    files = peer_copies.StepFiles(0, 1, (("model/data", 1000),), (0,))
+    transfer = peer_copies.Transfer(0, 1, files, ("model/data",))
+    coordinator = _Exchanges()
+    with pytest.raises(xtc.CoordinationError, match="transfer with process 0 failed"):
+        peer_copies.transfer(coordinator, [transfer], {}, {0: str(tmp_path)}, "step 1")
+    assert coordinator.started == [0, 1] and coordinator.waited == [0, 1]

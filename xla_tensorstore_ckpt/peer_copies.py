@@ -34,7 +34,7 @@ import numpy as np
 
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator, Exchange
-from .errors import CorruptCheckpointError, UsageError
+from .errors import CoordinationError, CorruptCheckpointError, UsageError
 from .save_plan import SavePlan
 from .storage.local import fsync_path
 from .tensor_layout import Placement
@@ -42,9 +42,9 @@ from .tensor_layout import Placement
 COPIES_DIR = "peer_copies"  # under the local root; not a step name, so the local tier's scans pass it by
 COPY_MARKER = "copy.json"
 _PARTIAL = ".partial-"
-# File bytes a process holds per round of an exchange, sent and received together; two rounds are in flight at
-# once, so reading, sending and writing overlap (one 64 MiB round took 19 ms to read, 63 ms to travel and 30 ms
-# to write and check, one after another).
+# File bytes per round of a process that sends one transfer and receives one (half for each; a process in more
+# transfers holds half of it for each). Two rounds are in flight at once, so reading, sending and writing overlap
+# (one 64 MiB round took 19 ms to read, 63 ms to travel and 30 ms to write and check, one after another).
 ROUND_BYTES = 32 << 20
 _PIECE_BYTES = 8 << 20
 
@@ -332,6 +332,7 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
         return coordinator.start_exchange(sends, receives, lambda peer: f"files of {what}"), landing
 
     count = max((len(rounds) for _, _, rounds in everyone), default=0)
+    following = None
     try:
         current = start(0) if count else None
         for number in range(count):
@@ -339,7 +340,16 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
             exchange, landing = current
             exchange.wait()
             files.write(landing)
-            current = following
+            current, following = following, None
+    except Exception:
+        # Messages of the round already started would pair up with the next transfer's on this group: wait for
+        # them before raising. The error raised is the first one; a peer that died fails this wait as well.
+        if following is not None:
+            try:
+                following[0].wait()
+            except CoordinationError:
+                pass
+        raise
     finally:
         files.close()
     for i, t, _ in plans:  # an empty file's one piece carried nothing: create it
@@ -493,11 +503,12 @@ class PeerReplicator:
 @dataclass(frozen=True)
 class Holdings:
     """What one process has for a resume: its own committed local steps (step, writer) and the committed peer
-    copies it holds, (writer, step) -> the copy's manifest (which names the processes whose own steps hold the
-    items the copy left out)."""
+    copies it holds, (writer, step) -> the processes whose own steps hold the items the copy left out (not the
+    copies' file lists: every process receives every process's holdings, and a list can have thousands of
+    files)."""
 
     own: frozenset[tuple[int, int]]
-    copies: Mapping[tuple[int, int], StepFiles] = field(default_factory=dict)
+    copies: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
 
 
 def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int) -> int | None:
@@ -506,9 +517,9 @@ def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int
     else one whose own step was written by `writer` (a job restarted with other indices). None if there is
     none."""
     for holder, held in enumerate(everyone):
-        copy = held.copies.get((writer, step))
-        if holder != process and copy is not None and all(
-                q != process and (step, q) in everyone[q].own for _, q in copy.shared):
+        sharers = held.copies.get((writer, step))
+        if holder != process and sharers is not None and all(
+                q != process and (step, q) in everyone[q].own for q in sharers):
             return holder
     for holder, held in enumerate(everyone):
         if holder != process and (step, writer) in held.own:
@@ -528,15 +539,14 @@ class PeerCopies:
         return held_copies(self.root, self._step_of)
 
     def holdings(self, own: frozenset[tuple[int, int]]) -> Holdings:
-        return Holdings(own, {key: manifest for key, (_, manifest) in self.held().items()})
+        return Holdings(own, {key: tuple(q for _, q in manifest.shared) for key, (_, manifest) in self.held().items()})
 
     def fetch(self, coordinator: Coordinator, step: int, step_name: str, own_writer: Mapping[int, int],
-              sources: Mapping[int, int], holdings: Sequence[Holdings]) -> int:
+              sources: Mapping[int, int]) -> int:
         """Every process `t` of `sources` receives the step `step` of writer `t` from ``sources[t]`` (and the items
         its copy left out from the processes holding them identical) and commits it as its local step
         ``step_name`` (a temporary directory renamed into place; a crash leaves only a partial directory, removed
-        later). `own_writer`: the writer of this process's own step `step`, if it serves from it. `holdings`:
-        every process's, as `resume` gathered them (a source serves a copy of `step` it holds first). Returns the
+        later). `own_writer`: the writer of this process's own step `step`, if it serves from it. Returns the
         bytes received here. Raises `CorruptCheckpointError` on the receiver if what arrived does not match the
         CRC32Cs (nothing is committed then). Collective."""
         me = coordinator.index
@@ -546,11 +556,8 @@ class PeerCopies:
         for target, source in sources.items():
             if source == me:
                 served[target] = held.get((target, step)) or (own_dir, list_files(own_dir, own_writer[me], step))
-        if all((target, step) in holdings[source].copies for target, source in sources.items()):
-            main = {target: holdings[source].copies[(target, step)] for target, source in sources.items()}
-        else:  # some source serves its own step: only it can list the files
-            manifests = coordinator.all_gather({target: files for target, (_, files) in served.items()})
-            main = {target: manifests[source][target] for target, source in sources.items()}
+        manifests = coordinator.all_gather({target: files for target, (_, files) in served.items()})
+        main = {target: manifests[source][target] for target, source in sources.items()}
         needs = sorted((t, item, q) for t, files in main.items() for item, q in files.shared)
         lists = self._item_files(coordinator, needs, own_dir, step, with_crcs=False)
         transfers = [Transfer(s, t, main[t], tuple(path for path, _ in main[t].files))

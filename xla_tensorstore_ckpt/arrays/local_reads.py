@@ -80,7 +80,7 @@ def read_boxes(path: str, offset: int, shape: Sequence[int], boxes: list[tuple[S
         spans = _row_spans(boxes)
         middle = (spans[0][0] + spans[-1][1]) // 2
         row_bytes = _row_bytes(shape, boxes)
-        direct = None if _cached(fd, offset + middle * row_bytes) else _open_direct(path)
+        direct = None if _cached(fd, offset + middle * row_bytes) else _open_direct(f"/proc/self/fd/{fd}")
         if direct is None:  # from the page cache, a box of whole rows is read straight into its destination
             rows_only = [(0, n) for n in shape[1:]]
             whole = [list(box[1:]) == rows_only and dest.flags.c_contiguous for box, dest in boxes]

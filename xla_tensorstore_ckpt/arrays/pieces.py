@@ -1,13 +1,14 @@
 """Arrays stored as pieces that tile them, each piece a ``torch.save`` blob of one region in some file (the tensors
-of a DCP checkpoint, `records.PiecesArrayMetadata`): a region reads, from each piece it overlaps, exactly the
-bytes of the overlap, as raw bytes at the blob's storage record, never through ``torch.load``.
+of a DCP checkpoint, `records.PiecesArrayMetadata`): a region reads, from each piece it overlaps, the bytes of the
+overlap as raw bytes at the blob's storage record, never through ``torch.load``.
 
 Opening an array locates every piece's storage record (`formats.torch_zip.locate`: a few small reads per piece,
-all pieces at once). A C-order piece of a local file is read once for all the regions it overlaps, a window of
-rows at a time, each region taking its box out of the window (`local_reads.read_boxes`); elsewhere it is read as
-runs of bytes with ranged requests (runs merged as `byte_ranges` merges them), straight into the region's
-buffer. A piece saved with
-other strides (a transposed tensor) is read whole and copied out. No tensorstore; no torch.
+all pieces at once). A C-order piece of a local file is read once for all the regions of one `read` call that
+overlap it, a window of whole rows at a time, each region taking its box out of the window
+(`local_reads.read_boxes`; the rows' other columns are read too, a box of whole rows from a warm page cache
+straight into its buffer). Elsewhere a piece is read as runs of bytes with ranged requests (runs merged as
+`byte_ranges` merges them), straight into the region's buffer. A piece saved with other strides (a transposed
+tensor) is read whole and copied out. No tensorstore; no torch.
 """
 
 from __future__ import annotations
