@@ -142,13 +142,25 @@ def read_copy(directory: str) -> StepFiles | None:
     """The manifest of a committed peer copy, or None if `directory` holds none (absent, partial, unreadable)."""
     try:
         with open(os.path.join(directory, COPY_MARKER)) as f:
-            record = json.load(f)
-        return StepFiles(int(record["writer"]), int(record["step"]),
-                         tuple((str(path), int(size)) for path, size, _ in record["files"]),
-                         tuple(int(crc) for _, _, crc in record["files"]),
-                         tuple((str(item), int(process)) for item, process in record.get("shared", [])))
+            return _from_record(json.load(f))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _record(manifest: StepFiles) -> dict:
+    """A copy's manifest as JSON (its marker, and what a fetch sends its receiver)."""
+    assert manifest.crcs is not None
+    return {"writer": manifest.writer, "step": manifest.step,
+            "files": [[path, size, crc] for (path, size), crc in zip(manifest.files, manifest.crcs)],
+            "shared": [list(entry) for entry in manifest.shared]}
+
+
+def _from_record(record: dict) -> StepFiles:
+    """Raises KeyError, TypeError or ValueError if `record` is not one."""
+    return StepFiles(int(record["writer"]), int(record["step"]),
+                     tuple((str(path), int(size)) for path, size, _ in record["files"]),
+                     tuple(int(crc) for _, _, crc in record["files"]),
+                     tuple((str(item), int(process)) for item, process in record.get("shared", [])))
 
 
 def held_copies(local_root: str,
@@ -202,12 +214,8 @@ def _commit_dir(partial: str, final: str, manifest: StepFiles | None, *, fsync: 
     if fsync:
         _sync_tree(partial)
     if manifest is not None:
-        assert manifest.crcs is not None
-        record = {"writer": manifest.writer, "step": manifest.step,
-                  "files": [[path, size, crc] for (path, size), crc in zip(manifest.files, manifest.crcs)],
-                  "shared": [list(entry) for entry in manifest.shared]}
         with open(os.path.join(partial, COPY_MARKER), "w") as f:
-            json.dump(record, f)
+            json.dump(_record(manifest), f)
             f.flush()
             os.fsync(f.fileno())
     if os.path.exists(final):
@@ -542,11 +550,12 @@ class PeerCopies:
         return Holdings(own, {key: tuple(q for _, q in manifest.shared) for key, (_, manifest) in self.held().items()})
 
     def fetch(self, coordinator: Coordinator, step: int, step_name: str, own_writer: Mapping[int, int],
-              sources: Mapping[int, int]) -> int:
+              sources: Mapping[int, int], holdings: Sequence[Holdings]) -> int:
         """Every process `t` of `sources` receives the step `step` of writer `t` from ``sources[t]`` (and the items
         its copy left out from the processes holding them identical) and commits it as its local step
         ``step_name`` (a temporary directory renamed into place; a crash leaves only a partial directory, removed
-        later). `own_writer`: the writer of this process's own step `step`, if it serves from it. Returns the
+        later). `own_writer`: the writer of this process's own step `step`, if it serves from it. `holdings`:
+        every process's, as `resume` gathered them (a source serves a copy it holds first). Returns the
         bytes received here. Raises `CorruptCheckpointError` on the receiver if what arrived does not match the
         CRC32Cs (nothing is committed then). Collective."""
         me = coordinator.index
@@ -556,8 +565,11 @@ class PeerCopies:
         for target, source in sources.items():
             if source == me:
                 served[target] = held.get((target, step)) or (own_dir, list_files(own_dir, own_writer[me], step))
-        manifests = coordinator.all_gather({target: files for target, (_, files) in served.items()})
-        main = {target: manifests[source][target] for target, source in sources.items()}
+        if all(holdings[source].copies.get((target, step)) == () for target, source in sources.items()):
+            main = self._send_manifests(coordinator, step, served, sources)
+        else:  # a source serves its own step, or items held by replicas: every process needs every list
+            manifests = coordinator.all_gather({target: files for target, (_, files) in served.items()})
+            main = {target: manifests[source][target] for target, source in sources.items()}
         needs = sorted((t, item, q) for t, files in main.items() for item, q in files.shared)
         lists = self._item_files(coordinator, needs, own_dir, step, with_crcs=False)
         transfers = [Transfer(s, t, main[t], tuple(path for path, _ in main[t].files))
@@ -568,6 +580,33 @@ class PeerCopies:
             transfers.append(Transfer(q, t, files, tuple(path for path, _ in files.files)))
             dirs.append(own_dir if q == me else None)
         return self._move(coordinator, step, transfers, dirs, own_dir, replace_files=False)
+
+    @staticmethod
+    def _send_manifests(coordinator: Coordinator, step: int, served: Mapping[int, tuple[str, StepFiles]],
+                        sources: Mapping[int, int]) -> dict[int, StepFiles]:
+        """Every source sends the manifest of the copy it serves to its target only (two point-to-point
+        exchanges; no collective: the other processes learn that every file comes with its CRC32C from the
+        holdings, and take no part). Returns the manifests this process serves or receives; the others are
+        empty stand-ins that keep every process's list of transfers in the same order."""
+        me = coordinator.index
+        blobs = {t: np.frombuffer(json.dumps(_record(files)).encode(), dtype=np.uint8)
+                 for t, (_, files) in served.items()}
+        source = sources.get(me)
+        length = [np.zeros(1, dtype=np.int64)] if source is not None else []
+        coordinator.exchange({t: [np.array([blob.size], dtype=np.int64)] for t, blob in blobs.items()},
+                             {source: length} if length else {}, lambda _: f"the manifest of step {step}")
+        received = [np.empty(int(length[0][0]), dtype=np.uint8)] if length else []
+        coordinator.exchange({t: [blob] for t, blob in blobs.items()}, {source: received} if received else {},
+                             lambda _: f"the manifest of step {step}")
+        main = {t: StepFiles(t, step, (), ()) for t in sources}
+        main.update({t: files for t, (_, files) in served.items()})
+        if received:
+            try:
+                main[me] = _from_record(json.loads(received[0].tobytes()))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptCheckpointError(f"the manifest of step {step} from process {source} is not one: "
+                                             f"{exc}") from exc
+        return main
 
     def repair(self, coordinator: Coordinator, step: int, step_name: str, writers: Mapping[int, int],
                sources: Mapping[int, int]) -> int:

@@ -121,7 +121,7 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
             error = None
             try:
                 if choice.fetch:
-                    _fetch(coordinator, tier, peers, choice, fetched)
+                    _fetch(coordinator, tier, peers, choice, holdings, fetched)
                 restore(choice)
             except Exception as exc:  # noqa: BLE001 - every process learns of it in `failures`
                 error = exc
@@ -206,14 +206,14 @@ def _repair_sources(failed: dict[int, str], holdings: list[Holdings], candidate:
 
 
 def _fetch(coordinator: Coordinator, local: Tier, peers: PeerCopies | None, candidate: Candidate,
-           fetched: Callable[[int, int, int, bool], None] | None) -> None:
+           holdings: list[Holdings], fetched: Callable[[int, int, int, bool], None] | None) -> None:
     """Bring the local step `candidate` to the processes that lack it (collective), and into their tier's
     bookkeeping."""
     assert peers is not None  # only peers make candidates with fetches
     sources = dict(candidate.fetch)
     own = {coordinator.index: local.marker(candidate.step).writer} if candidate.step in local.committed() else {}
     name = local.index.location(candidate.step).name
-    nbytes = peers.fetch(coordinator, candidate.step, name, own, sources)
+    nbytes = peers.fetch(coordinator, candidate.step, name, own, sources, holdings)
     if coordinator.index in sources:
         local.adopt(candidate.step)
         log.info("step %d of the local tier came from process %d (%d bytes)", candidate.step,
