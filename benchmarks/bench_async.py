@@ -1,7 +1,10 @@
 """Asynchronous saves (issue: async saves): how long save() blocks the caller on each workload (the 1 GiB
 2D-sharded state, 2,000 small tensors, the 2.4 GiB model), against the floor (copying the same shards to host
 memory alone), the synchronous save, and torch_xla's CheckpointManager.save_async; and a training loop that saves
-every step against the same loop without saves.
+every step against the same loop without saves. Beside each save's blocking time, what the whole save (until
+written) cost in the terms the library controls (benchmarks/footprint.py): user and system CPU seconds of the
+process, fresh host memory touched and bytes written, per byte of state. In one process, each save after the
+last has finished.
 
 usage: python benchmarks/bench_async.py [--scale 1.0] [--repeats 5] [--workloads large,small,model]
                                         [--loop-steps 20 (0: no loop)]
@@ -30,6 +33,7 @@ import torch_xla.runtime as xr  # noqa: E402
 xr.use_spmd()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import contenders  # noqa: E402
+import footprint  # noqa: E402
 import workloads  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
@@ -43,7 +47,23 @@ def spread(values) -> str:
     return f"{min(values):.3f}-{max(values):.3f}"
 
 
+def _measured(save, finish) -> dict:
+    """`save()` then `finish()` (until written), measured whole (footprint), with the time `save()` blocked."""
+    blocked = {}
+
+    def run() -> None:
+        start = time.perf_counter()
+        save()
+        blocked["s"] = time.perf_counter() - start
+        finish()
+
+    measures, _ = footprint.measure(run)
+    return {**measures, "blocking_s": blocked["s"]}
+
+
 def blocking_times(state, tmp, repeats):
+    """Per repeat, the measures of: the host copy of the shards alone, our async save, our sync save and
+    torch_xla's save_async (`_measured`; the floor blocks for all of its time)."""
     tensors = list(state.values())
     sharded = [t for t in tensors if torch_xla._XLAC._get_xla_sharding_spec(t)]
     unsharded = [t for t in tensors if not torch_xla._XLAC._get_xla_sharding_spec(t)]
@@ -53,37 +73,26 @@ def blocking_times(state, tmp, repeats):
     sync_mgr = xtc.CheckpointManager(os.path.join(tmp, "sync"), xtc.CheckpointManagerOptions(
         save_interval_steps=1, max_to_keep=1, save_rng=False, async_save=False))
     txla = contenders.TorchXlaManager(os.path.join(tmp, "txla"))
-    for step in range(repeats + 1):  # step 0 warms every path up
-        os.sync()
-        start = time.perf_counter()
+
+    def host_copy() -> None:
         shards = (torch_xla._XLAC._get_local_shards(sharded) if sharded else [],
                   torch_xla._XLAC._xla_get_cpu_tensors(unsharded) if unsharded else [])
-        elapsed = time.perf_counter() - start
         del shards
-        if step:
-            floor.append(elapsed)
-        async_mgr.wait_until_finished()
+
+    for step in range(repeats + 1):  # step 0 warms every path up
+        runs = []
         os.sync()
-        start = time.perf_counter()
-        async_mgr.save(step, model=state)
-        elapsed = time.perf_counter() - start
-        async_mgr.wait_until_finished()
-        if step:
-            ours_async.append(elapsed)
+        runs.append(_measured(host_copy, lambda: None))
         os.sync()
-        start = time.perf_counter()
-        sync_mgr.save(step, model=state)
-        if step:
-            ours_sync.append(time.perf_counter() - start)
-        sync_mgr.wait_until_finished()
+        runs.append(_measured(lambda step=step: async_mgr.save(step, model=state), async_mgr.wait_until_finished))
         os.sync()
-        start = time.perf_counter()
-        txla.manager.save_async(step, state, force=True)
-        elapsed = time.perf_counter() - start
-        txla.manager.join()
+        runs.append(_measured(lambda step=step: sync_mgr.save(step, model=state), sync_mgr.wait_until_finished))
+        os.sync()
+        runs.append(_measured(lambda step=step: txla.manager.save_async(step, state, force=True), txla.manager.join))
         shutil.rmtree(os.path.join(tmp, "txla", str(step - 1)), ignore_errors=True)
         if step:
-            theirs.append(elapsed)
+            for into, measures in zip((floor, ours_async, ours_sync, theirs), runs):
+                into.append(measures)
     async_mgr.close()
     sync_mgr.close()
     return floor, ours_async, ours_sync, theirs
@@ -170,15 +179,26 @@ def main() -> None:
                                                                   args.repeats)
             gib = workloads.state_bytes(state) / 2**30
             del state
-            f, a, s, t = median(floor), median(ours_async), median(ours_sync), median(theirs)
+            nbytes = gib * 2**30
+            blocked = {name: [m["blocking_s"] for m in runs] for name, runs in
+                       (("floor", floor), ("async", ours_async), ("sync", ours_sync), ("theirs", theirs))}
+            f, a, s, t = (median(blocked[name]) for name in ("floor", "async", "sync", "theirs"))
             print(f"{workload} ({gib:.2f} GiB): time the caller is blocked by save(), median (min-max) of "
                   f"{args.repeats}")
             print(f"  host copy of the shards alone (floor)  {f:.3f} s")
-            print(f"  xtc async save()                       {a:.3f} s ({spread(ours_async)}) = {a / f:.2f}x the "
-                  f"floor, {a / s:.2f} of the sync save")
+            print(f"  xtc async save()                       {a:.3f} s ({spread(blocked['async'])}) = {a / f:.2f}x "
+                  f"the floor, {a / s:.2f} of the sync save")
             print(f"  xtc sync save()                        {s:.3f} s")
-            print(f"  torch_xla CheckpointManager.save_async {t:.3f} s ({spread(theirs)})  -> xtc blocks "
+            print(f"  torch_xla CheckpointManager.save_async {t:.3f} s ({spread(blocked['theirs'])})  -> xtc blocks "
                   f"{t / a:.2f}x less")
+            print("  whole save, until written (medians): wall, CPU user + sys, fresh memory and bytes written per "
+                  "byte of state")
+            for label, runs in (("xtc async", ours_async), ("xtc sync", ours_sync),
+                                ("torch_xla save_async", theirs)):
+                print(f"    {label:22} {median([m['wall_s'] for m in runs]):.3f} s, CPU "
+                      f"{median([m['user_s'] for m in runs]):.2f} + {median([m['system_s'] for m in runs]):.2f} s, "
+                      f"fresh {median([m['fresh_bytes'] for m in runs]) / nbytes:.2f} B/B, written "
+                      f"{median([m['written_bytes'] for m in runs]) / nbytes:.2f} B/B")
         if args.loop_steps == 0:
             return
         without = training_loop(None, args.loop_steps, None, args.width, args.batch)
