@@ -32,9 +32,10 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from .arrays.local_reads import read_runs
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator, Exchange
-from .errors import CoordinationError, CorruptCheckpointError, UsageError
+from .errors import CoordinationError, CorruptCheckpointError, StorageError, UsageError
 from .save_plan import SavePlan
 from .storage.local import fsync_path
 from .tensor_layout import Placement
@@ -261,20 +262,9 @@ _DAMAGED = -1  # the CRC32C recorded for a file its source could not read whole
 def _read_piece(path: str, start: int, out: np.ndarray) -> bool:
     """Fill `out` with the bytes of `path` from `start`; False if the file is missing or shorter."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        read_runs(path, [(start, memoryview(out))], path)
+    except (StorageError, CorruptCheckpointError):
         return False
-    try:
-        view, at = memoryview(out), start
-        while len(view):
-            n = os.preadv(fd, [view], at)
-            if n == 0:
-                return False
-            view, at = view[n:], at + n
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
     return True
 
 
