@@ -7,13 +7,18 @@ second process writes 1 GiB files in a loop (no fsync, as a data pipeline writin
 the same run, and prints the medians and the ratio. Saves come `--interval` seconds apart, as training steps
 would put them: in between, the other writer's dirty pages pile up.
 
+Beside the latency, each save is measured in the terms the library controls (benchmarks/footprint.py, issue 36):
+user and system CPU seconds of this process (the other writer is another process), its resident growth, the page
+cache growth, and the bytes this process wrote to storage, per byte of state (B/B); medians. Page cache growth is
+machine-wide: while the other writer runs it is mostly that writer's dirty pages, so there fresh memory (resident +
+page cache growth) says nothing about the save; the resident growth is reported on its own for both cases.
+
     python benchmarks/bench_commit_latency.py [--saves 15] [--interval 2] [--dir /path/on/the/same/file/system]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import statistics
@@ -23,8 +28,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+import footprint  # noqa: E402
+
 import xla_tensorstore_ckpt as xtc  # noqa: E402
+
+STATE_BYTES = 16 * 128 * 128 * 4
 
 
 def other_writer(directory: str, stop: multiprocessing.Event, started: multiprocessing.Event) -> None:
@@ -45,17 +56,17 @@ def other_writer(directory: str, stop: multiprocessing.Event, started: multiproc
             os.remove(written[-4])
 
 
-def time_saves(root: str, saves: int, interval: float) -> list[float]:
+def time_saves(root: str, saves: int, interval: float) -> list[dict]:
+    """Each save's footprint measures (`wall_s`: its latency)."""
     state = {f"w{i}": torch.randn(128, 128) for i in range(16)}
     options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=2, async_save=False, save_rng=False)
-    times = []
+    runs = []
     with xtc.CheckpointManager(root, options) as manager:
         for step in range(1, saves + 1):
             time.sleep(interval)  # training steps between saves, while the other writer goes on
-            start = time.perf_counter()
-            manager.save(step, model=state)
-            times.append(time.perf_counter() - start)
-    return times
+            measures, _ = footprint.measure(lambda step=step: manager.save(step, model=state))
+            runs.append(measures)
+    return runs
 
 
 def main() -> None:
@@ -76,10 +87,24 @@ def main() -> None:
         finally:
             stop.set()
             writer.join()
-    result = {"quiet_median_s": statistics.median(quiet), "busy_median_s": statistics.median(busy),
-              "quiet_max_s": max(quiet), "busy_max_s": max(busy),
-              "busy_over_quiet": statistics.median(busy) / statistics.median(quiet)}
-    print(json.dumps(result, indent=1))
+    print(f"commit latency: a synchronous manager save of 16 tensors ({STATE_BYTES / 2**20:.2f} MiB) every "
+          f"{args.interval:g} s, {args.saves} saves on a quiet machine, then {args.saves} while another process "
+          "writes 1 GiB files without syncing; medians (latency: median and max); B/B: per byte of state")
+    print(f"  {'case':5}  {'latency s (max)':15}  {'CPU s (user+sys)':16}  {'resident B/B':12}  {'page cache B/B':14}  "
+          f"{'fresh B/B':9}  {'written B/B':11}")
+    for label, runs in (("quiet", quiet), ("busy", busy)):
+        def med(key: str, runs: list[dict] = runs) -> float:
+            return statistics.median(r[key] for r in runs)
+
+        latency = f"{med('wall_s'):.4f} ({max(r['wall_s'] for r in runs):.3f})"
+        cpu = f"{med('user_s') + med('system_s'):.3f} ({med('user_s'):.3f}+{med('system_s'):.3f})"
+        print(f"  {label:5}  {latency:15}  {cpu:16}  {med('rss_growth_bytes') / STATE_BYTES:12.2f}  "
+              f"{med('page_cache_growth_bytes') / STATE_BYTES:14.2f}  {med('fresh_bytes') / STATE_BYTES:9.2f}  "
+              f"{med('written_bytes') / STATE_BYTES:11.2f}")
+    busy_over_quiet = statistics.median(r["wall_s"] for r in busy) / statistics.median(r["wall_s"] for r in quiet)
+    print("  page cache growth is machine-wide: under 'busy' it is mostly the other writer's dirty pages, so its page "
+          "cache and fresh columns do not describe the save (its resident growth does)")
+    print(f"  busy / quiet latency: {busy_over_quiet:.2f}x")
 
 
 if __name__ == "__main__":
