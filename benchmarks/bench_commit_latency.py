@@ -4,8 +4,10 @@ A training host also runs data loaders and log writers. A save that makes its fi
 waits for every dirty page of the file system, theirs included; a save that syncs exactly its own files and
 directories does not. This measures a small synchronous save (16 tensors, 1 MiB) on a quiet machine and while a
 second process writes 1 GiB files in a loop (no fsync, as a data pipeline writing shards or a logger would), in
-the same run, and prints the medians and the ratio. Saves come `--interval` seconds apart, as training steps
-would put them: in between, the other writer's dirty pages pile up.
+the same run, and prints the medians and the ratio. The quiet saves are split around the busy ones (half before,
+half after, each after an `os.sync()`: ABBA), so that neither case alone meets the state the machine is in when the
+run starts. Saves come `--interval` seconds apart, as training steps would put them: in between, the other
+writer's dirty pages pile up.
 
 Beside the latency, each save is measured in the terms the library controls (benchmarks/footprint.py, issue 36):
 user and system CPU seconds of this process (the other writer is another process), its resident growth, the page
@@ -77,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as base:
         os.sync()
-        quiet = time_saves(os.path.join(base, "quiet"), args.saves, args.interval)
+        quiet = time_saves(os.path.join(base, "quiet-before"), args.saves // 2, args.interval)
         stop, started = multiprocessing.Event(), multiprocessing.Event()
         writer = multiprocessing.Process(target=other_writer, args=(base, stop, started))
         writer.start()
@@ -87,9 +89,12 @@ def main() -> None:
         finally:
             stop.set()
             writer.join()
+        os.sync()  # the other writer's dirty pages, so that the quiet saves after it are quiet again
+        quiet += time_saves(os.path.join(base, "quiet-after"), args.saves - args.saves // 2, args.interval)
     print(f"commit latency: a synchronous manager save of 16 tensors ({STATE_BYTES / 2**20:.2f} MiB) every "
-          f"{args.interval:g} s, {args.saves} saves on a quiet machine, then {args.saves} while another process "
-          "writes 1 GiB files without syncing; medians (latency: median and max); B/B: per byte of state")
+          f"{args.interval:g} s: {args.saves} on a quiet machine ({args.saves // 2} before, the rest after) and "
+          f"{args.saves} while another process writes 1 GiB files without syncing; medians (latency: median and max); "
+          "B/B: per byte of state")
     print(f"  {'case':5}  {'latency s (max)':15}  {'CPU s (user+sys)':16}  {'resident B/B':12}  {'page cache B/B':14}  "
           f"{'fresh B/B':9}  {'written B/B':11}")
     for label, runs in (("quiet", quiet), ("busy", busy)):
