@@ -110,6 +110,9 @@ def main() -> None:
     print("  page cache growth is machine-wide: under 'busy' it is mostly the other writer's dirty pages, so its page "
           "cache and fresh columns do not describe the save (its resident growth does)")
     print(f"  busy / quiet latency: {busy_over_quiet:.2f}x")
+    for label, runs in (("quiet", quiet), ("busy", busy)):
+        print(f"  {label} saves in order, latency / CPU ms: "
+              + ", ".join(f"{r['wall_s'] * 1e3:.0f}/{(r['user_s'] + r['system_s']) * 1e3:.0f}" for r in runs))
 
 
 if __name__ == "__main__":
