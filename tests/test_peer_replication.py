@@ -19,10 +19,12 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "peer_replication.py
 
 
 def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_ok: bool = True,
-        layout: str = "fsdp", piece_bytes: int | None = None) -> list[dict]:
+        layout: str = "fsdp", piece_bytes: int | None = None, unreadable: str | None = None) -> list[dict]:
     env = {"XTC_HOSTS": hosts, "XTC_LAYOUT": layout}
     if piece_bytes is not None:
         env["XTC_PIECE_BYTES"] = str(piece_bytes)
+    if unreadable is not None:
+        env["XTC_UNREADABLE"] = unreadable
     results = launch_job(SCRIPT, 4, mode, str(root), str(local_base), *args, env=env)
     if expect_ok:
         for r in results:
@@ -234,3 +236,22 @@ def test_data_parallel_replicas_copy_only_what_the_replica_lacks(tmp_path):
     for name in tree_bytes(local_base / "host3" / "3" / "model"):
         assert (local_base / "host1" / "3" / "model" / name).read_bytes() == \
             (local_base / "host3" / "3" / "model" / name).read_bytes()
+
+
+def test_files_a_replica_cannot_read_from_its_own_step_are_refused_and_the_step_before_is_resumed(tmp_path):
+    """DP: wiped host 0 gets its model from host 2's own step (no copy marker: the sender's CRC32Cs travel to it
+    point to point). Host 2 cannot read the model files of step 3 as it sends them: host 0 refuses them, keeps
+    nothing, and the job resumes step 2, whose model comes the same way."""
+    root, local_base = tmp_path / "persistent", tmp_path / "local"
+    for r in lines(run("save", root, local_base, layout="dp")):
+        assert r["error"] is None and r["local"] == [2, 3], r
+    shutil.rmtree(local_base / "host0")
+    hide_persistent_data(root)
+    for r in lines(run("restore", root, local_base, layout="dp", unreadable=f"{os.sep}3{os.sep}model{os.sep}")):
+        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
+        skipped = [w for w in r["warnings"] if w.startswith("skipping step 3 of the local tier")]
+        assert len(skipped) == 1 and "step 3 arrived damaged" in skipped[0], r["warnings"]
+        assert "from process 2" in skipped[0] and "model/" in skipped[0], skipped
+        fetched = [(e["step"], e["details"]) for e in r["events"] if e["kind"] == "peer_fetched"]
+        assert fetched == ([(2, {"source": 2, "repair": False})] if r["host"] == 0 else []), fetched
+    assert "3" not in os.listdir(local_base / "host0")  # nothing of what arrived was kept

@@ -10,7 +10,7 @@ most `ROUND_BYTES` per process, the next round read and started while the one be
 
 At a restart (`resume`), a process whose local tier lacks the chosen step fetches its own index's step from a
 process that holds it (a peer copy, or the step itself) and commits it into its local tier first
-(`fetch_missing`); a process that finds its step damaged fetches the files that differ from a peer copy and
+(`PeerCopies.fetch`); a process that finds its step damaged fetches the files that differ from a peer copy and
 the job tries the step again (`repair`). Files only: the bytes are the writer's, verified against the copy's
 CRC32C by the receiver before it commits anything.
 
@@ -143,24 +143,26 @@ def read_copy(directory: str) -> StepFiles | None:
     """The manifest of a committed peer copy, or None if `directory` holds none (absent, partial, unreadable)."""
     try:
         with open(os.path.join(directory, COPY_MARKER)) as f:
-            return _from_record(json.load(f))
+            manifest = _from_record(json.load(f))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    return manifest if manifest.crcs is not None else None
 
 
 def _record(manifest: StepFiles) -> dict:
-    """A copy's manifest as JSON (its marker, and what a fetch sends its receiver)."""
-    assert manifest.crcs is not None
+    """A manifest as JSON: a copy's marker, and what a fetch sends its receiver (CRC32Cs null where unknown)."""
+    crcs = manifest.crcs if manifest.crcs is not None else [None] * len(manifest.files)
     return {"writer": manifest.writer, "step": manifest.step,
-            "files": [[path, size, crc] for (path, size), crc in zip(manifest.files, manifest.crcs)],
+            "files": [[path, size, crc] for (path, size), crc in zip(manifest.files, crcs)],
             "shared": [list(entry) for entry in manifest.shared]}
 
 
 def _from_record(record: dict) -> StepFiles:
     """Raises KeyError, TypeError or ValueError if `record` is not one."""
+    crcs = [crc for _, _, crc in record["files"]]
     return StepFiles(int(record["writer"]), int(record["step"]),
                      tuple((str(path), int(size)) for path, size, _ in record["files"]),
-                     tuple(int(crc) for _, _, crc in record["files"]),
+                     None if None in crcs else tuple(int(crc) for crc in crcs),
                      tuple((str(item), int(process)) for item, process in record.get("shared", [])))
 
 
@@ -293,9 +295,10 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
     """Move the files of every transfer (the same list on every process): this process reads those it is the
     source of from ``source_dirs[i]`` (i: the transfer's position) and writes those it is the target of under
     ``target_dirs[i]``, in rounds of at most `ROUND_BYTES` per process, two in flight. Returns, per transfer this
-    process took part in, the CRC32C of each of its files as read (source) or written (target), for the receiver
-    to check against the sender's before it commits anything. Collective: every process calls it with the same
-    `transfers`. Raises `CoordinationError` naming a peer that dies meanwhile."""
+    process took part in, the CRC32C of each of its files as written (target) or read (source; only for a
+    transfer without recorded CRC32Cs, whose receiver checks against the sender's, and 0 otherwise). Collective:
+    every process calls it with the same `transfers`. Raises `CoordinationError` naming a peer that dies
+    meanwhile."""
     me = coordinator.index
     # Every process knows every transfer, so all count the same rounds without asking each other.
     everyone = [(i, t, _rounds(_pieces(t), max(_PIECE_BYTES, ROUND_BYTES // 2))) for i, t in enumerate(transfers)]
@@ -322,8 +325,9 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
                         # damaged: the receiver then refuses the file instead of waiting for it.
                         buffer[:] = 0
                     sends.setdefault(t.target, []).append(buffer)
-                    crcs[i][path] = _DAMAGED if not read or crcs[i].get(path) == _DAMAGED else \
-                        crc32c.crc32c(buffer, crcs[i].get(path, 0))
+                    if t.files.crcs is None:  # else the receiver checks against the recorded ones
+                        crcs[i][path] = _DAMAGED if not read or crcs[i].get(path) == _DAMAGED else \
+                            crc32c.crc32c(buffer, crcs[i].get(path, 0))
                 else:
                     receives.setdefault(t.source, []).append(buffer)
                     landing.append((i, path, at, buffer))
@@ -501,12 +505,12 @@ class PeerReplicator:
 @dataclass(frozen=True)
 class Holdings:
     """What one process has for a resume: its own committed local steps (step, writer) and the committed peer
-    copies it holds, (writer, step) -> the processes whose own steps hold the items the copy left out (not the
-    copies' file lists: every process receives every process's holdings, and a list can have thousands of
-    files)."""
+    copies it holds, (writer, step) -> the items the copy left out, each with the process whose own step holds
+    it identical (not the copies' file lists: every process receives every process's holdings, and a list can
+    have thousands of files)."""
 
     own: frozenset[tuple[int, int]]
-    copies: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    copies: Mapping[tuple[int, int], tuple[tuple[str, int], ...]] = field(default_factory=dict)
 
 
 def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int) -> int | None:
@@ -515,9 +519,9 @@ def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int
     else one whose own step was written by `writer` (a job restarted with other indices). None if there is
     none."""
     for holder, held in enumerate(everyone):
-        sharers = held.copies.get((writer, step))
-        if holder != process and sharers is not None and all(
-                q != process and (step, q) in everyone[q].own for q in sharers):
+        shared = held.copies.get((writer, step))
+        if holder != process and shared is not None and all(
+                q != process and (step, q) in everyone[q].own for _, q in shared):
             return holder
     for holder, held in enumerate(everyone):
         if holder != process and (step, writer) in held.own:
@@ -537,7 +541,7 @@ class PeerCopies:
         return held_copies(self.root, self._step_of)
 
     def holdings(self, own: frozenset[tuple[int, int]]) -> Holdings:
-        return Holdings(own, {key: tuple(q for _, q in manifest.shared) for key, (_, manifest) in self.held().items()})
+        return Holdings(own, {key: manifest.shared for key, (_, manifest) in self.held().items()})
 
     def fetch(self, coordinator: Coordinator, step: int, step_name: str, own_writer: Mapping[int, int],
               sources: Mapping[int, int], holdings: Sequence[Holdings]) -> int:
@@ -547,7 +551,9 @@ class PeerCopies:
         later). `own_writer`: the writer of this process's own step `step`, if it serves from it. `holdings`:
         every process's, as `resume` gathered them (a source serves a copy it holds first). Returns the
         bytes received here. Raises `CorruptCheckpointError` on the receiver if what arrived does not match the
-        CRC32Cs (nothing is committed then). Collective."""
+        CRC32Cs (nothing is committed then). Collective, but only the processes that send or receive files
+        exchange messages: the holdings tell every process who sends what to whom, and each sender tells its
+        receiver alone which files come (no collective gathers the file lists, which grow with the job)."""
         me = coordinator.index
         own_dir = os.path.join(self.root, step_name)
         held = self.held()
@@ -555,48 +561,61 @@ class PeerCopies:
         for target, source in sources.items():
             if source == me:
                 served[target] = held.get((target, step)) or (own_dir, list_files(own_dir, own_writer[me], step))
-        if all(holdings[source].copies.get((target, step)) == () for target, source in sources.items()):
-            main = self._send_manifests(coordinator, step, served, sources)
-        else:  # a source serves its own step, or items held by replicas: every process needs every list
-            manifests = coordinator.all_gather({target: files for target, (_, files) in served.items()})
-            main = {target: manifests[source][target] for target, source in sources.items()}
-        needs = sorted((t, item, q) for t, files in main.items() for item, q in files.shared)
-        lists = self._item_files(coordinator, needs, own_dir, step, with_crcs=False)
+        needs = sorted((t, item, q) for t, s in sources.items() for item, q in holdings[s].copies.get((t, step), ()))
+        main, items = self._send_lists(coordinator, step, own_dir, served, sources, needs)
         transfers = [Transfer(s, t, main[t], tuple(path for path, _ in main[t].files))
                      for t, s in sorted(sources.items())]
         dirs = [served[t][0] if s == me else None for t, s in sorted(sources.items())]
         for t, item, q in needs:
-            files = lists[q][(t, item)]
+            files = items[(t, item)]
             transfers.append(Transfer(q, t, files, tuple(path for path, _ in files.files)))
             dirs.append(own_dir if q == me else None)
         return self._move(coordinator, step, transfers, dirs, own_dir, replace_files=False)
 
     @staticmethod
-    def _send_manifests(coordinator: Coordinator, step: int, served: Mapping[int, tuple[str, StepFiles]],
-                        sources: Mapping[int, int]) -> dict[int, StepFiles]:
-        """Every source sends the manifest of the copy it serves to its target only (two point-to-point
-        exchanges; no collective: the other processes learn that every file comes with its CRC32C from the
-        holdings, and take no part). Returns the manifests this process serves or receives; the others are
-        empty stand-ins that keep every process's list of transfers in the same order."""
+    def _send_lists(coordinator: Coordinator, step: int, own_dir: str, served: Mapping[int, tuple[str, StepFiles]],
+                    sources: Mapping[int, int], needs: Sequence[tuple[int, str, int]]
+                    ) -> tuple[dict[int, StepFiles], dict[tuple[int, str], StepFiles]]:
+        """Each source sends its target the manifest of what it serves, and each holder of an item a copy left
+        out sends the item's files in its own step, point to point (two exchanges: lengths, then JSON). Returns
+        the manifests and item lists (target, item) this process sends or receives; the others are empty
+        stand-ins that keep every process's list of transfers in the same order."""
         me = coordinator.index
-        blobs = {t: np.frombuffer(json.dumps(_record(files)).encode(), dtype=np.uint8)
-                 for t, (_, files) in served.items()}
-        source = sources.get(me)
-        length = [np.zeros(1, dtype=np.int64)] if source is not None else []
-        coordinator.exchange({t: [np.array([blob.size], dtype=np.int64)] for t, blob in blobs.items()},
-                             {source: length} if length else {}, lambda _: f"the manifest of step {step}")
-        received = [np.empty(int(length[0][0]), dtype=np.uint8)] if length else []
-        coordinator.exchange({t: [blob] for t, blob in blobs.items()}, {source: received} if received else {},
-                             lambda _: f"the manifest of step {step}")
-        main = {t: StepFiles(t, step, (), ()) for t in sources}
+        outgoing: dict[int, dict] = {}
+        for target, (_, files) in served.items():
+            outgoing.setdefault(target, {"main": None, "items": {}})["main"] = _record(files)
+        own_files = None
+        for target, item, holder in needs:
+            if holder == me:
+                own_files = own_files or list_files(own_dir, me, step)
+                files = tuple(f for f in own_files.files if f[0].startswith(item + "/"))
+                outgoing.setdefault(target, {"main": None, "items": {}})["items"][item] = \
+                    _record(StepFiles(me, step, files))
+        senders = sorted({sources[me]} | {q for t, _, q in needs if t == me}) if me in sources else []
+        blobs = {t: np.frombuffer(json.dumps(message).encode(), dtype=np.uint8) for t, message in outgoing.items()}
+        lengths = {p: [np.zeros(1, dtype=np.int64)] for p in senders}
+        coordinator.exchange({t: [np.array([blob.size], dtype=np.int64)] for t, blob in blobs.items()}, lengths,
+                             lambda _: f"the file lists of step {step}")
+        received = {p: [np.empty(int(length[0][0]), dtype=np.uint8)] for p, length in lengths.items()}
+        coordinator.exchange({t: [blob] for t, blob in blobs.items()}, received,
+                             lambda _: f"the file lists of step {step}")
+        main = {t: StepFiles(t, step, ()) for t in sources}
         main.update({t: files for t, (_, files) in served.items()})
-        if received:
+        items = {(t, item): StepFiles(q, step, ()) for t, item, q in needs}
+        for t, item, q in needs:
+            if q == me:
+                items[(t, item)] = _from_record(outgoing[t]["items"][item])
+        for sender, (blob,) in received.items():
             try:
-                main[me] = _from_record(json.loads(received[0].tobytes()))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise CorruptCheckpointError(f"the manifest of step {step} from process {source} is not one: "
-                                             f"{exc}") from exc
-        return main
+                message = json.loads(blob.tobytes())
+                if message["main"] is not None:
+                    main[me] = _from_record(message["main"])
+                for item, record in message["items"].items():
+                    items[(me, item)] = _from_record(record)
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CorruptCheckpointError(f"the file lists of step {step} from process {sender} are not "
+                                             f"ones: {exc}") from exc
+        return main, items
 
     def repair(self, coordinator: Coordinator, step: int, step_name: str, writers: Mapping[int, int],
                sources: Mapping[int, int]) -> int:
@@ -611,7 +630,7 @@ class PeerCopies:
         manifests = coordinator.all_gather({t: files for t, (_, files) in served.items()})
         main = {t: manifests[s][t] for t, s in sources.items()}
         needs = sorted((t, item, q) for t, files in main.items() for item, q in files.shared)
-        lists = self._item_files(coordinator, needs, own_dir, step, with_crcs=True)
+        lists = self._item_files(coordinator, needs, own_dir, step)
         wanted: list[list[str]] = []
         whole: set[str] = set()  # shared items this process replaces whole: another process's files are named
         if me in sources:      # after it (its OCDBT files), so they come all together or not at all
@@ -635,17 +654,18 @@ class PeerCopies:
             position[t] += 1
         return self._move(coordinator, step, transfers, dirs, own_dir, replace_files=True, whole_items=whole)
 
-    def _item_files(self, coordinator: Coordinator, needs: list[tuple[int, str, int]], own_dir: str, step: int, *,
-                    with_crcs: bool) -> list[dict[tuple[int, str], StepFiles]]:
+    @staticmethod
+    def _item_files(coordinator: Coordinator, needs: list[tuple[int, str, int]], own_dir: str,
+                    step: int) -> list[dict[tuple[int, str], StepFiles]]:
         """For each (target, item, holder) of `needs` (the same on every process): the files of `item` in the
-        holder's own step, listed by the holder (with their CRC32Cs if asked). Collective if `needs`."""
+        holder's own step, with their CRC32Cs, listed by the holder. Collective if `needs`."""
         if not needs:
             return [{} for _ in range(coordinator.count)]
         mine = {}
         for target, item, holder in needs:
             if holder == coordinator.index:
                 files = tuple(f for f in list_files(own_dir, holder, step).files if f[0].startswith(item + "/"))
-                crcs = tuple(crc or 0 for crc in file_crcs(own_dir, files)) if with_crcs else None
+                crcs = tuple(crc or 0 for crc in file_crcs(own_dir, files))
                 mine[(target, item)] = StepFiles(holder, step, files, crcs)
         return coordinator.all_gather(mine)
 
@@ -661,20 +681,31 @@ class PeerCopies:
         crcs_of = transfer(coordinator, transfers, {i: d for i, d in enumerate(dirs) if d is not None},
                            {i: partial for i in mine}, f"step {step}")
         # Files that come with the CRC32Cs of a copy's marker are checked against those; only files read from a
-        # step directory (no marker) need what their sender read. Every process knows which case this is.
-        recorded_all = all(t.files.crcs is not None for t in transfers)
-        truth = None if recorded_all else coordinator.all_gather(
-            {i: crcs for i, crcs in crcs_of.items() if transfers[i].source == me})
+        # step directory (no marker) need what their sender read, which it sends its receiver alone.
+        unrecorded = {i for i, t in enumerate(transfers) if t.files.crcs is None and me in (t.source, t.target)}
+        sent: dict[int, list[np.ndarray]] = {}
+        truth: dict[int, list[np.ndarray]] = {}
+        for i in sorted(unrecorded):
+            t = transfers[i]
+            if t.source == me:
+                sent.setdefault(t.target, []).append(np.array(crcs_of[i], dtype=np.int64))
+            else:
+                truth.setdefault(t.source, []).append(np.empty(len(t.paths), dtype=np.int64))
+        coordinator.exchange(sent, truth, lambda _: f"the CRC32Cs of step {step}")
+        received = {i: [int(crc) for crc in truth[transfers[i].source].pop(0)] for i in sorted(unrecorded)
+                    if transfers[i].target == me}
         if partial is None:
             return 0
         damaged = []
         for i in mine:
             t = transfers[i]
-            recorded = dict(zip((path for path, _ in t.files.files), t.files.crcs or ()))
-            sent_crcs = [recorded[path] for path in t.paths] if truth is None else truth[t.source][i]
-            expected = [recorded.get(path, sent) for path, sent in zip(t.paths, sent_crcs)]
-            damaged += [f"{path} from process {t.source}" for path, got, sent, want in
-                        zip(t.paths, crcs_of[i], sent_crcs, expected) if not got == sent == want]
+            if t.files.crcs is None:
+                expected = received[i]
+            else:
+                recorded = dict(zip((path for path, _ in t.files.files), t.files.crcs))
+                expected = [recorded[path] for path in t.paths]
+            damaged += [f"{path} from process {t.source}" for path, got, want in
+                        zip(t.paths, crcs_of[i], expected) if got != want]
         if damaged:
             shutil.rmtree(partial, ignore_errors=True)
             raise CorruptCheckpointError(f"step {step} arrived damaged, or its copy is damaged where it came from "

@@ -11,7 +11,8 @@ usage: peer_replication.py save ROOT LOCAL_BASE [KILL_HOST]
 With XTC_LAYOUT=dp, host h holds row shard h % 2 of two (data-parallel replicas: 0 and 2, 1 and 3).
 Rank r runs on host XTC_HOSTS[r] (a comma-separated list; default 0,1,2,3), whose local tier is
 LOCAL_BASE/host<HOST>. With XTC_PIECE_BYTES=n, files travel between peers in pieces of n bytes, two per round
-(many rounds, two in flight). Prints one JSON line: {"rank", "host", ...}.
+(many rounds, two in flight). With XTC_UNREADABLE=s, a sender cannot read the files it sends whose path contains
+s (as if they vanished after they were listed). Prints one JSON line: {"rank", "host", ...}.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def main() -> None:
     if os.environ.get("XTC_PIECE_BYTES"):
         peer_copies._PIECE_BYTES = int(os.environ["XTC_PIECE_BYTES"])
         peer_copies.ROUND_BYTES = 4 * peer_copies._PIECE_BYTES
+    if os.environ.get("XTC_UNREADABLE"):
+        readable = peer_copies._read_piece
+        peer_copies._read_piece = lambda path, start, out: (
+            os.environ["XTC_UNREADABLE"] not in path and readable(path, start, out))
     mode, root, local_base = sys.argv[1], sys.argv[2], sys.argv[3]
     kill_host = int(sys.argv[4]) if len(sys.argv) > 4 else None
     rank = int(os.environ["RANK"])
