@@ -147,11 +147,15 @@ def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, st
 
     blocked = {k: slowest("blocked", k) for k in ("1", "2")}
     resumes = {name: slowest("resumes", name) for name in answers[0]["resumes"]}
+    cpu = {name: [sum(a["resume_cpu"][name][i] for a in answers) for i in range(len(answers[0]["resume_cpu"][name]))]
+           for name in answers[0]["resume_cpu"]}
+    caches = [name.split(", ", 1)[1] for name in resumes if name.startswith("intact, ")]
     summary = {
         "processes": len(answers), "state_bytes_per_process": answers[0]["state_bytes"],
         "blocked_s": blocked, "blocked_ratio": statistics.median(blocked["2"]) / statistics.median(blocked["1"]),
-        "resume_s": resumes,
-        "wiped_over_intact": statistics.median(resumes["one wiped host"]) / statistics.median(resumes["intact"]),
+        "resume_s": resumes, "resume_cpu_s_all_processes": cpu,
+        "wiped_over_intact": {cache: statistics.median(resumes[f"one wiped host, {cache}"])
+                              / statistics.median(resumes[f"intact, {cache}"]) for cache in caches},
         "persistent_bytes": {name: max(max(a["persistent_bytes"][name]) for a in answers) for name in resumes},
         "sent_per_step": [statistics.median(a["sent_per_step"]) for a in answers],
         "own_step_bytes": [a["own_step_bytes"] for a in answers],
@@ -162,10 +166,14 @@ def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, st
           f"slowest process, median (min-max) of {args.replication_repeats} (blocking: {2 * args.replication_repeats})")
     print(f"  save() blocks: replication off {spread(blocked['1'])}, on {spread(blocked['2'])} = "
           f"{summary['blocked_ratio']:.2f}x (goal <= 1.1x)")
+    print("  resumes (page cache as the saves left it: own steps not cached, peer copies cached; or every local file "
+          "evicted; or every one cached first), wall time; CPU user + sys of the 4 processes together; bytes read "
+          "from the persistent tier (max per process)")
     for name, values in resumes.items():
-        print(f"  resume, {name:20s} {spread(values)}; bytes read from the persistent tier (max per process) "
+        print(f"    {name:31s} {spread(values)}; CPU {statistics.median(cpu[name]):.3f} s; "
               f"{summary['persistent_bytes'][name] / mib:.1f} MiB")
-    print(f"  one wiped host / intact = {summary['wiped_over_intact']:.2f}x (goal <= 1.5x)")
+    print("  one wiped host / intact (goal <= 1.5x): " + ", ".join(
+        f"{cache} {ratio:.2f}x" for cache, ratio in summary["wiped_over_intact"].items()))
     print(f"  sent to peers per step, per process: {[round(b / mib, 2) for b in summary['sent_per_step']]} MiB; "
           f"one step's own files {[round(b / mib, 2) for b in summary['own_step_bytes']]} MiB")
     print("  disk per host (local tier, 2 steps kept): off " + ", ".join(

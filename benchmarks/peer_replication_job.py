@@ -5,9 +5,10 @@ FSDP = 4 / R: data-parallel replicas hold the same shard) and has a local tier o
 1. save() blocking time, local tier due every step, `local_replication=2` against 1, alternating ABBA; bytes
    sent to peers per step; disk used per host.
 2. resumes (restore("latest") onto fresh targets, values compared exactly), per repeat: intact local tiers;
-   one wiped host (process 1's local directory deleted: its step comes from its peer); two wiped hosts holding
-   each other's copies (0 and 2: the persistent tier, --root, is used). Bytes each restore read from the
-   persistent tier, from the restore events.
+   one wiped host (process 1's local directory deleted: its step comes from its peer); both with the page cache
+   as the saves left it, with every local file evicted, and with every one cached; two wiped hosts holding each
+   other's copies (0 and 2: the persistent tier, --root, is used). Wall time and CPU seconds (user + system) of
+   each; bytes each restore read from the persistent tier, from the restore events.
 
 Prints one JSON line. Run by bench_multi_tier.py; not meant to be run alone.
 """
@@ -20,11 +21,26 @@ import os
 import shutil
 import time
 
+import footprint
+import fresh_process
 import torch
 
 import xla_tensorstore_ckpt as xtc
 
 ARRAYS, COLUMNS = 4, 1024
+CACHE_STATES = ("as saved", "evicted", "cached")
+
+
+def set_page_cache(directory: str, cache: str) -> None:
+    """Leave the page cache as it is, or evict every file under `directory` from it, or read each file once."""
+    if cache == "evicted" and os.path.isdir(directory):
+        fresh_process.evict(directory)
+    elif cache == "cached":
+        for parent, _, names in os.walk(directory):
+            for name in names:
+                with open(os.path.join(parent, name), "rb") as f:
+                    while f.read(1 << 24):
+                        pass
 
 
 def state(step: int | None, rows: int, index: int, count: int, replicas: int = 1) -> dict:
@@ -82,38 +98,44 @@ def main() -> None:
     for manager in managers.values():
         manager.close()
 
-    # 2. resumes: intact, one wiped host, two wiped hosts holding each other's copies
+    # 2. resumes: intact, one wiped host, two wiped hosts holding each other's copies. The page cache decides
+    # much of a local restore's time here, so each of the first two runs in three states of it: as the saves left
+    # it (own steps written with O_DIRECT are not cached; copies received from peers are), every local file
+    # evicted, and every local file read once before.
     options = xtc.CheckpointManagerOptions(save_interval_steps=1, local_directory=local_dir("resume"),
                                            local_replication=2, coordination_timeout_s=300, **base)
-    resumes: dict[str, list[float]] = {"intact": [], "one wiped host": [], "persistent fallback": []}
-    persistent_bytes: dict[str, list[int]] = {name: [] for name in resumes}
-    wiped = {"intact": (), "one wiped host": (1,), "persistent fallback": (0, 2)}
+    cases = [(f"{name}, {cache}", hosts, cache) for cache in CACHE_STATES
+             for name, hosts in (("intact", ()), ("one wiped host", (1,)))]
+    cases.append(("persistent fallback", (0, 2), "as saved"))
+    resumes: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    persistent_bytes: dict[str, list[int]] = {name: [] for name, _, _ in cases}
     exact = True
     for repeat in range(args.repeats + 1):  # repeat 0 warms up
         with xtc.CheckpointManager(f"{args.root}/resume", options) as manager:
             manager.save(repeat + 1, model=state(repeat + 1, rows, me, count, args.replicas), force=True)
-        for name, hosts in wiped.items():
+        for name, hosts, cache in cases:
             if me in hosts:
                 shutil.rmtree(local_dir("resume"), ignore_errors=True)
+            set_page_cache(local_dir("resume"), cache)
             coordinator.everywhere("wiped", lambda: None)
             with xtc.CheckpointManager(f"{args.root}/resume", options) as manager:
                 target = state(None, rows, me, count, args.replicas)
                 events.clear()
                 coordinator.everywhere("align", lambda: None)
-                start = time.perf_counter()
-                step = manager.restore("latest", model=target)
-                elapsed = time.perf_counter() - start
+                measures, step = footprint.measure(lambda m=manager, t=target: m.restore("latest", model=t))
             expected = state(repeat + 1, rows, me, count, args.replicas)
             exact &= step == repeat + 1 and all(torch.equal(target[k].shards[0][1], expected[k].shards[0][1])
                                                 for k in target)
             if repeat:
-                resumes[name].append(elapsed)
+                resumes[name].append(measures["wall_s"])
+                cpu[name].append(measures["user_s"] + measures["system_s"])
                 persistent_bytes[name].append(sum(e.details.get("storage_bytes") or 0 for e in events
                                                   if e.kind == "restore_finished" and e.tier == "persistent"))
     coordinator.close()
     print(json.dumps({"process": me, "state_bytes": rows * COLUMNS * 4 * ARRAYS, "blocked": blocked,
                       "sent_per_step": sent, "own_step_bytes": own, "disk": disk, "resumes": resumes,
-                      "persistent_bytes": persistent_bytes, "exact": exact}), flush=True)
+                      "resume_cpu": cpu, "persistent_bytes": persistent_bytes, "exact": exact}), flush=True)
 
 
 if __name__ == "__main__":
