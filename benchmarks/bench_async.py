@@ -124,10 +124,11 @@ def loop_width(gib: float) -> int:
 
 
 def training_loop(root: str | None, steps, options: xtc.CheckpointManagerOptions | None, width: int,
-                  batch: int) -> float:
+                  batch: int, measures: dict | None = None) -> float:
     """Seconds of `steps` training steps of an 8-layer MLP with AdamW, FSDP-sharded on 4x2 devices, offering
     each step to a manager of the persistent root `root` (a path or URL: gs:// too) with `options` (None: no
-    checkpoints, and `root` unused)."""
+    checkpoints, and `root` unused). `measures`, if given, receives benchmarks/footprint.py's measures of those
+    steps plus the manager's close() (the last save's commit)."""
     mesh = xs.Mesh(np.arange(8), (4, 2), ("fsdp", "model"))
     torch.manual_seed(0)
     model = Model(width, LAYERS).to("xla")
@@ -152,13 +153,20 @@ def training_loop(root: str | None, steps, options: xtc.CheckpointManagerOptions
     torch_xla._XLAC._xla_wait_device_ops(devices=[])
     if mgr is not None:
         mgr.wait_until_finished()  # the compile step's save is not part of the loop either
-    start = time.perf_counter()
-    for i in range(1, steps + 1):
-        step(i)
-    torch_xla._XLAC._xla_wait_device_ops(devices=[])
-    elapsed = time.perf_counter() - start
-    if mgr is not None:
-        mgr.close()  # the last save's commit is not part of the loop (the loop could go on)
+
+    def run() -> float:
+        start = time.perf_counter()
+        for i in range(1, steps + 1):
+            step(i)
+        torch_xla._XLAC._xla_wait_device_ops(devices=[])
+        elapsed = time.perf_counter() - start
+        if mgr is not None:
+            mgr.close()  # the last save's commit is not part of the loop's time (the loop could go on)
+        return elapsed
+
+    measured, elapsed = footprint.measure(run)
+    if measures is not None:
+        measures.update(measured)
     return elapsed
 
 

@@ -3,8 +3,17 @@ tiers due against one tier alone; a resume (restore("latest") onto fresh sharded
 against one from the persistent tier; and a training loop whose state (MLP + AdamW) is 1 GiB too, saving the local
 tier every step, and also the persistent tier every few steps, against the same loop without checkpoints. The
 persistent tier is on local disk, the GCS emulator or moto's S3 server (--persistent gcs|s3), the training
-loop's included. Medians (min-max) of repeats, variants interleaved. --scale scales every state (the loop's
-width follows).
+loop's included. Medians (min-max) of repeats (at least 7 for a measurement), variants interleaved. --scale
+scales every state (the loop's width follows).
+
+Beside each wall time, what the call cost in the terms the library controls (issue 36; benchmarks/footprint.py):
+user and system CPU seconds of this process, the fresh host memory touched (peak resident growth + page cache
+growth, machine-wide) and the bytes this process read from / wrote to storage (the block layer's count), per byte
+of state (B/B). For a save: the call to save() (what blocks the caller) and the whole save until written
+(save() + wait_until_finished()); for a resume: restore() until the device buffers are ready; for a training loop:
+its steps plus the manager's close() (the last save's commit). With the persistent tier on an object store, its
+server is another process of this machine: its CPU seconds are given apart, and the bytes it stores are in its
+memory (the GCS emulator's in-memory backend), not in this process's figures.
 
 First, peer replication (`local_replication=2`; benchmarks/peer_replication_job.py): a job of 4 processes over
 gloo, 64 MiB x scale per process, a local tier each, the persistent tier on the GCS emulator (or the run's object
@@ -13,7 +22,7 @@ replication on and off (ABBA); resume with intact local tiers, with one wiped ho
 holding each other's copies (the persistent fallback); bytes sent to peers per step and read from the
 persistent tier; disk per host.
 
-usage: python benchmarks/bench_multi_tier.py [--scale 1.0] [--repeats 5] [--loop-steps 10] [--loop-repeats 3]
+usage: python benchmarks/bench_multi_tier.py [--scale 1.0] [--repeats 7] [--loop-steps 10] [--loop-repeats 3]
                                             [--persistent-every 5] [--persistent local|gcs|s3]
                                             [--replication-repeats 7] [--only-replication]
 """
@@ -26,7 +35,8 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
@@ -38,6 +48,7 @@ import torch_xla.runtime as xr  # noqa: E402
 xr.use_spmd()
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import footprint  # noqa: E402
 import jobs  # noqa: E402
 import workloads  # noqa: E402
 from bench_async import LAYERS, loop_state_bytes, loop_width, training_loop  # noqa: E402
@@ -51,14 +62,49 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
 
 
+SERVER_PID: int | None = None  # the object store's server process, when the persistent tier is on one
+
+
+def process_cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds that process `pid` has used so far (0 without a process)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # from the 3rd field (state) on
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(fn: Callable[[], Any]) -> tuple[dict, Any]:
+    """footprint.measure(fn), plus ``server_cpu_s``: the CPU seconds the object store's server used meanwhile."""
+    before = process_cpu_s(SERVER_PID)
+    measures, result = footprint.measure(fn)
+    return {**measures, "server_cpu_s": process_cpu_s(SERVER_PID) - before}, result
+
+
+def costs(runs: list[dict], nbytes: float, *, io: tuple[str, ...] = ("written", "read")) -> str:
+    """Medians of the measures beside the wall time: CPU user + sys, fresh memory (resident + page cache) and
+    the bytes in `io` per byte of state, and the server's CPU when there is one."""
+    def med(key: str) -> float:
+        return statistics.median(m[key] for m in runs)
+
+    text = (f"CPU {med('user_s'):.2f} + {med('system_s'):.2f} s; fresh {med('fresh_bytes') / nbytes:.2f} B/B "
+            f"({med('rss_growth_bytes') / nbytes:.2f}+{med('page_cache_growth_bytes') / nbytes:.2f})")
+    for kind in io:
+        text += f"; {kind} {med(kind + '_bytes') / nbytes:.2f} B/B"
+    if SERVER_PID is not None:
+        text += f"; server CPU {med('server_cpu_s'):.2f} s"
+    return text
+
+
 def options(local: str | None, *, persistent_every: int | None, local_every: int | None = None):
     return xtc.CheckpointManagerOptions(save_interval_steps=persistent_every, max_to_keep=1, save_rng=False,
                                         local_directory=local, local_save_interval_steps=local_every,
                                         local_max_to_keep=1)
 
 
-def blocking(state: dict, root: str, tmp: str, repeats: int) -> dict[str, list[float]]:
-    """Seconds save() blocks: persistent tier alone, local tier alone, both due."""
+def blocking(state: dict, root: str, tmp: str, repeats: int) -> dict[str, dict[str, list[dict]]]:
+    """Per case (persistent tier alone, local tier alone, both due), the measures (`measured`) of each repeat's
+    call to save() ("blocking") and of the whole save, save() + wait_until_finished() ("whole")."""
     managers = {
         "persistent tier alone": xtc.CheckpointManager(f"{root}/alone", options(None, persistent_every=1)),
         "local tier alone": xtc.CheckpointManager(f"{root}/unused", options(
@@ -66,64 +112,75 @@ def blocking(state: dict, root: str, tmp: str, repeats: int) -> dict[str, list[f
         "both tiers due": xtc.CheckpointManager(f"{root}/both", options(
             os.path.join(tmp, "local-both"), persistent_every=1, local_every=1)),
     }
-    times: dict[str, list[float]] = {name: [] for name in managers}
+    runs: dict[str, dict[str, list[dict]]] = {name: {"blocking": [], "whole": []} for name in managers}
     for step in range(repeats + 1):  # step 0 warms every path up
         for name, manager in managers.items():
             manager.wait_until_finished()
             os.sync()
-            start = time.perf_counter()
-            manager.save(step, model=state)
-            elapsed = time.perf_counter() - start
-            manager.wait_until_finished()
+            blocked = {}
+
+            def whole(manager=manager, step=step, blocked=blocked) -> None:
+                blocked["measures"], _ = measured(lambda: manager.save(step, model=state))
+                manager.wait_until_finished()
+
+            measures, _ = measured(whole)
             if step:
-                times[name].append(elapsed)
+                runs[name]["blocking"].append(blocked["measures"])
+                runs[name]["whole"].append(measures)
     for manager in managers.values():
         manager.close()
-    return times
+    return runs
 
 
-def resumes(state: dict, root: str, tmp: str, repeats: int, scale: float) -> dict[str, list[float]]:
-    """Seconds of restore("latest") onto fresh targets resharded 4x2 -> 2x4, from the local tier and from the
-    persistent one."""
+def resumes(state: dict, root: str, tmp: str, repeats: int, scale: float) -> dict[str, list[dict]]:
+    """The measures (`measured`) of restore("latest") onto fresh targets resharded 4x2 -> 2x4 until the device
+    buffers are ready, from the local tier and from the persistent one."""
     local = os.path.join(tmp, "local-resume")
     with xtc.CheckpointManager(f"{root}/resume", options(local, persistent_every=1, local_every=1)) as manager:
         manager.save(1, model=state)
-    times: dict[str, list[float]] = {"local tier": [], "persistent tier": []}
+    runs: dict[str, list[dict]] = {"local tier": [], "persistent tier": []}
+
+    def restore(manager, target) -> int:
+        step = manager.restore("latest", model=target)
+        torch_xla._XLAC._xla_wait_device_ops(devices=[])
+        return step
+
     for repeat in range(repeats + 1):
         for name, local_directory in (("local tier", local), ("persistent tier", None)):
             target = workloads.build_target("large", scale)
             with xtc.CheckpointManager(f"{root}/resume", options(
                     local_directory, persistent_every=1, local_every=1 if local_directory else None)) as manager:
-                start = time.perf_counter()
-                step = manager.restore("latest", model=target)
-                torch_xla._XLAC._xla_wait_device_ops(devices=[])
-                elapsed = time.perf_counter() - start
+                measures, step = measured(lambda manager=manager, target=target: restore(manager, target))
                 tiers = manager.metadata(1).tiers
             if step != 1 or tiers != (("local", "persistent") if local_directory else ("persistent",)):
                 raise RuntimeError(f"resume from the {name} did not restore step 1")
             if repeat:
-                times[name].append(elapsed)
+                runs[name].append(measures)
             del target
-    return times
+    return runs
 
 
-def loops(root: str, tmp: str, args: argparse.Namespace, width: int) -> dict[str, list[float]]:
-    """Seconds of `args.loop_steps` training steps without checkpoints, saving the local tier every step, and
-    saving it every step plus the persistent tier (at `root`: the object store when there is one) every
+def loops(root: str, tmp: str, args: argparse.Namespace, width: int) -> dict[str, list[dict]]:
+    """`args.loop_steps` training steps without checkpoints, saving the local tier every step, and saving it
+    every step plus the persistent tier (at `root`: the object store when there is one) every
     `args.persistent_every` steps; `args.loop_repeats` times, the variants interleaved so that drift of this
-    shared machine spreads over all of them."""
+    shared machine spreads over all of them. Per variant and repeat: the steps' seconds ("loop_s") and the
+    measures (`measured`) of the steps plus the manager's close()."""
     variants = {
         "without checkpoints": None,
         "local tier every step": dict(persistent_every=None, local_every=1),
         f"local every step + persistent every {args.persistent_every}": dict(
             persistent_every=args.persistent_every, local_every=1),
     }
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
     for repeat in range(args.loop_repeats):
         for index, (name, kw) in enumerate(variants.items()):
             persistent, local = f"{root}/loop-{index}-{repeat}", os.path.join(tmp, f"loop-local-{index}-{repeat}")
             opts = None if kw is None else options(local, **kw)
-            times[name].append(training_loop(persistent, args.loop_steps, opts, width, args.batch))
+            measures: dict = {}
+            server = process_cpu_s(SERVER_PID)
+            seconds = training_loop(persistent, args.loop_steps, opts, width, args.batch, measures)
+            runs[name].append({**measures, "server_cpu_s": process_cpu_s(SERVER_PID) - server, "loop_s": seconds})
             if kw is not None and kw["persistent_every"] and not any(
                     s.status == "committed" for s in inspection.list_steps(persistent)):
                 raise RuntimeError(f"the loop '{name}' committed no persistent step under {persistent}")
@@ -131,7 +188,7 @@ def loops(root: str, tmp: str, args: argparse.Namespace, width: int) -> dict[str
             target = storage.location(persistent)
             if target.exists():
                 target.delete_tree()
-    return times
+    return runs
 
 
 def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, str], replicas: int) -> dict:
@@ -186,7 +243,7 @@ def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, st
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scale", type=float, default=1.0, help="the states: 1 GiB x scale")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--loop-steps", type=int, default=10, help="0: no training loop")
     parser.add_argument("--loop-repeats", type=int, default=3)
     parser.add_argument("--persistent-every", type=int, default=5,
@@ -198,9 +255,11 @@ def main() -> None:
     parser.add_argument("--replication-repeats", type=int, default=7, help="0: no peer-replication job")
     parser.add_argument("--only-replication", action="store_true", help="the peer-replication job alone")
     args = parser.parse_args()
+    global SERVER_PID
     server, bucket = start_object_store(args.persistent)
     if server is not None:
         os.environ.update(server.environment)
+        SERVER_PID = server.process.process.pid
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-tiers-") as tmp:
             root = bucket or os.path.join(tmp, "persistent")
@@ -218,35 +277,51 @@ def main() -> None:
             if args.only_replication:
                 return
             state = workloads.build_state("large", args.scale)
+            nbytes = workloads.state_bytes(state)
             where = {"gcs": "the GCS emulator", "s3": "moto's S3 server"}.get(args.persistent, "local disk")
-            print(f"1 GiB x {args.scale}, persistent tier on {where}, local tier on local disk; "
-                  f"median (min-max) of {args.repeats}")
-            times = blocking(state, root, tmp, args.repeats)
-            print("time save() blocks the caller:")
-            for name, values in times.items():
-                print(f"  {name:22s} {spread(values)}")
-            both = statistics.median(times["both tiers due"])
-            print(f"  both / persistent alone = {both / statistics.median(times['persistent tier alone']):.2f}x, "
-                  f"both / local alone = {both / statistics.median(times['local tier alone']):.2f}x (goal <= 1.1x)")
-            times = resumes(state, root, tmp, args.repeats, args.scale)
-            print("resume (restore('latest') onto fresh targets resharded 4x2 -> 2x4, in process):")
-            for name, values in times.items():
-                print(f"  from the {name:16s} {spread(values)}")
-            ratio = statistics.median(times["persistent tier"]) / statistics.median(times["local tier"])
+            print(f"1 GiB x {args.scale} ({nbytes / 2**30:.2f} GiB), persistent tier on {where}, local tier on local "
+                  f"disk; median (min-max) of {args.repeats}; CPU: user + sys of this process; fresh: peak resident "
+                  "growth + page cache growth (machine-wide); written / read: this process, from storage; B/B: per "
+                  "byte of state" + ("; server CPU: the object store's server process" if server else ""))
+            runs = blocking(state, root, tmp, args.repeats)
+            print("time save() blocks the caller, and what that call cost:")
+            for name, measures in runs.items():
+                print(f"  {name:22s} {spread([m['wall_s'] for m in measures['blocking']])}; "
+                      f"{costs(measures['blocking'], nbytes, io=())}")
+            blocked = {name: statistics.median(m["wall_s"] for m in measures["blocking"])
+                       for name, measures in runs.items()}
+            both = blocked["both tiers due"]
+            print(f"  both / persistent alone = {both / blocked['persistent tier alone']:.2f}x, "
+                  f"both / local alone = {both / blocked['local tier alone']:.2f}x (goal <= 1.1x)")
+            print("the whole save, save() + wait_until_finished():")
+            for name, measures in runs.items():
+                print(f"  {name:22s} {spread([m['wall_s'] for m in measures['whole']])}; "
+                      f"{costs(measures['whole'], nbytes)}")
+            runs = resumes(state, root, tmp, args.repeats, args.scale)
+            print("resume (restore('latest') onto fresh targets resharded 4x2 -> 2x4, in process, until the device "
+                  "buffers are ready):")
+            for name, measures in runs.items():
+                print(f"  from the {name:16s} {spread([m['wall_s'] for m in measures])}; {costs(measures, nbytes)}")
+            ratio = (statistics.median(m["wall_s"] for m in runs["persistent tier"])
+                     / statistics.median(m["wall_s"] for m in runs["local tier"]))
             print(f"  the local tier resumes {ratio:.2f}x faster")
             del state
             if args.loop_steps == 0:
                 return
             width = args.width or loop_width(args.scale)
-            times = loops(root, tmp, args, width)
-            without = statistics.median(times["without checkpoints"])
+            runs = loops(root, tmp, args, width)
+            without = statistics.median(m["loop_s"] for m in runs["without checkpoints"])
+            loop_bytes = loop_state_bytes(width)
             print(f"training loop, {args.loop_steps} steps of {LAYERS * (width * width + width) / 1e6:.0f}M parameters "
-                  f"+ AdamW ({loop_state_bytes(width) / 2**30:.2f} GiB of state), batch {args.batch} x {width}, "
+                  f"+ AdamW ({loop_bytes / 2**30:.2f} GiB of state), batch {args.batch} x {width}, "
                   f"{without / args.loop_steps:.2f} s per step without checkpoints; persistent saves to {where}; "
-                  f"median (min-max) of {args.loop_repeats}, interleaved:")
-            for name, values in times.items():
+                  f"median (min-max) of {args.loop_repeats}, interleaved; then what the steps and the last commit "
+                  "cost, B/B per byte of the training state (over all the steps):")
+            for name, measures in runs.items():
                 goal = " (goal <= 1.2x)" if name == "local tier every step" else ""
-                print(f"  {name:38s} {spread(values)} = {statistics.median(values) / without:.2f}x{goal}")
+                seconds = [m["loop_s"] for m in measures]
+                print(f"  {name:38s} {spread(seconds)} = {statistics.median(seconds) / without:.2f}x{goal}")
+                print(f"  {'':38s} {costs(measures, loop_bytes)}")
     finally:
         if server is not None:
             server.stop()
