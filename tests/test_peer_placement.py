@@ -49,12 +49,13 @@ def test_a_single_process_cannot_replicate(tmp_path):
 
 
 class _Exchanges:
-    """A coordinator of one process (index 1) whose exchanges are recorded, the first failing when waited for."""
+    """A coordinator of one process (index 1) whose exchanges are recorded, the first failing when waited for
+    (unless `fail` is False)."""
 
     index = 1
 
-    def __init__(self):
-        self.started, self.waited = [], []
+    def __init__(self, fail: bool = True):
+        self.started, self.waited, self.fail = [], [], fail
 
     def start_exchange(self, sends, receives, what):
         number = len(self.started)
@@ -64,7 +65,7 @@ class _Exchanges:
         class Pending:
             def wait(self):
                 outer.waited.append(number)
-                if number == 0:
+                if number == 0 and outer.fail:
                     raise xtc.CoordinationError("process 1: transfer with process 0 failed (it died)", process=0)
 
         return Pending()
@@ -81,3 +82,20 @@ def test_a_failed_round_waits_for_the_round_in_flight_before_raising(tmp_path, m
     with pytest.raises(xtc.CoordinationError, match="transfer with process 0 failed"):
         peer_copies.transfer(coordinator, [transfer], {}, {0: str(tmp_path)}, "step 1")
     assert coordinator.started == [0, 1] and coordinator.waited == [0, 1]
+
+
+def test_a_file_that_cannot_be_written_is_given_up_and_every_round_still_received(tmp_path, monkeypatch):
+    """The receiver cannot write the files (a full disk, here a file where their directory should be): it keeps
+    receiving every round, since its sender would otherwise wait for it, and returns the error naming the file,
+    the step and the sender, with the files marked damaged, for its caller to raise once nobody waits."""
+    monkeypatch.setattr(peer_copies, "_PIECE_BYTES", 100)
+    monkeypatch.setattr(peer_copies, "ROUND_BYTES", 200)
+    files = peer_copies.StepFiles(0, 1, (("model/data", 1000), ("model/empty", 0)), (0, 0))
+    transfer = peer_copies.Transfer(0, 1, files, ("model/data", "model/empty"))
+    (tmp_path / "model").write_text("not a directory")
+    coordinator = _Exchanges(fail=False)
+    crcs, error = peer_copies.transfer(coordinator, [transfer], {}, {0: str(tmp_path)}, "step 1")
+    assert coordinator.started == coordinator.waited == list(range(10))  # 10 rounds of 100 bytes
+    assert crcs == {0: [peer_copies._DAMAGED, peer_copies._DAMAGED]}
+    assert isinstance(error, xtc.StorageError)
+    assert f"could not write {tmp_path / 'model' / 'data'} of step 1 received from process 0" in str(error)

@@ -19,12 +19,15 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "peer_replication.py
 
 
 def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_ok: bool = True,
-        layout: str = "fsdp", piece_bytes: int | None = None, unreadable: str | None = None) -> list[dict]:
+        layout: str = "fsdp", piece_bytes: int | None = None, unreadable: str | None = None,
+        fsize: str | None = None) -> list[dict]:
     env = {"XTC_HOSTS": hosts, "XTC_LAYOUT": layout}
     if piece_bytes is not None:
         env["XTC_PIECE_BYTES"] = str(piece_bytes)
     if unreadable is not None:
         env["XTC_UNREADABLE"] = unreadable
+    if fsize is not None:
+        env["XTC_FSIZE"] = fsize
     results = launch_job(SCRIPT, 4, mode, str(root), str(local_base), *args, env=env)
     if expect_ok:
         for r in results:
@@ -255,3 +258,19 @@ def test_files_a_replica_cannot_read_from_its_own_step_are_refused_and_the_step_
         fetched = [(e["step"], e["details"]) for e in r["events"] if e["kind"] == "peer_fetched"]
         assert fetched == ([(2, {"source": 2, "repair": False})] if r["host"] == 0 else []), fetched
     assert "3" not in os.listdir(local_base / "host0")  # nothing of what arrived was kept
+
+
+def test_a_wiped_host_that_cannot_write_what_it_fetches_makes_the_job_fall_back(saved):
+    """Host 1 is wiped and cannot write files past 1 KiB (a full disk): it receives each step all the same (its
+    sender would wait for it otherwise), keeps none of it, and the job skips the local steps with warnings naming
+    the file, the step and the sender, and resumes the persistent step."""
+    root, local_base = saved
+    shutil.rmtree(local_base / "host1")
+    for r in lines(run("restore", root, local_base, fsize="1:1024")):
+        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
+        assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]
+        skipped = [w for w in r["warnings"] if w.startswith("skipping step 3 of the local tier")]
+        assert len(skipped) == 1 and "could not write" in skipped[0], r["warnings"]
+        assert "of step 3 received from process 3" in skipped[0] and "File too large" in skipped[0], skipped
+    assert "3" not in os.listdir(local_base / "host1")
+    assert not [n for n in os.listdir(local_base / "host1" / "peer_copies") if "partial" in n]

@@ -296,15 +296,17 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
     source of from ``source_dirs[i]`` (i: the transfer's position) and writes those it is the target of under
     ``target_dirs[i]``, in rounds of at most `ROUND_BYTES` per process, two in flight. Returns, per transfer this
     process took part in, the CRC32C of each of its files as written (target) or read (source; only for a
-    transfer without recorded CRC32Cs, whose receiver checks against the sender's, and 0 otherwise). Collective:
-    every process calls it with the same `transfers`. Raises `CoordinationError` naming a peer that dies
-    meanwhile."""
+    transfer without recorded CRC32Cs, whose receiver checks against the sender's, and 0 otherwise); and the
+    `StorageError` of the first file this process could not write, or None (such a file is marked damaged, and
+    every round is still received: the caller raises the error once its peers no longer wait for this process).
+    Collective: every process calls it with the same `transfers`. Raises `CoordinationError` naming a peer that
+    dies meanwhile."""
     me = coordinator.index
     # Every process knows every transfer, so all count the same rounds without asking each other.
     everyone = [(i, t, _rounds(_pieces(t), max(_PIECE_BYTES, ROUND_BYTES // 2))) for i, t in enumerate(transfers)]
     plans = [(i, t, rounds) for i, t, rounds in everyone if me in (t.source, t.target)]
     crcs: dict[int, dict[str, int]] = {i: {} for i, _, _ in plans}
-    files = _Landing(target_dirs, crcs)
+    files = _Landing(target_dirs, crcs, what, {i: t.source for i, t, _ in plans})
     buffers = _Buffers()
 
     def start(number: int) -> tuple[Exchange, list[tuple[int, str, int, np.ndarray]]]:
@@ -352,40 +354,67 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
             except CoordinationError:
                 pass
         raise
+        for i, t, _ in plans:
+            if t.target == me:
+                for path in t.paths:
+                    files.create_empty(i, path)
     finally:
         files.close()
-    for i, t, _ in plans:  # an empty file's one piece carried nothing: create it
-        for path in t.paths:
-            full = os.path.join(target_dirs[i], path) if t.target == me else None
-            if full is not None and not os.path.exists(full):
-                os.makedirs(os.path.dirname(full), exist_ok=True)
-                open(full, "wb").close()
-    return {i: [crcs[i].get(path, 0) for path in transfers[i].paths] for i in crcs}
+    return {i: [crcs[i].get(path, 0) for path in transfers[i].paths] for i in crcs}, files.error
 
 
 class _Landing:
     """The files a transfer writes on its target, open until the last round, with the CRC32C of what was
-    written so far."""
+    written so far. A file that cannot be written (a full disk) is given up, marked damaged, and the first such
+    error kept in `error`: the transfer goes on receiving, since its senders would otherwise wait for it."""
 
-    def __init__(self, target_dirs: Mapping[int, str], crcs: dict[int, dict[str, int]]):
-        self._dirs, self._crcs = target_dirs, crcs
+    def __init__(self, target_dirs: Mapping[int, str], crcs: dict[int, dict[str, int]], what: str,
+                 sources: Mapping[int, int]):
+        self._dirs, self._crcs, self._what, self._sources = target_dirs, crcs, what, sources
         self._handles: dict[tuple[int, str], Any] = {}
+        self._failed: set[tuple[int, str]] = set()
+        self.error: StorageError | None = None
 
     def write(self, landing: list[tuple[int, str, int, np.ndarray]]) -> None:
         for i, path, at, buffer in landing:
-            key = (i, path)
-            if key not in self._handles:
-                full = os.path.join(self._dirs[i], path)
-                os.makedirs(os.path.dirname(full), exist_ok=True)
-                self._handles[key] = open(full, "wb")  # noqa: SIM115 - closed by close(), after the last round
-            handle = self._handles[key]
-            handle.seek(at)
-            handle.write(buffer)
+            if (i, path) in self._failed:
+                continue
+            try:
+                handle = self._handles.get((i, path)) or self._open(i, path)
+                handle.seek(at)
+                handle.write(buffer)
+            except OSError as exc:
+                self._fail(i, path, exc)
+                continue
             self._crcs[i][path] = crc32c.crc32c(buffer, self._crcs[i].get(path, 0))
 
+    def create_empty(self, i: int, path: str) -> None:
+        """An empty file: its one piece carried nothing, so no round wrote it."""
+        if (i, path) not in self._handles and (i, path) not in self._failed:
+            try:
+                self._open(i, path)
+            except OSError as exc:
+                self._fail(i, path, exc)
+
     def close(self) -> None:
-        for handle in self._handles.values():
-            handle.close()
+        for (i, path), handle in self._handles.items():
+            try:
+                handle.close()
+            except OSError as exc:
+                self._fail(i, path, exc)
+
+    def _open(self, i: int, path: str) -> Any:
+        full = os.path.join(self._dirs[i], path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        handle = self._handles[(i, path)] = open(full, "wb")  # noqa: SIM115 - closed by close(), after the last round
+        return handle
+
+    def _fail(self, i: int, path: str, exc: OSError) -> None:
+        self._failed.add((i, path))
+        self._crcs[i][path] = _DAMAGED
+        if self.error is None:
+            self.error = StorageError(f"could not write {os.path.join(self._dirs[i], path)} of {self._what} "
+                                      f"received from process {self._sources[i]}: {exc}")
 
 
 # ------------------------------------------------------------------------------------- replication
@@ -446,7 +475,7 @@ class PeerReplicator:
         partials = {i: copy_dir(self._root, t.source, step_name) + f"{_PARTIAL}{time.time_ns()}"
                     for i, t in enumerate(transfers) if t.target == c.index}
         sources = {i: directory for i, t in enumerate(transfers) if t.source == c.index}
-        crcs_of = transfer(c, transfers, sources, partials, f"step {step}")
+        crcs_of, unwritten = transfer(c, transfers, sources, partials, f"step {step}")
         # Each writer tells its receivers the CRC32Cs of what it read; a copy commits only if they match.
         truth = c.all_gather({i: crcs for i, crcs in crcs_of.items() if transfers[i].source == c.index})
         committed: list[int] = []
@@ -466,6 +495,8 @@ class PeerReplicator:
         self._retain()
         self._on_committed(step, held_by, sum(t.files.nbytes for t in transfers if t.source == c.index),
                            sum(transfers[i].files.nbytes for i in partials))
+        if unwritten is not None:  # raised once every collective of this step is behind us
+            raise unwritten
 
     def _retain(self) -> None:
         """Keep the newest `keep` copies of each writer (the local tier's count)."""
@@ -678,8 +709,8 @@ class PeerCopies:
         me = coordinator.index
         mine = [i for i, t in enumerate(transfers) if t.target == me]
         partial = os.path.join(copies_root(self.root), f"{_PARTIAL}{time.time_ns()}") if mine else None
-        crcs_of = transfer(coordinator, transfers, {i: d for i, d in enumerate(dirs) if d is not None},
-                           {i: partial for i in mine}, f"step {step}")
+        crcs_of, unwritten = transfer(coordinator, transfers, {i: d for i, d in enumerate(dirs) if d is not None},
+                                      {i: partial for i in mine}, f"step {step}")
         # Files that come with the CRC32Cs of a copy's marker are checked against those; only files read from a
         # step directory (no marker) need what their sender read, which it sends its receiver alone.
         unrecorded = {i for i, t in enumerate(transfers) if t.files.crcs is None and me in (t.source, t.target)}
@@ -696,6 +727,9 @@ class PeerCopies:
                     if transfers[i].target == me}
         if partial is None:
             return 0
+        if unwritten is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise unwritten
         damaged = []
         for i in mine:
             t = transfers[i]

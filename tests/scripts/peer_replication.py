@@ -12,7 +12,8 @@ With XTC_LAYOUT=dp, host h holds row shard h % 2 of two (data-parallel replicas:
 Rank r runs on host XTC_HOSTS[r] (a comma-separated list; default 0,1,2,3), whose local tier is
 LOCAL_BASE/host<HOST>. With XTC_PIECE_BYTES=n, files travel between peers in pieces of n bytes, two per round
 (many rounds, two in flight). With XTC_UNREADABLE=s, a sender cannot read the files it sends whose path contains
-s (as if they vanished after they were listed). Prints one JSON line: {"rank", "host", ...}.
+s (as if they vanished after they were listed). With XTC_FSIZE=h:n, host h cannot write files past n bytes (its
+disk full, as far as its writes go). Prints one JSON line: {"rank", "host", ...}.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import warnings
@@ -73,6 +75,9 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     host = int(os.environ.get("XTC_HOSTS", "0,1,2,3").split(",")[rank])
     events: list[dict] = []
+    if os.environ.get("XTC_FSIZE", "").startswith(f"{host}:"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ["XTC_FSIZE"].split(":")[1]), resource.RLIM_INFINITY))
 
     def listen(event) -> None:
         events.append({"kind": event.kind, "tier": event.tier, "step": event.step, "nbytes": event.nbytes,
