@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import footprint  # noqa: E402
 import fresh_process  # noqa: E402
 import memory  # noqa: E402
 
@@ -84,9 +85,10 @@ def main() -> None:
         manager = ocp.CheckpointManager(root, options=manager_options)
         target = build(entries, restore_mesh, 1, zeros=True)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        start = time.perf_counter()
-        jax.block_until_ready(manager.restore(args.repeats, args=ocp.args.StandardRestore(abstract)))
-        result = {"contender": "orbax", "workload": args.workload, "restore_s": [time.perf_counter() - start]}
+        measures, _ = footprint.measure(lambda: jax.block_until_ready(
+            manager.restore(args.repeats, args=ocp.args.StandardRestore(abstract))))
+        result = {"contender": "orbax", "workload": args.workload, "restore_s": [measures["wall_s"]],
+                  "footprint": measures}
         manager.close()
         print("RESULT " + json.dumps(result), flush=True)
         return

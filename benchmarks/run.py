@@ -204,6 +204,24 @@ def spread(values):
     return (max(values) - min(values)) / 2 if values else float("nan")
 
 
+def abba(contenders: list[str], rounds: int) -> list[str]:
+    """The order of `rounds` fresh-process runs of each contender: forwards in even rounds, backwards in odd ones
+    (A B B A A B ...), so that no contender always runs first or right after another one."""
+    return [c for i in range(rounds) for c in (contenders if i % 2 == 0 else contenders[::-1])]
+
+
+def footprint_summary(measured: list[dict], nbytes: int, *, read: bool) -> str:
+    """Medians of footprint.measure's figures over runs: CPU user + sys seconds, fresh memory (peak resident set
+    growth + page cache growth) and bytes read (`read`) or written per byte of state."""
+    io = "read_bytes" if read else "written_bytes"
+    return (f"CPU {median([m['user_s'] + m['system_s'] for m in measured]):.2f} s "
+            f"({median([m['user_s'] for m in measured]):.2f} user + {median([m['system_s'] for m in measured]):.2f} "
+            f"sys), fresh {median([m['fresh_bytes'] for m in measured]) / nbytes:.2f} B/B "
+            f"({median([m['rss_growth_bytes'] for m in measured]) / nbytes:.2f} resident + "
+            f"{median([m['page_cache_growth_bytes'] for m in measured]) / nbytes:.2f} page cache), "
+            f"{'read' if read else 'written'} {median([m[io] for m in measured]) / nbytes:.2f} B/B")
+
+
 def table(results: list[dict], floor: dict[str, dict]) -> str:
     lines = []
     for workload in dict.fromkeys(r["workload"] for r in results):
@@ -231,18 +249,30 @@ def table(results: list[dict], floor: dict[str, dict]) -> str:
                 f"{restore:7.3f}±{spread(r['restore_s']):<5.3f} {ratio_restore:>6} {four} "
                 f"{nbytes / 2**30 / save:6.2f} {r['save_peak_extra_bytes'] / max(1, r['distinct_shard_bytes']):5.2f}x "
                 f"{r['files']:6d} {r['bytes_written'] / 2**20:7.1f} {str(r.get('restore_exact', '-')):>5}")
+        for r in (r for r in rows if r.get("save_footprint")):
+            lines.append(f"  {r['contender']:14} save: {footprint_summary(r['save_footprint'], nbytes, read=False)}; "
+                         f"restore: {footprint_summary(r['restore_footprint'], nbytes, read=True)}")
     for r in (r for r in results if r.get("resume_s")):
         base = next((b for b in results if b["workload"] == r["workload"] and b["contender"] == BASELINE), None)
         cold = median(floor[r["workload"]]["cold_read_s"])
         resume = median(r["resume_s"])
         versus = f"{median(base['resume_s']) / resume:.2f}x torch_xla's, " if base and base.get("resume_s") else ""
+        nbytes = next(b["state_bytes"] for b in results if b["workload"] == r["workload"] and "state_bytes" in b)
+        measured = f"; {footprint_summary(r['resume_footprint'], nbytes, read=True)}" if r.get(
+            "resume_footprint") else ""
         lines.append(f"resume {r['workload']:6} {r['contender']:10} {resume:7.3f} s (min {min(r['resume_s']):.3f}, "
-                     f"max {max(r['resume_s']):.3f}, {len(r['resume_s'])} runs): {versus}"
-                     f"{resume / cold:.2f}x the cold read floor ({cold:.3f} s)")
+                     f"max {max(r['resume_s']):.3f}, {len(r['resume_s'])} runs, ABBA): {versus}"
+                     f"{resume / cold:.2f}x the cold read floor ({cold:.3f} s){measured}")
     lines.append("")
     lines.append("resume: a fresh process, the checkpoint evicted from the page cache, the target built, one restore "
-                 "(the headline restore figure: what a restarted trainer waits for); the restore columns are "
-                 "in-process restores after a save.")
+                 "(the headline restore figure: what a restarted trainer waits for); the contenders take turns "
+                 "ABBA (forwards in even rounds, backwards in odd ones); the restore columns are in-process restores "
+                 "after a save.")
+    lines.append("CPU: user + system seconds of the whole process during the call; fresh: host memory it touched "
+                 "(peak resident set growth + page cache growth) per byte of state; read / written: bytes from / to "
+                 "storage (the block layer's count) per byte of state; medians over the runs (benchmarks/"
+                 "footprint.py). Under each workload's table, the same for the in-process saves (until written) and "
+                 "restores.")
     lines.append("save: until written (and fsynced where 'fsync' says so); blocked: time the caller waits in save(); "
                  "restore: onto another mesh (4 dev: in a process with 4 devices); x base: times faster than "
                  "torch_xla's CheckpointManager; peak+: peak host RSS above the state during the first save, over "
@@ -408,13 +438,13 @@ def main() -> None:
                     results.append(result)
                     if keep:
                         kept[contender] = result
-                if resumed:  # fresh processes, page cache evicted; alternated so that all see the same machine
+                if resumed:  # fresh processes, page cache evicted; alternated ABBA so that all see the same machine
                     print(f"resuming {workload} {args.resumes} times ...", file=sys.stderr, flush=True)
-                    for _ in range(args.resumes):
-                        for contender, result in kept.items():
-                            if contender in RESUME_CONTENDERS:
-                                result.setdefault("resume_s", []).extend(
-                                    run_worker(contender, workload, args, base, env, resume=True)["restore_s"])
+                    order = [c for c in kept if c in RESUME_CONTENDERS]
+                    for contender in abba(order, args.resumes):
+                        resumed_once = run_worker(contender, workload, args, base, env, resume=True)
+                        kept[contender].setdefault("resume_s", []).extend(resumed_once["restore_s"])
+                        kept[contender].setdefault("resume_footprint", []).append(resumed_once["footprint"])
                 for contender, result in kept.items():
                     if workload == "model" and contender in RESTORE_ON_4:
                         result["restore_4dev_s"] = run_worker(contender, workload, args, base, env, devices=4,

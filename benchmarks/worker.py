@@ -26,8 +26,8 @@ xr.use_spmd()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import contenders  # noqa: E402
+import footprint  # noqa: E402
 import fresh_process  # noqa: E402
-import memory  # noqa: E402
 import workloads  # noqa: E402
 
 from xla_tensorstore_ckpt import sharding, storage  # noqa: E402
@@ -86,39 +86,41 @@ def main() -> None:
             xs.mark_sharding(t, mesh_b, restore_specs[name])
         return t
 
-    def timed_restores(contender: contenders.Contender) -> tuple[list[float], list[int], dict]:
+    def timed_restores(contender: contenders.Contender) -> tuple[list[dict], dict]:
         """Restore the last saved step `args.repeats` times onto a fresh target each time (after one uncounted
         restore with --warm-restore, like the first save: lazy initialisation, first-touch of fresh buffers);
-        the seconds, the peak extra RSS of each, and the last restored state."""
+        the footprint of each (benchmarks/footprint.py: wall and CPU seconds, fresh memory, bytes read) and the
+        last restored state."""
         restored = None
         if args.warm_restore:
             restored = contender.restore(args.repeats, workloads.build_target(args.workload, args.scale), place)
-        seconds, peaks = [], []
+        measured = []
         for _ in range(args.repeats):
             target = workloads.build_target(args.workload, args.scale)
             del restored
             os.sync()
-            elapsed, peak, restored = memory.measure(lambda target=target: contender.restore(args.repeats, target,
-                                                                                             place))
-            seconds.append(elapsed)
-            peaks.append(peak)
-        return seconds, peaks, restored
+            measures, restored = footprint.measure(lambda target=target: contender.restore(args.repeats, target,
+                                                                                           place))
+            measured.append(measures)
+        return measured, restored
 
     root = os.path.join(args.dir, "root")
     if args.resume:
         fresh_process.evict(args.dir)
         contender = contenders.CONTENDERS[args.contender](root)
         target = workloads.build_target(args.workload, args.scale)
-        start = time.perf_counter()
-        contender.restore(args.repeats, target, place)
-        result = {"contender": contender.name, "workload": args.workload, "restore_s": [time.perf_counter() - start]}
+        measures, _ = footprint.measure(lambda: contender.restore(args.repeats, target, place))
+        result = {"contender": contender.name, "workload": args.workload, "restore_s": [measures["wall_s"]],
+                  "footprint": measures}
         contender.close()
         print("RESULT " + json.dumps(result), flush=True)
         return
     if args.restore_only:
         contender = contenders.CONTENDERS[args.contender](root)
         result = {"contender": contender.name, "workload": args.workload, "devices": devices, "restore_s": []}
-        result["restore_s"], _, _ = timed_restores(contender)
+        measured, _ = timed_restores(contender)
+        result["restore_s"] = [m["wall_s"] for m in measured]
+        result["restore_footprint"] = measured
         contender.close()
         storage.location(args.dir).delete_tree()
         print("RESULT " + json.dumps(result), flush=True)
@@ -132,7 +134,7 @@ def main() -> None:
     result = {"contender": contender.name, "workload": args.workload, "scale": args.scale, "devices": devices,
               "fsync": contender.fsync, "state_bytes": workloads.state_bytes(state),
               "distinct_shard_bytes": _distinct_shard_bytes(state), "save_s": [], "blocked_s": [],
-              "restore_s": [], "restore_peak_extra_bytes": []}
+              "restore_s": [], "restore_peak_extra_bytes": [], "save_footprint": [], "restore_footprint": []}
 
     def save(step: int) -> float:
         start = time.perf_counter()
@@ -143,8 +145,8 @@ def main() -> None:
 
     # The first save in a fresh process shows the peak extra host memory (RSS high-water mark above the RSS
     # with the state built); it also warms up lazy initialisation, so its time is not counted.
-    _, peak, _ = memory.measure(lambda: save(0))
-    result["save_peak_extra_bytes"] = peak
+    first, _ = footprint.measure(lambda: save(0))
+    result["save_peak_extra_bytes"] = first["rss_growth_bytes"]
     result["files"], result["bytes_written"] = _disk_usage(contender.path(0) if args.contender != "torch.save"
                                                            else root)
     for step in range(1, args.repeats + 1):
@@ -152,10 +154,13 @@ def main() -> None:
         # memory (first-touch of fresh memory is very slow in this VM and would add noise unrelated to I/O).
         contender.delete(step - 1)
         os.sync()
-        seconds, _, blocked = memory.measure(lambda step=step: save(step))
-        result["save_s"].append(seconds)
+        measures, blocked = footprint.measure(lambda step=step: save(step))
+        result["save_s"].append(measures["wall_s"])
         result["blocked_s"].append(blocked)
-    result["restore_s"], result["restore_peak_extra_bytes"], restored = timed_restores(contender)
+        result["save_footprint"].append(measures)
+    result["restore_footprint"], restored = timed_restores(contender)
+    result["restore_s"] = [m["wall_s"] for m in result["restore_footprint"]]
+    result["restore_peak_extra_bytes"] = [m["rss_growth_bytes"] for m in result["restore_footprint"]]
     keys = list(state)[:: max(1, len(state) // 8)]
     result["restore_exact"] = all(torch.equal(restored[k].cpu(), state[k].cpu()) for k in keys)
     contender.close()
