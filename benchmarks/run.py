@@ -106,6 +106,13 @@ def run_worker(contender: str, workload: str, args, workdir: str, env: dict, *, 
     raise RuntimeError(f"{contender} on {workload} failed:\n{proc.stderr[-4000:]}")
 
 
+def warm_memory(nbytes: int) -> None:
+    """Warm-memory mode: a throwaway process touches `nbytes`, so that the hypervisor has handed the pages to the
+    VM before the timed process that comes next asks for them."""
+    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import footprint; "
+                    f"footprint.touch_memory({nbytes})"], check=True)
+
+
 def read_into_fresh_memory(path: str, nbytes: int) -> float:
     """Seconds to read the file at `path` whole into a newly allocated buffer."""
     start = time.perf_counter()
@@ -338,9 +345,9 @@ def main() -> None:
     parser.add_argument("--warm-restore", action="store_true",
                         help="each contender restores once, uncounted, before the timed restores (as for saves)")
     parser.add_argument("--warm-memory", action="store_true",
-                        help="torch_xla-import and dtensor: a throwaway process touches twice the checkpoint's bytes "
-                        "before each timed process or region (this VM's fresh memory is slow to hand over; "
-                        "docs/performance.md)")
+                        help="resumes, torch_xla-import and dtensor: a throwaway process touches twice the "
+                        "checkpoint's bytes before each timed process or region (this VM's fresh memory is slow to "
+                        "hand over; docs/performance.md)")
     parser.add_argument("--resumes", type=int, default=5,
                         help="resumes per contender on the large and model workloads: fresh process, page cache "
                         "evicted, one restore (0: none)")
@@ -442,6 +449,8 @@ def main() -> None:
                     print(f"resuming {workload} {args.resumes} times ...", file=sys.stderr, flush=True)
                     order = [c for c in kept if c in RESUME_CONTENDERS]
                     for contender in abba(order, args.resumes):
+                        if args.warm_memory:
+                            warm_memory(2 * nbytes)
                         resumed_once = run_worker(contender, workload, args, base, env, resume=True)
                         kept[contender].setdefault("resume_s", []).extend(resumed_once["restore_s"])
                         kept[contender].setdefault("resume_footprint", []).append(resumed_once["footprint"])
