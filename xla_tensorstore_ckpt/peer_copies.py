@@ -291,7 +291,7 @@ class _Buffers:
 
 
 def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dirs: Mapping[int, str],
-             target_dirs: Mapping[int, str], what: str) -> dict[int, list[int]]:
+             target_dirs: Mapping[int, str], what: str) -> tuple[dict[int, list[int]], StorageError | None]:
     """Move the files of every transfer (the same list on every process): this process reads those it is the
     source of from ``source_dirs[i]`` (i: the transfer's position) and writes those it is the target of under
     ``target_dirs[i]``, in rounds of at most `ROUND_BYTES` per process, two in flight. Returns, per transfer this
@@ -354,10 +354,6 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
             except CoordinationError:
                 pass
         raise
-        for i, t, _ in plans:
-            if t.target == me:
-                for path in t.paths:
-                    files.create_empty(i, path)
     finally:
         files.close()
     return {i: [crcs[i].get(path, 0) for path in transfers[i].paths] for i in crcs}, files.error
@@ -376,6 +372,7 @@ class _Landing:
         self.error: StorageError | None = None
 
     def write(self, landing: list[tuple[int, str, int, np.ndarray]]) -> None:
+        """Write the pieces of a round (an empty file comes as one empty piece, which creates it)."""
         for i, path, at, buffer in landing:
             if (i, path) in self._failed:
                 continue
@@ -387,14 +384,6 @@ class _Landing:
                 self._fail(i, path, exc)
                 continue
             self._crcs[i][path] = crc32c.crc32c(buffer, self._crcs[i].get(path, 0))
-
-    def create_empty(self, i: int, path: str) -> None:
-        """An empty file: its one piece carried nothing, so no round wrote it."""
-        if (i, path) not in self._handles and (i, path) not in self._failed:
-            try:
-                self._open(i, path)
-            except OSError as exc:
-                self._fail(i, path, exc)
 
     def close(self) -> None:
         for (i, path), handle in self._handles.items():
@@ -481,11 +470,17 @@ class PeerReplicator:
         committed: list[int] = []
         for i in partials:
             t, crcs = transfers[i], crcs_of[i]
-            if crcs != truth[t.source][i]:
+            if crcs != truth[t.source][i] or _DAMAGED in crcs:
                 shutil.rmtree(partials[i], ignore_errors=True)
                 continue
             manifest = StepFiles(t.source, step, t.files.files, tuple(crcs), t.files.shared)
-            _commit_dir(partials[i], copy_dir(self._root, t.source, step_name), manifest)
+            try:
+                _commit_dir(partials[i], copy_dir(self._root, t.source, step_name), manifest)
+            except OSError as exc:  # raised below, once the step's last collective no longer waits for us
+                shutil.rmtree(partials[i], ignore_errors=True)
+                unwritten = unwritten or StorageError(f"could not commit the copy of step {step} of process "
+                                                      f"{t.source} in {partials[i]}: {exc}")
+                continue
             committed.append(t.source)
         holders = c.all_gather(committed)
         held_by: dict[int, list[int]] = {}
@@ -550,14 +545,19 @@ def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int
     else one whose own step was written by `writer` (a job restarted with other indices). None if there is
     none."""
     for holder, held in enumerate(everyone):
-        shared = held.copies.get((writer, step))
-        if holder != process and shared is not None and all(
-                q != process and (step, q) in everyone[q].own for _, q in shared):
+        if holder != process and _copy_usable(everyone, process, step, held.copies.get((writer, step))):
             return holder
     for holder, held in enumerate(everyone):
         if holder != process and (step, writer) in held.own:
             return holder
     return None
+
+
+def _copy_usable(everyone: Sequence[Holdings], process: int, step: int,
+                 shared: tuple[tuple[str, int], ...] | None) -> bool:
+    """Whether a held copy (`shared`: the items it left out and their holders; None: no copy) can serve `process`:
+    every left-out item's holder is another process that still has its own step."""
+    return shared is not None and all(q != process and (step, q) in everyone[q].own for _, q in shared)
 
 
 class PeerCopies:
@@ -588,11 +588,16 @@ class PeerCopies:
         me = coordinator.index
         own_dir = os.path.join(self.root, step_name)
         held = self.held()
+        # A source serves its copy where `source_of` chose it for that (its left-out items' holders have their own
+        # step), else its own step; every process tells which from the holdings alone.
+        copied = {t for t, s in sources.items() if _copy_usable(holdings, t, step, holdings[s].copies.get((t, step)))}
         served: dict[int, tuple[str, StepFiles]] = {}
         for target, source in sources.items():
             if source == me:
-                served[target] = held.get((target, step)) or (own_dir, list_files(own_dir, own_writer[me], step))
-        needs = sorted((t, item, q) for t, s in sources.items() for item, q in holdings[s].copies.get((t, step), ()))
+                served[target] = held[(target, step)] if target in copied else \
+                    (own_dir, list_files(own_dir, own_writer[me], step))
+        needs = sorted((t, item, q) for t, s in sources.items() if t in copied
+                       for item, q in holdings[s].copies[(t, step)])
         main, items = self._send_lists(coordinator, step, own_dir, served, sources, needs)
         transfers = [Transfer(s, t, main[t], tuple(path for path, _ in main[t].files))
                      for t, s in sorted(sources.items())]

@@ -193,7 +193,10 @@ def _writer(holdings: list[Holdings], process: int, candidate: Candidate) -> int
 
 def _repair_sources(failed: dict[int, str], holdings: list[Holdings], candidate: Candidate) -> dict[int, int] | None:
     """For each process of `failed`, another that holds a peer copy of its step (copies carry every file's
-    CRC32C, so only the damaged files need to travel); None if one has none."""
+    CRC32C, so only the damaged files need to travel); None if one has none, or if one failed to fetch the step
+    (what it fetched was checked whole against the copy, or could not be written: a repair would move it again)."""
+    if any(process in dict(candidate.fetch) for process in failed):
+        return None
     sources = {}
     for process in failed:
         writer = _writer(holdings, process, candidate)
