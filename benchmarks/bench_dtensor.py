@@ -71,7 +71,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import footprint  # noqa: E402
-from bench_torch_xla_import import _medians, _warm  # noqa: E402
+from bench_torch_xla_import import _medians  # noqa: E402
 from fresh_process import evict, run_json  # noqa: E402
 from jobs import run_job  # noqa: E402
 
@@ -174,7 +174,7 @@ def worker(workload: str, scale: float, root: str, repeats: int, warm_memory: bo
     def timed(fn, *, warm: bool = True) -> tuple[dict, object]:
         """`fn` measured on every process between two barriers (process 0 warms memory first if asked)."""
         if warm and warm_memory and rank == 0:
-            _warm(2 * nbytes)
+            footprint.warm_memory(2 * nbytes)
         dist.barrier()
         measures, result = footprint.measure(fn)
         dist.barrier()

@@ -197,11 +197,6 @@ def _run(args: list[str], what: str, devices: bool = True) -> dict:
     return run_json([sys.executable, os.path.abspath(__file__), "--worker", *args], env, what)
 
 
-def _warm(nbytes: int) -> None:
-    run_json([sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import footprint; "
-              f"footprint.touch_memory({nbytes}); print('{{}}')"], dict(os.environ), "warm-memory")
-
-
 def _medians(runs: list[dict], nbytes: int) -> dict:
     def med(key):
         return statistics.median(r[key] for r in runs)
@@ -227,7 +222,7 @@ def measure(scale: float, repeats: int, workdir: str, workload_names: tuple[str,
             for contender in CONTENDERS if i % 2 == 0 else reversed(CONTENDERS):
                 evict(root)
                 if warm_memory:
-                    _warm(2 * saved["bytes"])
+                    footprint.warm_memory(2 * saved["bytes"])
                 runs[contender].append(_run(["restore", contender, workload, str(scale), root, str(int(i == 0))],
                                             f"{contender}'s restore of {workload}"))
         result = {**saved, "runs": runs, "exact": all(runs[c][0]["exact"] for c in CONTENDERS),

@@ -7,7 +7,10 @@ that. Linux only; plain standard library (the Orbax worker imports it in its own
 
 from __future__ import annotations
 
+import os
 import resource
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -50,3 +53,11 @@ def touch_memory(nbytes: int) -> None:
     handed the pages to the VM before the timed process that comes next asks for them."""
     block = b"\x01" * nbytes
     del block
+
+
+def warm_memory(nbytes: int) -> None:
+    """Warm-memory mode, from the measuring side: run a throwaway process that touches `nbytes` (`touch_memory`)
+    and wait for it. Raises CalledProcessError if it fails."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import footprint; "
+                    f"footprint.touch_memory({nbytes})"], check=True)

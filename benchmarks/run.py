@@ -59,6 +59,7 @@ import bench_dtensor  # noqa: E402
 import bench_hf_import  # noqa: E402
 import bench_orbax_interop  # noqa: E402
 import bench_torch_xla_import  # noqa: E402
+import footprint  # noqa: E402
 import fresh_process  # noqa: E402
 import workloads  # noqa: E402
 
@@ -104,13 +105,6 @@ def run_worker(contender: str, workload: str, args, workdir: str, env: dict, *, 
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     raise RuntimeError(f"{contender} on {workload} failed:\n{proc.stderr[-4000:]}")
-
-
-def warm_memory(nbytes: int) -> None:
-    """Warm-memory mode: a throwaway process touches `nbytes`, so that the hypervisor has handed the pages to the
-    VM before the timed process that comes next asks for them."""
-    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import footprint; "
-                    f"footprint.touch_memory({nbytes})"], check=True)
 
 
 def read_into_fresh_memory(path: str, nbytes: int) -> float:
@@ -450,7 +444,7 @@ def main() -> None:
                     order = [c for c in kept if c in RESUME_CONTENDERS]
                     for contender in abba(order, args.resumes):
                         if args.warm_memory:
-                            warm_memory(2 * nbytes)
+                            footprint.warm_memory(2 * nbytes)
                         resumed_once = run_worker(contender, workload, args, base, env, resume=True)
                         kept[contender].setdefault("resume_s", []).extend(resumed_once["restore_s"])
                         kept[contender].setdefault("resume_footprint", []).append(resumed_once["footprint"])
