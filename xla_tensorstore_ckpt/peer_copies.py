@@ -553,6 +553,11 @@ def source_of(everyone: Sequence[Holdings], process: int, step: int, writer: int
     return None
 
 
+def _item_of(listing: StepFiles, item: str) -> tuple[tuple[str, int], ...]:
+    """The files of `item` (paths and sizes) in a step directory's `listing`."""
+    return tuple(f for f in listing.files if f[0].startswith(item + "/"))
+
+
 def _copy_usable(everyone: Sequence[Holdings], process: int, step: int,
                  shared: tuple[tuple[str, int], ...] | None) -> bool:
     """Whether a held copy (`shared`: the items it left out and their holders; None: no copy) can serve `process`:
@@ -624,9 +629,8 @@ class PeerCopies:
         for target, item, holder in needs:
             if holder == me:
                 own_files = own_files or list_files(own_dir, me, step)
-                files = tuple(f for f in own_files.files if f[0].startswith(item + "/"))
                 outgoing.setdefault(target, {"main": None, "items": {}})["items"][item] = \
-                    _record(StepFiles(me, step, files))
+                    _record(StepFiles(me, step, _item_of(own_files, item)))
         senders = sorted({sources[me]} | {q for t, _, q in needs if t == me}) if me in sources else []
         blobs = {t: np.frombuffer(json.dumps(message).encode(), dtype=np.uint8) for t, message in outgoing.items()}
         lengths = {p: [np.zeros(1, dtype=np.int64)] for p in senders}
@@ -700,7 +704,7 @@ class PeerCopies:
         mine = {}
         for target, item, holder in needs:
             if holder == coordinator.index:
-                files = tuple(f for f in list_files(own_dir, holder, step).files if f[0].startswith(item + "/"))
+                files = _item_of(list_files(own_dir, holder, step), item)
                 crcs = tuple(crc or 0 for crc in file_crcs(own_dir, files))
                 mine[(target, item)] = StepFiles(holder, step, files, crcs)
         return coordinator.all_gather(mine)
