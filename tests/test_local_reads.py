@@ -73,6 +73,24 @@ def test_runs_read_the_same_bytes_cold_or_warm(tmp_path, monkeypatch, small_wind
             os.close(fd)
 
 
+def test_runs_whose_first_page_is_cached_are_still_read_direct(tmp_path, monkeypatch, small_windows):
+    """A chunk's first page is often cached by the read before it (the previous chunk's checksum shares it):
+    the probe looks at the middle of what is read, so the rest is not read through the page cache."""
+    path, data = _file(tmp_path)
+    if not _direct_supported(path):
+        pytest.skip("the file system refuses O_DIRECT")
+    _evict(path)
+    with open(path, "rb") as f:
+        f.read(1)
+    seen = []
+    real_direct = local_reads._read_direct
+    monkeypatch.setattr(local_reads, "_read_direct", lambda *a: seen.append("direct") or real_direct(*a))
+    out = bytearray(60_000)
+    local_reads.read_runs(path, [(100, memoryview(out))], "the test file")
+    assert bytes(out) == data[100:60_100]
+    assert seen == ["direct"]
+
+
 def test_a_file_system_without_o_direct_is_read_buffered(tmp_path, monkeypatch, small_windows):
     path, data = _file(tmp_path)
     _evict(path)
@@ -112,6 +130,30 @@ def test_a_held_descriptor_is_read_cold_even_after_its_name_is_removed(tmp_path,
     finally:
         os.close(fd)
     assert bytes(out) == payload[100:20100]
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+@pytest.mark.parametrize("start, stop", [(5, 3000), (4093, 16000), (1000, 50_000), (199_000, 200_000)],
+                         ids=["in-a-page", "a-window", "larger-than-a-window", "to-the-end"])
+def test_a_window_view_holds_the_bytes_cold_or_warm(tmp_path, small_windows, cache, start, stop):
+    path, data = _file(tmp_path)
+    if cache == "cold":
+        _evict(path)
+    fd = local_reads.open_for_runs(path)
+    try:
+        view = local_reads.read_window(fd, start, stop, "the test file")
+        assert bytes(view) == data[start:stop]
+        with pytest.raises(CorruptCheckpointError, match="the test file: the file ends before"):
+            local_reads.read_window(fd, len(data) - 10, len(data) + 10, "the test file")
+    finally:
+        os.close(fd)
+    if cache == "cold" and _direct_supported(path) and stop - start > 8192:
+        probe = os.open(path, os.O_RDONLY)  # read around the page cache: a quarter in, nothing is cached
+        try:
+            with pytest.raises(BlockingIOError):
+                os.preadv(probe, [bytearray(1)], start + (stop - start) // 4, os.RWF_NOWAIT)
+        finally:
+            os.close(probe)
 
 
 # --------------------------------------------------------------------------------- boxes of a stored array

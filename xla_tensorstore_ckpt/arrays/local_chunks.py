@@ -5,9 +5,10 @@ codecs), in a file of its own or at a byte range of an OCDBT data file (`ocdbt.o
 of some regions of an array reads each chunk they touch once, however many regions share it, with positioned
 reads (`local_reads`: around the page cache where it does not hold the chunk): straight into the destination
 where the chunk is one contiguous block of it (a restore onto the sharding it was saved with), else in pieces of
-at most `PIECE_BYTES` through a buffer each reading thread keeps, copying out of each piece what each region
-needs. The checksum is computed with the processor's CRC32C instruction (the `crc32c` package) as the pieces
-pass, and a chunk that fails it, is missing or has the wrong size is an error naming the array and the chunk.
+at most `PIECE_BYTES`, each read into the reading thread's window (`local_reads.read_window`) and copied out of
+it once, to each region that needs it. The checksum is computed with the processor's CRC32C instruction (the
+`crc32c` package) as the pieces pass, and a chunk that fails it, is missing or has the wrong size is an error
+naming the array and the chunk.
 
 Why not tensorstore here: it maps the files into memory and takes a page fault per 4 KiB on every restore, warm or
 cold (a quarter of a million per GiB, at several microseconds each on a busy VM); its CRC32C is the portable one
@@ -36,7 +37,7 @@ from .. import bounds, dtypes, layout, storage
 from ..errors import CorruptCheckpointError, StorageError
 from ..records import ArrayMetadata, ArrayStore
 from .base import ArrayReader, ByteCounter, Empty, Index, Opening, Picked, Ready, index_box
-from .local_reads import open_for_runs, read_runs
+from .local_reads import ALIGN, WINDOW_BYTES, open_for_runs, read_runs, read_window
 from .ocdbt import StoredValue, ocdbt_index
 from .tensorstore_io import TensorstoreReader
 
@@ -46,10 +47,9 @@ from .tensorstore_io import TensorstoreReader
 # and copies, 0.06 s without them). Measured on that workload: median 1.07 s read here inline against 1.35 s
 # for format 1 (tensorstore, a directory per array). Larger chunks are mostly data, read with the GIL released.
 INLINE_CHUNK_BYTES = 512 << 10
-PIECE_BYTES = 8 << 20  # what a reading thread reads at once when a chunk is cut up: fits the caches, kept per thread
+PIECE_BYTES = WINDOW_BYTES - 2 * ALIGN  # what a reading thread reads at once when a chunk is cut up: one read window
 _CHECKSUM_BYTES = 4
 _WORKERS = ThreadPoolExecutor(4, thread_name_prefix="xtc-chunk-read")  # reads overlap; checksums need 2 cores
-_scratch = threading.local()
 
 
 def covers(item: storage.Location, store: ArrayStore) -> bool:
@@ -239,20 +239,19 @@ class LocalChunkArray:
 
     def _from_pieces(self, key: str, box: Index, targets: list[tuple[Index, np.ndarray]], reader: _Reader,
                      source: _Source) -> None:
-        """Read the chunk in pieces of whole rows (of its first dimension), copy each piece's part of each
-        target, and check the checksum over all of it."""
+        """Read the chunk in pieces of whole rows (of its first dimension), each into this thread's read window
+        (`local_reads.read_window`: no copy on the way), copy each piece's part of each target, and check the
+        checksum over all of it."""
         inner = self.chunk_shape[1:]
         row_bytes = math.prod(inner) * self._row.itemsize
         rows = self.chunk_shape[0]
         per_piece = max(1, PIECE_BYTES // max(1, row_bytes))
-        buffer = _scratch_buffer(min(rows, per_piece) * row_bytes)
         checksum = 0
         for first in range(0, rows, per_piece):
             count = min(per_piece, rows - first)
-            piece = buffer[:count * row_bytes]
-            reader.read_into([piece], first * row_bytes)
+            piece = reader.view(first * row_bytes, count * row_bytes)
             checksum = crc32c.crc32c(piece, checksum)
-            data = piece.view(self._row.copy_dtype).reshape((count, *inner))
+            data = np.frombuffer(piece, self._row.copy_dtype).reshape((count, *inner))
             start = box[0][0] + first
             for region, out in targets:
                 overlap = ((max(start, region[0][0]), min(start + count, region[0][1])),
@@ -355,6 +354,13 @@ class _Reader:
             position += len(view)
         read_runs(self.source.file, runs, f"{self._what} ({self.source.where})", fd=self._fd)
 
+    def view(self, at: int, nbytes: int) -> memoryview:
+        """`nbytes` of the chunk from `at`, as a view valid until this thread's next read (`read_window`)."""
+        if self.source.inline is not None:
+            return memoryview(self.source.inline)[at:at + nbytes]
+        start = self.source.offset + at
+        return read_window(self._fd, start, start + nbytes, f"{self._what} ({self.source.where})")
+
 
 class _OpenFiles:
     """The data files one restore has open, with their sizes; shared by its reading threads."""
@@ -408,12 +414,3 @@ def _contiguous_block(box: Index, region: Index, out: np.ndarray) -> memoryview 
         offset = offset * n + a - ra
     flat = out.reshape(-1)
     return memoryview(flat[offset:offset + math.prod(extent)].view(np.uint8))
-
-
-def _scratch_buffer(nbytes: int) -> np.ndarray:
-    """This thread's piece buffer, at least `nbytes` long: kept between chunks and restores, so that its pages
-    are faulted in once."""
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.nbytes < nbytes:
-        buffer = _scratch.buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
-    return buffer

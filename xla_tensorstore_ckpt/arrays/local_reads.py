@@ -48,13 +48,35 @@ def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: 
             raise StorageError(f"cannot open {where}: {exc}") from exc
     try:
         direct_path = path if own else f"/proc/self/fd/{fd}"
-        if _cached(fd, runs[len(runs) // 2][0]) or not _read_direct(direct_path, runs, where):
+        middle = (runs[0][0] + runs[-1][0] + len(runs[-1][1])) // 2
+        if _cached(fd, middle) or not _read_direct(direct_path, runs, where):
             _read_buffered(fd, runs, where)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
     finally:
         if own:
             os.close(fd)
+
+
+def read_window(fd: int, start: int, stop: int, where: str) -> memoryview:
+    """The bytes of the local file open as `fd` (`open_for_runs`) from `start` to `stop`, read into this
+    thread's window and returned as a view of it, valid until this thread's next read here: no copy beyond the
+    read itself, which goes around the page cache where it does not hold the bytes. A span larger than a window
+    is read into a window of its own, made for the call. Called on reading threads; blocks; raises
+    `CorruptCheckpointError` where the file ends before `stop`, `StorageError` for other OS errors (both naming
+    `where`)."""
+    try:
+        direct = None if _cached(fd, (start + stop) // 2) else _open_direct(f"/proc/self/fd/{fd}")
+        try:
+            view, at = _Source(fd, direct).window(start, stop)
+        finally:
+            if direct is not None:
+                os.close(direct)
+    except OSError as exc:
+        raise StorageError(f"cannot read {where}: {exc}") from exc
+    if len(view) - at < stop - start:
+        raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
+    return view[at:at + stop - start]
 
 
 def read_boxes(path: str, offset: int, shape: Sequence[int], boxes: list[tuple[Sequence[tuple[int, int]], np.ndarray]],
@@ -110,7 +132,7 @@ class _Source:
     def window(self, start: int, stop: int) -> tuple[memoryview, int]:
         """This thread's window holding the file's bytes from `start` to at most `stop` (fewer where the file
         ends), and where in it `start` is."""
-        window = _window()
+        window = _window(stop - start + 2 * ALIGN)
         if self.direct is not None:
             at = start // ALIGN * ALIGN
             try:
@@ -186,9 +208,10 @@ def open_for_runs(path: str, flags: int = 0) -> int:
 
 
 def _cached(fd: int, at: int) -> bool:
-    """Whether the page cache holds the file's page at `at` (the callers probe the middle of what they read:
-    its first page may be cached by the reads that located it). Where the kernel cannot say, True: read as
-    before."""
+    """Whether the page cache holds the file's page at `at`. The callers probe the middle of what they read: its
+    first and last pages may be cached by the reads next to it (a chunk's checksum and the next chunk's first
+    bytes share a page, and a missed probe makes the kernel read the page it asked for). Where the kernel
+    cannot say, True: read as before."""
     probe = bytearray(1)
     try:
         os.preadv(fd, [probe], at, os.RWF_NOWAIT)
@@ -287,15 +310,18 @@ def _fill(fd: int, view: memoryview, at: int) -> int:
     return got
 
 
-def _window() -> memoryview:
-    """This thread's aligned window (`new_window`), made on first use."""
+def _window(nbytes: int = WINDOW_BYTES) -> memoryview:
+    """This thread's aligned window (`new_window`), made on first use; for more than `WINDOW_BYTES`, a window
+    of its own (not kept: a rare huge row would hold its memory for the thread's life)."""
+    if nbytes > WINDOW_BYTES:
+        return new_window(-(-nbytes // ALIGN) * ALIGN)
     window = getattr(_windows, "view", None)
     if window is None:
         _windows.view = window = new_window()
     return window
 
 
-def new_window() -> memoryview:
-    """An aligned window of `WINDOW_BYTES` for direct I/O: an anonymous private mapping (page-aligned, and a
-    forked child's copy never reaches the parent's)."""
-    return memoryview(mmap.mmap(-1, WINDOW_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+def new_window(nbytes: int = WINDOW_BYTES) -> memoryview:
+    """An aligned window of `nbytes` for direct I/O: an anonymous private mapping (page-aligned, and a forked
+    child's copy never reaches the parent's)."""
+    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
