@@ -45,7 +45,7 @@ def worker(mode: str, scale: float, path: str) -> dict:
         xtc.save(path, state)
         return {"bytes": workloads.state_bytes(state)}
     if mode == "buffered":
-        local_reads._cached = lambda fd, runs: True
+        local_reads._cached = lambda *_: True
     target = workloads.build_target("large", scale)
     measures, _ = footprint.measure(lambda: xtc.restore(path, target))
     return measures

@@ -224,11 +224,17 @@ def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, st
     resumes = {name: slowest("resumes", name) for name in answers[0]["resumes"]}
     cpu = {name: [sum(a["resume_cpu"][name][i] for a in answers) for i in range(len(answers[0]["resume_cpu"][name]))]
            for name in answers[0]["resume_cpu"]}
+    # Fresh memory of a resume: every process's resident growth, plus the page cache's (machine-wide: the
+    # largest any process saw), medians over the repeats.
+    fresh = {name: statistics.median(sum(a["resume_resident_growth"][name][i] for a in answers)
+                                     + max(a["resume_page_cache_growth"][name][i] for a in answers)
+                                     for i in range(len(answers[0]["resume_resident_growth"][name])))
+             for name in answers[0]["resume_resident_growth"]}
     caches = [name.split(", ", 1)[1] for name in resumes if name.startswith("intact, ")]
     summary = {
         "processes": len(answers), "state_bytes_per_process": answers[0]["state_bytes"],
         "blocked_s": blocked, "blocked_ratio": statistics.median(blocked["2"]) / statistics.median(blocked["1"]),
-        "resume_s": resumes, "resume_cpu_s_all_processes": cpu,
+        "resume_s": resumes, "resume_cpu_s_all_processes": cpu, "resume_fresh_bytes_all_processes": fresh,
         "wiped_over_intact": {cache: statistics.median(resumes[f"one wiped host, {cache}"])
                               / statistics.median(resumes[f"intact, {cache}"]) for cache in caches},
         "persistent_bytes": {name: max(max(a["persistent_bytes"][name]) for a in answers) for name in resumes},
@@ -242,11 +248,11 @@ def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, st
     print(f"  save() blocks: replication off {spread(blocked['1'])}, on {spread(blocked['2'])} = "
           f"{summary['blocked_ratio']:.2f}x (goal <= 1.1x)")
     print("  resumes (page cache as the saves left it: own steps not cached, peer copies cached; or every local file "
-          "evicted; or every one cached first), wall time; CPU user + sys of the 4 processes together; bytes read "
-          "from the persistent tier (max per process)")
+          "evicted; or every one cached first), wall time; CPU user + sys and fresh memory touched (resident and "
+          "page cache growth) of the 4 processes together; bytes read from the persistent tier (max per process)")
     for name, values in resumes.items():
-        print(f"    {name:31s} {spread(values)}; CPU {statistics.median(cpu[name]):.3f} s; "
-              f"{summary['persistent_bytes'][name] / mib:.1f} MiB")
+        print(f"    {name:31s} {spread(values)}; CPU {statistics.median(cpu[name]):.3f} s; fresh "
+              f"{fresh[name] / mib:.0f} MiB; {summary['persistent_bytes'][name] / mib:.1f} MiB read")
     print("  one wiped host / intact (goal <= 1.5x): " + ", ".join(
         f"{cache} {ratio:.2f}x" for cache, ratio in summary["wiped_over_intact"].items()))
     print(f"  sent to peers per step, per process: {[round(b / mib, 2) for b in summary['sent_per_step']]} MiB; "

@@ -8,7 +8,8 @@ FSDP = 4 / R: data-parallel replicas hold the same shard) and has a local tier o
    one wiped host (process 1's local directory deleted: its step comes from its peer); both with the page cache
    as the saves left it, with every local file evicted, and with every one cached; two wiped hosts holding each
    other's copies (0 and 2: the persistent tier, --root, is used). Wall time and CPU seconds (user + system) of
-   each; bytes each restore read from the persistent tier, from the restore events.
+   each; the fresh memory each touched (resident growth per process, page cache growth machine-wide); bytes each
+   restore read from the persistent tier, from the restore events.
 
 Prints one JSON line. Run by bench_multi_tier.py; not meant to be run alone.
 """
@@ -109,6 +110,8 @@ def main() -> None:
     cases.append(("persistent fallback", (0, 2), "as saved"))
     resumes: dict[str, list[float]] = {name: [] for name, _, _ in cases}
     cpu: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    resident: dict[str, list[int]] = {name: [] for name, _, _ in cases}
+    page_cache: dict[str, list[int]] = {name: [] for name, _, _ in cases}
     persistent_bytes: dict[str, list[int]] = {name: [] for name, _, _ in cases}
     exact = True
     for repeat in range(args.repeats + 1):  # repeat 0 warms up
@@ -130,12 +133,15 @@ def main() -> None:
             if repeat:
                 resumes[name].append(measures["wall_s"])
                 cpu[name].append(measures["user_s"] + measures["system_s"])
+                resident[name].append(measures["rss_growth_bytes"])
+                page_cache[name].append(measures["page_cache_growth_bytes"])
                 persistent_bytes[name].append(sum(e.details.get("storage_bytes") or 0 for e in events
                                                   if e.kind == "restore_finished" and e.tier == "persistent"))
     coordinator.close()
     print(json.dumps({"process": me, "state_bytes": rows * COLUMNS * 4 * ARRAYS, "blocked": blocked,
                       "sent_per_step": sent, "own_step_bytes": own, "disk": disk, "resumes": resumes,
-                      "resume_cpu": cpu, "persistent_bytes": persistent_bytes, "exact": exact}), flush=True)
+                      "resume_cpu": cpu, "resume_resident_growth": resident, "resume_page_cache_growth": page_cache,
+                      "persistent_bytes": persistent_bytes, "exact": exact}), flush=True)
 
 
 if __name__ == "__main__":

@@ -281,8 +281,8 @@ def test_cold_chunks_are_read_around_the_page_cache(tmp_path, monkeypatch, optio
     real_direct, real_cached = local_reads._read_direct, local_reads._cached
     monkeypatch.setattr(local_reads, "_read_direct", lambda *a: seen.append(real_direct(*a)) or seen[-1])
 
-    def probe(fd, at):
-        cached = real_cached(fd, at)
+    def probe(fd, start, stop):
+        cached = real_cached(fd, start, stop)
         if os.fstat(fd).st_size > 2 * local_reads.ALIGN:  # a chunk file of a page is read twice (data, checksum)
             probes.append(cached)
         return cached

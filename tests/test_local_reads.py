@@ -48,8 +48,11 @@ def small_windows(monkeypatch):
     monkeypatch.setattr(local_reads._windows, "view", None, raising=False)
 
 
+@pytest.mark.parametrize("probe", ["cachestat", "nowait-read"])
 @pytest.mark.parametrize("cache", ["cold", "warm"])
-def test_runs_read_the_same_bytes_cold_or_warm(tmp_path, monkeypatch, small_windows, cache):
+def test_runs_read_the_same_bytes_cold_or_warm(tmp_path, monkeypatch, small_windows, cache, probe):
+    if probe == "nowait-read":  # kernels before 6.5 (no cachestat)
+        monkeypatch.setattr(local_reads, "_cachestat", None)
     path, data = _file(tmp_path)
     seen = []
     real_direct, real_buffered = local_reads._read_direct, local_reads._read_buffered
@@ -89,6 +92,23 @@ def test_runs_whose_first_page_is_cached_are_still_read_direct(tmp_path, monkeyp
     local_reads.read_runs(path, [(100, memoryview(out))], "the test file")
     assert bytes(out) == data[100:60_100]
     assert seen == ["direct"]
+
+
+def test_cold_bytes_read_twice_are_read_direct_twice(tmp_path, monkeypatch, small_windows):
+    """Asking whether bytes are cached reads none of them: a second restore of the same cold chunks (a resume
+    after a failed one) goes around the page cache as the first did."""
+    path, data = _file(tmp_path)
+    if not _direct_supported(path) or local_reads._cachestat is None:
+        pytest.skip("the file system refuses O_DIRECT, or the kernel has no cachestat")
+    _evict(path)
+    seen = []
+    real_direct = local_reads._read_direct
+    monkeypatch.setattr(local_reads, "_read_direct", lambda *a: seen.append("direct") or real_direct(*a))
+    for _ in range(2):
+        out = bytearray(60_000)
+        local_reads.read_runs(path, [(100, memoryview(out))], "the test file")
+        assert bytes(out) == data[100:60_100]
+    assert seen == ["direct", "direct"]
 
 
 def test_a_file_system_without_o_direct_is_read_buffered(tmp_path, monkeypatch, small_windows):
