@@ -1,8 +1,10 @@
 """Positioned reads of local files (`arrays.local_reads`): buffered from a warm page cache, O_DIRECT through an
 aligned window from a cold file, the same bytes either way."""
 
+import ctypes
 import errno
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -33,6 +35,14 @@ def _direct_supported(path):
         return True
     except OSError:
         return False
+
+
+def _cachestat_counts(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return local_reads.cached_pages(fd, 0, 4096) is not None
+    finally:
+        os.close(fd)
 
 
 def _runs(data):
@@ -98,8 +108,8 @@ def test_cold_bytes_read_twice_are_read_direct_twice(tmp_path, monkeypatch, smal
     """Asking whether bytes are cached reads none of them: a second restore of the same cold chunks (a resume
     after a failed one) goes around the page cache as the first did."""
     path, data = _file(tmp_path)
-    if not _direct_supported(path) or local_reads._cachestat is None:
-        pytest.skip("the file system refuses O_DIRECT, or the kernel has no cachestat")
+    if not _direct_supported(path) or not _cachestat_counts(path):
+        pytest.skip("the file system refuses O_DIRECT, or the kernel cannot count its cached pages")
     _evict(path)
     seen = []
     real_direct = local_reads._read_direct
@@ -109,6 +119,76 @@ def test_cold_bytes_read_twice_are_read_direct_twice(tmp_path, monkeypatch, smal
         local_reads.read_runs(path, [(100, memoryview(out))], "the test file")
         assert bytes(out) == data[100:60_100]
     assert seen == ["direct", "direct"]
+
+
+def _failing_cachestat(code, calls):
+    def call(*args):
+        calls.append(args[1])
+        ctypes.set_errno(code)
+        return -1
+
+    return call
+
+
+def test_a_file_cachestat_refuses_is_probed_and_cachestat_still_asked_for_the_next(tmp_path, monkeypatch):
+    """Kernels since 2025 refuse cachestat (EPERM) on a file this process could not write (a checkpoint of
+    another user): that read asks the old way, the next file is counted again."""
+    path, data = _file(tmp_path)
+    calls, probes = [], []
+    monkeypatch.setattr(local_reads, "_cachestat", _failing_cachestat(errno.EPERM, calls))
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at, *flags: probes.append(flags) or real_preadv(
+        fd, bufs, at, *flags))
+    for _ in range(2):
+        out = bytearray(5000)
+        local_reads.read_runs(path, [(7, memoryview(out))], "the test file")
+        assert bytes(out) == data[7:5007]
+    assert len(calls) == 2  # asked each time: the refusal was for that file
+    assert probes.count((os.RWF_NOWAIT,)) == 2
+    assert local_reads._cachestat is not None
+
+
+def test_a_kernel_without_cachestat_is_not_asked_again(tmp_path, monkeypatch):
+    path, data = _file(tmp_path)
+    calls = []
+    monkeypatch.setattr(local_reads, "_cachestat", _failing_cachestat(errno.ENOSYS, calls))
+    for _ in range(2):
+        out = bytearray(5000)
+        local_reads.read_runs(path, [(7, memoryview(out))], "the test file")
+        assert bytes(out) == data[7:5007]
+    assert len(calls) == 1 and local_reads._cachestat is None
+
+
+def test_a_file_system_that_hides_its_cache_from_cachestat_is_probed(tmp_path, monkeypatch):
+    """overlayfs keeps a file's pages under the file beneath, where cachestat does not look (it would count
+    none of a warm file): such file systems are asked the old way."""
+    path, data = _file(tmp_path)
+    calls = []
+    monkeypatch.setattr(local_reads, "_cachestat", _failing_cachestat(errno.EPERM, calls))
+    monkeypatch.setattr(local_reads, "_unseen_by_device", {os.stat(path).st_dev: True})
+    out = bytearray(5000)
+    local_reads.read_runs(path, [(7, memoryview(out))], "the test file")
+    assert bytes(out) == data[7:5007] and calls == []
+
+
+def test_the_file_system_magic_is_read_from_fstatfs(tmp_path, monkeypatch):
+    path, _ = _file(tmp_path)
+    monkeypatch.setattr(local_reads, "_unseen_by_device", {})
+    monkeypatch.setattr(local_reads, "_CACHE_UNSEEN_MAGIC", {_magic(path)})
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert local_reads._cache_unseen(fd)
+        monkeypatch.setattr(local_reads, "_unseen_by_device", {})
+        monkeypatch.setattr(local_reads, "_CACHE_UNSEEN_MAGIC", {0x794C7630})
+        assert local_reads._cache_unseen(fd) == (_magic(path) == 0x794C7630)
+    finally:
+        os.close(fd)
+
+
+def _magic(path):
+    """The file system's magic number, as `stat -f` prints it."""
+    out = subprocess.run(["stat", "-f", "-c", "%t", path], capture_output=True, text=True, check=True).stdout
+    return int(out.strip(), 16)
 
 
 def test_a_file_system_without_o_direct_is_read_buffered(tmp_path, monkeypatch, small_windows):

@@ -56,10 +56,12 @@ class _Exchanges:
 
     def __init__(self, fail: bool = True):
         self.started, self.waited, self.fail = [], [], fail
+        self.received = []  # the arrays each exchange received into
 
     def start_exchange(self, sends, receives, what):
         number = len(self.started)
         self.started.append(number)
+        self.received += [a for arrays in receives.values() for a in arrays]
         outer = self
 
         class Pending:
@@ -82,6 +84,28 @@ def test_a_failed_round_waits_for_the_round_in_flight_before_raising(tmp_path, m
     with pytest.raises(xtc.CoordinationError, match="transfer with process 0 failed"):
         peer_copies.transfer(coordinator, [transfer], {}, {0: str(tmp_path)}, "step 1")
     assert coordinator.started == [0, 1] and coordinator.waited == [0, 1]
+
+
+def test_a_transfer_reuses_the_round_areas_of_the_last_one_that_succeeded(tmp_path, monkeypatch):
+    """Each local step is replicated: the transfers of a training loop receive into the same two areas instead
+    of faulting in fresh ones; a failed transfer's areas (a message may still arrive in them) are not kept."""
+    monkeypatch.setattr(peer_copies, "_PIECE_BYTES", 100)
+    monkeypatch.setattr(peer_copies, "ROUND_BYTES", 200)
+    monkeypatch.setattr(peer_copies, "_kept_areas", [])
+    files = peer_copies.StepFiles(0, 1, (("model/data", 1000),), (0,))
+    transfer = peer_copies.Transfer(0, 1, files, ("model/data",))
+
+    def received(coordinator):
+        return [a.base if a.base is not None else a for a in coordinator.received]
+
+    first, second, failed, after = _Exchanges(fail=False), _Exchanges(fail=False), _Exchanges(), _Exchanges(False)
+    peer_copies.transfer(first, [transfer], {}, {0: str(tmp_path / "a")}, "step 1")
+    peer_copies.transfer(second, [transfer], {}, {0: str(tmp_path / "b")}, "step 2")
+    assert {id(a) for a in received(second)} == {id(a) for a in received(first)} and len(received(first)) == 10
+    with pytest.raises(xtc.CoordinationError):
+        peer_copies.transfer(failed, [transfer], {}, {0: str(tmp_path / "c")}, "step 3")
+    peer_copies.transfer(after, [transfer], {}, {0: str(tmp_path / "d")}, "step 4")
+    assert not {id(a) for a in received(after)} & {id(a) for a in received(failed)}
 
 
 def test_a_file_that_cannot_be_written_is_given_up_and_every_round_still_received(tmp_path, monkeypatch):

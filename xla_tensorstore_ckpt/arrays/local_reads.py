@@ -61,7 +61,7 @@ def read_window(fd: int, start: int, stop: int, where: str) -> memoryview:
     """The bytes of the local file open as `fd` (`open_for_runs`) from `start` to `stop`, read into this
     thread's window and returned as a view of it, valid until this thread's next read here: no copy beyond the
     read itself, which goes around the page cache where it does not hold the bytes. A span larger than a window
-    is read into a window of its own, made for the call. Called on reading threads; blocks; raises
+    is read into a larger window the thread keeps for such spans. Called on reading threads; blocks; raises
     `CorruptCheckpointError` where the file ends before `stop`, `StorageError` for other OS errors (both naming
     `where`)."""
     try:
@@ -207,26 +207,59 @@ def open_for_runs(path: str, flags: int = 0) -> int:
 
 
 def _cached(fd: int, start: int, stop: int) -> bool:
-    """Whether the page cache holds most of the file's bytes from `start` to `stop`. Asked with ``cachestat``
-    (Linux 6.5), which reads nothing; where it is missing, a ``RWF_NOWAIT`` read of one byte in the middle (which
-    fails rather than wait for the disk, but makes the kernel read that page: a restore that reads the same bytes
-    again then finds it cached and reads them buffered). Not the first or last page alone: the reads next to
-    these bytes may have cached them (a chunk's checksum and the next chunk's first bytes share a page). Where
-    the kernel cannot say, True: read through the page cache."""
-    global _cachestat
-    if _cachestat is not None and stop > start:
-        span, counts = _CachestatRange(start, stop - start), _Cachestat()
-        if _cachestat(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(counts), 0) == 0:
-            return 2 * counts.nr_cache * mmap.PAGESIZE >= stop - start
-        _cachestat = None  # ENOSYS (an older kernel) or refused by a sandbox: probe instead from now on
+    """Whether the page cache holds most of the file's bytes from `start` to `stop`: counted with ``cachestat``
+    (`cached_pages`), which reads nothing; where it cannot count, a ``RWF_NOWAIT`` read of one byte in the
+    middle (which fails rather than wait for the disk, but makes the kernel read that page: a restore that reads
+    the same bytes again then finds it cached and reads them buffered). Not the first or last page alone: the
+    reads next to these bytes may have cached them (a chunk's checksum and the next chunk's first bytes share a
+    page). Where the kernel cannot say, True: read through the page cache."""
+    pages = cached_pages(fd, start, stop)
+    if pages is not None:
+        return 2 * pages * mmap.PAGESIZE >= stop - start
     probe = bytearray(1)
     try:
         os.preadv(fd, [probe], (start + stop) // 2, os.RWF_NOWAIT)
     except BlockingIOError:
         return False
-    except OSError:  # RWF_NOWAIT not supported here
+    except OSError:  # RWF_NOWAIT not supported here (overlayfs, for one)
         return True
     return True
+
+
+def cached_pages(fd: int, start: int, stop: int) -> int | None:
+    """How many pages of the file's bytes from `start` to `stop` the page cache holds (``cachestat``), or None
+    where the kernel cannot count them: no ``cachestat`` (Linux before 6.5: asked no more), a file it refuses
+    (``EPERM`` for one this process could not write, on kernels since 2025), or a file system whose cache it
+    does not see (overlayfs keeps the pages under the file beneath, ZFS in a cache of its own)."""
+    call = _cachestat  # once: another thread may give it up meanwhile
+    if call is None or stop <= start or _cache_unseen(fd):
+        return None
+    span, counts = _CachestatRange(start, stop - start), _Cachestat()
+    if call(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(counts), 0) == 0:
+        return counts.nr_cache
+    if ctypes.get_errno() == errno.ENOSYS:
+        _give_up_cachestat()
+    return None
+
+
+def _give_up_cachestat() -> None:
+    global _cachestat
+    _cachestat = None
+
+
+def _cache_unseen(fd: int) -> bool:
+    """Whether `fd`'s file system keeps its cached pages where ``cachestat`` does not look; asked once per
+    device."""
+    device = os.fstat(fd).st_dev
+    unseen = _unseen_by_device.get(device)
+    if unseen is None:
+        info = ctypes.create_string_buffer(256)  # struct statfs, whose first field is the file system's magic
+        if _fstatfs is None or _fstatfs(fd, info) != 0:
+            unseen = False
+        else:
+            unseen = ctypes.c_long.from_buffer(info).value & 0xFFFFFFFF in _CACHE_UNSEEN_MAGIC
+        _unseen_by_device[device] = unseen
+    return unseen
 
 
 class _CachestatRange(ctypes.Structure):
@@ -239,7 +272,11 @@ class _Cachestat(ctypes.Structure):
 
 
 _CACHESTAT = 451  # the system call's number, the same on every architecture (added after the tables merged)
-_cachestat = getattr(ctypes.CDLL(None, use_errno=True), "syscall", None)
+_CACHE_UNSEEN_MAGIC = {0x794C7630, 0x2FC12FC1}  # overlayfs, ZFS
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_cachestat = getattr(_LIBC, "syscall", None)
+_fstatfs = getattr(_LIBC, "fstatfs", None)
+_unseen_by_device: dict[int, bool] = {}
 
 
 def _read_buffered(fd: int, runs: list[tuple[int, memoryview]], where: str) -> None:
@@ -330,18 +367,22 @@ def _fill(fd: int, view: memoryview, at: int) -> int:
     return got
 
 
-def _window(nbytes: int = WINDOW_BYTES) -> memoryview:
-    """This thread's aligned window (`new_window`), made on first use; for more than `WINDOW_BYTES`, a window
-    of its own (not kept: a rare huge row would hold its memory for the thread's life)."""
-    if nbytes > WINDOW_BYTES:
-        return new_window(-(-nbytes // ALIGN) * ALIGN)
+def _window(nbytes: int | None = None) -> memoryview:
+    """This thread's aligned window (`new_window`) of `WINDOW_BYTES`, made on first use; for more (a row larger
+    than a window), a larger one kept beside it, made anew only when a still larger one is needed."""
+    if nbytes is not None and nbytes > WINDOW_BYTES:
+        large = getattr(_windows, "large", None)
+        if large is None or len(large) < nbytes:
+            _windows.large = large = new_window(-(-nbytes // ALIGN) * ALIGN)
+        return large
     window = getattr(_windows, "view", None)
-    if window is None:
+    if window is None or len(window) != WINDOW_BYTES:
         _windows.view = window = new_window()
     return window
 
 
-def new_window(nbytes: int = WINDOW_BYTES) -> memoryview:
-    """An aligned window of `nbytes` for direct I/O: an anonymous private mapping (page-aligned, and a forked
-    child's copy never reaches the parent's)."""
-    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+def new_window(nbytes: int | None = None) -> memoryview:
+    """An aligned window of `nbytes` (`WINDOW_BYTES`) for direct I/O: an anonymous private mapping
+    (page-aligned, and a forked child's copy never reaches the parent's)."""
+    return memoryview(mmap.mmap(-1, WINDOW_BYTES if nbytes is None else nbytes,
+                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
