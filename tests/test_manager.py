@@ -150,6 +150,48 @@ def test_rng_rows_go_to_the_process_of_the_same_index_and_new_processes_derive_t
     assert not torch.equal(derived[3][0][0], after1[0])
 
 
+class _FakeCuda:
+    """This machine has no GPU: CUDA's generator is a mock (one 16-byte state for the current device)."""
+
+    def __init__(self, initialised=True):
+        self.state, self.initialised, self.set = torch.arange(16, dtype=torch.uint8), initialised, []
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: self.initialised)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a: self.state.clone())
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, *a: self.set.append(state.clone()))
+
+
+def test_each_process_gets_its_own_cuda_generator_back(monkeypatch):
+    """A DTensor job on GPUs (one device per process): each process's CUDA generator state is a row of its own
+    and goes back to the process of the same index; a restore on a host without CUDA leaves it out."""
+    from xla_tensorstore_ckpt import rng_state
+
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    rows = []
+    for index in range(2):
+        cuda.state = torch.arange(16, dtype=torch.uint8) + 100 * index
+        rows.append(rng_state.capture(index, 2))
+    saved = read_back(*rows)
+    assert saved["cuda"].shape == (2, 16)
+    for index in (1, 0):
+        rng_state.apply(saved, index, 2, where="test")
+    assert [s.tolist() for s in cuda.set] == [list(range(100, 116)), list(range(16))]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rng_state.apply(saved, 0, 2, where="test")  # no CUDA here: the row is not used
+    assert len(cuda.set) == 2
+
+
+def test_a_process_that_never_initialised_cuda_saves_no_cuda_generator(monkeypatch):
+    from xla_tensorstore_ckpt import rng_state
+
+    cuda = _FakeCuda(initialised=False)
+    cuda.install(monkeypatch)
+    assert "cuda" not in rng_state.capture(0, 1)
+
+
 def test_extra_dict_updated_in_place_keeping_tensor_sharding(tmp_path, mesh_4x2):
     import torch_xla.distributed.spmd as xs
 

@@ -1,7 +1,8 @@
 """Random generator states of every process of a job, as one state tree.
 
-Each generator (torch CPU, Python, numpy, and torch_xla's seed when torch_xla is in use) becomes a global array
-with one row per process; process ``i`` holds row ``i`` (a `ShardedArray` shard), so a save of several
+Each generator (torch CPU, Python, numpy, torch_xla's seed when torch_xla is in use, and the current CUDA
+device's generator when the process has initialised CUDA: a DTensor job on GPUs, one device per process) becomes
+a global array with one row per process; process ``i`` holds row ``i`` (a `ShardedArray` shard), so a save of several
 processes writes each process's state once, by that process, and a restore gives each process its own row back.
 
 When a run restores with more processes than saved, process ``i`` has no row of its own: it takes row
@@ -49,6 +50,8 @@ def capture(index: int, count: int) -> dict:
         import torch_xla.core.xla_model as xm
 
         rows["xla_seed"] = torch.tensor([int(xm.get_rng_state())], dtype=torch.uint64)
+    if _cuda_in_use():
+        rows["cuda"] = torch.cuda.get_rng_state()
     tree: dict[str, Any] = {name: _row(value, index, count) for name, value in rows.items()}
     tree["layout"] = _LAYOUT
     tree["numpy_bit_generator"] = str(numpy_state["bit_generator"])
@@ -111,6 +114,14 @@ def _set(row: dict[str, torch.Tensor], bit_generator: str) -> None:
         import torch_xla.core.xla_model as xm
 
         xm.set_rng_state(int(row["xla_seed"].numpy()[0]))  # int() of a torch uint64 goes through int64
+    if "cuda" in row and torch.cuda.is_available():  # set when CUDA initialises, if it has not yet
+        torch.cuda.set_rng_state(row["cuda"].to(torch.uint8).clone())
+
+
+def _cuda_in_use() -> bool:
+    """Whether this process has initialised CUDA (a process that never touched it is not made to: that takes
+    seconds and device memory, and its CUDA generator holds nothing of the run)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _derived_seed(torch_state: torch.Tensor, index: int) -> int:
