@@ -48,7 +48,8 @@ def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: 
             raise StorageError(f"cannot open {where}: {exc}") from exc
     try:
         direct_path = path if own else f"/proc/self/fd/{fd}"
-        if _cached(fd, runs[0][0], runs[-1][0] + len(runs[-1][1])) or not _read_direct(direct_path, runs, where):
+        end = max(at + len(view) for at, view in runs)
+        if _cached(fd, runs[0][0], end) or not _read_direct(direct_path, runs, where):
             _read_buffered(fd, runs, where)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
