@@ -20,7 +20,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "peer_replication.py
 
 def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_ok: bool = True,
         layout: str = "fsdp", piece_bytes: int | None = None, unreadable: str | None = None,
-        fsize: str | None = None) -> list[dict]:
+        fsize: str | None = None, unlistable: int | None = None) -> list[dict]:
     env = {"XTC_HOSTS": hosts, "XTC_LAYOUT": layout}
     if piece_bytes is not None:
         env["XTC_PIECE_BYTES"] = str(piece_bytes)
@@ -28,6 +28,8 @@ def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_
         env["XTC_UNREADABLE"] = unreadable
     if fsize is not None:
         env["XTC_FSIZE"] = fsize
+    if unlistable is not None:
+        env["XTC_UNLISTABLE"] = str(unlistable)
     results = launch_job(SCRIPT, 4, mode, str(root), str(local_base), *args, env=env)
     if expect_ok:
         for r in results:
@@ -274,3 +276,21 @@ def test_a_wiped_host_that_cannot_write_what_it_fetches_makes_the_job_fall_back(
         assert "of step 3 received from process 3" in skipped[0] and "File too large" in skipped[0], skipped
     assert "3" not in os.listdir(local_base / "host1")
     assert not [n for n in os.listdir(local_base / "host1" / "peer_copies") if "partial" in n]
+
+
+def test_a_replica_that_cannot_list_its_step_makes_the_job_fall_back_at_once(tmp_path):
+    """DP: wiped host 0's model is in host 2's own step, and host 2 cannot list that step any more. Host 2 tells
+    host 0 why instead of the file list (it used to raise before sending anything, and host 0 waited for the
+    list until the coordination timeout): host 0 keeps nothing, and the job skips the local steps with
+    warnings naming host 2 and resumes the persistent step."""
+    root, local_base = tmp_path / "persistent", tmp_path / "local"
+    for r in lines(run("save", root, local_base, layout="dp")):
+        assert r["error"] is None and r["local"] == [2, 3], r
+    shutil.rmtree(local_base / "host0")
+    for r in lines(run("restore", root, local_base, layout="dp", unlistable=2)):
+        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
+        assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]
+        skipped = [w for w in r["warnings"] if w.startswith("skipping step 3 of the local tier")]
+        assert len(skipped) == 1 and "step 3 could not be fetched" in skipped[0], r["warnings"]
+        assert "process 2 cannot list" in skipped[0] and "Permission denied" in skipped[0], skipped
+    assert "3" not in os.listdir(local_base / "host0")

@@ -618,40 +618,61 @@ class PeerCopies:
         # step), else its own step; every process tells which from the holdings alone.
         copied = {t for t, s in sources.items() if _copy_usable(holdings, t, step, holdings[s].copies.get((t, step)))}
         served: dict[int, tuple[str, StepFiles]] = {}
+        unserved: dict[int, str] = {}  # target -> why this process cannot say what it serves it
         for target, source in sources.items():
             if source == me:
-                served[target] = held[(target, step)] if target in copied else \
-                    (own_dir, list_files(own_dir, own_writer[me], step))
+                try:
+                    served[target] = held[(target, step)] if target in copied else \
+                        (own_dir, list_files(own_dir, own_writer[me], step))
+                except (KeyError, OSError) as exc:  # the copy or step is gone since the holdings were gathered
+                    unserved[target] = f"process {me} cannot list what it holds of step {step} ({own_dir}): {exc!r}"
         needs = sorted((t, item, q) for t, s in sources.items() if t in copied
                        for item, q in holdings[s].copies[(t, step)])
-        main, items = self._send_lists(coordinator, step, own_dir, served, sources, needs)
+        main, items, refused = self._send_lists(coordinator, step, own_dir, served, unserved, sources, needs)
         transfers = [Transfer(s, t, main[t], tuple(path for path, _ in main[t].files))
                      for t, s in sorted(sources.items())]
-        dirs = [served[t][0] if s == me else None for t, s in sorted(sources.items())]
+        dirs = [served[t][0] if t in served else None for t, s in sorted(sources.items())]
         for t, item, q in needs:
             files = items[(t, item)]
             transfers.append(Transfer(q, t, files, tuple(path for path, _ in files.files)))
             dirs.append(own_dir if q == me else None)
-        return self._move(coordinator, step, transfers, dirs, own_dir, replace_files=False)
+        return self._move(coordinator, step, transfers, dirs, own_dir, replace_files=False, refused=refused)
 
     @staticmethod
     def _send_lists(coordinator: Coordinator, step: int, own_dir: str, served: Mapping[int, tuple[str, StepFiles]],
-                    sources: Mapping[int, int], needs: Sequence[tuple[int, str, int]]
-                    ) -> tuple[dict[int, StepFiles], dict[tuple[int, str], StepFiles]]:
+                    unserved: Mapping[int, str], sources: Mapping[int, int], needs: Sequence[tuple[int, str, int]]
+                    ) -> tuple[dict[int, StepFiles], dict[tuple[int, str], StepFiles], list[str]]:
         """Each source sends its target the manifest of what it serves, and each holder of an item a copy left
-        out sends the item's files in its own step, point to point (two exchanges: lengths, then JSON). Returns
-        the manifests and item lists (target, item) this process sends or receives; the others are empty
-        stand-ins that keep every process's list of transfers in the same order."""
+        out sends the item's files in its own step, point to point (two exchanges: lengths, then JSON). A process
+        that cannot list what it was to send (`unserved`, or its own step for the items) sends why instead,
+        and both sides count those files as none: the transfers stay paired, nobody waits for lists that never
+        come. Returns the manifests and item lists (target, item) this process sends or receives (the others are
+        empty stand-ins that keep every process's list of transfers in the same order), and why its senders
+        could not list theirs."""
         me = coordinator.index
+
+        def letter(target: int) -> dict:
+            return outgoing.setdefault(target, {"main": None, "items": {}, "error": None})
+
         outgoing: dict[int, dict] = {}
         for target, (_, files) in served.items():
-            outgoing.setdefault(target, {"main": None, "items": {}})["main"] = _record(files)
-        own_files = None
+            letter(target)["main"] = _record(files)
+        for target, why in unserved.items():
+            letter(target)["error"] = why
+        own_files: StepFiles | None = None
+        unlisted = None
         for target, item, holder in needs:
-            if holder == me:
-                own_files = own_files or list_files(own_dir, me, step)
-                outgoing.setdefault(target, {"main": None, "items": {}})["items"][item] = \
-                    _record(StepFiles(me, step, _item_of(own_files, item)))
+            if holder != me:
+                continue
+            if own_files is None and unlisted is None:
+                try:
+                    own_files = list_files(own_dir, me, step)
+                except OSError as exc:
+                    unlisted = f"process {me} cannot list its step {step} ({own_dir}): {exc!r}"
+            if unlisted is not None:
+                letter(target)["error"] = unlisted
+            else:
+                letter(target)["items"][item] = _record(StepFiles(me, step, _item_of(own_files, item)))
         senders = sorted({sources[me]} | {q for t, _, q in needs if t == me}) if me in sources else []
         blobs = {t: np.frombuffer(json.dumps(message).encode(), dtype=np.uint8) for t, message in outgoing.items()}
         lengths = {p: [np.zeros(1, dtype=np.int64)] for p in senders}
@@ -664,8 +685,9 @@ class PeerCopies:
         main.update({t: files for t, (_, files) in served.items()})
         items = {(t, item): StepFiles(q, step, ()) for t, item, q in needs}
         for t, item, q in needs:
-            if q == me:
+            if q == me and item in outgoing.get(t, {}).get("items", {}):
                 items[(t, item)] = _from_record(outgoing[t]["items"][item])
+        refused = []
         for sender, (blob,) in received.items():
             try:
                 message = json.loads(blob.tobytes())
@@ -673,10 +695,12 @@ class PeerCopies:
                     main[me] = _from_record(message["main"])
                 for item, record in message["items"].items():
                     items[(me, item)] = _from_record(record)
+                if message["error"] is not None:
+                    refused.append(str(message["error"]))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise CorruptCheckpointError(f"the file lists of step {step} from process {sender} are not "
                                              f"ones: {exc}") from exc
-        return main, items
+        return main, items, refused
 
     def repair(self, coordinator: Coordinator, step: int, step_name: str, writers: Mapping[int, int],
                sources: Mapping[int, int]) -> int:
@@ -731,11 +755,13 @@ class PeerCopies:
         return coordinator.all_gather(mine)
 
     def _move(self, coordinator: Coordinator, step: int, transfers: list[Transfer], dirs: list[str | None],
-              final: str, *, replace_files: bool, whole_items: Collection[str] = ()) -> int:
+              final: str, *, replace_files: bool, whole_items: Collection[str] = (), refused: Sequence[str] = ()
+              ) -> int:
         """Run `transfers` (their sources read from `dirs`), check what this process received against the
         CRC32Cs the sources read and those recorded, then put it in place: the step directory `final` replaced
         whole, or (`replace_files`) the files received replaced one by one, the item directories of
-        `whole_items` first emptied."""
+        `whole_items` first emptied. With `refused` (why senders could not list what they were to send), nothing
+        received is kept and a `StorageError` saying so is raised once the transfers are done."""
         me = coordinator.index
         mine = [i for i, t in enumerate(transfers) if t.target == me]
         partial = os.path.join(copies_root(self.root), f"{_PARTIAL}{time.time_ns()}") if mine else None
@@ -760,6 +786,9 @@ class PeerCopies:
         if unwritten is not None:
             shutil.rmtree(partial, ignore_errors=True)
             raise unwritten
+        if refused:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise StorageError(f"step {step} could not be fetched: {'; '.join(refused)}; nothing of it was kept")
         damaged = []
         for i in mine:
             t = transfers[i]

@@ -13,7 +13,9 @@ Rank r runs on host XTC_HOSTS[r] (a comma-separated list; default 0,1,2,3), whos
 LOCAL_BASE/host<HOST>. With XTC_PIECE_BYTES=n, files travel between peers in pieces of n bytes, two per round
 (many rounds, two in flight). With XTC_UNREADABLE=s, a sender cannot read the files it sends whose path contains
 s (as if they vanished after they were listed). With XTC_FSIZE=h:n, host h cannot write files past n bytes (its
-disk full, as far as its writes go). Prints one JSON line: {"rank", "host", ...}.
+disk full, as far as its writes go). With XTC_UNLISTABLE=h, host h cannot list the files of its local steps when
+it is to send them (as if they vanished after the holdings were gathered). Prints one JSON line: {"rank", "host",
+...}.
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     host = int(os.environ.get("XTC_HOSTS", "0,1,2,3").split(",")[rank])
     events: list[dict] = []
+    if os.environ.get("XTC_UNLISTABLE") == str(host):
+        def unlistable(directory, writer, step):
+            raise PermissionError(13, "Permission denied", directory)
+
+        peer_copies.list_files = unlistable
     if os.environ.get("XTC_FSIZE", "").startswith(f"{host}:"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ["XTC_FSIZE"].split(":")[1]), resource.RLIM_INFINITY))
