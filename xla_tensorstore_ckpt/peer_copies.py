@@ -619,13 +619,22 @@ class PeerCopies:
         copied = {t for t, s in sources.items() if _copy_usable(holdings, t, step, holdings[s].copies.get((t, step)))}
         served: dict[int, tuple[str, StepFiles]] = {}
         unserved: dict[int, str] = {}  # target -> why this process cannot say what it serves it
-        for target, source in sources.items():
-            if source == me:
+        for target, source in sources.items():  # a copy or step may be gone since the holdings were gathered
+            if source != me:
+                continue
+            if target in copied:
+                copy = held.get((target, step))
+                if copy is None:
+                    unserved[target] = f"process {me} no longer holds its copy of step {step} of process {target}"
+                else:
+                    served[target] = copy
+            elif me not in own_writer:
+                unserved[target] = f"process {me} no longer holds its step {step} ({own_dir})"
+            else:
                 try:
-                    served[target] = held[(target, step)] if target in copied else \
-                        (own_dir, list_files(own_dir, own_writer[me], step))
-                except (KeyError, OSError) as exc:  # the copy or step is gone since the holdings were gathered
-                    unserved[target] = f"process {me} cannot list what it holds of step {step} ({own_dir}): {exc!r}"
+                    served[target] = (own_dir, list_files(own_dir, own_writer[me], step))
+                except OSError as exc:
+                    unserved[target] = f"process {me} cannot list its step {step} ({own_dir}): {exc!r}"
         needs = sorted((t, item, q) for t, s in sources.items() if t in copied
                        for item, q in holdings[s].copies[(t, step)])
         main, items, refused = self._send_lists(coordinator, step, own_dir, served, unserved, sources, needs)
