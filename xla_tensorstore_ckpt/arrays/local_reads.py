@@ -12,13 +12,14 @@ regions and this library's chunks (`local_chunks`); no torch, no tensorstore.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import math
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -66,12 +67,8 @@ def read_window(fd: int, start: int, stop: int, where: str) -> memoryview:
     `CorruptCheckpointError` where the file ends before `stop`, `StorageError` for other OS errors (both naming
     `where`)."""
     try:
-        direct = None if _cached(fd, start, stop) else _open_direct(f"/proc/self/fd/{fd}")
-        try:
-            view, at = _Source(fd, direct).window(start, stop)
-        finally:
-            if direct is not None:
-                os.close(direct)
+        with _source(fd, start, stop) as source:
+            view, at = source.window(start, stop)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
     if len(view) - at < stop - start:
@@ -101,25 +98,32 @@ def read_boxes(path: str, offset: int, shape: Sequence[int], boxes: list[tuple[S
     try:
         spans = _row_spans(boxes)
         row_bytes = _row_bytes(shape, boxes)
-        direct = None if _cached(fd, offset + spans[0][0] * row_bytes, offset + spans[-1][1] * row_bytes) else \
-            _open_direct(f"/proc/self/fd/{fd}")
-        if direct is None:  # from the page cache, a box of whole rows is read straight into its destination
-            rows_only = [(0, n) for n in shape[1:]]
-            whole = [list(box[1:]) == rows_only and dest.flags.c_contiguous for box, dest in boxes]
-            for (box, dest), read in zip(boxes, whole):
-                if read:
-                    _read_fully(fd, [memoryview(dest.reshape(-1).view(np.uint8))], offset + box[0][0] * row_bytes,
-                                where)
-            boxes = [pair for pair, read in zip(boxes, whole) if not read]
-        try:
-            _copy_rows(_Source(fd, direct), offset, tuple(shape), boxes, where)
-        finally:
-            if direct is not None:
-                os.close(direct)
+        with _source(fd, offset + spans[0][0] * row_bytes, offset + spans[-1][1] * row_bytes) as source:
+            if source.direct is None:  # from the page cache, a box of whole rows is read straight into its destination
+                rows_only = [(0, n) for n in shape[1:]]
+                whole = [list(box[1:]) == rows_only and dest.flags.c_contiguous for box, dest in boxes]
+                for (box, dest), read in zip(boxes, whole):
+                    if read:
+                        _read_fully(fd, [memoryview(dest.reshape(-1).view(np.uint8))],
+                                    offset + box[0][0] * row_bytes, where)
+                boxes = [pair for pair, read in zip(boxes, whole) if not read]
+            _copy_rows(source, offset, tuple(shape), boxes, where)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _source(fd: int, start: int, stop: int) -> Iterator[_Source]:
+    """`fd` open for reading windows of its bytes from `start` to `stop`: around the page cache unless it holds
+    most of them (`_cached`); the O_DIRECT descriptor is closed at the end. Raises OSError."""
+    direct = None if _cached(fd, start, stop) else _open_direct(f"/proc/self/fd/{fd}")
+    try:
+        yield _Source(fd, direct)
+    finally:
+        if direct is not None:
+            os.close(direct)
 
 
 class _Source:
