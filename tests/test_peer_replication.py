@@ -41,6 +41,15 @@ def lines(results: list[dict]) -> list[dict]:
     return [r["lines"][-1] for r in results]
 
 
+def resumed_step_2(r: dict, tier: str | None = None) -> list[str]:
+    """Assert that process `r` restored step 2 with every value exact (from `tier`, if given, as its log says);
+    its warnings of skipping step 3 of the local tier."""
+    assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
+    if tier is not None:
+        assert any(f"restored step 2 from the {tier} tier" in line for line in r["logs"]), r["logs"]
+    return [w for w in r["warnings"] if w.startswith("skipping step 3 of the local tier")]
+
+
 def draw_after_seed(seed: int) -> float:
     return torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()
 
@@ -58,6 +67,15 @@ def saved(tmp_path):
         replicated = [e for e in r["events"] if e["kind"] == "peer_copies_committed"]
         assert [e["step"] for e in replicated] == [1, 2, 3]
         assert replicated[-1]["details"]["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+    return root, local_base
+
+
+@pytest.fixture
+def saved_dp(tmp_path):
+    """The DP layout saved (host h holds row shard h % 2: replicas 0 and 2, 1 and 3)."""
+    root, local_base = tmp_path / "persistent", tmp_path / "local"
+    for r in lines(run("save", root, local_base, layout="dp")):
+        assert r["error"] is None and r["local"] == [2, 3], r
     return root, local_base
 
 
@@ -129,8 +147,7 @@ def test_two_wiped_hosts_holding_each_others_copies_fall_back_to_the_persistent_
     shutil.rmtree(local_base / "host0")
     shutil.rmtree(local_base / "host2")  # host 0's copies were on host 2, and host 2's on host 0
     for r in lines(run("restore", root, local_base)):
-        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
-        assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]
+        resumed_step_2(r, "persistent")
 
 
 def damage_largest_file(step_dir) -> str:
@@ -149,9 +166,7 @@ def test_a_copy_damaged_where_it_is_held_is_refused_and_the_step_before_is_resum
     shutil.rmtree(local_base / "host1")
     results = lines(run("restore", root, local_base))
     for r in results:
-        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
-        assert any("restored step 2 from the local tier" in line for line in r["logs"]), r["logs"]
-        skipped = [w for w in r["warnings"] if w.startswith("skipping step 3 of the local tier")]
+        skipped = resumed_step_2(r, "local")
         assert len(skipped) == 1, r["warnings"]
         assert "step 3 arrived damaged" in skipped[0] and f"{damaged} from process 3" in skipped[0], skipped
     assert "3" not in os.listdir(local_base / "host1")  # nothing of what arrived was kept
@@ -243,18 +258,15 @@ def test_data_parallel_replicas_copy_only_what_the_replica_lacks(tmp_path):
             (local_base / "host3" / "3" / "model" / name).read_bytes()
 
 
-def test_files_a_replica_cannot_read_from_its_own_step_are_refused_and_the_step_before_is_resumed(tmp_path):
+def test_files_a_replica_cannot_read_from_its_own_step_are_refused_and_the_step_before_is_resumed(saved_dp):
     """DP: wiped host 0 gets its model from host 2's own step (no copy marker: the sender's CRC32Cs travel to it
     point to point). Host 2 cannot read the model files of step 3 as it sends them: host 0 refuses them, keeps
     nothing, and the job resumes step 2, whose model comes the same way."""
-    root, local_base = tmp_path / "persistent", tmp_path / "local"
-    for r in lines(run("save", root, local_base, layout="dp")):
-        assert r["error"] is None and r["local"] == [2, 3], r
+    root, local_base = saved_dp
     shutil.rmtree(local_base / "host0")
     hide_persistent_data(root)
     for r in lines(run("restore", root, local_base, layout="dp", unreadable=f"{os.sep}3{os.sep}model{os.sep}")):
-        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
-        skipped = [w for w in r["warnings"] if w.startswith("skipping step 3 of the local tier")]
+        skipped = resumed_step_2(r)
         assert len(skipped) == 1 and "step 3 arrived damaged" in skipped[0], r["warnings"]
         assert "from process 2" in skipped[0] and "model/" in skipped[0], skipped
         fetched = [(e["step"], e["details"]) for e in r["events"] if e["kind"] == "peer_fetched"]
@@ -269,28 +281,22 @@ def test_a_wiped_host_that_cannot_write_what_it_fetches_makes_the_job_fall_back(
     root, local_base = saved
     shutil.rmtree(local_base / "host1")
     for r in lines(run("restore", root, local_base, fsize="1:1024")):
-        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
-        assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]
-        skipped = [w for w in r["warnings"] if w.startswith("skipping step 3 of the local tier")]
+        skipped = resumed_step_2(r, "persistent")
         assert len(skipped) == 1 and "could not write" in skipped[0], r["warnings"]
         assert "of step 3 received from process 3" in skipped[0] and "File too large" in skipped[0], skipped
     assert "3" not in os.listdir(local_base / "host1")
     assert not [n for n in os.listdir(local_base / "host1" / "peer_copies") if "partial" in n]
 
 
-def test_a_replica_that_cannot_list_its_step_makes_the_job_fall_back_at_once(tmp_path):
+def test_a_replica_that_cannot_list_its_step_makes_the_job_fall_back_at_once(saved_dp):
     """DP: wiped host 0's model is in host 2's own step, and host 2 cannot list that step any more. Host 2 tells
     host 0 why instead of the file list (it used to raise before sending anything, and host 0 waited for the
     list until the coordination timeout): host 0 keeps nothing, and the job skips the local steps with
     warnings naming host 2 and resumes the persistent step."""
-    root, local_base = tmp_path / "persistent", tmp_path / "local"
-    for r in lines(run("save", root, local_base, layout="dp")):
-        assert r["error"] is None and r["local"] == [2, 3], r
+    root, local_base = saved_dp
     shutil.rmtree(local_base / "host0")
     for r in lines(run("restore", root, local_base, layout="dp", unlistable=2)):
-        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
-        assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]
-        skipped = [w for w in r["warnings"] if w.startswith("skipping step 3 of the local tier")]
+        skipped = resumed_step_2(r, "persistent")
         assert len(skipped) == 1 and "step 3 could not be fetched" in skipped[0], r["warnings"]
         assert "process 2 cannot list" in skipped[0] and "Permission denied" in skipped[0], skipped
     assert "3" not in os.listdir(local_base / "host0")
