@@ -5,15 +5,12 @@ steps make every process fall back to the same persistent step."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from gcs_emulator import free_port
+from forked import launch_job
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "multitier.py")
 
@@ -21,21 +18,12 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "multitier.py")
 def launch(mode: str, root, local_base, hosts: list[int], shards: list[int] | None = None) -> list[dict]:
     """Run one process per entry of `hosts` (rank r on host hosts[r], holding the shard of host shards[r]; by
     default its host's); their JSON lines, rank order."""
-    port = str(free_port())
-    procs = []
-    for rank, host in enumerate(hosts):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(hosts)), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port)
-        env.pop("PJRT_DEVICE", None)
-        shard = [] if shards is None else [str(shards[rank])]
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, mode, str(root), str(local_base), str(host), *shard],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        out.append(json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1]))
-    return out
+    results = launch_job(SCRIPT, len(hosts), mode, str(root), str(local_base),
+                         rank_args=[[str(host), *([] if shards is None else [str(shards[rank])])]
+                                    for rank, host in enumerate(hosts)])
+    for r in results:
+        assert r["returncode"] == 0, r["stderr"][-3000:]
+    return [r["lines"][-1] for r in results]
 
 
 def draw_after_seed(seed: int) -> float:

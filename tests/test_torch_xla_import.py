@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch_xla
 from conftest import make_mesh
-from forked import launch_job
+from gcs_emulator import free_port
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli
@@ -39,9 +39,14 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, str, dict[int, float]]]:
     out = {}
     for kind, flags in (("index", []), ("fqn", ["--fqn"])):
         root, expected = str(base / kind), str(base / f"{kind}-expected")
-        (result,) = launch_job(SCRIPT, 1, root, expected, *flags)
-        assert result["returncode"] == 0, result["stderr"][-3000:]
-        losses = {int(k): v for k, v in result["lines"][-1]["losses"].items()}
+        # A process of its own, not a fork (`forked.launch_job`): the script imports torch_xla.
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        env.pop("PJRT_DEVICE", None)
+        proc = subprocess.run([sys.executable, SCRIPT, root, expected, *flags], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+        losses = {int(k): v for k, v in result["losses"].items()}
         out[kind] = root, expected, losses
     return out
 

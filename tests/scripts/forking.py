@@ -1,12 +1,16 @@
 """Runs a script's `main()` once per job, each run in a fresh fork of this process, which imported the script (and
 torch, tensorstore and this library with it) once: a crash matrix of 30 runs pays for one import, not 30.
 
-usage: forking.py SCRIPT PARALLEL   stdin: one JSON job per line, {"argv": [...], "out": path, "err": path}
+usage: forking.py SCRIPT PARALLEL
+stdin: one JSON job per line, {"argv": [...], "env": {...}, "out": path, "err": path} (env, optional: added to
+the run's environment)
 stdout: one JSON line per job, in job order: {"returncode": n} (negative: killed by that signal)
 
 A forked child is a process of its own, as a subprocess would be: it can kill itself mid-save (SIGKILL), and
-nothing it does reaches this process. Forking is safe here because this process only imports: no thread, no
-tensorstore context, no torch_xla exists before the fork.
+nothing it does reaches this process. Its output goes through pipes, which this process copies to the job's
+files (a child that limits the size of the files it writes, RLIMIT_FSIZE, still reports in full). Forking is
+safe here because this process only imports and copies output: no thread, no tensorstore context, no torch_xla
+exists before the fork.
 """
 
 from __future__ import annotations
@@ -14,17 +18,20 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import select
 import sys
 import traceback
 
 
-def _child(module, job: dict) -> None:
-    for fd, path in ((1, job["out"]), (2, job["err"])):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _child(module, job: dict, out: int, err: int, inherited: list[int]) -> None:
+    for fd in inherited:
+        os.close(fd)
+    for target, fd in ((out, 1), (err, 2)):
         os.dup2(target, fd)
         os.close(target)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
+    os.environ.update(job.get("env", {}))
     sys.argv = [module.__file__, *job["argv"]]
     code = 0
     try:
@@ -47,18 +54,44 @@ def main() -> None:
     spec.loader.exec_module(module)
     jobs = [json.loads(line) for line in sys.stdin if line.strip()]
     codes: dict[int, int] = {}
-    running: dict[int, int] = {}  # pid -> job index
-    for index, job in enumerate(jobs):
-        while len(running) >= parallel:
-            pid, status = os.wait()
-            codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    poller = select.poll()
+    copies: dict[int, int] = {}  # a pipe's read end -> the job file it is copied to
+    exits: dict[int, tuple[int, int]] = {}  # a child's pidfd -> (pid, job index)
+
+    def start(index: int) -> None:
+        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(module, job)
-        running[pid] = index
-    while running:
-        pid, status = os.wait()
-        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+            _child(module, jobs[index], out_w, err_w, [out_r, err_r, *copies, *exits])
+        os.close(out_w)
+        os.close(err_w)
+        for read_end, path in ((out_r, jobs[index]["out"]), (err_r, jobs[index]["err"])):
+            copies[read_end] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            poller.register(read_end, select.POLLIN)
+        pidfd = os.pidfd_open(pid)
+        exits[pidfd] = (pid, index)
+        poller.register(pidfd, select.POLLIN)
+
+    waiting = list(range(len(jobs)))
+    while waiting and len(exits) < parallel:
+        start(waiting.pop(0))
+    while copies or exits:
+        for fd, _ in poller.poll():
+            if fd in copies:
+                data = os.read(fd, 1 << 16)
+                if data:
+                    os.write(copies[fd], data)
+                    continue
+                poller.unregister(fd)
+                os.close(copies.pop(fd))
+                os.close(fd)
+            elif fd in exits:  # the child ended: the event a pidfd signals
+                pid, index = exits.pop(fd)
+                poller.unregister(fd)
+                os.close(fd)
+                codes[index] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                if waiting:
+                    start(waiting.pop(0))
     for index in range(len(jobs)):
         print(json.dumps({"returncode": codes[index]}), flush=True)
 
