@@ -11,6 +11,8 @@ same evaluation loss, inspect it with `xtckpt`, and export it to safetensors.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -73,11 +75,15 @@ def train(args, extra: list[str], devices: int = 8, kill_at: int | None = None) 
 
 
 def run_cli(*argv: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "xla_tensorstore_ckpt", *argv], capture_output=True, text=True,
-                          timeout=300)
-    if proc.returncode != 0:
-        raise SystemExit(f"xtckpt {' '.join(argv)} failed: {proc.stderr}")
-    return proc.stdout
+    """What ``xtckpt ARGV`` prints; run in this process (which imported the library already), not a new one."""
+    from xla_tensorstore_ckpt import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = cli.main(list(argv))
+    if status != 0:
+        raise SystemExit(f"xtckpt {' '.join(argv)} failed: {err.getvalue()}")
+    return out.getvalue()
 
 
 def main() -> None:

@@ -14,9 +14,9 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
+import traceback
 
 import torch
 
@@ -56,23 +56,54 @@ def child(root: str, last: int) -> None:
             time.sleep(random.random() * 0.02)
 
 
+class Saver:
+    """A saver (`child`) in a fork of this process, which has imported torch and this library but started
+    nothing yet (no thread, no tensorstore context): a process of its own, as a subprocess would be, without
+    paying for the imports at every restart. Its events come through a pipe (`stdout`)."""
+
+    def __init__(self, root: str, last: int):
+        read_end, write_end = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(read_end)
+            os.dup2(write_end, 1)
+            sys.stdout = os.fdopen(1, "w", buffering=1)
+            random.seed()  # its own pauses between saves, not the ones every fork would inherit
+            code = 0
+            try:
+                child(root, last)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:  # noqa: BLE001 - reported as a subprocess's traceback would be
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            os._exit(code)
+        os.close(write_end)
+        self.stdout = os.fdopen(read_end, "r")
+        self.returncode: int | None = None
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self) -> int:
+        self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        self.stdout.close()
+        return self.returncode
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
     parser.add_argument("--cycles", type=int, default=200)
     parser.add_argument("--crash-every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child is not None:
-        child(args.root, args.child)
-        return
     rng = random.Random(args.seed)
     committed: set[int] = set()
     crashes = restarts = 0
     while True:
-        proc = subprocess.Popen([sys.executable, __file__, args.root, "--child", str(args.cycles)],
-                                stdout=subprocess.PIPE, text=True)
+        proc = Saver(args.root, args.cycles)
         restarts += 1
         kill_after = rng.randint(max(1, args.crash_every // 2), args.crash_every * 3 // 2)
         seen = 0
