@@ -257,3 +257,29 @@ def test_restore_pauses_the_garbage_collector_and_restores_its_state(tmp_path, m
     with pytest.raises(OSError):
         xtc.restore(tmp_path / "ck")
     assert gc.isenabled()
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "directories"])
+def test_new_tensors_are_not_advised_to_use_huge_pages(tmp_path, use_ocdbt):
+    # numpy advises MADV_HUGEPAGE (VmFlags "hg") for 4 MiB and more; on a VM that reports free memory to its
+    # hypervisor such pages cost 2-3x the system time to touch first (host_memory.empty).
+    state = {"big": torch.randn(1024, 2048), "small": torch.randn(64)}  # 8 MiB, and 256 bytes
+    xtc.save(tmp_path / "ck", state, options=xtc.SaveOptions(use_ocdbt=use_ocdbt))
+    restored = xtc.restore(tmp_path / "ck")
+    assert_trees_equal(restored, state)
+    middle = restored["big"].data_ptr() + restored["big"].nbytes // 2  # numpy advises from the first whole page
+    assert "hg" not in _vm_flags(middle)

@@ -380,7 +380,7 @@ def _issue_reads(loc: storage.Location, group: Sequence[ReadJob], opened: dict,
     for job in group:
         stored = opened[job.key_path].result()
         _check_stored(loc, job, stored)
-        empty = arena.empty if arena is not None and job.layout.placement in XLA_PLACEMENTS else np.empty
+        empty = arena.empty if arena is not None and job.layout.placement in XLA_PLACEMENTS else host_memory.empty
         memory = _target_memory(job, into.get(job.key_path))
         if memory is not None:
             empty = _into(memory)
@@ -408,7 +408,7 @@ def _into(memory: np.ndarray) -> arrays.Empty:
     def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if tuple(shape) == memory.shape and np.dtype(dtype).itemsize == memory.itemsize:
             return memory.view(dtype)
-        return np.empty(shape, dtype)
+        return host_memory.empty(shape, dtype)
 
     return empty
 
