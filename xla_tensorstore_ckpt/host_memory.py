@@ -15,14 +15,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
-import mmap
 import os
 import sys
 
 import numpy as np
+import torch
 
 _M_MMAP_THRESHOLD = -3
-_MAPPED_BYTES = 1 << 20  # results from this size up get mappings of their own (numpy advises none below 4 MiB)
+_TORCH_BYTES = 4 << 20  # where numpy starts advising huge pages
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -39,21 +39,21 @@ _LIBC = _glibc()
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array of `shape` and `dtype` for data read from storage that becomes a result (a new
-    CPU tensor or DTensor shard), in memory not advised to use huge pages: a private anonymous mapping of its
-    own from 1 MiB up (unmapped when the array and every view of it are gone), numpy's allocation below.
+    CPU tensor or DTensor shard), in memory not advised to use huge pages: from torch's allocator from 4 MiB
+    up (glibc's malloc, as for any tensor), numpy's below.
 
-    Why not `np.empty`: it advises ``MADV_HUGEPAGE`` for 4 MiB and more. On a VM that hands free memory back
-    to its hypervisor (free page reporting reports free blocks of 2 MiB and up), a new huge page is such a
-    block, and touching it first costs the host's faults for all of it: a cold 1 GiB restore into new tensors
-    took 1.8-3.0 s of system time that way against 0.6-0.9 s in 4 KiB pages, with no compaction (504 huge
-    page faults). torch's allocator does not advise them either. Buffers a restore reuses (`restore_arenas`)
-    keep numpy's: memory freed a moment ago is still backed, and there fewer, larger faults win. Called by
-    restores; raises nothing but MemoryError."""
+    Why not `np.empty` for all: from 4 MiB it advises ``MADV_HUGEPAGE``. On a VM that hands free memory back
+    to its hypervisor (free page reporting reports free blocks of 2 MiB and up), a new huge page tends to be
+    such a block, and its first touch costs the host's faults for all of it: a cold 1 GiB restore into new
+    tensors in a fresh process took 1.8-3.0 s of system time that way against 0.6-0.9 s in 4 KiB pages, with
+    no compaction (504 huge page faults). torch's allocator advises nothing unless asked
+    (``THP_MEM_ALLOC_ENABLE``), and its buffers go back to glibc's heaps when freed, so the next restore in the
+    process reuses them (fresh mappings of our own would be faulted in again every time). Buffers a restore
+    reuses (`restore_arenas`) keep numpy's. Called by restores; raises nothing but MemoryError."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    if nbytes < _MAPPED_BYTES:
+    if nbytes < _TORCH_BYTES:
         return np.empty(shape, dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(mapping, dtype=dtype).reshape(shape)
+    return torch.empty(nbytes, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
 
 
 def resident_bytes() -> int | None:
