@@ -80,7 +80,10 @@ def run_cli(*argv: str) -> str:
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = cli.main(list(argv))
+        try:
+            status = cli.main(list(argv))
+        except SystemExit as exc:  # a usage error: argparse exits
+            status = exc.code
     if status != 0:
         raise SystemExit(f"xtckpt {' '.join(argv)} failed: {err.getvalue()}")
     return out.getvalue()

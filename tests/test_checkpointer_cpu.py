@@ -283,3 +283,12 @@ def test_new_tensors_are_not_advised_to_use_huge_pages(tmp_path, use_ocdbt):
     assert_trees_equal(restored, state)
     middle = restored["big"].data_ptr() + restored["big"].nbytes // 2  # numpy advises from the first whole page
     assert "hg" not in _vm_flags(middle)
+
+
+def test_new_tensors_are_cpu_tensors_under_another_default_device(tmp_path):
+    state = {"big": torch.randn(1024, 2048).to(torch.bfloat16), "small": torch.randn(64)}  # 4 MiB, and 256 bytes
+    xtc.save(tmp_path / "ck", state)
+    with torch.device("meta"):
+        restored = xtc.restore(tmp_path / "ck")
+    assert restored["big"].device.type == "cpu"
+    assert_trees_equal(restored, state)

@@ -49,11 +49,15 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     no compaction (504 huge page faults). torch's allocator advises nothing unless asked
     (``THP_MEM_ALLOC_ENABLE``), and its buffers go back to glibc's heaps when freed, so the next restore in the
     process reuses them (fresh mappings of our own would be faulted in again every time). Buffers a restore
-    reuses (`restore_arenas`) keep numpy's. Called by restores; raises nothing but MemoryError."""
+    reuses (`restore_arenas`) keep numpy's. Called by restores; raises MemoryError (numpy) or RuntimeError
+    (torch) when memory runs out."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < _TORCH_BYTES:
         return np.empty(shape, dtype)
-    return torch.empty(nbytes, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
+    # A bare storage: `torch.empty` would fill it under `torch.use_deterministic_algorithms`, and honour a
+    # default device other than the CPU.
+    memory = torch.empty(0, dtype=torch.uint8, device="cpu").set_(torch.UntypedStorage(nbytes, device="cpu"))
+    return memory.numpy().view(dtype).reshape(shape)
 
 
 def resident_bytes() -> int | None:

@@ -9,8 +9,8 @@ stdout: one JSON line per job, in job order: {"returncode": n} (negative: killed
 A forked child is a process of its own, as a subprocess would be: it can kill itself mid-save (SIGKILL), and
 nothing it does reaches this process. Its output goes through pipes, which this process copies to the job's
 files (a child that limits the size of the files it writes, RLIMIT_FSIZE, still reports in full). Forking is
-safe here because this process only imports and copies output: no thread, no tensorstore context, no torch_xla
-exists before the fork.
+safe here because this process only imports and copies output: no thread of ours (numpy's idle OpenBLAS pool is
+safe to fork), no tensorstore context, no torch_xla exists before the fork.
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ import os
 import select
 import sys
 import traceback
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The status an interpreter exits with for `exc`; a message is printed to stderr, as the interpreter does."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
 
 
 def _child(module, job: dict, out: int, err: int, inherited: list[int]) -> None:
@@ -37,7 +45,7 @@ def _child(module, job: dict, out: int, err: int, inherited: list[int]) -> None:
     try:
         module.main()
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = exit_code(exc)
     except BaseException:  # noqa: BLE001 - reported like a subprocess's traceback
         traceback.print_exc()
         code = 1
@@ -62,7 +70,7 @@ def main() -> None:
         (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(module, jobs[index], out_w, err_w, [out_r, err_r, *copies, *exits])
+            _child(module, jobs[index], out_w, err_w, [out_r, err_r, *copies, *copies.values(), *exits])
         os.close(out_w)
         os.close(err_w)
         for read_end, path in ((out_r, jobs[index]["out"]), (err_r, jobs[index]["err"])):

@@ -19,6 +19,7 @@ import time
 import traceback
 
 import torch
+from forking import exit_code  # this directory's
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import layout, scans
@@ -73,7 +74,7 @@ class Saver:
             try:
                 child(root, last)
             except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
+                code = exit_code(exc)
             except BaseException:  # noqa: BLE001 - reported as a subprocess's traceback would be
                 traceback.print_exc()
                 code = 1
