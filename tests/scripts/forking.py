@@ -21,6 +21,8 @@ import os
 import select
 import sys
 import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 
 def exit_code(exc: SystemExit) -> int:
@@ -31,19 +33,19 @@ def exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _child(module, job: dict, out: int, err: int, inherited: list[int]) -> None:
-    for fd in inherited:
-        os.close(fd)
+def run_child(fn: Callable[[], object], out: int, err: int | None = None) -> NoReturn:
+    """In a forked child: make the descriptors `out` (and `err`) its stdout (and stderr), call `fn`, and exit
+    with the status an interpreter would (a traceback for an exception)."""
     for target, fd in ((out, 1), (err, 2)):
-        os.dup2(target, fd)
-        os.close(target)
+        if target is not None:
+            os.dup2(target, fd)
+            os.close(target)
     sys.stdout = os.fdopen(1, "w", buffering=1)
-    sys.stderr = os.fdopen(2, "w", buffering=1)
-    os.environ.update(job.get("env", {}))
-    sys.argv = [module.__file__, *job["argv"]]
+    if err is not None:
+        sys.stderr = os.fdopen(2, "w", buffering=1)
     code = 0
     try:
-        module.main()
+        fn()
     except SystemExit as exc:
         code = exit_code(exc)
     except BaseException:  # noqa: BLE001 - reported like a subprocess's traceback
@@ -52,6 +54,14 @@ def _child(module, job: dict, out: int, err: int, inherited: list[int]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _child(module, job: dict, out: int, err: int, inherited: list[int]) -> NoReturn:
+    for fd in inherited:
+        os.close(fd)
+    os.environ.update(job.get("env", {}))
+    sys.argv = [module.__file__, *job["argv"]]
+    run_child(module.main, out, err)
 
 
 def main() -> None:

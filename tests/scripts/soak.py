@@ -16,10 +16,9 @@ import random
 import signal
 import sys
 import time
-import traceback
 
 import torch
-from forking import exit_code  # this directory's
+from forking import run_child  # this directory's
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import layout, scans
@@ -67,19 +66,8 @@ class Saver:
         self.pid = os.fork()
         if self.pid == 0:
             os.close(read_end)
-            os.dup2(write_end, 1)
-            sys.stdout = os.fdopen(1, "w", buffering=1)
             random.seed()  # its own pauses between saves, not the ones every fork would inherit
-            code = 0
-            try:
-                child(root, last)
-            except SystemExit as exc:
-                code = exit_code(exc)
-            except BaseException:  # noqa: BLE001 - reported as a subprocess's traceback would be
-                traceback.print_exc()
-                code = 1
-            sys.stdout.flush()
-            os._exit(code)
+            run_child(lambda: child(root, last), write_end)
         os.close(write_end)
         self.stdout = os.fdopen(read_end, "r")
         self.returncode: int | None = None
