@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from helpers import DTYPES, assert_trees_equal, ocdbt_data_files, random_tensor
+from memory_maps import vm_flags
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import layout
@@ -259,20 +260,6 @@ def test_restore_pauses_the_garbage_collector_and_restores_its_state(tmp_path, m
     assert gc.isenabled()
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 @pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "directories"])
 def test_new_tensors_are_not_advised_to_use_huge_pages(tmp_path, use_ocdbt):
     # numpy advises MADV_HUGEPAGE (VmFlags "hg") for 4 MiB and more; on a VM that reports free memory to its
@@ -282,7 +269,7 @@ def test_new_tensors_are_not_advised_to_use_huge_pages(tmp_path, use_ocdbt):
     restored = xtc.restore(tmp_path / "ck")
     assert_trees_equal(restored, state)
     middle = restored["big"].data_ptr() + restored["big"].nbytes // 2  # numpy advises from the first whole page
-    assert "hg" not in _vm_flags(middle)
+    assert "hg" not in vm_flags(middle)
 
 
 def test_new_tensors_are_cpu_tensors_under_another_default_device(tmp_path):

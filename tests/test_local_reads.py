@@ -8,6 +8,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from memory_maps import vm_flags
 
 from xla_tensorstore_ckpt import CorruptCheckpointError, StorageError
 from xla_tensorstore_ckpt.arrays import local_reads
@@ -230,6 +231,23 @@ def test_a_held_descriptor_is_read_cold_even_after_its_name_is_removed(tmp_path,
     finally:
         os.close(fd)
     assert bytes(out) == payload[100:20100]
+
+
+def test_direct_reads_go_through_windows_advised_to_use_huge_pages(tmp_path):
+    # A direct request carries one segment per physically contiguous run of its buffer, and virtio disks take a
+    # few hundred segments per request: in 4 KiB pages a window is read in requests of about 1 MiB.
+    path, data = _file(tmp_path, 3 << 20)
+    _evict(path)
+    fd = local_reads.open_for_runs(path)
+    try:
+        view = local_reads.read_window(fd, 4096, 3 << 20, "the test file")
+        assert bytes(view) == data[4096:3 << 20]
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    finally:
+        os.close(fd)
+    assert "hg" in vm_flags(address)
+    written = local_reads.new_window()  # the direct writes' windows (arrays.direct_ocdbt) as well
+    assert "hg" in vm_flags(ctypes.addressof(ctypes.c_char.from_buffer(written)))
 
 
 @pytest.mark.parametrize("cache", ["cold", "warm"])
