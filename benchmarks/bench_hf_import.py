@@ -16,9 +16,12 @@ it builds the model (zeros, FSDP-sharded over the first mesh axis; untimed), the
 
 Reported: the seconds until every tensor is on its devices, and the peak growth of the process's resident
 memory above the built model (on CPU devices the devices' buffers are host memory too, and the model's own
-are not counted). The loaded values are checked against the files. Prints one JSON line.
+are not counted); beside them (benchmarks/footprint.py) the CPU seconds, the fresh memory touched (that growth
+plus the page cache's) and the bytes read from the disk, per byte of the files. The contenders take turns ABBA;
+with ``--warm-memory`` a throwaway process touches twice the files' bytes right before each run. The loaded
+values are checked against the files. Prints one JSON line.
 
-    python benchmarks/bench_hf_import.py [--scale 1.0] [--repeats 3] [--dir DIR]
+    python benchmarks/bench_hf_import.py [--scale 1.0] [--repeats 7] [--warm-memory] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from fresh_process import evict, run_json  # noqa: E402
+import footprint  # noqa: E402
+from fresh_process import abba, evict, run_json  # noqa: E402
 
 FILES = 5
 BUDGET = 256 << 20  # the xtc-budget contender's RestoreOptions.max_host_bytes
@@ -88,13 +92,8 @@ xr.use_spmd()
 import workloads
 from safetensors import safe_open
 from safetensors.torch import load_file
+import footprint
 import xla_tensorstore_ckpt as xtc  # imported by both: the library's import is not the load's memory
-
-def status(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
 
 directory, contender, budget = {directory!r}, {contender!r}, {budget!r}
 mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
@@ -107,32 +106,34 @@ for name, shape, dtype, _, _ in entries:
     xs.mark_sharding(model[key], mesh, specs[key])
 torch_xla.sync()
 xm.wait_device_ops()
-baseline = status("VmRSS")
 with open(os.path.join(directory, "model.safetensors.index.json")) as f:
     files = sorted(set(json.load(f)["weight_map"].values()))
-start = time.perf_counter()
-if contender == "usual":
-    for name in files:
-        state = load_file(os.path.join(directory, name))
-        for key, tensor in state.items():
-            placed = tensor.to("xla")
-            xs.mark_sharding(placed, mesh, specs[key])
-            model[key] = placed
-        del state, tensor
-        torch_xla.sync()
-    xm.wait_device_ops()
-else:
-    options = xtc.CheckpointManagerOptions(save_rng=False, restore_options=xtc.RestoreOptions(max_host_bytes=budget))
-    with xtc.CheckpointManager({root!r}, options) as manager:
-        assert manager.restore("latest", model=model, init_from=directory) is None
-seconds = time.perf_counter() - start
-peak = status("VmHWM") - baseline
+
+def load():
+    if contender == "usual":
+        for name in files:
+            state = load_file(os.path.join(directory, name))
+            for key, tensor in state.items():
+                placed = tensor.to("xla")
+                xs.mark_sharding(placed, mesh, specs[key])
+                model[key] = placed
+            del state, tensor
+            torch_xla.sync()
+        xm.wait_device_ops()
+    else:
+        options = xtc.CheckpointManagerOptions(save_rng=False,
+                                               restore_options=xtc.RestoreOptions(max_host_bytes=budget))
+        with xtc.CheckpointManager({root!r}, options) as manager:
+            assert manager.restore("latest", model=model, init_from=directory) is None
+
+measures, _ = footprint.measure(load)
+seconds, peak = measures["wall_s"], measures["rss_growth_bytes"]
 exact = True
 for name in files:
     with safe_open(os.path.join(directory, name), "pt") as f:
         for key in list(f.keys())[::7]:  # every 7th tensor: enough to catch a wrong offset or dtype
             exact = exact and torch.equal(model[key].cpu(), f.get_tensor(key))
-print(json.dumps({{"seconds": seconds, "peak_host_bytes": peak, "exact": bool(exact)}}))
+print(json.dumps({{"seconds": seconds, "peak_host_bytes": peak, "exact": bool(exact), "footprint": measures}}))
 """
 
 
@@ -144,19 +145,22 @@ def run_worker(contender: str, directory: str, root: str, scale: float) -> dict:
     return run_json([sys.executable, "-c", script], env, contender)
 
 
-def measure(scale: float, repeats: int, workdir: str) -> dict:
-    """Write the files, then alternate the contenders `repeats` times, each in a fresh process after evicting
-    the files from the page cache."""
+def measure(scale: float, repeats: int, workdir: str, warm_memory: bool = False) -> dict:
+    """Write the files, then alternate the contenders `repeats` times (ABBA), each in a fresh process after
+    evicting the files from the page cache (and with `warm_memory`, after a process that touched twice their
+    bytes)."""
     directory = os.path.join(workdir, "hf")
     total, files = write_hf_checkpoint(directory, scale)
     runs: dict[str, list[dict]] = {"usual": [], "xtc": [], "xtc-budget": []}
-    for i in range(repeats):
-        for contender in runs:
-            evict(directory)
-            runs[contender].append(run_worker(contender, directory, os.path.join(workdir, f"run-{i}"), scale))
+    for i, contender in enumerate(abba(list(runs), repeats)):
+        evict(directory)
+        if warm_memory:
+            footprint.warm_memory(2 * total)
+        runs[contender].append(run_worker(contender, directory, os.path.join(workdir, f"run-{i}"), scale))
     median = {c: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "peak_host_bytes")}
               for c, rs in runs.items()}
     return {"bytes": total, "files": files, "runs": runs, "median": median,
+            "mode": "warm-memory" if warm_memory else "cold-memory",
             "exact": all(r["exact"] for rs in runs.values() for r in rs),
             "speedup": {c: median["usual"]["seconds"] / median[c]["seconds"] for c in ("xtc", "xtc-budget")},
             "memory_ratio": {c: median[c]["peak_host_bytes"] / median["usual"]["peak_host_bytes"]
@@ -168,7 +172,8 @@ def describe(result: dict) -> str:
     m = result["median"]
     usual = m["usual"]
     lines = [f"hf-import: {result['bytes'] / 2**30:.2f} GiB in {result['files']} safetensors files onto an FSDP "
-             f"mesh of 8 devices, fresh process, page cache evicted (medians)",
+             f"mesh of 8 devices, fresh process, page cache evicted, {result.get('mode', 'cold-memory')}, "
+             f"ABBA (medians of {len(result['runs']['usual'])})",
              f"  usual path (load_file, .to, mark_sharding): {usual['seconds']:.3f} s, peak host "
              f"+{usual['peak_host_bytes'] / 2**20:.0f} MiB"]
     for contender, label in (("xtc", "this library (manager init_from)"),
@@ -176,6 +181,10 @@ def describe(result: dict) -> str:
         lines.append(f"  {label}: {m[contender]['seconds']:.3f} s, peak host "
                      f"+{m[contender]['peak_host_bytes'] / 2**20:.0f} MiB: {result['speedup'][contender]:.2f}x "
                      f"faster, {result['memory_ratio'][contender]:.2f}x the peak host memory")
+    for contender in result["runs"]:
+        measured = [r["footprint"] for r in result["runs"][contender] if "footprint" in r]
+        if measured:
+            lines.append(f"  {contender:10} {footprint.summary(measured, result['bytes'], read=True)}")
     lines.append(f"  exact: {result['exact']}")
     return "\n".join(lines)
 
@@ -183,11 +192,13 @@ def describe(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warm-memory", action="store_true",
+                        help="a throwaway process touches twice the files' bytes right before each run")
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="xtc-hf-import-", dir=args.dir) as workdir:
-        result = measure(args.scale, args.repeats, workdir)
+        result = measure(args.scale, args.repeats, workdir, args.warm_memory)
     print(describe(result), file=sys.stderr)
     print(json.dumps(result))
 

@@ -33,3 +33,9 @@ def run_json(cmd: list[str], env: dict, what: str) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def abba(contenders: list[str], rounds: int) -> list[str]:
+    """The order of `rounds` fresh-process runs of each contender: forwards in even rounds, backwards in odd ones
+    (A B B A A B ...), so that no contender always runs first or right after another one."""
+    return [c for i in range(rounds) for c in (contenders if i % 2 == 0 else contenders[::-1])]

@@ -205,24 +205,6 @@ def spread(values):
     return (max(values) - min(values)) / 2 if values else float("nan")
 
 
-def abba(contenders: list[str], rounds: int) -> list[str]:
-    """The order of `rounds` fresh-process runs of each contender: forwards in even rounds, backwards in odd ones
-    (A B B A A B ...), so that no contender always runs first or right after another one."""
-    return [c for i in range(rounds) for c in (contenders if i % 2 == 0 else contenders[::-1])]
-
-
-def footprint_summary(measured: list[dict], nbytes: int, *, read: bool) -> str:
-    """Medians of footprint.measure's figures over runs: CPU user + sys seconds, fresh memory (peak resident set
-    growth + page cache growth) and bytes read (`read`) or written per byte of state."""
-    io = "read_bytes" if read else "written_bytes"
-    return (f"CPU {median([m['user_s'] + m['system_s'] for m in measured]):.2f} s "
-            f"({median([m['user_s'] for m in measured]):.2f} user + {median([m['system_s'] for m in measured]):.2f} "
-            f"sys), fresh {median([m['fresh_bytes'] for m in measured]) / nbytes:.2f} B/B "
-            f"({median([m['rss_growth_bytes'] for m in measured]) / nbytes:.2f} resident + "
-            f"{median([m['page_cache_growth_bytes'] for m in measured]) / nbytes:.2f} page cache), "
-            f"{'read' if read else 'written'} {median([m[io] for m in measured]) / nbytes:.2f} B/B")
-
-
 def table(results: list[dict], floor: dict[str, dict]) -> str:
     lines = []
     for workload in dict.fromkeys(r["workload"] for r in results):
@@ -251,15 +233,15 @@ def table(results: list[dict], floor: dict[str, dict]) -> str:
                 f"{nbytes / 2**30 / save:6.2f} {r['save_peak_extra_bytes'] / max(1, r['distinct_shard_bytes']):5.2f}x "
                 f"{r['files']:6d} {r['bytes_written'] / 2**20:7.1f} {str(r.get('restore_exact', '-')):>5}")
         for r in (r for r in rows if r.get("save_footprint")):
-            lines.append(f"  {r['contender']:14} save: {footprint_summary(r['save_footprint'], nbytes, read=False)}; "
-                         f"restore: {footprint_summary(r['restore_footprint'], nbytes, read=True)}")
+            lines.append(f"  {r['contender']:14} save: {footprint.summary(r['save_footprint'], nbytes, read=False)}; "
+                         f"restore: {footprint.summary(r['restore_footprint'], nbytes, read=True)}")
     for r in (r for r in results if r.get("resume_s")):
         base = next((b for b in results if b["workload"] == r["workload"] and b["contender"] == BASELINE), None)
         cold = median(floor[r["workload"]]["cold_read_s"])
         resume = median(r["resume_s"])
         versus = f"{median(base['resume_s']) / resume:.2f}x torch_xla's, " if base and base.get("resume_s") else ""
         nbytes = next(b["state_bytes"] for b in results if b["workload"] == r["workload"] and "state_bytes" in b)
-        measured = f"; {footprint_summary(r['resume_footprint'], nbytes, read=True)}" if r.get(
+        measured = f"; {footprint.summary(r['resume_footprint'], nbytes, read=True)}" if r.get(
             "resume_footprint") else ""
         lines.append(f"resume {r['workload']:6} {r['contender']:10} {resume:7.3f} s (min {min(r['resume_s']):.3f}, "
                      f"max {max(r['resume_s']):.3f}, {len(r['resume_s'])} runs, ABBA): {versus}"
@@ -423,7 +405,7 @@ def main() -> None:
                 if workload == "hf-import":
                     if server is None:  # local safetensors files
                         print("running the Hugging Face import ...", file=sys.stderr, flush=True)
-                        hf_import = bench_hf_import.measure(args.scale, args.repeats, workdir)
+                        hf_import = bench_hf_import.measure(args.scale, args.repeats, workdir, args.warm_memory)
                     continue
                 nbytes = workloads.spec_bytes(workload, args.scale)
                 floor[workload] = floors(nbytes, workdir, args.repeats)
@@ -442,7 +424,7 @@ def main() -> None:
                 if resumed:  # fresh processes, page cache evicted; alternated ABBA so that all see the same machine
                     print(f"resuming {workload} {args.resumes} times ...", file=sys.stderr, flush=True)
                     order = [c for c in kept if c in RESUME_CONTENDERS]
-                    for contender in abba(order, args.resumes):
+                    for contender in fresh_process.abba(order, args.resumes):
                         if args.warm_memory:
                             footprint.warm_memory(2 * nbytes)
                         resumed_once = run_worker(contender, workload, args, base, env, resume=True)
