@@ -6,10 +6,11 @@ contender restores it `--repeats` times onto a (2, 4) mesh with the axes' roles 
 StandardCheckpointer and NamedShardings, this library onto torch_xla SPMD tensors on 8 devices, twice: with
 `xtc.restore` (new tensors beside the target) and, as a trainer resumes, with its CheckpointManager restoring the
 step in place into the built model. Each restore runs in a fresh process, after the checkpoint's files have
-been evicted from the page cache (a resume); the reported figure is the time of the restore call alone. Prints
-one JSON line.
+been evicted from the page cache (a resume), the contenders taking turns ABBA; the reported figures are those of
+the restore call alone (Orbax's reads the checkpoint's metadata first, as ours do): wall time and, beside it
+(benchmarks/footprint.py), CPU seconds, fresh memory touched and bytes read from the disk. Prints one JSON line.
 
-    python benchmarks/bench_orbax_interop.py [--gib 1.0] [--repeats 3] [--dir DIR]
+    python benchmarks/bench_orbax_interop.py [--gib 1.0] [--repeats 7] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -23,13 +24,27 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from fresh_process import evict, run_json  # noqa: E402
+import footprint  # noqa: E402
+from fresh_process import abba, evict, run_json  # noqa: E402
 
-TOOL = os.path.join(HERE, "..", "tests", "scripts", "orbax_tool.py")
+TESTS = os.path.join(HERE, "..", "tests")
+CONTENDERS = ("orbax", "xtc", "xtc-in-place")
+
+_ORBAX = r"""
+import json, sys
+sys.path.insert(0, {scripts!r})
+sys.path.insert(0, {here!r})
+import footprint
+import orbax_tool  # JAX on 8 CPU devices
+measures, _ = footprint.measure(lambda: orbax_tool.restore_sharded({item!r}))
+print(json.dumps({{"seconds": measures["wall_s"], "footprint": measures}}))
+"""
 
 _OURS = r"""
-import json, os, sys, time
-sys.path.insert(0, os.path.join({tests!r}))
+import json, os, sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {here!r})
+import footprint
 import numpy as np, torch, torch_xla, torch_xla.distributed.spmd as xs, torch_xla.runtime as xr
 xr.use_spmd()
 import orbax_trees
@@ -41,53 +56,73 @@ for name, shape in orbax_trees.large_shapes({gib}).items():
     xs.mark_sharding(t, mesh, ("b", "a"))
     target[name] = t
 torch_xla.sync()
-start = time.perf_counter()
-if {in_place!r}:  # as a trainer resumes: the manager restores the step into the built model
-    with xtc.CheckpointManager({root!r}, xtc.CheckpointManagerOptions(save_rng=False)) as manager:
-        manager.restore(1, model=target, restore_rng=False)
-    out = target
-else:
-    out = xtc.restore({item!r}, target)  # returns once every shard is on its device
-seconds = time.perf_counter() - start
+
+def restore():
+    if {in_place!r}:  # as a trainer resumes: the manager restores the step into the built model
+        with xtc.CheckpointManager({root!r}, xtc.CheckpointManagerOptions(save_rng=False)) as manager:
+            manager.restore(1, model=target, restore_rng=False)
+        return target
+    return xtc.restore({item!r}, target)  # returns once every shard is on its device
+
+measures, out = footprint.measure(restore)
 shapes = orbax_trees.large_shapes({gib})
 for name in out:
     expected = orbax_trees.large_block(int(name[1:]), shapes[name], (2, 4))
     assert torch.equal(out[name][:2, :4].cpu(), torch.from_numpy(expected))
-print(json.dumps({{"seconds": seconds}}))
+print(json.dumps({{"seconds": measures["wall_s"], "footprint": measures}}))
 """
 
 
 def measure(gib: float, repeats: int, directory: str) -> dict:
+    """Orbax writes the step, then the contenders restore it `repeats` times each, ABBA, each in a fresh process
+    after the files were evicted. Returns the seconds and footprints of every run, and the speed ratios."""
     jax_env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
     xla_env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3")
     root = os.path.join(directory, "orbax-root")
-    run_json([sys.executable, TOOL, "large", root, str(gib)], jax_env, "Orbax writing")
+    run_json([sys.executable, os.path.join(TESTS, "scripts", "orbax_tool.py"), "large", root, str(gib)], jax_env,
+             "Orbax writing")
     item = os.path.join(root, "1", "model")
-    scripts = {mode: _OURS.format(tests=os.path.join(HERE, "..", "tests"), gib=gib, item=item, root=root,
-                                  in_place=mode == "in_place") for mode in ("new", "in_place")}
-    orbax_s, ours_s, in_place_s = [], [], []
-    for _ in range(repeats):  # alternated, so that all see the same machine
+    scripts = {"orbax": (_ORBAX.format(scripts=os.path.join(TESTS, "scripts"), here=HERE, item=item), jax_env)}
+    for contender in ("xtc", "xtc-in-place"):
+        scripts[contender] = (_OURS.format(tests=TESTS, here=HERE, gib=gib, item=item, root=root,
+                                           in_place=contender == "xtc-in-place"), xla_env)
+    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
+    for contender in abba(list(CONTENDERS), repeats):  # alternated, so that all see the same machine
         evict(root)
-        orbax_s.append(run_json([sys.executable, TOOL, "restore_sharded", item], jax_env, "Orbax restore")["seconds"])
-        evict(root)
-        ours_s.append(run_json([sys.executable, "-c", scripts["new"]], xla_env, "our restore")["seconds"])
-        evict(root)
-        in_place_s.append(run_json([sys.executable, "-c", scripts["in_place"]], xla_env, "our manager's restore")
-                          ["seconds"])
-    orbax = statistics.median(orbax_s)
-    return {"gib": gib, "orbax_restore_s": orbax_s, "xtc_restore_s": ours_s, "xtc_in_place_restore_s": in_place_s,
-            "orbax_over_xtc": orbax / statistics.median(ours_s),
-            "orbax_over_xtc_in_place": orbax / statistics.median(in_place_s)}
+        script, env = scripts[contender]
+        runs[contender].append(run_json([sys.executable, "-c", script], env, f"{contender}'s restore"))
+    seconds = {c: [r["seconds"] for r in rs] for c, rs in runs.items()}
+    orbax = statistics.median(seconds["orbax"])
+    return {"gib": gib, "nbytes": int(gib * 2**30), "orbax_restore_s": seconds["orbax"],
+            "xtc_restore_s": seconds["xtc"], "xtc_in_place_restore_s": seconds["xtc-in-place"],
+            "footprints": {c: [r["footprint"] for r in rs] for c, rs in runs.items()},
+            "orbax_over_xtc": orbax / statistics.median(seconds["xtc"]),
+            "orbax_over_xtc_in_place": orbax / statistics.median(seconds["xtc-in-place"])}
+
+
+def describe(result: dict) -> str:
+    """The result as the lines of the benchmark report."""
+    median = statistics.median
+    lines = [f"orbax-interop: a {result['gib']:.2f} GiB step Orbax wrote (OCDBT), restored onto a (2, 4) mesh in "
+             f"fresh processes, page cache evicted, ABBA (medians of {len(result['orbax_restore_s'])})",
+             f"  Orbax in JAX {median(result['orbax_restore_s']):.3f} s; this library onto torch_xla: xtc.restore "
+             f"{median(result['xtc_restore_s']):.3f} s ({result['orbax_over_xtc']:.2f}x Orbax's speed), the manager "
+             f"in place {median(result['xtc_in_place_restore_s']):.3f} s ({result['orbax_over_xtc_in_place']:.2f}x)"]
+    for contender, measured in result.get("footprints", {}).items():
+        lines.append(f"  {contender:12} {footprint.summary(measured, result['nbytes'], read=True)}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="xtc-orbax-interop-", dir=args.dir) as directory:
-        print(json.dumps(measure(args.gib, args.repeats, directory)))
+        result = measure(args.gib, args.repeats, directory)
+    print(describe(result), file=sys.stderr)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -441,12 +441,7 @@ def main() -> None:
             server.stop()
     text = table(results, floor)
     if interop is not None:
-        text += (f"\n\norbax-interop: a {interop['gib']:.2f} GiB step Orbax wrote (OCDBT), restored onto a (2, 4) mesh "
-                 f"in a fresh process, page cache evicted\n"
-                 f"  Orbax in JAX {median(interop['orbax_restore_s']):.3f} s; this library onto torch_xla: "
-                 f"xtc.restore {median(interop['xtc_restore_s']):.3f} s ({interop['orbax_over_xtc']:.2f}x Orbax's "
-                 f"speed), the manager in place {median(interop['xtc_in_place_restore_s']):.3f} s "
-                 f"({interop['orbax_over_xtc_in_place']:.2f}x)")
+        text += "\n\n" + bench_orbax_interop.describe(interop)
     if hf_import is not None:
         text += "\n\n" + bench_hf_import.describe(hf_import)
     if torch_xla_import is not None:

@@ -72,6 +72,34 @@ def dump(tree, *, paths: bool = False) -> dict:
     return out
 
 
+def restore_sharded(item: str):
+    """Orbax's restore of the checkpoint item `item` onto NamedShardings of a 2x4 mesh (the dimensions that divide
+    evenly split over ("b", "a")), blocking until every array is on its devices."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        metadata = checkpointer.metadata(item)
+    tree_meta = getattr(metadata, "item_metadata", metadata)
+    on = mesh((2, 4), ("a", "b"))
+
+    def abstract(meta):
+        kind = type(meta).__name__
+        if kind == "StringMetadata":
+            return ""
+        if kind == "ScalarMetadata":
+            return np.zeros((), meta.dtype).item()
+        shape = getattr(meta, "shape", None)
+        if shape is None:
+            return meta
+        axes = [("b", 4), ("a", 2)][:len(shape)]  # dims split over the mesh where they divide evenly
+        spec = P(*[name if n % size == 0 else None for (name, size), n in zip(axes, shape)])
+        return jax.ShapeDtypeStruct(shape, meta.dtype, sharding=NamedSharding(on, spec))
+
+    abstract_tree = jax.tree_util.tree_map(abstract, tree_meta)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+            item=abstract_tree, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_tree)))
+        return jax.block_until_ready(restored)
+
+
 def manager_options(flags: dict) -> ocp.CheckpointManagerOptions:
     """The default options, but the step naming given by --prefix and --fixed-length."""
     fixed = flags.get("--fixed-length")
@@ -121,30 +149,8 @@ def main() -> None:
         with ocp.StandardCheckpointer() as checkpointer:
             result = dump(checkpointer.restore(target), paths=flags.get("--paths") == "1")
     elif command == "restore_sharded":
-        with ocp.StandardCheckpointer() as checkpointer:
-            metadata = checkpointer.metadata(target)
-        tree_meta = getattr(metadata, "item_metadata", metadata)
-        on = mesh((2, 4), ("a", "b"))
-
-        def abstract(meta):
-            kind = type(meta).__name__
-            if kind == "StringMetadata":
-                return ""
-            if kind == "ScalarMetadata":
-                return np.zeros((), meta.dtype).item()
-            shape = getattr(meta, "shape", None)
-            if shape is None:
-                return meta
-            axes = [("b", 4), ("a", 2)][:len(shape)]  # dims split over the mesh where they divide evenly
-            spec = P(*[name if n % size == 0 else None for (name, size), n in zip(axes, shape)])
-            return jax.ShapeDtypeStruct(shape, meta.dtype, sharding=NamedSharding(on, spec))
-
         started = time.perf_counter()
-        item = jax.tree_util.tree_map(abstract, tree_meta)
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            restored = checkpointer.restore(target, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
-            jax.block_until_ready(restored)
+        restored = restore_sharded(target)
         result = {"seconds": time.perf_counter() - started, "tree": dump(restored)}
     elif command == "steps":
         result = {}
