@@ -234,8 +234,8 @@ def test_a_held_descriptor_is_read_cold_even_after_its_name_is_removed(tmp_path,
 
 
 def test_direct_reads_go_through_windows_advised_to_use_huge_pages(tmp_path):
-    # A direct request carries one segment per physically contiguous run of its buffer, and virtio disks take a
-    # few hundred segments per request: in 4 KiB pages a window is read in requests of about 1 MiB.
+    # A direct request is built from its buffer's physically contiguous runs, of which a disk takes a limited
+    # number: in 4 KiB pages a window went to the disk here in requests of 512 KiB, in 2 MiB pages of 4 MiB.
     path, data = _file(tmp_path, 3 << 20)
     _evict(path)
     fd = local_reads.open_for_runs(path)
