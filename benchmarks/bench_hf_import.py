@@ -84,7 +84,7 @@ def hf_name(name: str) -> str:
 
 
 _WORKER = r"""
-import json, os, sys, time
+import json, os, sys
 sys.path.insert(0, {here!r})
 import numpy as np, torch, torch_xla, torch_xla.core.xla_model as xm, torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
@@ -172,7 +172,7 @@ def describe(result: dict) -> str:
     m = result["median"]
     usual = m["usual"]
     lines = [f"hf-import: {result['bytes'] / 2**30:.2f} GiB in {result['files']} safetensors files onto an FSDP "
-             f"mesh of 8 devices, fresh process, page cache evicted, {result.get('mode', 'cold-memory')}, "
+             f"mesh of 8 devices, fresh process, page cache evicted, {result['mode']}, "
              f"ABBA (medians of {len(result['runs']['usual'])})",
              f"  usual path (load_file, .to, mark_sharding): {usual['seconds']:.3f} s, peak host "
              f"+{usual['peak_host_bytes'] / 2**20:.0f} MiB"]
@@ -181,10 +181,9 @@ def describe(result: dict) -> str:
         lines.append(f"  {label}: {m[contender]['seconds']:.3f} s, peak host "
                      f"+{m[contender]['peak_host_bytes'] / 2**20:.0f} MiB: {result['speedup'][contender]:.2f}x "
                      f"faster, {result['memory_ratio'][contender]:.2f}x the peak host memory")
-    for contender in result["runs"]:
-        measured = [r["footprint"] for r in result["runs"][contender] if "footprint" in r]
-        if measured:
-            lines.append(f"  {contender:10} {footprint.summary(measured, result['bytes'], read=True)}")
+    for contender, runs in result["runs"].items():
+        measured = [r["footprint"] for r in runs]
+        lines.append(f"  {contender:10} {footprint.summary(measured, result['bytes'], read=True)}")
     lines.append(f"  exact: {result['exact']}")
     return "\n".join(lines)
 

@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(HERE, "..", "tests")
 sys.path.insert(0, HERE)
+sys.path.insert(0, TESTS)
 import footprint  # noqa: E402
+import orbax_trees  # noqa: E402 - the step's arrays, as the Orbax tool writes them
 from fresh_process import abba, evict, run_json  # noqa: E402
 
-TESTS = os.path.join(HERE, "..", "tests")
 CONTENDERS = ("orbax", "xtc", "xtc-in-place")
 
 _ORBAX = r"""
@@ -41,7 +44,7 @@ print(json.dumps({{"seconds": measures["wall_s"], "footprint": measures}}))
 """
 
 _OURS = r"""
-import json, os, sys
+import json, sys
 sys.path.insert(0, {tests!r})
 sys.path.insert(0, {here!r})
 import footprint
@@ -93,7 +96,8 @@ def measure(gib: float, repeats: int, directory: str) -> dict:
         runs[contender].append(run_json([sys.executable, "-c", script], env, f"{contender}'s restore"))
     seconds = {c: [r["seconds"] for r in rs] for c, rs in runs.items()}
     orbax = statistics.median(seconds["orbax"])
-    return {"gib": gib, "nbytes": int(gib * 2**30), "orbax_restore_s": seconds["orbax"],
+    nbytes = sum(math.prod(shape) * 4 for shape in orbax_trees.large_shapes(gib).values())  # float32
+    return {"gib": gib, "nbytes": nbytes, "orbax_restore_s": seconds["orbax"],
             "xtc_restore_s": seconds["xtc"], "xtc_in_place_restore_s": seconds["xtc-in-place"],
             "footprints": {c: [r["footprint"] for r in rs] for c, rs in runs.items()},
             "orbax_over_xtc": orbax / statistics.median(seconds["xtc"]),
@@ -108,7 +112,7 @@ def describe(result: dict) -> str:
              f"  Orbax in JAX {median(result['orbax_restore_s']):.3f} s; this library onto torch_xla: xtc.restore "
              f"{median(result['xtc_restore_s']):.3f} s ({result['orbax_over_xtc']:.2f}x Orbax's speed), the manager "
              f"in place {median(result['xtc_in_place_restore_s']):.3f} s ({result['orbax_over_xtc_in_place']:.2f}x)"]
-    for contender, measured in result.get("footprints", {}).items():
+    for contender, measured in result["footprints"].items():
         lines.append(f"  {contender:12} {footprint.summary(measured, result['nbytes'], read=True)}")
     return "\n".join(lines)
 

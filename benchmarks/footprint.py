@@ -63,7 +63,7 @@ def summary(measured: Sequence[dict], nbytes: int, *, read: bool) -> str:
     page cache growth) and bytes read (`read`) or written per byte of state, and where an object store answered,
     the bytes received over the network."""
     def med(key: str) -> float:
-        return statistics.median(m.get(key, 0) for m in measured)
+        return statistics.median(m[key] for m in measured)
 
     io = "read_bytes" if read else "written_bytes"
     network = med("network_bytes") / nbytes
