@@ -35,7 +35,8 @@ def saved(tmp_path_factory):
 
 
 def test_records_gathered_from_every_process_arrive_whole_small_or_large(tmp_path):
-    """The coordinator's all_gather: small records, large ones from every process, and one large among small."""
+    """The coordinator's all_gather: small records, large ones from every process, and one large among small;
+    and its `any`: true on every process when one process's flag is."""
     world = 3
     for r in launch(world, "gather", str(tmp_path)):
         assert r["returncode"] == 0, r["stderr"][-3000:]
@@ -43,6 +44,7 @@ def test_records_gathered_from_every_process_arrive_whole_small_or_large(tmp_pat
         assert got["small"] == [{"rank": p, "name": f"p{p}"} for p in range(world)]
         assert got["large"] == [list(range(p, p + 3000)) for p in range(world)]
         assert got["mixed"] == ["x" * p for p in range(world - 1)] + ["x" * 9000]
+        assert got["any"] == [True, False, True]
 
 
 def test_four_processes_save_one_checkpoint(saved):

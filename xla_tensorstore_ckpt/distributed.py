@@ -102,6 +102,23 @@ class Coordinator:
                                     f"(a process died or timed out after {self.timeout_s:g} s): {exc}") from exc
         return out
 
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is true on any process: a one-element all-reduce, the cheapest collective gloo has
+        (0.5-0.8 ms among 4 processes on 2 cores here, against about 7 ms for `all_gather`, whose objects take
+        two gathers of several elements). Collective."""
+        if not self.distributed:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        try:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
+        except RuntimeError as exc:
+            raise CoordinationError(f"process {self.index}: exchange with the other processes failed "
+                                    f"(a process died or timed out after {self.timeout_s:g} s): {exc}") from exc
+        return bool(value.item())
+
     def broadcast(self, value: Any) -> Any:
         """The primary's `value` on every process."""
         if not self.distributed:
@@ -213,6 +230,8 @@ class Coordinator:
         return result  # type: ignore[return-value]
 
     def _raise_unless_ok(self, error: BaseException | None, what: str) -> None:
+        if not self.any(error is not None):  # the messages travel only when some process failed
+            return
         statuses = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error

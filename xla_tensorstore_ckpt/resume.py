@@ -62,7 +62,10 @@ def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, w
     if local is not None:
         mine = sorted((step, marker.persistent_copy, marker.writer) for step, marker in local.committed().items())
     own = frozenset((step, writer) for step, _, writer in mine if writer is not None)
-    gathered = coordinator.all_gather((mine, peers.holdings(own) if peers is not None else Holdings(own)))
+    if local is None and peers is None:  # nothing to agree on: every process lists the same persistent tier
+        gathered = [([], Holdings(frozenset()))] * coordinator.count
+    else:
+        gathered = coordinator.all_gather((mine, peers.holdings(own) if peers is not None else Holdings(own)))
     everyone = [{step: flag for step, flag, _ in entries} for entries, _ in gathered]
     holdings = [held for _, held in gathered]
     fetches: dict[int, tuple[tuple[int, int], ...]] = {}
@@ -168,6 +171,8 @@ def failures(coordinator: Coordinator, candidate: Candidate, where: str, error: 
     """After every process tried to restore a local `candidate` from its step directory `where` (`error`: how it
     failed here, or None): the processes where it failed with damage (`DAMAGE`), each with its path and error,
     the same on every process. A failure that is not damage is raised instead, on every process."""
+    if not coordinator.any(error is not None):  # the reasons travel only when some process failed
+        return {}
     statuses = coordinator.all_gather(None if error is None else (isinstance(error, DAMAGE), where,
                                                                   f"{type(error).__name__}: {error}"))
     failed = {process: status for process, status in enumerate(statuses) if status is not None}

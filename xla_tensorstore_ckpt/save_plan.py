@@ -164,7 +164,7 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
                tuple((p, t.dtype) for p, t in scalars), options, coordinator.index, coordinator.count, own_copy)
     hit = key is not None and cache is not None and cache.key == key
     if coordinator.distributed and not own_copy:
-        hit = all(coordinator.all_gather(hit))  # collective planning: every process takes the same path
+        hit = not coordinator.any(not hit)  # collective planning: every process takes the same path
     if hit:
         names = cache.names  # type: ignore[union-attr]
         plans = [dataclasses.replace(template, value=value)

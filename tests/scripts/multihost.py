@@ -6,7 +6,8 @@ usage: multihost.py save ROOT            -> saves the item ROOT/item from this p
        multihost.py manager ROOT KILL    -> manager saves steps 1 and 2; the process of rank KILL dies in step 2
        multihost.py rng_save ROOT        -> seeds its generators by rank, saves step 1, prints the next draws
        multihost.py rng_restore ROOT     -> restores step 1 (RNG states included), prints the next draws
-       multihost.py gather ROOT          -> all_gathers records small and large (one process's only large), prints
+       multihost.py gather ROOT          -> all_gathers records small and large (one process's only large) and
+                                            flags (`any`), prints them
 Prints one JSON line: {"rank": r, "bytes": bytes this process wrote, ...}.
 """
 
@@ -84,8 +85,9 @@ def main() -> None:
         small = coordinator.all_gather({"rank": rank, "name": f"p{rank}"})
         large = coordinator.all_gather(list(range(rank, rank + 3000)))
         mixed = coordinator.all_gather("x" * (9000 if rank == world - 1 else rank))
+        flags = [coordinator.any(rank == world - 1), coordinator.any(False), coordinator.any(True)]
         coordinator.close()
-        print(json.dumps({"rank": rank, "small": small, "large": large, "mixed": mixed}), flush=True)
+        print(json.dumps({"rank": rank, "small": small, "large": large, "mixed": mixed, "any": flags}), flush=True)
     elif mode in ("rng_save", "rng_restore"):
         manager = xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False))
         with warnings.catch_warnings(record=True) as caught:
