@@ -230,8 +230,7 @@ class LocalChunkArray:
                 block = _contiguous_block(box, *targets[0]) if len(targets) == 1 else None
                 if block is not None:
                     stored = bytearray(_CHECKSUM_BYTES)
-                    reader.read_into([block, stored], 0)
-                    self._check(key, crc32c.crc32c(block), stored, source)
+                    self._check(key, reader.read_into([block, stored], 0, checksummed=1), stored, source)
                 else:
                     self._from_pieces(key, box, targets, reader, source)
         except OSError as exc:
@@ -340,19 +339,24 @@ class _Reader:
             os.close(self._fd)
         self._fd = None
 
-    def read_into(self, buffers: list, at: int) -> None:
-        """Fill `buffers` (writable buffers, in order) from `at` bytes into the chunk."""
+    def read_into(self, buffers: list, at: int, *, checksummed: int = 0) -> int:
+        """Fill `buffers` (writable buffers, in order) from `at` bytes into the chunk; return the CRC32C of the
+        first `checksummed` buffers' bytes (0 if none), computed as they are read."""
         views = [memoryview(b).cast("B") for b in buffers]
         if self.source.inline is not None:
-            for view in views:
+            checksum = 0
+            for i, view in enumerate(views):
                 view[:] = self.source.inline[at:at + len(view)]
                 at += len(view)
-            return
+                if i < checksummed:
+                    checksum = crc32c.crc32c(view, checksum)
+            return checksum
         runs, position = [], self.source.offset + at
         for view in views:
             runs.append((position, view))
             position += len(view)
-        read_runs(self.source.file, runs, f"{self._what} ({self.source.where})", fd=self._fd)
+        return read_runs(self.source.file, runs, f"{self._what} ({self.source.where})", fd=self._fd,
+                         checksummed=checksummed)
 
     def view(self, at: int, nbytes: int) -> memoryview:
         """`nbytes` of the chunk from `at`, as a view valid until this thread's next read (`read_window`)."""

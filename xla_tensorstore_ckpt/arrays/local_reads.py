@@ -21,6 +21,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 
+import crc32c
 import numpy as np
 
 from ..errors import CorruptCheckpointError, StorageError
@@ -32,15 +33,20 @@ _NUMPY_COPY_BYTES = 64 << 10  # smaller copies out of a window are cheaper as me
 _windows = threading.local()
 
 
-def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: int | None = None) -> None:
-    """Read each run (file offset, the buffer its bytes go to) of the local file `path`. Runs that follow one
-    another in the file are read by one call (buffered) or one window (direct). `fd`: a descriptor of `path`
-    the caller keeps open (opened by `open_for_runs`), else one is opened for the call. Called on reading
-    threads; blocks; raises `CorruptCheckpointError` where the file ends before a run, `StorageError` for other
-    OS errors (both naming `where`)."""
-    runs = sorted(runs, key=lambda run: run[0])
-    if not runs:
-        return
+def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: int | None = None,
+              checksummed: int = 0) -> int:
+    """Read each run (file offset, the buffer its bytes go to) of the local file `path`, and return the CRC32C
+    of the bytes of the first `checksummed` runs as given, taken in file order (0 if none). Runs that follow
+    one another in the file are read by one call (buffered) or one window (direct); a direct read checksums
+    each window while it is in the cache, before copying out of it, rather than the whole buffer again once it
+    is read (on 4 processes restoring 1 GiB here, that separate pass cost 30-50 ms of a 0.45 s restore).
+    `fd`: a descriptor of `path` the caller keeps open (opened by `open_for_runs`), else one is opened for the
+    call. Called on reading threads; blocks; raises `CorruptCheckpointError` where the file ends before a run,
+    `StorageError` for other OS errors (both naming `where`)."""
+    order = sorted(range(len(runs)), key=lambda i: runs[i][0])
+    tagged = [(*runs[i], i < checksummed) for i in order]
+    if not tagged:
+        return 0
     own = fd is None
     if own:
         try:
@@ -49,14 +55,16 @@ def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: 
             raise StorageError(f"cannot open {where}: {exc}") from exc
     try:
         direct_path = path if own else f"/proc/self/fd/{fd}"
-        end = max(at + len(view) for at, view in runs)
-        if _cached(fd, runs[0][0], end) or not _read_direct(direct_path, runs, where):
-            _read_buffered(fd, runs, where)
+        end = max(at + len(view) for at, view, _ in tagged)
+        checksum = None if _cached(fd, tagged[0][0], end) else _read_direct(direct_path, tagged, where)
+        if checksum is None:
+            checksum = _read_buffered(fd, tagged, where)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
     finally:
         if own:
             os.close(fd)
+    return checksum
 
 
 def read_window(fd: int, start: int, stop: int, where: str) -> memoryview:
@@ -284,10 +292,11 @@ _fstatfs = getattr(_LIBC, "fstatfs", None)
 _unseen_by_device: dict[int, bool] = {}
 
 
-def _read_buffered(fd: int, runs: list[tuple[int, memoryview]], where: str) -> None:
+def _read_buffered(fd: int, runs: list[tuple[int, memoryview, bool]], where: str) -> int:
+    """Read the runs (sorted) through the page cache; the CRC32C of the checksummed ones'."""
     i = 0
     while i < len(runs):
-        start, first = runs[i]
+        start, first, _ = runs[i]
         views, end = [first], start + len(first)
         i += 1
         while i < len(runs) and runs[i][0] == end and len(views) < _IOV_MAX:
@@ -295,6 +304,11 @@ def _read_buffered(fd: int, runs: list[tuple[int, memoryview]], where: str) -> N
             end += len(runs[i][1])
             i += 1
         _read_fully(fd, views, start, where)
+    checksum = 0
+    for _, view, checksummed in runs:
+        if checksummed:
+            checksum = crc32c.crc32c(view, checksum)
+    return checksum
 
 
 def _read_fully(fd: int, views: list[memoryview], at: int, where: str) -> None:
@@ -312,30 +326,35 @@ def _read_fully(fd: int, views: list[memoryview], at: int, where: str) -> None:
             views[first] = views[first][n:]
 
 
-def _read_direct(path: str, runs: list[tuple[int, memoryview]], where: str) -> bool:
-    """Read the runs window by window with O_DIRECT; False (nothing to rely on having been read) where the
-    file system refuses it. `path` may be a descriptor's ``/proc/self/fd`` link: the file the caller holds open
-    is read even if its name was removed or replaced meanwhile."""
+def _read_direct(path: str, runs: list[tuple[int, memoryview, bool]], where: str) -> int | None:
+    """Read the runs (sorted) window by window with O_DIRECT; the CRC32C of the checksummed ones', or None
+    (nothing to rely on having been read) where the file system refuses O_DIRECT. `path` may be a
+    descriptor's ``/proc/self/fd`` link: the file the caller holds open is read even if its name was removed or
+    replaced meanwhile."""
     fd = _open_direct(path)
     if fd is None:
-        return False
+        return None
+    checksum = 0
     try:
         window = _window()
         for start, parts in _by_window(runs):
-            stop = -(-max(source + len(dest) for source, dest in parts) // ALIGN) * ALIGN
+            stop = -(-max(source + len(dest) for source, dest, _ in parts) // ALIGN) * ALIGN
             try:
                 got = _fill(fd, window[:stop - start], start)
             except OSError as exc:
                 if exc.errno == errno.EINVAL:
-                    return False
+                    return None
                 raise
-            for source, dest in parts:
+            for source, dest, checksummed in parts:
                 if source + len(dest) > start + got:
                     raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
-                copy_bytes(dest, window[source - start:source - start + len(dest)])
+                read = window[source - start:source - start + len(dest)]
+                if checksummed:
+                    checksum = crc32c.crc32c(read, checksum)
+                copy_bytes(dest, read)
     finally:
         os.close(fd)
-    return True
+    return checksum
 
 
 def copy_bytes(dest: memoryview, source: memoryview) -> None:
@@ -348,17 +367,17 @@ def copy_bytes(dest: memoryview, source: memoryview) -> None:
         np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(source, np.uint8))
 
 
-def _by_window(runs: list[tuple[int, memoryview]]) -> list[tuple[int, list[tuple[int, memoryview]]]]:
-    """The runs cut at the boundaries of `WINDOW_BYTES` windows aligned in the file, grouped by window: (the
-    aligned offset the window's read starts at, its parts)."""
-    groups: dict[int, list[tuple[int, memoryview]]] = {}
-    for source, dest in runs:
+def _by_window(runs: list[tuple[int, memoryview, bool]]) -> list[tuple[int, list[tuple[int, memoryview, bool]]]]:
+    """The runs (sorted) cut at the boundaries of `WINDOW_BYTES` windows aligned in the file, grouped by window,
+    in file order: (the aligned offset the window's read starts at, its parts)."""
+    groups: dict[int, list[tuple[int, memoryview, bool]]] = {}
+    for source, dest, checksummed in runs:
         while len(dest):
             base = source // WINDOW_BYTES * WINDOW_BYTES
             take = min(len(dest), base + WINDOW_BYTES - source)
-            groups.setdefault(base, []).append((source, dest[:take]))
+            groups.setdefault(base, []).append((source, dest[:take], checksummed))
             source, dest = source + take, dest[take:]
-    return [(min(s for s, _ in parts) // ALIGN * ALIGN, parts) for _, parts in sorted(groups.items())]
+    return [(min(s for s, _, _ in parts) // ALIGN * ALIGN, parts) for _, parts in sorted(groups.items())]
 
 
 def _fill(fd: int, view: memoryview, at: int) -> int:
