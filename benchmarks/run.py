@@ -37,6 +37,10 @@ virtual environment (benchmarks/.venv-orbax, created on first use from the packa
 workload with the Orbax of the test extra. With --storage gcs every contender writes to a fake-gcs-server
 started on 127.0.0.1, with --storage s3 to moto's S3 server; torch_xla's manager
 reaches them through fsspec (gcsfs, s3fs). Object stores add a floor: the same bytes uploaded and downloaded alone.
+The resumes of the large and model workloads (fresh processes, `--resumes` each, ABBA) take turns with a second
+floor, `placement`: a fresh process places host shards it holds in memory onto the resume's target the way the
+manager's restore does, reading nothing (what torch_xla 2.9 costs once the bytes are read: its copy of each host
+shard and PJRT's into the device buffer; docs/performance.md, "The copies on the way to a device").
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ DEFAULT_CONTENDERS = ("xtc", "xtc-nofsync", "xtc-async", "torch_xla", "torch_xla
 RESTORE_ON_4 = ("xtc", "torch_xla", "orbax")
 RESUME_CONTENDERS = ("xtc", "xtc-async", "torch_xla", "orbax", "torch.save")
 RESUME_WORKLOADS = ("large", "model")
+PLACEMENT = "placement"  # resumed beside the contenders: placing in-memory host data alone (worker.py)
 SWEEP_CONTENDERS = ("xtc", "torch_xla")
 BASELINE = "torch_xla"
 ORBAX_VENV = os.path.join(HERE, ".venv-orbax")
@@ -235,9 +240,19 @@ def table(results: list[dict], floor: dict[str, dict]) -> str:
         for r in (r for r in rows if r.get("save_footprint")):
             lines.append(f"  {r['contender']:14} save: {footprint.summary(r['save_footprint'], nbytes, read=False)}; "
                          f"restore: {footprint.summary(r['restore_footprint'], nbytes, read=True)}")
+    for workload, f in floor.items():
+        if f.get("resume_s"):
+            nbytes = next(b["state_bytes"] for b in results if b["workload"] == workload and "state_bytes" in b)
+            place, cold = median(f["resume_s"]), median(f["cold_read_s"])
+            lines.append(f"placement {workload:6} {place:7.3f} s (min {min(f['resume_s']):.3f}, max "
+                         f"{max(f['resume_s']):.3f}, {len(f['resume_s'])} runs, in the ABBA turns): the restored "
+                         f"bytes placed on torch_xla tensors from memory, no read; with the cold read floor "
+                         f"{cold + place:.3f} s; {footprint.summary(f['resume_footprint'], nbytes, read=True)}")
     for r in (r for r in results if r.get("resume_s")):
         base = next((b for b in results if b["workload"] == r["workload"] and b["contender"] == BASELINE), None)
         cold = median(floor[r["workload"]]["cold_read_s"])
+        placed = floor[r["workload"]].get("resume_s")
+        both = f", {median(r['resume_s']) / (cold + median(placed)):.2f}x read + placement" if placed else ""
         resume = median(r["resume_s"])
         versus = f"{median(base['resume_s']) / resume:.2f}x torch_xla's, " if base and base.get("resume_s") else ""
         nbytes = next(b["state_bytes"] for b in results if b["workload"] == r["workload"] and "state_bytes" in b)
@@ -245,7 +260,7 @@ def table(results: list[dict], floor: dict[str, dict]) -> str:
             "resume_footprint") else ""
         lines.append(f"resume {r['workload']:6} {r['contender']:10} {resume:7.3f} s (min {min(r['resume_s']):.3f}, "
                      f"max {max(r['resume_s']):.3f}, {len(r['resume_s'])} runs, ABBA): {versus}"
-                     f"{resume / cold:.2f}x the cold read floor ({cold:.3f} s){measured}")
+                     f"{resume / cold:.2f}x the cold read floor ({cold:.3f} s){both}{measured}")
     lines.append("")
     lines.append("resume: a fresh process, the checkpoint evicted from the page cache, the target built, one restore "
                  "(the headline restore figure: what a restarted trainer waits for); the contenders take turns "
@@ -423,13 +438,14 @@ def main() -> None:
                         kept[contender] = result
                 if resumed:  # fresh processes, page cache evicted; alternated ABBA so that all see the same machine
                     print(f"resuming {workload} {args.resumes} times ...", file=sys.stderr, flush=True)
-                    order = [c for c in kept if c in RESUME_CONTENDERS]
+                    order = [c for c in kept if c in RESUME_CONTENDERS] + [PLACEMENT]
                     for contender in fresh_process.abba(order, args.resumes):
                         if args.warm_memory:
                             footprint.warm_memory(2 * nbytes)
                         resumed_once = run_worker(contender, workload, args, base, env, resume=True)
-                        kept[contender].setdefault("resume_s", []).extend(resumed_once["restore_s"])
-                        kept[contender].setdefault("resume_footprint", []).append(resumed_once["footprint"])
+                        into = floor[workload] if contender == PLACEMENT else kept[contender]
+                        into.setdefault("resume_s", []).extend(resumed_once["restore_s"])
+                        into.setdefault("resume_footprint", []).append(resumed_once["footprint"])
                 for contender, result in kept.items():
                     if workload == "model" and contender in RESTORE_ON_4:
                         result["restore_4dev_s"] = run_worker(contender, workload, args, base, env, devices=4,
