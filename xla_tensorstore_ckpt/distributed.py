@@ -98,8 +98,7 @@ class Coordinator:
         try:
             dist.all_gather_object(out, value, group=self._group)
         except RuntimeError as exc:
-            raise CoordinationError(f"process {self.index}: exchange with the other processes failed "
-                                    f"(a process died or timed out after {self.timeout_s:g} s): {exc}") from exc
+            raise self._exchange_failed(exc) from exc
         return out
 
     def any(self, flag: bool) -> bool:
@@ -115,9 +114,13 @@ class Coordinator:
         try:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
         except RuntimeError as exc:
-            raise CoordinationError(f"process {self.index}: exchange with the other processes failed "
-                                    f"(a process died or timed out after {self.timeout_s:g} s): {exc}") from exc
+            raise self._exchange_failed(exc) from exc
         return bool(value.item())
+
+    def _exchange_failed(self, exc: RuntimeError) -> CoordinationError:
+        """The error of a gather or reduction that gloo gave up on."""
+        return CoordinationError(f"process {self.index}: exchange with the other processes failed "
+                                 f"(a process died or timed out after {self.timeout_s:g} s): {exc}")
 
     def broadcast(self, value: Any) -> Any:
         """The primary's `value` on every process."""
