@@ -38,6 +38,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fresh_process  # noqa: E402
 
+from xla_tensorstore_ckpt.arrays.local_reads import new_window  # noqa: E402
+
 REQUEST = 8 << 20
 HOLD_S, RELEASE_S = 0.023, 0.05
 _IO_SETUP, _IO_DESTROY, _IO_GETEVENTS, _IO_SUBMIT = 206, 207, 208, 209  # x86-64 system call numbers
@@ -58,10 +60,9 @@ class _Event(ctypes.Structure):
 
 
 def _windows(count: int) -> list[memoryview]:
-    """`count` request-sized windows in huge pages, touched."""
-    region = mmap.mmap(-1, count * REQUEST, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    view = memoryview(region)
+    """`count` request-sized windows in huge pages, as the library's direct reads use (`local_reads.new_window`),
+    touched."""
+    view = new_window(count * REQUEST)
     view[::mmap.PAGESIZE] = bytes(len(view[::mmap.PAGESIZE]))
     return [view[i * REQUEST:(i + 1) * REQUEST] for i in range(count)]
 
