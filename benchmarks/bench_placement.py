@@ -1,0 +1,143 @@
+"""Placing host data on torch_xla SPMD tensors through the two entry points torch_xla 2.9 offers (issue 36).
+
+A restore onto torch_xla tensors ends by handing host data to torch_xla. Two bindings build a sharded tensor
+from host memory:
+
+- `cpu-shards`: ``_global_tensor_from_cpu_shards(shards, op_sharding, shape)``, one host tensor per device, as
+  this library's `sharding.build` calls it. It copies every shard (``AtenSource``) before PJRT's transfer, and it
+  holds the GIL while it does (no ``NoGilSection`` in its binding).
+- `from-aten`: ``_xla_tensors_from_aten([global], [device], [XlaShardingSpec])``, the one whole host tensor, as
+  torch_xla's data loader sends a sharded batch. It lets go of the GIL, but cuts the global tensor per device
+  itself (``ShardingUtil::ShardTensor``: ``.contiguous()`` of each slice, then ``constant_pad_nd``, which copies
+  even with no padding) before the same ``AtenSource`` copy.
+
+Both place the `large` workload (1 GiB: 6 float32 and 4 bfloat16 tensors of 4096 x 8192, benchmarks/workloads.py)
+onto its restore target (8 CPU devices, mesh 2x4), from host data made before the timed region, and wait until the
+transfers are done. Each run is a fresh process; the contenders alternate (ABBA); the first run of each is checked
+bit for bit. Measured (benchmarks/footprint.py): wall time, user and system CPU seconds and fresh memory; and the
+GIL: a Python thread sleeping 1 ms in a loop records how late it wakes, so its longest lateness is about the
+longest stretch for which something held the GIL (what a reading thread waits through; with both cores busy, the
+OS's scheduling delay is in it too).
+
+    python benchmarks/bench_placement.py [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import footprint  # noqa: E402
+from fresh_process import abba, run_json  # noqa: E402
+
+CONTENDERS = ["cpu-shards", "from-aten"]
+ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+class _Lateness:
+    """A thread that sleeps `tick` seconds in a loop and records how much later than asked it woke."""
+
+    def __init__(self, tick: float = 0.001):
+        self.tick, self.late, self._stop = tick, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            before = time.perf_counter()
+            time.sleep(self.tick)
+            self.late.append(time.perf_counter() - before - self.tick)
+
+    def __enter__(self) -> _Lateness:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def worker(contender: str, check: bool) -> dict:
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+    import workloads
+
+    xr.use_spmd()
+    from xla_tensorstore_ckpt import sharding
+
+    X = torch_xla._XLAC
+    target = workloads.build_target("large", 1.0)
+    names = list(target)
+    entries = {name: spec for name, _, _, _, spec in workloads.specs("large", 1.0)[0]}
+    generator = torch.Generator().manual_seed(0)
+    host = {name: torch.randn(tuple(target[name].shape), generator=generator).to(target[name].dtype) for name in names}
+    layouts = dict(zip(names, sharding.layouts([target[n] for n in names])))
+    shards = {name: [host[name][tuple(slice(a, b) for a, b in s.index)].contiguous() for s in layouts[name].shards]
+              for name in names}
+    mesh = xs.Mesh(list(range(xr.global_runtime_device_count())), (2, xr.global_runtime_device_count() // 2),
+                   ("a", "b"))
+    specs = {name: xs.ShardingSpec(mesh, entries[name]).xla_spec(host[name]) for name in names}
+    device = str(torch_xla.device())
+    xm.wait_device_ops()
+
+    def place() -> dict:
+        if contender == "cpu-shards":
+            out = {n: sharding.build(target[n], layouts[n], shards[n]) for n in names}
+        else:
+            out = {n: X._xla_tensors_from_aten([host[n]], [device], [specs[n]])[0] for n in names}
+        for tensor in out.values():
+            sharding.wait_transferred(tensor)
+        xm.wait_device_ops()
+        return out
+
+    with _Lateness() as lateness:
+        measures, out = footprint.measure(place)
+    measures["gil_longest_s"] = max(lateness.late, default=0.0)
+    measures["gil_late_s"] = sum(lateness.late)
+    if check:
+        measures["exact"] = all(torch.equal(out[n].cpu(), host[n]) and
+                                X._get_xla_sharding_spec(out[n]) == X._get_xla_sharding_spec(target[n])
+                                for n in names)
+    measures["bytes"] = workloads.state_bytes(host)
+    return measures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], args.worker[1] == "check")))
+        return
+    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
+    for contender in abba(CONTENDERS, args.rounds):
+        check = "check" if not runs[contender] else "-"
+        runs[contender].append(run_json([sys.executable, os.path.abspath(__file__), "--worker", contender, check],
+                                        dict(os.environ, **ENV), f"the placement by {contender}"))
+    nbytes = runs[CONTENDERS[0]][0]["bytes"]
+    print(f"placement: the large workload ({nbytes / 2**30:.2f} GiB) placed from host memory onto mesh 2x4 of 8 CPU "
+          f"devices, fresh processes, ABBA, medians of {args.rounds}", file=sys.stderr)
+    walls = {c: statistics.median(r["wall_s"] for r in rows) for c, rows in runs.items()}
+    for contender, rows in runs.items():
+        each = ", ".join(f"{r['wall_s']:.3f}" for r in rows)
+        print(f"  {contender:10} {walls[contender]:.3f} s ({each}); "
+              f"{footprint.summary(rows, nbytes, read=True).split(', read')[0]}; "
+              f"GIL held up to {statistics.median(r['gil_longest_s'] for r in rows) * 1e3:.0f} ms at a stretch, "
+              f"{statistics.median(r['gil_late_s'] for r in rows) * 1e3:.0f} ms in all; "
+              f"bit-exact {rows[0]['exact']}", file=sys.stderr)
+    print(f"  from-aten / cpu-shards: {walls['from-aten'] / walls['cpu-shards']:.2f}x the wall time", file=sys.stderr)
+    print(json.dumps({"rounds": args.rounds, "runs": runs}))
+
+
+if __name__ == "__main__":
+    main()
