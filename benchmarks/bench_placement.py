@@ -83,8 +83,7 @@ def worker(contender: str, check: bool) -> dict:
     layouts = dict(zip(names, sharding.layouts([target[n] for n in names])))
     shards = {name: [host[name][tuple(slice(a, b) for a, b in s.index)].contiguous() for s in layouts[name].shards]
               for name in names}
-    mesh = xs.Mesh(list(range(xr.global_runtime_device_count())), (2, xr.global_runtime_device_count() // 2),
-                   ("a", "b"))
+    mesh = workloads.restore_mesh()  # the target's
     specs = {name: xs.ShardingSpec(mesh, entries[name]).xla_spec(host[name]) for name in names}
     device = str(torch_xla.device())
     xm.wait_device_ops()

@@ -104,14 +104,19 @@ def build_state(workload: str, scale: float) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_target(workload: str, scale: float) -> dict[str, torch.Tensor]:
-    """Zeros of the same shapes sharded on another mesh with other specs: a resharding restore (mesh 2x4 on
-    8 devices, 2x2 on 4)."""
+def restore_mesh():
+    """The mesh restores reshard onto: 2 x n/2 over every device, axes ('a', 'b')."""
     import torch_xla.runtime as xr
 
-    entries, _ = specs(workload, scale)
     n = xr.global_runtime_device_count()
-    mesh = _mesh((2, n // 2), ("a", "b"))
+    return _mesh((2, n // 2), ("a", "b"))
+
+
+def build_target(workload: str, scale: float) -> dict[str, torch.Tensor]:
+    """Zeros of the same shapes sharded on another mesh with other specs: a resharding restore (mesh 2x4 on
+    8 devices, 2x2 on 4; `restore_mesh`)."""
+    entries, _ = specs(workload, scale)
+    mesh = restore_mesh()
     target = {}
     for name, shape, dtype, _, spec in entries:
         target[name] = _place(torch.zeros(shape, dtype=dtype), mesh if spec is not None else None, spec)
