@@ -5,7 +5,9 @@ same evaluation loss, inspect it with `xtckpt`, and export it to safetensors.
 
     python examples/demo.py [--checkpoint-dir ./checkpoints] [--steps 40] [--save-steps 10] [--kill-at 27]
 
-`--checkpoint-dir gs://bucket/prefix` or `s3://bucket/prefix` works as well. The directory is cleared first.
+`--checkpoint-dir gs://bucket/prefix` or `s3://bucket/prefix` works as well. The demo owns the checkpoint directory
+and the export directory: it clears the first at the start and replaces the second's earlier export at the end, so it
+runs any number of times in a row.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def main() -> None:
     export_dir = args.export_dir or (args.checkpoint_dir.rstrip("/") + "-export")
     if "://" not in export_dir:
         for line in run_cli("export", f"{args.checkpoint_dir.rstrip('/')}/{latest}", export_dir, "--format",
-                            "safetensors", "--max-file-size", "4MB").splitlines():
+                            "safetensors", "--max-file-size", "4MB", "--overwrite").splitlines():
             print(f"  {line}  ({os.path.getsize(line) / 2**20:.1f} MiB)")
         from safetensors.torch import load_file
 
