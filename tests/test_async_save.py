@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
-import torch_xla
 from fault_backends import hooked, wait_for
 from helpers import assert_trees_equal, cpu_state, train_steps, xla_net
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import arrays, layout, staging, writing

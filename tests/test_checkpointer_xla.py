@@ -8,12 +8,10 @@ import os
 
 import pytest
 import torch
-import torch_xla
-import torch_xla.debug.metrics as met
-import torch_xla.distributed.spmd as xs
 import zarr
 from conftest import make_mesh, sharded
 from helpers import assert_trees_equal, random_tensor
+from xla_stack import met, torch_xla, xs
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import sharding as sharding_module

@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch_xla.distributed.spmd as xs
 from conftest import make_mesh, sharded
 from helpers import ocdbt_data_files
 from safetensors.torch import load_file
+from xla_stack import xs
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, layout

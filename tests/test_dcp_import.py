@@ -14,11 +14,11 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch_xla
 from conftest import GCS_BUCKET, S3_BUCKET, sharded
 from forked import launch_job
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, storage, tree

@@ -13,10 +13,10 @@ import sys
 
 import pytest
 import torch
-import torch_xla
 from conftest import GCS_BUCKET, S3_BUCKET, sharded
 from hf_files import hf_tensors, write_hf_dir
 from safetensors.torch import save_file
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, storage

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-import torch_xla
 from conftest import make_mesh, sharded
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 

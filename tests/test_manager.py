@@ -10,8 +10,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch_xla
 from helpers import Net, cpu_state, options, train_steps, xla_net
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import formats, layout, policies

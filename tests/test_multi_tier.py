@@ -16,10 +16,10 @@ import warnings
 
 import pytest
 import torch
-import torch_xla
 from conftest import GCS_BUCKET, make_mesh, sharded
 from forked import run_forked
 from helpers import ocdbt_data_files
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import formats, inspection, layout, local_tier, staging, storage
