@@ -16,8 +16,9 @@ from .tensor_layout import LocalShard, Placement
 
 def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tensor]]:
     """Host data of each plan's writes (one tensor per write), fetched from the devices with one torch_xla call
-    per placement kind, DTensors' with one synchronization per device. Host tensors are referenced, not copied, unless `copy_cpu` (a caller that returns
-    before the writes finish must copy: the training loop may change them)."""
+    per placement kind, DTensors' with one synchronization per device. Host tensors are referenced, not copied,
+    unless `copy_cpu` (a caller that returns before the writes finish must copy: the training loop may change
+    them)."""
     sources = fetch_sources(batch, copy_cpu=copy_cpu)
     return [[_cut(sources[i][w.source], w) for w in p.writes] for i, p in enumerate(batch)]
 
