@@ -207,6 +207,7 @@ def test_memory_storage_round_trip():
     assert_trees_equal(xtc.restore("memory://core-test/ck"), state)
 
 
+@pytest.mark.xla
 def test_flipped_byte_in_a_single_file_array_names_the_chunk(tmp_path):
     pytest.importorskip("torch_xla")
     from conftest import make_mesh, sharded

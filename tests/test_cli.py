@@ -222,6 +222,7 @@ def test_verify_catches_damage_in_an_ocdbt_store(tmp_path, capsys):
     (["bogus"], 2, "invalid choice"),
 ], ids=["not-a-checkpoint", "missing-step", "partial-step", "unknown-key", "unknown-item", "malformed-slice",
         "too-many-indices", "out-of-range", "no-steps", "bad-command"])
+@pytest.mark.xla
 def test_bad_input_is_one_line_and_the_right_status(root, tmp_path, capsys, argv, status, message):
     argv = [a.format(tmp=tmp_path, root=root) for a in argv]
     with pytest.raises(SystemExit) if argv == ["bogus"] else _nothing() as raised:

@@ -170,6 +170,7 @@ def test_metadata_and_offline_tools(dcp_dir, tmp_path, capsys):
         assert torch.equal(exported[key], value.contiguous()), key
 
 
+@pytest.mark.xla
 def test_a_two_process_job_with_dtensors_restores_onto_a_mesh(tmp_path, mesh_4x2):
     import sys
 

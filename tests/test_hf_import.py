@@ -79,6 +79,7 @@ def test_dtype_casts_both_ways(hf_dir, mesh_4x2):
                     torch.bfloat16)
 
 
+@pytest.mark.xla
 def test_single_file_onto_cpu_unsharded_xla_and_sharded_targets(tmp_path, mesh_8):
     first, _ = hf_tensors()
     path = str(tmp_path / "model.safetensors")
@@ -187,6 +188,7 @@ def test_key_map_renames_and_reports_key_and_shape_mismatches(hf_dir):
         xtc.restore(path, wrong)
 
 
+@pytest.mark.xla
 def test_manager_initialises_a_run_from_hf_weights_until_a_step_is_committed(hf_dir, tmp_path, mesh_4x2):
     path, expected = hf_dir
 

@@ -45,6 +45,7 @@ def source(request, tmp_path) -> str:
     return str(tmp_path / "weights")
 
 
+@pytest.mark.xla
 def test_a_run_starts_from_an_item_until_a_step_is_committed(source, tmp_path, mesh_4x2):
     model = Model(mesh_4x2)
     root = tmp_path / "run"

@@ -53,6 +53,7 @@ def test_restore_warns_and_returns_none_when_requested_step_missing_and_nothing_
     lambda p: torch.optim.Adam(p, lr=1e-2),
     lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
 ], ids=["sgd-momentum", "adam", "adamw"])
+@pytest.mark.xla
 def test_fresh_optimizer_restores_with_parameter_sharding(tmp_path, mesh_4x2, mesh_2x4, make_opt):
     net = xla_net(mesh_4x2)
     opt = make_opt(net.parameters())
@@ -193,6 +194,7 @@ def test_a_process_that_never_initialised_cuda_saves_no_cuda_generator(monkeypat
     assert "cuda" not in rng_state.capture(0, 1)
 
 
+@pytest.mark.xla
 def test_extra_dict_updated_in_place_keeping_tensor_sharding(tmp_path, mesh_4x2):
     import torch_xla.distributed.spmd as xs
 

@@ -224,6 +224,7 @@ MALFORMED_MANIFESTS = {
 
 
 @pytest.mark.parametrize("damage", list(MALFORMED_MANIFESTS))
+@pytest.mark.xla
 def test_a_malformed_local_step_is_skipped_like_a_corrupt_one(trained, mesh, damage):
     root, local, _ = trained
     with open(os.path.join(local, "6", "model", "_METADATA"), "w") as f:
@@ -234,6 +235,7 @@ def test_a_malformed_local_step_is_skipped_like_a_corrupt_one(trained, mesh, dam
     assert any("skipping step 6 of the local tier" in m and "_METADATA" in m for m in messages), messages
 
 
+@pytest.mark.xla
 def test_a_flipped_digit_in_a_local_data_loader_position_is_skipped(trained, mesh):
     """The position lives in the item's _METADATA (no array chunk holds it for us): its checksum finds the flip."""
     root, local, _ = trained
@@ -253,6 +255,7 @@ def test_a_flipped_digit_in_a_local_data_loader_position_is_skipped(trained, mes
         messages
 
 
+@pytest.mark.xla
 def test_the_command_line_reports_a_flipped_digit_in_a_local_step(trained, capsys):
     from xla_tensorstore_ckpt import cli
 
@@ -303,6 +306,7 @@ def test_a_local_tier_left_by_another_run_is_ignored(trained, tmp_path, mesh):
     assert sorted(n for n in os.listdir(local) if n.isdigit()) == ["2", "3", "5", "6"]  # the other run's kept
 
 
+@pytest.mark.xla
 def test_steps_of_a_plain_manager_in_the_local_directory_are_left_alone(tmp_path, mesh):
     root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
     with xtc.CheckpointManager(local, xtc.CheckpointManagerOptions(save_interval_steps=1)) as plain:
@@ -411,6 +415,7 @@ def test_partial_local_steps_are_removed_with_a_warning(trained, mesh):
     assert sorted(os.listdir(local)) == ["5", "6"]
 
 
+@pytest.mark.xla
 def test_local_steps_of_this_run_are_recognised_however_the_root_was_spelled(trained, mesh):
     """The persistent root recorded in a local marker is compared through storage.location, not as text."""
     root, local, _ = trained
@@ -448,6 +453,7 @@ def test_older_local_steps_lose_to_a_newer_persistent_step(tmp_path, mesh):
     assert_state(model, 8)
 
 
+@pytest.mark.xla
 def test_a_step_due_for_both_tiers_is_copied_off_the_devices_once(tmp_path, mesh, monkeypatch):
     fetched = []
     real = staging.fetch_sources
@@ -499,6 +505,7 @@ def test_persistent_tier_on_the_gcs_emulator(tmp_path, mesh, gcs_emulator_server
     assert_state(model, 4)
 
 
+@pytest.mark.xla
 def test_fallback_to_the_persistent_tier_on_the_gcs_emulator(tmp_path, mesh, gcs_emulator_server):
     root, local = f"gs://{GCS_BUCKET}/multi-tier/{tmp_path.name}", str(tmp_path / "local")
     draws = train(root, local, range(3, 6), mesh)  # persistent [4] on GCS, local [4, 5]

@@ -45,6 +45,7 @@ def test_a_change_of_sharding_shape_or_kind_plans_afresh(mesh_4x2):
             (p.key_path, p.meta, p.layout, p.writes) for p in fresh.arrays]
 
 
+@pytest.mark.xla
 def test_manager_saves_with_the_cache_restore_their_own_values(tmp_path, mesh_4x2):
     with xtc.CheckpointManager(tmp_path, xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None)) as m:
         for step in (1, 2, 3):
