@@ -10,13 +10,26 @@ HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 
 
 class _Module:
-    """A module imported when an attribute of it is first read."""
+    """A module imported when an attribute of it is first read; attributes set (a test's monkeypatch) are set
+    on the module itself, and `__dict__` is the module's (monkeypatch reads the old value from it)."""
+
+    __slots__ = ("_name",)
 
     def __init__(self, name: str):
-        self._name = name
+        object.__setattr__(self, "_name", name)
 
     def __getattr__(self, attribute: str):
         return getattr(importlib.import_module(self._name), attribute)
+
+    def __setattr__(self, attribute: str, value) -> None:
+        setattr(importlib.import_module(self._name), attribute, value)
+
+    def __delattr__(self, attribute: str) -> None:
+        delattr(importlib.import_module(self._name), attribute)
+
+    @property
+    def __dict__(self) -> dict:
+        return importlib.import_module(self._name).__dict__
 
 
 torch_xla = _Module("torch_xla")
