@@ -125,6 +125,22 @@ def test_a_manager_saves_compressed_steps_and_restores_them_in_place(tmp_path):
     assert _zarr_json(tmp_path / "root" / "1" / "model", "w", "ocdbt")["codecs"][1]["configuration"]["level"] == 9
 
 
+def test_the_command_line_converts_into_and_out_of_compressed_items(tmp_path, capsys):
+    state = {"w": torch.arange(4096.0).reshape(64, 64) % 11, "b": random_tensor((9,), torch.bfloat16)}
+    xtc.save(tmp_path / "raw", state)
+    assert cli.main(["convert", str(tmp_path / "raw"), str(tmp_path / "zstd"), "--compression", "zstd",
+                     "--compression-level", "5", "--mesh", "2x2"]) == 0
+    assert _zarr_json(tmp_path / "zstd", "w", "ocdbt")["codecs"][1] == {"configuration": {"checksum": False,
+                                                                                          "level": 5}, "name": "zstd"}
+    assert cli.main(["convert", str(tmp_path / "zstd"), str(tmp_path / "back")]) == 0  # read by tensorstore
+    for name in ("zstd", "back"):
+        assert_trees_equal(xtc.restore(tmp_path / name), state)
+    assert _zarr_json(tmp_path / "back", "w", "ocdbt")["codecs"] == [ORBAX_CODECS[0], ORBAX_CODECS[2]]
+    capsys.readouterr()
+    assert cli.main(["convert", str(tmp_path / "raw"), str(tmp_path / "x"), "--compression-level", "5"]) == 2
+    assert "compression_level=5 needs compression='zstd'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"compression": "gzip"}, "compression must be None or 'zstd', got 'gzip'"),
     ({"compression": "zstd", "compression_level": 0}, "compression_level must be an integer from 1 to 22, got 0"),
