@@ -11,8 +11,9 @@ the restore's bytes are those that crossed the network.
 Trained values (`--trained DIR`, a step directory of examples/train.py): every item of the step restored to host
 memory, split into model weights, AdamW's first and second moments and the rest; each part saved raw and at each
 level, its stored bytes compared (the ratio that matters: what real training leaves in the tensors); the weights
-cast to bfloat16 too (what a BF16 run would store); then the whole state saved and restored raw and at level 3,
-in this process, `--repeats` times each, medians.
+cast to bfloat16 too (what a BF16 run would store), and the XOR deltas of those with 1, 3 and 10 % of their
+elements moved one bfloat16 step; then the whole state saved and restored raw and at level 3, in this process,
+`--repeats` times each, medians.
 
     python benchmarks/bench_compression.py [--scale 1.0] [--repeats 7] [--workloads large,model] [--levels 1,3]
                                            [--storage local|gcs]
@@ -157,6 +158,7 @@ def _trained(args: argparse.Namespace, modes: list[str]) -> None:
                 shutil.rmtree(path)
             dtypes = sorted({str(v.dtype).split(".")[-1] for v in state.values()})
             print(f"  {part:16} {raw / 2**20:7.1f} MiB {'/'.join(dtypes):9} " + "  ".join(ratios))
+        _xor_deltas(parts["weights as bf16"])
         whole = {k: v for state in list(parts.values())[:4] for k, v in state.items()}
         nbytes = sum(v.numel() * v.element_size() for v in whole.values())
         print(f"the whole state ({nbytes / 2**20:.1f} MiB) saved and restored in this process (warm page cache), "
@@ -172,6 +174,26 @@ def _trained(args: argparse.Namespace, modes: list[str]) -> None:
             restore_wall, restore_cpu = (statistics.median(r[i] for r in restores) for i in (0, 1))
             print(f"  {mode:7} save wall {save_wall:.3f} s CPU {save_cpu:.3f} s  restore wall {restore_wall:.3f} s "
                   f"CPU {restore_cpu:.3f} s")
+
+
+def _xor_deltas(weights: dict) -> None:
+    """What a lossless delta step would store (docs/incremental.md, item 3): the trained bfloat16 weights with a
+    fraction of their elements moved one bfloat16 step (as small-learning-rate updates move them), XORed with the
+    weights before, compressed. Simulated changes on real values: the pattern, not the fraction, is the guess."""
+    import numpy as np
+    import torch
+
+    from xla_tensorstore_ckpt.arrays import zstd
+
+    before = torch.cat([t.reshape(-1) for t in weights.values()]).view(torch.int16).numpy()
+    rng = np.random.default_rng(0)
+    print("XOR deltas of the bfloat16 weights, zstd level 3, stored / raw:")
+    for fraction in (0.01, 0.03, 0.10):
+        after = before.copy()
+        moved = rng.random(before.size) < fraction
+        after[moved] += rng.choice(np.array([-1, 1], np.int16), int(moved.sum()))
+        xor = memoryview((before ^ after).view(np.uint8))
+        print(f"  {fraction:4.0%} of elements changed: {len(zstd.compress(xor, 3)) / len(xor):.4f}")
 
 
 def _timed(fn, time) -> tuple[float, float]:  # noqa: ANN001 - a callable and the time module
