@@ -68,6 +68,7 @@ def test_a_direct_chunk_is_a_zstd_frame_then_the_crc32c_of_the_frame(tmp_path):
     assert Zstd().decode(frame) == padded.tobytes()
 
 
+@pytest.mark.xla
 def test_direct_and_tensorstore_compressed_saves_decode_alike(tmp_path):
     """The two writers' zstd frames may differ byte for byte (two builds of zstd); what they decode to may not."""
     mesh = make_mesh((4, 2), ("x", "y"))
@@ -113,6 +114,7 @@ def test_a_damaged_compressed_chunk_is_found_by_its_crc32c(tmp_path, capsys, lay
     assert "a" in capsys.readouterr().out
 
 
+@pytest.mark.xla
 def test_a_manager_saves_compressed_steps_and_restores_them_in_place(tmp_path):
     mesh = make_mesh((4, 2), ("x", "y"))
     w = torch.arange(128.0).reshape(16, 8) % 5
