@@ -153,10 +153,10 @@ def _open_files() -> set[str]:
 def test_an_error_in_a_lane_fails_the_save_closes_its_files_and_commits_nothing(tmp_path, monkeypatch):
     real = writing.arrays.encode_chunk
 
-    def failing(value, chunk_shape):
+    def failing(value, chunk_shape, zstd_level):
         if value.size == 3 << 20:
             raise MemoryError("no memory left to pad the chunk")
-        return real(value, chunk_shape)
+        return real(value, chunk_shape, zstd_level)
 
     monkeypatch.setattr(writing.arrays, "encode_chunk", failing)
     before = _open_files()

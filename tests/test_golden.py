@@ -110,3 +110,38 @@ def test_format_2_steps_without_checksums_still_restore(unchecked_root):
 def test_the_command_line_verifies_format_2_steps_without_checksums(unchecked_root, capsys):
     assert cli.main(["verify", str(unchecked_root)]) == 0
     assert "OK: " in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ format 2, zstd-compressed chunks
+
+GOLDEN_ZSTD = os.path.join(os.path.dirname(__file__), "golden", "v2-zstd")  # golden/make_v2_zstd.py
+import make_v2_zstd  # noqa: E402
+
+
+@pytest.fixture
+def zstd_root(tmp_path):
+    shutil.copytree(GOLDEN_ZSTD, tmp_path / "root")
+    assert '"level":9},"name":"zstd"' in (tmp_path / "root" / "2" / "model" / "w" / "zarr.json").read_text()
+    return tmp_path / "root"
+
+
+def test_zstd_compressed_steps_restore_bit_for_bit_and_verify(zstd_root, capsys):
+    with xtc.CheckpointManager(zstd_root, xtc.CheckpointManagerOptions(save_interval_steps=1)) as manager:
+        assert manager.all_steps() == [1, 2]
+        for step in (1, 2):
+            expected = make_v2_zstd.model_state(step)
+            model = {k: torch.zeros_like(v) for k, v in expected.items()}
+            assert manager.restore(step, model=model) == step
+            assert_trees_equal(model, expected)
+    assert_trees_equal(xtc.restore(zstd_root / "1" / "data_loader"), {"position": 60, "epoch": 1})
+    assert cli.main(["verify", str(zstd_root)]) == 0
+    assert "OK: " in capsys.readouterr().out
+
+
+@pytest.mark.xla
+def test_zstd_compressed_steps_restore_onto_another_mesh(zstd_root):
+    mesh = make_mesh((2, 4), ("a", "b"))
+    for step in (1, 2):
+        w = sharded(torch.zeros(10, 6), mesh, ("b", "a"))  # resharded: chunks read in parts
+        out = xtc.restore(zstd_root / str(step) / "model", {**make_v2_zstd.model_state(step), "w": w})
+        assert torch.equal(out["w"].cpu(), make_v2_zstd.model_state(step)["w"])

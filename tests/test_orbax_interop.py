@@ -264,6 +264,20 @@ def test_our_items_restore_in_orbax_with_and_without_a_target(tmp_path, use_ocdb
 
 
 @pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "directories"])
+@pytest.mark.xla
+def test_our_zstd_compressed_items_restore_in_orbax(tmp_path, use_ocdbt):
+    """Orbax's own codec chain (bytes, zstd) with our crc32c after it: Orbax decodes it as tensorstore does."""
+    state = our_state()
+    state["params"]["repeated"] = torch.arange(4096, dtype=torch.float32) % 7  # compressible: 16 KiB -> ~100 B
+    xtc.save(tmp_path / "item", state, options=xtc.SaveOptions(use_ocdbt=use_ocdbt, compression="zstd"))
+    plain = orbax("restore", tmp_path / "item")
+    for key, value in {"params.w": state["params"]["w"].cpu(), "params.b": state["params"]["b"],
+                       "params.layers.0.k": state["params"]["layers"][0]["k"],
+                       "params.repeated": state["params"]["repeated"], "step": 7, "lr": 0.5}.items():
+        assert same(leaf(plain[key]), value), key
+
+
+@pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "directories"])
 def test_keys_orbax_cannot_name_are_none_to_orbax_never_another_keys_value(tmp_path, use_ocdbt):
     """Orbax names a value by its keys joined with '.': for {"a.b": x, "a": {"b": y}} it would read x for both,
     and a key with a '/' it would look for in a directory of that name. Such keys are stored under escaped names,

@@ -240,7 +240,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                              f"choose one with --item")
         source = source.child(item)
     options = convert.ConvertOptions(max_host_bytes=args.max_host_bytes, chunk_shape=args.chunk_shape,
-                                     mesh=args.mesh, use_ocdbt=not args.no_ocdbt)
+                                     mesh=args.mesh, use_ocdbt=not args.no_ocdbt, compression=args.compression,
+                                     compression_level=args.compression_level)
     destination = storage.location(args.destination)
     draw = progress_bar("convert", in_bytes=True)
     if args.to == "step":
@@ -329,6 +330,8 @@ def _conversion_commands(command: Callable[..., argparse.ArgumentParser]) -> Non
     p.add_argument("--max-file-size", type=parse_size, default=parse_size("5GB"),
                    help="safetensors: largest file, e.g. 5GB (default), 500MiB")
     p.add_argument("--no-ocdbt", action="store_true", help="one zarr directory per array instead of OCDBT")
+    p.add_argument("--compression", choices=("zstd",), help="compress every chunk (Orbax's zstd codec; default: raw)")
+    p.add_argument("--compression-level", type=int, default=3, help="zstd's level, 1-22 (default 3)")
     p.add_argument("--overwrite", action="store_true", help="replace what the destination holds (the new output is "
                    "complete before the old one is removed)")
     p = command("export", "a consolidated single-host copy (safetensors or torch): convert --to FORMAT",

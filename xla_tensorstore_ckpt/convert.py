@@ -55,7 +55,8 @@ class ConvertOptions:
         (second) shard weight matrices; a restore onto that mesh reads one chunk per shard. None with no
         `chunk_shape`: the source's chunks (a safetensors tensor's are cut along the first dimension to fit
         the budget; a zarr source's are kept, and refused if they do not fit).
-    use_ocdbt, fsync: as in `SaveOptions`.
+    use_ocdbt, fsync, compression, compression_level: as in `SaveOptions` (a compressed source is read whatever
+        these say).
     """
 
     max_host_bytes: int = DEFAULT_MAX_HOST_BYTES
@@ -63,8 +64,14 @@ class ConvertOptions:
     mesh: tuple[int, ...] | None = None
     use_ocdbt: bool = True
     fsync: bool = True
+    compression: str | None = None
+    compression_level: int = SaveOptions.compression_level
 
     def __post_init__(self) -> None:
+        try:
+            SaveOptions(compression=self.compression, compression_level=self.compression_level)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
         if self.max_host_bytes < COPIES_IN_FLIGHT:
             raise UsageError(f"max_host_bytes must be positive, got {self.max_host_bytes}")
         if self.chunk_shape is not None and self.mesh is not None:
@@ -166,10 +173,13 @@ def _plan(manifest: ItemManifest, sources: dict[layout.KeyPath, Any], options: C
                                    ShardedArray.grid(value.shape, chunk) if 0 not in value.shape else [])
 
     state = tree.rebuild(manifest.tree, leaf)
-    save_options = SaveOptions(use_ocdbt=options.use_ocdbt, fsync=options.fsync,
-                               host_batch_bytes=max(1, options.chunk_budget),
-                               single_file_max_bytes=min(SaveOptions().single_file_max_bytes, options.chunk_budget))
-    return save_plan.plan_save(state, save_options, Coordinator.single()), units
+    return save_plan.plan_save(state, _save_options(options), Coordinator.single()), units
+
+
+def _save_options(options: ConvertOptions) -> SaveOptions:
+    return SaveOptions(use_ocdbt=options.use_ocdbt, fsync=options.fsync, host_batch_bytes=max(1, options.chunk_budget),
+                       single_file_max_bytes=min(SaveOptions().single_file_max_bytes, options.chunk_budget),
+                       compression=options.compression, compression_level=options.compression_level)
 
 
 def _stored_chunk(meta: ArrayMetadata, stored: arrays.StoredArray) -> tuple[int, ...] | None:
@@ -243,7 +253,8 @@ def _copy(source: storage.Location, sources: dict[layout.KeyPath, Any], destinat
           progress: Progress | None) -> None:
     """Read the source unit by unit (`_units`) and write each unit's chunks, keeping at most the budget in
     flight."""
-    writer = writing.ChunkWriter(destination, plan, writer=0, writeback=options.fsync)
+    writer = writing.ChunkWriter(destination, plan, writer=0, writeback=options.fsync,
+                                 zstd_level=_save_options(options).zstd_level)
     units = [unit for p in plan.arrays for unit in _units(p, unit_shapes.get(p.key_path))]
     total = sum(unit.nbytes for unit in units)
     done = 0

@@ -9,7 +9,7 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
 * ``save_staged`` (asynchronous saves): the shards are off the devices and the caller may go on (`seconds`:
   the time `save` blocked for; `nbytes`: host bytes this process staged).
 * ``save_written`` (per tier): this process's writes are durable (`seconds` since staging; `nbytes` written
-  by this process; `files`: files it created, or OCDBT stores).
+  by this process, as chunk bytes before any compression; `files`: files it created, or OCDBT stores).
 * ``save_committed`` (per tier): the step is committed (`seconds`: the commit itself; `details["total_seconds"]`
   from the start of the save).
 * ``retention_removed`` (per tier): steps retention deleted after a commit (`details["steps"]`).

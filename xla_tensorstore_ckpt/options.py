@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import formats, layout
+from .arrays import zstd
 from .events import Listener, check_listeners
 
 _MiB = 1 << 20
@@ -42,6 +43,14 @@ class SaveOptions:
     listeners: told of each phase of a save (`events`: what `xtc.save`, or a manager with these options, does).
     format: the on-disk format written (`formats.WRITERS`; "v2", Orbax's schema with this library's inside, is
         the only one today). A manager's steps are written in its `save_options`' format.
+    compression: None (chunks stored raw) or "zstd": every chunk compressed by zstd, the codec chain Orbax writes
+        (``bytes`` little endian, ``zstd`` without its own checksum), followed by this library's ``crc32c``, which
+        then covers the compressed bytes (`arrays.zstd`). Orbax, tensorstore and zarr-python read it; this
+        library's own direct chunk reads give such arrays to tensorstore. Off by default: trained float32 weights
+        and AdamW moments shrink only to 0.87-0.93 of their size (bfloat16 weights to 0.78), for 2-2.4x a save's
+        CPU time and up to 4.6x a warm restore's (docs/compression.md).
+    compression_level: zstd's level, 1-22 (3, tensorstore's default, is what Orbax writes); only with
+        compression="zstd".
     """
 
     use_ocdbt: bool = True
@@ -52,9 +61,24 @@ class SaveOptions:
     split_bytes: int = 16 * _MiB
     listeners: tuple[Listener, ...] = ()
     format: str = formats.WRITE_FORMAT
+    compression: str | None = None
+    compression_level: int = zstd.DEFAULT_LEVEL
+
+    @property
+    def zstd_level(self) -> int | None:
+        """The zstd level chunks are compressed at; None: stored raw."""
+        return self.compression_level if self.compression == zstd.NAME else None
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners, "SaveOptions.listeners")
+        if self.compression not in (None, zstd.NAME):
+            raise ValueError(f"compression must be None or {zstd.NAME!r}, got {self.compression!r}")
+        level = self.compression_level
+        if isinstance(level, bool) or not isinstance(level, int) or level not in zstd.LEVELS:
+            raise ValueError(f"compression_level must be an integer from {zstd.LEVELS.start} to "
+                             f"{zstd.LEVELS.stop - 1}, got {level!r}")
+        if self.compression is None and level != zstd.DEFAULT_LEVEL:
+            raise ValueError(f"compression_level={level} needs compression={zstd.NAME!r}")
         formats.writer(self.format)  # raises ValueError naming the formats written
         for name in ("use_ocdbt", "fsync", "direct_io"):
             if not isinstance(getattr(self, name), bool):

@@ -51,7 +51,8 @@ def write_staged(loc: storage.Location, plan: SavePlan, staged: Staged, options:
                  writer: int) -> Writes:
     """Create the arrays this process creates and start writing staged chunks (`writer`: this process's
     index)."""
-    out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync, direct=options.direct_io)
+    out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync, direct=options.direct_io,
+                      zstd_level=options.zstd_level)
     try:
         for group, data in staged:
             out.write(group, data)
@@ -68,7 +69,8 @@ def stage_and_write(loc: storage.Location, plan: SavePlan, options: SaveOptions,
     are fetched. With `max_host_bytes`, staged data not yet written never exceeds it (plus one batch): the call
     waits for earlier writes instead of fetching more. `copy_cpu` copies host tensors too (for callers that
     return before the writes finish). On error, every started operation is waited for first."""
-    out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync, direct=options.direct_io)
+    out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync, direct=options.direct_io,
+                      zstd_level=options.zstd_level)
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
     try:
@@ -121,10 +123,13 @@ class ChunkWriter:
     batch of chunks is then appended by a thread of its own to one of `DIRECT_LANES` stores this process writes
     itself around the page cache (`arrays.direct_ocdbt`); elsewhere each batch is one tensorstore transaction
     into one of `arrays.OCDBT_LANES` stores. Either way the B-trees grow by a few nodes per batch, not per chunk,
-    and host memory holds at most a batch of encoded chunks."""
+    and host memory holds at most a batch of encoded chunks. With `zstd_level`, every chunk is compressed
+    (`arrays.zstd`): by the direct lanes themselves, or by tensorstore's codec."""
 
-    def __init__(self, loc: storage.Location, plan: SavePlan, *, writer: int, writeback: bool, direct: bool = True):
+    def __init__(self, loc: storage.Location, plan: SavePlan, *, writer: int, writeback: bool, direct: bool = True,
+                 zstd_level: int | None = None):
         self.item, self.writer, self.store = loc, writer, plan.store
+        self.zstd_level = zstd_level
         self.ocdbt = plan.store.kind == "ocdbt"
         self.writeback = writeback and not loc.capabilities.durable_writes
         self.direct_root = loc.local_file("") if self.ocdbt and direct else None
@@ -150,7 +155,8 @@ class ChunkWriter:
     def _open(self, p: ArrayPlan, *, lane: int, metadata: bool, transaction: object = None) -> arrays.Pending:
         return arrays.create(self.refs[p.key_path], p.meta.shape, p.meta.dtype, p.meta.chunk_shape,
                              store=layout.ocdbt_store(self.writer, lane) if self.ocdbt else None,
-                             single_file=p.single_file, write_metadata=metadata, transaction=transaction)
+                             single_file=p.single_file, write_metadata=metadata, transaction=transaction,
+                             zstd_level=self.zstd_level)
 
     def _handle(self, p: ArrayPlan, lane: int) -> object:
         if (p.key_path, lane) not in self.opened:  # another lane of an OCDBT store: no I/O, the metadata is known
@@ -185,7 +191,8 @@ class ChunkWriter:
         if lane not in self.lanes:
             name = layout.ocdbt_store(self.writer, lane)
             self.lanes[lane] = _DirectLane(arrays.DirectStore(os.path.join(self.direct_root, name),
-                                                              data_file_bytes=arrays.OCDBT_DATA_FILE_BYTES))
+                                                              data_file_bytes=arrays.OCDBT_DATA_FILE_BYTES),
+                                           self.zstd_level)
             self.writes.trees.append(name)
         chunks = [(f"{p.meta.path}/{_chunk_key(w.region, p.meta.chunk_shape)}", dtypes.tensor_to_numpy(d),
                    p.meta.chunk_shape)
@@ -224,8 +231,9 @@ DIRECT_LANES = 2
 class _DirectLane:
     """A `DirectStore` and the one thread that writes it, batch after batch, in order."""
 
-    def __init__(self, store: arrays.DirectStore):
+    def __init__(self, store: arrays.DirectStore, zstd_level: int | None):
         self.store = store
+        self.zstd_level = zstd_level
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="xtc-direct-write")
 
     def put(self, chunks: list[tuple[str, object, tuple[int, ...]]]) -> Future:
@@ -234,7 +242,7 @@ class _DirectLane:
         def work() -> None:
             for key, value, chunk_shape in chunks:
                 try:
-                    parts = arrays.encode_chunk(value, chunk_shape)
+                    parts = arrays.encode_chunk(value, chunk_shape, self.zstd_level)
                 except Exception as exc:  # noqa: BLE001 - the store is failed with it and it is re-raised
                     self.store.fail(f"cannot encode {key}", exc)
                 self.store.put(key, parts)

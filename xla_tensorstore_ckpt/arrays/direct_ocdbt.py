@@ -8,8 +8,8 @@ its hypervisor and back, that copy is most of a save: a save of the 1 GiB worklo
 write it (Orbax, tensorstore and the item's merge read it the same way): values in data files
 ``d/<32 hex digits>``, the B-tree node after them in the last file, and ``manifest.ocdbt`` (encoded by
 tensorstore, `ocdbt.manifest_bytes`). Each chunk value is what tensorstore's zarr codecs make of it
-(`encode_chunk`): the chunk's little-endian bytes, padded to the whole chunk at the array's edge, then their
-CRC32C.
+(`encode_chunk`): the chunk's little-endian bytes, padded to the whole chunk at the array's edge (compressed into
+one zstd frame where the save asks for it, `zstd`), then their CRC32C.
 
 A `DirectStore` is written by one thread at a time (a lane of `writing.ChunkWriter`); its methods block and raise
 `StorageError` naming the file. File systems without ``O_DIRECT`` (ramfs; tmpfs before Linux 6.6) are written
@@ -32,7 +32,7 @@ import crc32c
 import numpy as np
 
 from ..errors import StorageError
-from . import ocdbt
+from . import ocdbt, zstd
 from .local_reads import ALIGN, copy_bytes, new_window  # the windows direct reads use
 
 _BTREE_MAGIC = 0x0CDB20DE
@@ -43,10 +43,11 @@ _free_windows: list[memoryview] = []
 _free_windows_lock = threading.Lock()
 
 
-def encode_chunk(data: np.ndarray, chunk_shape: Sequence[int]) -> list[memoryview]:
-    """The stored value of one zarr chunk under this library's codecs (``bytes`` little endian, ``crc32c``), as
-    the parts to write: the chunk's bytes (`data` padded with zeros, the fill value, to `chunk_shape` where it
-    lies at the array's edge) and their checksum. Copies only to pad or to make `data` contiguous."""
+def encode_chunk(data: np.ndarray, chunk_shape: Sequence[int], zstd_level: int | None = None) -> list[memoryview]:
+    """The stored value of one zarr chunk under this library's codecs (``bytes`` little endian, then ``zstd`` at
+    `zstd_level` if given, then ``crc32c``), as the parts to write: the chunk's bytes (`data` padded with zeros,
+    the fill value, to `chunk_shape` where it lies at the array's edge), compressed if asked, and the checksum of
+    what is stored. Copies only to pad, to make `data` contiguous, or to compress."""
     if data.dtype.itemsize in (1, 2, 4, 8):  # as unsigned integers: numpy copies ml_dtypes (bfloat16) per element
         data = data.view(np.dtype(f"u{data.dtype.itemsize}"))
     if data.shape != tuple(chunk_shape):
@@ -54,6 +55,8 @@ def encode_chunk(data: np.ndarray, chunk_shape: Sequence[int]) -> list[memoryvie
         full[tuple(slice(0, n) for n in data.shape)] = data
         data = full
     raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    if zstd_level is not None:
+        raw = memoryview(zstd.compress(raw, zstd_level))
     return [raw, memoryview(struct.pack("<I", crc32c.crc32c(raw)))]
 
 

@@ -1,7 +1,8 @@
 """Zarr arrays through tensorstore: specs, creation, chunk writes and region reads.
 
 Every array this library writes is zarr v3: a regular chunk grid (the SPMD shard grid), the ``bytes`` codec
-followed by ``crc32c`` so every chunk carries a checksum that tensorstore (and zarr-python) verify on read. Reads
+followed by ``crc32c`` so every chunk carries a checksum that tensorstore (and zarr-python) verify on read (with
+``SaveOptions.compression``, ``zstd`` between them, as Orbax writes it: `zstd`). Reads
 refuse missing chunks (``fill_missing_data_reads: false``, unless the item says otherwise) and writes store every
 chunk, even all-zero ones, so a lost chunk is an error and never silent zeros.
 
@@ -29,6 +30,7 @@ from .. import bounds, dtypes, layout, storage
 from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..records import ArrayMetadata, ArrayStore
 from ..storage import operation_context, without_spec
+from . import zstd
 from .base import ArrayReader, Empty, Index, Ready
 from .ocdbt import ocdbt_spec
 
@@ -65,16 +67,19 @@ class ArrayRef:
 
 
 def zarr_metadata(shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int], *,
-                  single_file: bool = False) -> dict:
+                  single_file: bool = False, zstd_level: int | None = None) -> dict:
     """The ``zarr.json`` content (as a tensorstore metadata spec) for one checkpoint array.
 
     The chunk grid is `chunk_shape` (the SPMD shard grid). With `single_file`, all chunks of the array are
     stored in one file (zarr's ``sharding_indexed`` codec; each inner chunk keeps its own checksum), which
     saves thousands of small files for small tensors; it needs every chunk written by one writer at once.
+    With `zstd_level`, each chunk is compressed by zstd at that level before its checksum is taken (`zstd`).
     """
     item_codecs: list[dict] = [{"name": "bytes"}, {"name": "crc32c"}]
     if np.dtype(_numpy_dtype(dtype_name)).itemsize > 1:
         item_codecs[0] = {"name": "bytes", "configuration": {"endian": "little"}}
+    if zstd_level is not None:
+        item_codecs.insert(1, zstd.codec(zstd_level))
     if single_file:
         grid = [-(-n // c) * c if n else c for n, c in zip(shape, chunk_shape)]
         codecs: list[dict] = [{"name": "sharding_indexed", "configuration": {
@@ -129,14 +134,15 @@ class Pending:
 
 def create(ref: ArrayRef, shape: Sequence[int], dtype_name: str, chunk_shape: Sequence[int], *,
            store: str | None = None, single_file: bool = False, write_metadata: bool = True,
-           transaction: ts.Transaction | None = None) -> Pending:
+           transaction: ts.Transaction | None = None, zstd_level: int | None = None) -> Pending:
     """Start creating the array `ref` (writing its ``zarr.json`` unless `write_metadata` is False, when another
     process writes it, or another of this process's OCDBT stores) in OCDBT store `store`; the result is the
-    array open for chunk writes. With `transaction`, the metadata write is part of it."""
+    array open for chunk writes. With `transaction`, the metadata write is part of it. `single_file`,
+    `zstd_level`: as in `zarr_metadata`."""
     spec = {
         "driver": "zarr3",
         "kvstore": ref.kvstore_spec(store=store),
-        "metadata": zarr_metadata(shape, dtype_name, chunk_shape, single_file=single_file),
+        "metadata": zarr_metadata(shape, dtype_name, chunk_shape, single_file=single_file, zstd_level=zstd_level),
         "store_data_equal_to_fill_value": True,
     }
     if not write_metadata:

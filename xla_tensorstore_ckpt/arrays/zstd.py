@@ -1,0 +1,37 @@
+"""zstd, the compression a save may choose (`SaveOptions.compression`): the zarr v3 ``zstd`` codec exactly as
+Orbax writes it (TensorStore's default level 3, no zstd checksum), and the compression of one chunk for the
+stores this library writes itself (`direct_ocdbt`). The only module that imports ``numcodecs`` (a dependency of
+zarr-python; its zstd releases the GIL while it compresses, so the writing lanes compress in parallel).
+
+A compressed chunk is stored as zarr's codecs make it: the chunk's little-endian bytes, compressed into one zstd
+frame, then the CRC32C of that frame (the ``crc32c`` codec comes after ``zstd``, so the checksum covers the stored,
+compressed bytes, which is what zarr's codec order means and what tensorstore and zarr-python check: tensorstore
+checks it as the frame streams through its decoder, so damage is reported by the checksum, or by the decoder
+where it breaks the frame itself; either way an error naming the chunk, never other values).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numcodecs import Zstd
+
+NAME = "zstd"
+DEFAULT_LEVEL = 3  # TensorStore's default, which Orbax writes
+LEVELS = range(1, 23)  # zstd's ordinary levels (negative, "fast" levels are not offered)
+
+
+def codec(level: int) -> dict:
+    """The zarr v3 codec entry of zstd at `level` (between ``bytes`` and ``crc32c`` in an array's codecs)."""
+    return {"name": NAME, "configuration": {"level": level, "checksum": False}}
+
+
+def compress(raw: memoryview, level: int) -> bytes:
+    """One zstd frame of `raw` at `level` (its content size in the frame header). Called on a writing lane's
+    thread; blocks while it compresses, without the GIL."""
+    return _compressor(level).encode(raw)
+
+
+@functools.lru_cache(maxsize=len(LEVELS))
+def _compressor(level: int) -> Zstd:
+    return Zstd(level=level)
