@@ -133,35 +133,39 @@ class DCPStorageReader(StorageReader):
 
     def _read_tensors(self, reader: arrays.ArrayReader, items: list[ReadItem], planner: LoadPlanner,
                       loc: storage.Location) -> None:
-        """Start every read of `items` (grouped by array, so a chunk shared by several regions is fetched once
-        where the reader can), then copy each into place as it completes."""
-        by_array: dict[str, list[tuple[ReadItem, grid.Index]]] = {}
-        metas: dict[str, ArrayMetadata] = {}
+        """Start every read of `items`, each straight into its destination tensor where that is a contiguous CPU
+        tensor of the stored dtype (no copy), else into a buffer copied into it; then wait and commit each."""
+        wanted = []
         for item in items:
             meta = self._entry(item, loc)
             if not isinstance(meta, ArrayMetadata) or meta.opaque is not None:
                 raise UnsupportedValueError(f"{loc}: the plan reads {item.storage_index.fqn!r} as a tensor; the "
                                             "checkpoint holds it as a value")
-            metas[meta.path] = meta
-            by_array.setdefault(meta.path, []).append((item, self._region(item, meta, loc)))
-        opened = {name: reader.open(metas[name]) for name in by_array}
+            wanted.append((item, meta, self._region(item, meta, loc)))
+        opened = {meta.path: reader.open(meta) for _, meta, _ in wanted}
         pending = []
-        for name, wanted in by_array.items():
-            reads = opened[name].result().read(list(dict.fromkeys(region for _, region in wanted)))
-            pending.extend((item, reads[region]) for item, region in wanted)
         try:
-            for item, read in pending:
-                data = dtypes.numpy_to_tensor(read.result())
+            for item, meta, region in wanted:
                 target = planner.resolve_tensor(item).detach()
-                if tuple(target.shape) != tuple(data.shape):
+                shape = tuple(b - a for a, b in region)
+                if tuple(target.shape) != shape:
                     fqn = item.storage_index.fqn
-                    raise ShapeMismatchError(f"{loc}: {fqn!r}: the plan places {tuple(data.shape)} into a tensor of "
-                                             f"shape {tuple(target.shape)}", key=fqn, saved_shape=tuple(data.shape),
+                    raise ShapeMismatchError(f"{loc}: {fqn!r}: the plan places {shape} into a tensor of shape "
+                                             f"{tuple(target.shape)}", key=fqn, saved_shape=shape,
                                              target_shape=tuple(target.shape))
-                target.copy_(data)
+                direct = (target.device.type == "cpu" and target.is_contiguous()
+                          and target.dtype == meta.torch_dtype)
+                empty = _into(dtypes.tensor_to_numpy(target)) if direct else np.empty
+                read = opened[meta.path].result().read([region], empty)[region]
+                pending.append((item, target, direct, read))
+            for item, target, direct, read in pending:
+                data = read.result()
+                if not direct:
+                    target.copy_(dtypes.numpy_to_tensor(data.view(dtypes.by_name(
+                        self._entry(item, loc).dtype).numpy)))
                 planner.commit_tensor(item, target)
         except BaseException:
-            arrays.drain([read for _, read in pending])
+            arrays.drain([read for *_, read in pending])
             raise
 
     def _bytes(self, reader: arrays.ArrayReader, item: ReadItem, loc: storage.Location) -> bytes:
@@ -177,3 +181,11 @@ class DCPStorageReader(StorageReader):
         buffer = io.BytesIO()  # a JSON value of ours or Orbax's, serialized for DCP's planner to load
         torch.save(entry, buffer)
         return buffer.getvalue()
+
+
+def _into(destination: np.ndarray) -> arrays.Empty:
+    """An `arrays.Empty` handing out `destination` itself (viewed as the reader's dtype of the same width)."""
+    def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return destination.view(dtype).reshape(shape)
+
+    return empty
