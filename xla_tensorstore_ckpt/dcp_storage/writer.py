@@ -90,6 +90,9 @@ class DCPStorageWriter(StorageWriter):
         """The coordinator: checks the destination (`CheckpointExistsError`), chooses every tensor's chunk grid and
         the writer of each chunk (`plans.plan_global`) and hands each rank its part. Blocks on a listing."""
         loc = self._location()
+        if not all(getattr(plan, "usable", True) for plan in plans):
+            raise UsageError(f"{loc}: DCPStorageWriter needs every rank's plan at each save; the planner sent cached "
+                             "ones (DefaultSavePlanner(enable_plan_caching=True) is not supported)")
         temporary = prepare_directory(loc, overwrite=self.overwrite)
         rank_plans, self._global = plan_global(plans, temporary, str(loc))
         return [dataclasses.replace(plan, storage_data=mine) for plan, mine in zip(plans, rank_plans)]
