@@ -88,6 +88,16 @@ def test_dcp_load_through_the_reader_onto_two_processes_bit_exact(job):
             assert by_source[name]["param_groups"] == saved[0]["param_groups"], name
 
 
+def test_single_replica_reads_read_each_region_once_for_replicated_targets(job):
+    root, saved, loaded = job
+    lines = [next(x for x in rank_lines if x["source"] == "replicated") for rank_lines in loaded]
+    model = {k: v for k, v in saved[0]["digests"].items() if k.startswith("model.")}
+    assert all(line["digests"] == model for line in lines)
+    stored = sum(meta.nbytes for meta in xtc.metadata(root / "ours")["model"].values())
+    assert sum(line["read_bytes"] for line in lines) == stored  # each region read by one of the two ranks
+    assert all(0 < line["read_bytes"] < stored for line in lines)
+
+
 def test_an_orbax_checkpoint_loads_through_dcp_load_onto_dtensors(job):
     _, _, loaded = job
     expected = dict(dtensor_job.leaves(orbax_trees.tree()))

@@ -6,8 +6,9 @@ usage: dcp_storage_job.py save ROOT        -> an FSDP2 model + AdamW trained two
                                               saved with dcp.save through DCPStorageWriter to ROOT/ours, with
                                               dcp.async_save to ROOT/async, with FileSystemWriter to ROOT/fs
        dcp_storage_job.py load ROOT ORBAX  -> a fresh FSDP2 model + AdamW loads ROOT/ours, ROOT/async and
-                                              ROOT/converted through DCPStorageReader (set_state_dict); DTensors
-                                              sharded by rows load the Orbax item ORBAX
+                                              ROOT/converted through DCPStorageReader (set_state_dict); plain
+                                              tensors load ROOT/ours with single-replica reads; DTensors sharded
+                                              by rows load the Orbax item ORBAX
 Prints JSON lines: {"rank": r, ...}: digests of the full state (keys as DCP flattens them), the param groups.
 """
 
@@ -70,6 +71,13 @@ def load(root: str, orbax_item: str, rank: int, world: int) -> None:
         dcp.load(tree, storage_reader=xtc.DCPStorageReader(f"{root}/{name}"))
         set_state_dict(model, optimizer, model_state_dict=tree["model"], optim_state_dict=tree["optim"])
         report(rank, state(model, optimizer), source=name)
+    # Plain tensors are whole on every rank: with single-replica reads each stored region is read by one rank.
+    stored = xtc.metadata(f"{root}/ours")["model"]
+    plain = {"model": {k: torch.zeros(v.shape, dtype=v.torch_dtype) for k, v in stored.items()}}
+    reader = xtc.DCPStorageReader(f"{root}/ours", options=xtc.RestoreOptions(single_replica_reads=True))
+    dcp.load(plain, storage_reader=reader)
+    emit(rank, source="replicated", digests={f"model.{k}": digest(v) for k, v in plain["model"].items()},
+         read_bytes=reader.read_bytes)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
 
     def placed(shape, dtype):

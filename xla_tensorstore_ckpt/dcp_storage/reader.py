@@ -12,6 +12,7 @@ item of ours or Orbax's, that value serialized for DCP's planner. Nothing from t
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ from ..errors import KeyMismatchError, ShapeMismatchError, UnsupportedValueError
 from ..options import RestoreOptions
 from ..records import OPAQUE_DCP_BYTES, ArrayMetadata
 from .metadata import ReadIndex, dcp_metadata
+from .shared_reads import SharedReads, exchange, plan_shared
 
 PathLike = str | os.PathLike
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
@@ -37,7 +39,10 @@ KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 class DCPStorageReader(StorageReader):
     """A DCP `StorageReader` of the item at `path` (or DCP's ``checkpoint_id``). `key_map` renames the item's
     dotted key names to the state dict's (a dict, or a function; None drops a key), as `xtc.restore`'s does.
-    `options.read_batch_bytes` bounds the data read before it is copied into place. One instance per rank;
+    `options.read_batch_bytes` bounds the data read before it is copied into place; with
+    `options.single_replica_reads`, a region several ranks' plans read is read by one of them and sent to the others
+    (`shared_reads`; only when DCP's process group is the default world). `read_bytes`: the bytes of the regions
+    this rank has read from storage itself. One instance per rank;
     DCP calls its methods. Errors are this library's (`CheckpointNotFoundError`, `CorruptCheckpointError`
     naming the damaged chunk, `KeyMismatchError`, `ShapeMismatchError`, `UnsupportedValueError`, each naming the
     key and the path), re-raised by DCP wrapped in its `CheckpointException`."""
@@ -49,6 +54,8 @@ class DCPStorageReader(StorageReader):
         self.key_map = key_map
         self.options = options or RestoreOptions()
         self._index: ReadIndex | None = None
+        self._rank = 0
+        self.read_bytes = 0
 
     def reset(self, checkpoint_id: PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -75,12 +82,19 @@ class DCPStorageReader(StorageReader):
         if not isinstance(metadata.storage_data, ReadIndex):
             raise UsageError("DCPStorageReader got metadata its read_metadata did not make")
         self._index = metadata.storage_data
+        self._rank = int(kwargs.get("rank", _world_rank()))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """The coordinator: with `options.single_replica_reads`, picks one reader per region several ranks read."""
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if not self.options.single_replica_reads or len(plans) < 2 or len(plans) != world:
+            return plans
+        loc = self._location()
+        shared = plan_shared(plans, lambda item: self._region(item, self._entry(item, loc), loc), self._nbytes)
+        return [dataclasses.replace(plan, storage_data=mine) for plan, mine in zip(plans, shared)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         """Every rank: read the regions and values its plan asks for into the planner's tensors; the returned
@@ -90,12 +104,19 @@ class DCPStorageReader(StorageReader):
         loc = self._location()
         reader = arrays.reader(loc, self._index.store)
         try:
-            tensors = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
+            shared = plan.storage_data if isinstance(plan.storage_data, SharedReads) else None
+            skip = shared.skip if shared is not None else frozenset()
+            keep = {p for _, positions in shared.sends for p in positions} if shared is not None else set()
+            tensors = [(p, item) for p, item in enumerate(plan.items)
+                       if item.type != LoadItemType.BYTE_IO and p not in skip]
             for item in plan.items:
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(self._bytes(reader, item, loc)))
-            for batch in grid.batches(tensors, lambda item: self._nbytes(item), self.options.read_batch_bytes):
-                self._read_tensors(reader, batch, planner, loc)
+            sent: dict[int, np.ndarray] = {}
+            for batch in grid.batches(tensors, lambda entry: self._nbytes(entry[1]), self.options.read_batch_bytes):
+                sent.update(self._read_tensors(reader, batch, planner, loc, keep))
+            if shared is not None:
+                self._receive(shared, plan, planner, loc, sent)
         finally:
             reader.close()
         done: torch.futures.Future = torch.futures.Future()
@@ -131,21 +152,23 @@ class DCPStorageReader(StorageReader):
                                      target_shape=tuple(b for _, b in region))
         return region
 
-    def _read_tensors(self, reader: arrays.ArrayReader, items: list[ReadItem], planner: LoadPlanner,
-                      loc: storage.Location) -> None:
-        """Start every read of `items`, each straight into its destination tensor where that is a contiguous CPU
-        tensor of the stored dtype (no copy), else into a buffer copied into it; then wait and commit each."""
+    def _read_tensors(self, reader: arrays.ArrayReader, items: list[tuple[int, ReadItem]], planner: LoadPlanner,
+                      loc: storage.Location, keep: set[int]) -> dict[int, np.ndarray]:
+        """Start every read of `items` (position in the plan, item), each straight into its destination tensor
+        where that is a contiguous CPU tensor of the stored dtype (no copy), else into a buffer copied into it;
+        then wait and commit each. Returns the data read for the positions in `keep` (to send to other ranks)."""
         wanted = []
-        for item in items:
+        kept = {}
+        for position, item in items:
             meta = self._entry(item, loc)
             if not isinstance(meta, ArrayMetadata) or meta.opaque is not None:
                 raise UnsupportedValueError(f"{loc}: the plan reads {item.storage_index.fqn!r} as a tensor; the "
                                             "checkpoint holds it as a value")
-            wanted.append((item, meta, self._region(item, meta, loc)))
-        opened = {meta.path: reader.open(meta) for _, meta, _ in wanted}
+            wanted.append((position, item, meta, self._region(item, meta, loc)))
+        opened = {meta.path: reader.open(meta) for _, _, meta, _ in wanted}
         pending = []
         try:
-            for item, meta, region in wanted:
+            for position, item, meta, region in wanted:
                 target = planner.resolve_tensor(item).detach()
                 shape = tuple(b - a for a, b in region)
                 if tuple(target.shape) != shape:
@@ -157,9 +180,12 @@ class DCPStorageReader(StorageReader):
                           and target.dtype == meta.torch_dtype)
                 empty = _into(dtypes.tensor_to_numpy(target)) if direct else np.empty
                 read = opened[meta.path].result().read([region], empty)[region]
-                pending.append((item, target, direct, read))
-            for item, target, direct, read in pending:
+                pending.append((position, item, target, direct, read))
+                self.read_bytes += self._nbytes(item)
+            for position, item, target, direct, read in pending:
                 data = read.result()
+                if position in keep:
+                    kept[position] = data
                 if not direct:
                     target.copy_(dtypes.numpy_to_tensor(data.view(dtypes.by_name(
                         self._entry(item, loc).dtype).numpy)))
@@ -167,6 +193,24 @@ class DCPStorageReader(StorageReader):
         except BaseException:
             arrays.drain([read for *_, read in pending])
             raise
+        return kept
+
+    def _receive(self, shared: SharedReads, plan: LoadPlan, planner: LoadPlanner, loc: storage.Location,
+                 sent: dict[int, np.ndarray]) -> None:
+        """Send what this rank read for others and receive what others read for it, then place and commit it."""
+        buffers = {}
+        for _, positions in shared.receives:
+            for p in positions:
+                item = plan.items[p]
+                row = dtypes.by_name(self._entry(item, loc).dtype)
+                buffers[p] = np.empty(tuple(int(n) for n in item.lengths), row.copy_dtype)
+        exchange(shared, self._rank, torch.distributed.get_world_size(), sent, buffers,
+                 str(loc))
+        for p, data in buffers.items():
+            item = plan.items[p]
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(dtypes.numpy_to_tensor(data.view(dtypes.by_name(self._entry(item, loc).dtype).numpy)))
+            planner.commit_tensor(item, target)
 
     def _bytes(self, reader: arrays.ArrayReader, item: ReadItem, loc: storage.Location) -> bytes:
         fqn = item.storage_index.fqn
@@ -189,3 +233,7 @@ def _into(destination: np.ndarray) -> arrays.Empty:
         return destination.view(dtype).reshape(shape)
 
     return empty
+
+
+def _world_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
