@@ -46,6 +46,8 @@ __all__ = [
     "CoordinationError",
     "Coordinator",
     "CorruptCheckpointError",
+    "DCPStorageReader",
+    "DCPStorageWriter",
     "FormatVersionError",
     "ItemNotFoundError",
     "KeyPlan",
@@ -68,3 +70,12 @@ __all__ = [
     "save",
     "skip_batches",
 ]
+
+
+def __getattr__(name: str):
+    # torch.distributed.checkpoint is imported only by those who use DCP's storage classes (`dcp_storage`).
+    if name in ("DCPStorageReader", "DCPStorageWriter"):
+        from . import dcp_storage
+
+        return getattr(dcp_storage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -76,6 +76,8 @@ def cmd_tree(args: argparse.Namespace) -> int:
             lines.append((r.key, "", "value", "", "", json.dumps(r.value)))
         else:
             sharding = r.meta.sharding.describe() if r.meta.sharding else "unsharded"
+            if r.meta.opaque is not None:  # bytes another tool encoded: shown, never decoded
+                sharding = f"opaque ({r.meta.opaque})"
             lines.append((r.key, str(list(r.meta.shape)), r.meta.dtype, str(list(r.meta.chunk_shape)),
                           human_bytes(r.meta.nbytes), sharding))
     print(table(("key", "shape", "dtype", "chunk", "bytes", "sharding / value"), lines, right=(4,)))

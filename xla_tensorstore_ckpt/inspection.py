@@ -191,9 +191,12 @@ class TreeRow:
     def to_json(self) -> dict:
         if self.meta is None:
             return {"key": self.key, "value": self.value}
-        return {"key": self.key, "shape": list(self.meta.shape), "dtype": self.meta.dtype,
-                "chunk_shape": list(self.meta.chunk_shape), "bytes": self.meta.nbytes,
-                "sharding": dataclasses.asdict(self.meta.sharding) if self.meta.sharding else None}
+        out = {"key": self.key, "shape": list(self.meta.shape), "dtype": self.meta.dtype,
+               "chunk_shape": list(self.meta.chunk_shape), "bytes": self.meta.nbytes,
+               "sharding": dataclasses.asdict(self.meta.sharding) if self.meta.sharding else None}
+        if self.meta.opaque is not None:
+            out["opaque"] = self.meta.opaque
+        return out
 
 
 def tree_rows(checkpoint: Checkpoint, item: str | None = None) -> list[TreeRow]:

@@ -40,16 +40,25 @@ class SavedSharding:
         return f"tiles {self.tiles} x{self.replicas} replicas"
 
 
+# `ArrayMetadata.opaque` of the bytes of a value torch.distributed.checkpoint serialized itself (a "byte-IO" item):
+# only DCP decodes them (`dcp_storage`), the user's own trust decision.
+OPAQUE_DCP_BYTES = "dcp-bytes"
+OPAQUE_KINDS = frozenset({OPAQUE_DCP_BYTES})
+
+
 @dataclass(frozen=True)
 class ArrayMetadata:
     """One stored tensor: its zarr array directory (relative to the item), shape, zarr dtype name, chunk
-    shape and the sharding it was saved with (None for CPU or unsharded tensors)."""
+    shape and the sharding it was saved with (None for CPU or unsharded tensors). `opaque` marks a 1-D uint8
+    array that holds bytes another tool encoded (`OPAQUE_DCP_BYTES`: a value DCP serialized itself), which this
+    library stores and hands back as bytes but never decodes; None for every tensor."""
 
     path: str
     shape: tuple[int, ...]
     dtype: str
     chunk_shape: tuple[int, ...]
     sharding: SavedSharding | None = None
+    opaque: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -82,7 +82,7 @@ def decode_item(loc: Location, _doc: dict | None, *, where: str) -> ItemManifest
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
             raise CorruptCheckpointError(f"{where}: a key {str(fqn)[:100]!r} that is not a string")
-        path = _path(fqn, planner, where)
+        path = key_path(fqn, planner, where)
         kind = getattr(entry, "kind", None)
         if kind == "TensorStorageMetadata":
             leaves[path] = _tensor(fqn, entry, storage, where)
@@ -102,7 +102,7 @@ def decode_item(loc: Location, _doc: dict | None, *, where: str) -> ItemManifest
         warnings.warn(f"{loc}: left out bytes entries that are not plain values (loading them could run code "
                       f"from the checkpoint): {'; '.join(skipped[:10])}"
                       + (f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""), stacklevel=4)
-    return ItemManifest(_nest(leaves, where), format=NAME, store=STORE)
+    return ItemManifest(nest(leaves, where), format=NAME, store=STORE)
 
 
 def _field(record: Any, name: str, kind: type, where: str) -> Any:
@@ -138,7 +138,9 @@ def _storage_index(data: dict, where: str) -> dict[tuple[str, tuple | None], tup
     return out
 
 
-def _path(fqn: str, planner: Any, where: str) -> tuple:
+def key_path(fqn: str, planner: Any, where: str) -> tuple:
+    """The key path of DCP's flattened key `fqn` as its planner recorded it (`planner`: Metadata.planner_data, a
+    dict), or ``(fqn,)``; shared with `dcp_storage`. Raises `CorruptCheckpointError` for a malformed path."""
     path = planner.get(fqn) if isinstance(planner, dict) else None
     if path is None:
         return (fqn,)
@@ -272,7 +274,7 @@ class _Node(dict):
     """A dict `_nest` made (not a value that happens to be a dict)."""
 
 
-def _nest(leaves: dict[tuple, Any], where: str) -> dict:
+def nest(leaves: dict[tuple, Any], where: str) -> dict:
     """The tree of `leaves` by key path: integer keys are list positions (dense from 0), as DCP flattens
     lists; a path that is also the prefix of another is an error."""
     root = _Node()

@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import bounds, layout, tree
 from ..errors import CorruptCheckpointError
-from ..records import ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
+from ..records import OPAQUE_KINDS, ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
 from ..storage import Location
 
 NAME = "v1"
@@ -138,8 +138,11 @@ def decode_tree(node: Any, *, where: str, format: str, store: ArrayStore) -> Ite
 
 
 def _array_json(meta: ArrayMetadata) -> dict:
-    return {"path": meta.path, "shape": list(meta.shape), "dtype": meta.dtype, "chunk_shape": list(meta.chunk_shape),
-            "sharding": None if meta.sharding is None else _sharding_json(meta.sharding)}
+    out = {"path": meta.path, "shape": list(meta.shape), "dtype": meta.dtype, "chunk_shape": list(meta.chunk_shape),
+           "sharding": None if meta.sharding is None else _sharding_json(meta.sharding)}
+    if meta.opaque is not None:  # only when set: every other entry stays as format 1 wrote it
+        out["opaque"] = meta.opaque
+    return out
 
 
 def _array(data: Any, *, where: str) -> ArrayMetadata:
@@ -153,7 +156,12 @@ def _array(data: Any, *, where: str) -> ArrayMetadata:
     dtype = string(data.get("dtype"), where)
     bounds.check_array(path, shape, dtype, chunk_shape, where)
     sharding = data.get("sharding")
-    return ArrayMetadata(path, shape, dtype, chunk_shape, None if sharding is None else _sharding(sharding, where))
+    opaque = data.get("opaque")
+    if opaque is not None and not (opaque in OPAQUE_KINDS and dtype == "uint8" and len(shape) == 1):
+        raise CorruptCheckpointError(f"{where}: array {path!r} is marked opaque {str(opaque)[:40]!r}, which is not "
+                                     "a 1-D uint8 array of a known kind")
+    return ArrayMetadata(path, shape, dtype, chunk_shape, None if sharding is None else _sharding(sharding, where),
+                         opaque)
 
 
 def _sharding_json(sharding: SavedSharding) -> dict:
