@@ -151,17 +151,16 @@ def _clean(value: Any) -> Any:
 
 def write_report(path: str, out: str, options: ReportOptions | None = None, *, overwrite: bool = False,
                  progress: Progress | None = None) -> str:
-    """Write the report of `path` to the local file `out`: under a temporary name beside it, renamed into place
-    at the end (an existing file is kept unless `overwrite`). Returns the final path. Blocks; raises as
-    `report_data` does, `CheckpointExistsError` for an existing file."""
+    """Write the report of `path` to the local file `out` (its directory made if missing): under a temporary
+    name beside it, renamed into place at the end (an existing file is kept unless `overwrite`). Returns the
+    final path. Blocks; raises as `report_data` does, `CheckpointExistsError` for an existing file."""
     final = os.path.abspath(out)
     destination = storage.location(final)
     if os.path.isdir(final):
         raise UsageError(f"{final} is a directory; give the report a file name")
     outputs.check_vacant(destination, overwrite=overwrite)
     directory = os.path.dirname(final)
-    if not os.path.isdir(directory):
-        raise UsageError(f"{directory} does not exist")
+    os.makedirs(directory, exist_ok=True)
     page = report_html(report_data(path, options, progress))
     staged = outputs.StagedFiles(directory)
     try:
