@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import object_store
 from hf_files import write_hf_dir
 
 import xla_tensorstore_ckpt as xtc
@@ -136,6 +137,10 @@ def test_diff_across_formats_with_a_key_map(tmp_path, capsys):
     assert status == 0 and {e["change"] for e in entries} == {"equal"} and len(entries) == 7
     status, _, err = run("diff", hf, step, "--key-map", "[1]", capsys=capsys)
     assert status == cli.EXIT_USAGE and "key map" in err and len(err.splitlines()) == 1
+    orbax_step = tmp_path / "root" / "2"
+    convert.convert_to_step(storage.location(GOLDEN_ORBAX), storage.location(str(orbax_step)))
+    assert views.diff_view(GOLDEN_ORBAX, str(orbax_step), key_map={"*": "model/*"}, include_equal=True)
+    assert views.diff_view(GOLDEN_ORBAX, str(orbax_step), key_map={"*": "model/*"}) == []
     mapped = views.diff_view(hf, str(step), key_map=lambda k: "model/" + k if "norm" in k else None)
     assert [d.change for d in mapped] == ["added"] * 5  # the keys the map dropped from A
 
@@ -216,3 +221,20 @@ def test_report_escapes_and_keeps_an_existing_file(root, tmp_path, capsys):
     assert "keep me" not in out.read_text()
     with pytest.raises(UsageError):
         report.report_data(str(root), report.ReportOptions(step="9"))
+
+
+@pytest.mark.parametrize("scheme", ["gcs", "s3"])
+def test_views_on_object_stores(scheme, request, tmp_path, capsys):
+    remote, _, _ = object_store(request, scheme, "views")
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None, async_save=False, save_rng=False)
+    with xtc.CheckpointManager(remote, options) as manager:
+        for step in (1, 2):
+            manager.save(step, model=model(step))
+    summary = views.stats_view(f"{remote}/2", "model/layers.1.w")
+    assert summary.count == 2048 and summary.max == float(model(2)["layers"][1]["w"].max())
+    assert [d.key for d in views.diff_view(f"{remote}/1", f"{remote}/2")] == ["model/layers.1.w"]
+    assert views.layout_view(f"{remote}/2", "model/norm").boxes[0].nbytes == 64
+    out = tmp_path / "report.html"
+    assert run("report", remote, "-o", out, capsys=capsys)[0] == 0
+    data = json.loads(out.read_text().split('id="report-data">', 1)[1].split("</script>", 1)[0])
+    assert data["diff"]["b"] == 2 and len(data["stats"]) == 8

@@ -14,6 +14,7 @@ from browser import CHROMIUM, Browser, png_pixels
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt.views import report as views
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +80,36 @@ def test_screenshot_is_not_blank(page):
     drawn = sum(1 for row in rows for x in range(0, len(row), 3) if row[x:x + 3] != background)
     assert width == 320 and height == 300
     assert drawn > width * height // 10, drawn
+
+
+def test_ten_thousand_arrays_stay_collapsed_and_searchable(tmp_path):
+    """A report of 10,000 arrays draws only what is open (the tree collapsed, the search's first 500 matches, the
+    first 2,000 rows of statistics): the page's size in DOM nodes does not grow with the arrays."""
+    keys = [f"model/layers.{i // 10}.w{i % 10}" for i in range(10_000)]
+    stat = {"dtype": "float32", "shape": [4], "count": 4, "min": 0.0, "max": 1.0, "mean": 0.5, "std": 0.5,
+            "nan": 0, "inf": 0, "zeros": 1, "sparsity": 0.25, "quantile_error": 0.0,
+            "quantiles": {f"{q:g}": 0.5 for q in (.01, .1, .25, .5, .75, .9, .99)},
+            "histogram": {"scale": "linear", "edges": [0.0, 0.5, 1.0], "counts": [2, 2], "zeros": 0}}
+    data = {"title": "<b>10k</b>", "source": "synthetic", "steps": [],
+            "tree": [{"key": k, "shape": [4], "dtype": "float32", "bytes": 16, "params": 4, "chunk": [4],
+                      "sharding": ""} for k in keys],
+            "layouts": [], "stats": [{"key": k, **stat} for k in keys], "diff": None}
+    page_file = tmp_path / "big.html"
+    page_file.write_text(views.report_html(data))
+    b = Browser()
+    try:
+        b.load(str(page_file))
+        assert b.evaluate("document.body.getAttribute('data-rendered')") == "true" and b.errors() == []
+        assert b.evaluate("document.querySelectorAll('#tree .node').length") == 1
+        assert b.evaluate("document.querySelectorAll('#stats tr').length") == 2001
+        found = b.evaluate("""new Promise(done => {
+            const box = document.getElementById('search');
+            box.value = 'layers.99.w';
+            box.dispatchEvent(new Event('input'));
+            setTimeout(() => done(document.querySelectorAll('#tree .node.leaf').length), 500);
+        })""")
+        assert found == 10
+        assert b.evaluate("document.title") == "xtckpt report: <b>10k</b>"
+        assert b.evaluate("document.querySelectorAll('b').length") == 0
+    finally:
+        b.close()

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import inspection, scans
+from .. import inspection
 from ..inspection import Checkpoint
 from .diff import KeyMap, LayerDiff, TensorDiff, by_layer, diff_tensors, layer_of
-from .histogram import ArraySummary, Histogram, ValueSketch, array_summary
+from .histogram import ArraySummary, Histogram, ValueSketch, array_summary, summary_of
 from .layout import Box, Layout, restore_layout, saved_layout
 from .report import ReportOptions, report_data, tree_entry, write_report
 from .report import report_html as _page
@@ -43,7 +43,8 @@ def stats_view(path: str | Checkpoint, key: str | None = None, *, bins: int = 40
     checkpoint = _open(path)
     if key is not None:
         return array_summary(checkpoint, key, bins=bins, scale=scale)
-    return [array_summary(checkpoint, k, bins=bins, scale=scale) for k in scans.all_array_keys(checkpoint)]
+    return [summary_of(checkpoint, inspection.split_key(r.key, checkpoint)[0], r.meta, r.key, bins=bins, scale=scale)
+            for r in inspection.tree_rows(checkpoint) if r.meta is not None]
 
 
 def diff_view(a: str | Checkpoint, b: str | Checkpoint, *, key_map: KeyMap | str | None = None, sort: str = "key",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .. import inspection, scans
+from .. import inspection
 from ..cli_text import human_bytes, parse_shape, print_json, progress_bar
 from ..errors import UsageError
 from . import diff as diff_view
@@ -56,14 +56,16 @@ def stats(args: argparse.Namespace) -> int:
     if not 1 <= args.bins <= 1000:
         raise UsageError(f"--bins {args.bins}: between 1 and 1000")
     checkpoint = inspection.open_checkpoint(args.path)
-    keys = args.keys or scans.all_array_keys(checkpoint)
+    arrays = ([inspection.array_metadata(checkpoint, k) + (k,) for k in args.keys] if args.keys else
+              [(inspection.split_key(r.key, checkpoint)[0], r.meta, r.key) for r in inspection.tree_rows(checkpoint)
+               if r.meta is not None])
     draw = progress_bar("stats")
     summaries = []
-    for done, key in enumerate(keys, 1):
-        summaries.append(histogram.array_summary(checkpoint, key, bins=args.bins, scale=args.histogram or "linear",
-                                                 max_bytes=budget))
+    for done, (item, meta, key) in enumerate(arrays, 1):
+        summaries.append(histogram.summary_of(checkpoint, item, meta, key, bins=args.bins,
+                                              scale=args.histogram or "linear", max_bytes=budget))
         if draw:
-            draw(done, len(keys))
+            draw(done, len(arrays))
     if args.json:
         print_json([s.to_json() for s in summaries])
         return 0

@@ -24,6 +24,7 @@ import numpy as np
 from .. import dtypes, layout, scans
 from ..errors import CorruptCheckpointError, UsageError
 from ..inspection import Checkpoint, array_metadata
+from ..records import ArrayMetadata
 
 BINS = 1 << 16
 SLAB = 1 << 22  # elements converted at a time: temporaries stay near 32 MiB
@@ -194,9 +195,16 @@ def array_summary(checkpoint: Checkpoint, key: str, *, bins: int = 40, scale: st
     """Statistics, quantiles and a histogram of the array `key`, reading each chunk once with at most
     `max_bytes` of chunks in flight (or one chunk, if larger). Blocks. Raises `UsageError` for an unknown key or
     scale, `CorruptCheckpointError` naming the chunk for damaged data."""
+    item, meta = array_metadata(checkpoint, key)
+    return summary_of(checkpoint, item, meta, key, bins=bins, scale=scale, max_bytes=max_bytes)
+
+
+def summary_of(checkpoint: Checkpoint, item: str, meta: ArrayMetadata, key: str, *, bins: int = 40,
+               scale: str = "linear", max_bytes: int = DEFAULT_MAX_BYTES) -> ArraySummary:
+    """`array_summary` of an array whose metadata the caller holds (a walk over every array looks each up
+    once)."""
     if scale not in ("linear", "log"):
         raise UsageError(f"unknown histogram scale {scale!r}: linear or log")
-    item, meta = array_metadata(checkpoint, key)
     chunk_bytes = math.prod(meta.chunk_shape) * dtypes.by_name(meta.dtype).itemsize
     window = max(1, min(8, max_bytes // max(1, chunk_bytes)))
     sketch = ValueSketch()

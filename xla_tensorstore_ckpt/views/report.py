@@ -67,7 +67,8 @@ def report_data(path: str, options: ReportOptions | None = None, progress: Progr
         return data
     chosen = largest[:max(0, options.max_stat_arrays)]
     for done, r in enumerate(chosen, 1):
-        data["stats"].append(histogram.array_summary(checkpoint, r.key, bins=options.bins).to_json())
+        item = inspection.split_key(r.key, checkpoint)[0]
+        data["stats"].append(histogram.summary_of(checkpoint, item, r.meta, r.key, bins=options.bins).to_json())
         if progress:
             progress(done, len(chosen))
     pair = _diff_pair(steps, options.diff_steps)
