@@ -238,3 +238,19 @@ def test_views_on_object_stores(scheme, request, tmp_path, capsys):
     assert run("report", remote, "-o", out, capsys=capsys)[0] == 0
     data = json.loads(out.read_text().split('id="report-data">', 1)[1].split("</script>", 1)[0])
     assert data["diff"]["b"] == 2 and len(data["stats"]) == 8
+
+
+def test_plots_need_matplotlib_only_when_asked(root):
+    from xla_tensorstore_ckpt.views import plots
+
+    summary = views.stats_view(str(root / "2"), "model/layers.0.w")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(UsageError, match="matplotlib"):
+            plots.histogram(summary)
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    assert plots.histogram(summary).axes and plots.layout(views.layout_view(str(root / "2"), "model/norm")).axes

@@ -1,5 +1,6 @@
-"""Whole-array passes over checkpoints, chunk by chunk: statistics, diffs and verification. Memory stays near a
-few chunks; every chunk's checksum is verified as it is read. Used by the command line; blocks; no torch_xla."""
+"""Whole-array passes over checkpoints, chunk by chunk: the chunk walk (which `views.histogram`'s statistics take),
+diffs and verification. Memory stays near a few chunks; every chunk's checksum is verified as it is read. Used by
+the command line and the views; blocks; no torch_xla."""
 
 from __future__ import annotations
 
@@ -68,20 +69,13 @@ def _take(entry: tuple[Cell, arrays.PendingRead]) -> tuple[Cell, np.ndarray | Ex
         return cell, exc
 
 
-# ------------------------------------------------------------------------------------------------- stats
-
-
-def all_array_keys(checkpoint: Checkpoint) -> list[str]:
-    return [row.key for row in tree_rows(checkpoint) if row.meta is not None]
-
-
 # -------------------------------------------------------------------------------------------------- diff
 
 
 @dataclass(frozen=True)
 class DiffEntry:
     key: str
-    change: str  # "added", "removed", "shape", "dtype", "values", "value"
+    change: str  # "added", "removed", "shape", "dtype", "values", "value", "equal"
     detail: dict
 
     def to_json(self) -> dict:
