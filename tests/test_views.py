@@ -254,3 +254,21 @@ def test_plots_need_matplotlib_only_when_asked(root):
 
     matplotlib.use("Agg")
     assert plots.histogram(summary).axes and plots.layout(views.layout_view(str(root / "2"), "model/norm")).axes
+
+
+def test_chunks_added_on_threads_give_the_same_summary(tmp_path, monkeypatch):
+    full = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
+    full[:16] = 0
+    xtc.save(tmp_path / "item", {"w": xtc.ShardedArray.from_tensor(full, (16, 24), xtc.ShardedArray.grid((64, 48),
+                                                                                                        (16, 24)))})
+    checkpoint = inspection.open_checkpoint(str(tmp_path / "item"))
+    serial = histogram.array_summary(checkpoint, "w")
+    monkeypatch.setattr(histogram, "PARALLEL_BYTES", 0)
+    parallel = histogram.array_summary(checkpoint, "w")
+    whole = histogram.ValueSketch()
+    whole.add(full.numpy())
+    expected = histogram.summarize("w", "float32", (64, 48), whole)
+    for summary in (serial, parallel):
+        assert (summary.quantiles, summary.histogram, summary.count, summary.zeros, summary.min, summary.max) == (
+            expected.quantiles, expected.histogram, 3072, 768, expected.min, expected.max)
+        assert summary.mean == pytest.approx(expected.mean) and summary.std == pytest.approx(expected.std)
