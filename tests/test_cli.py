@@ -125,6 +125,7 @@ def test_stats_match_numpy(root, capsys):
                    "quantiles: nearest rank; values within 0.39% (relative), exact for bfloat16/8-bit types\n")
 
 
+@pytest.mark.xla
 def test_layout_of_a_sharded_array(root, capsys):
     """model/w was saved on a (4, 2) mesh ("data", "model") with spec ("data", "model"): one chunk per device."""
     status, out, _ = run("show", root / "2", "model/w", "--layout", "--json", capsys=capsys)
