@@ -153,6 +153,8 @@ def test_tile_devices_from_hlo_and_dtensor_shardings():
     # a DTensor on a (2, 2) mesh: Shard(0) on mesh dim 1, Replicate on mesh dim 0
     dtensor = SavedSharding("", (2, 1), 2, 4, (2, 2), None, (1, None), ("Replicate()", "Shard(dim=0)"))
     assert layout.tile_devices(dtensor, 2) == {(0, 0): (0, 2), (1, 0): (1, 3)}
+    named = SavedSharding("", (4, 1), 1, 4, (2, 2), ("dp", "tp"), (("dp", "tp"), None), ("Shard(dim=0)",) * 2)
+    assert layout.tile_devices(named, 2) == {(0, 0): (0,), (1, 0): (1,), (2, 0): (2,), (3, 0): (3,)}
     assert layout.tile_devices(SavedSharding("{replicated}", (1, 1), 4, 4), 2) == {(0, 0): (0, 1, 2, 3)}
     assert layout.tile_devices(SavedSharding("{devices=[9]0}", (9,), 1, 1), 1) == {}  # inconsistent: unknown
     assert layout.drawn_dims((3, 100, 7, 50)) == (1, 3) and layout.drawn_dims((5,)) == (0,)

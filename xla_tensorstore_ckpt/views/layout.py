@@ -86,7 +86,7 @@ def tile_devices(sharding: SavedSharding, rank: int) -> dict[tuple[int, ...], tu
     if sharding.hlo and "devices=[" in sharding.hlo:
         return _hlo_tiles(sharding.hlo, rank)
     if sharding.mesh_shape and sharding.partition_spec is not None and not sharding.hlo:
-        return _mesh_tiles(sharding.mesh_shape, sharding.partition_spec, rank)
+        return _mesh_tiles(sharding.mesh_shape, _by_position(sharding.partition_spec, sharding.axis_names), rank)
     if "replicated" in sharding.hlo or math.prod(sharding.tiles) == 1:
         return {(0,) * rank: tuple(range(sharding.num_devices))}
     return {}
@@ -114,6 +114,16 @@ def _hlo_tiles(hlo: str, rank: int) -> dict[tuple[int, ...], tuple[int, ...]]:
     for flat, position in enumerate(itertools.product(*(range(d) for d in dims))):
         out.setdefault(position[:rank], []).append(order[flat])
     return {k: tuple(v) for k, v in out.items()}
+
+
+def _by_position(spec: tuple, names: tuple[str, ...] | None) -> tuple:
+    """A partition spec with mesh axis names replaced by their positions (unknown names: -1, refused later)."""
+    index = {n: i for i, n in enumerate(names or ())}
+
+    def one(axis: object) -> object:
+        return index.get(axis, -1) if isinstance(axis, str) else axis
+
+    return tuple(tuple(one(a) for a in s) if isinstance(s, (tuple, list)) else one(s) for s in spec)
 
 
 def _mesh_tiles(mesh_shape: tuple[int, ...], spec: tuple, rank: int) -> dict[tuple[int, ...], tuple[int, ...]]:
