@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _inspection_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
-    """The commands that read checkpoints: steps, tree, show, stats, diff, verify, plan."""
+    """The commands that read checkpoints: steps, tree, show, stats, diff, report, verify, plan."""
     p = command("steps", "committed steps with time, size and metrics; partial steps shown as such", cmd_steps)
     p.add_argument("root")
     p.add_argument("--local", metavar="DIR", help="also list this host's local tier (a manager's local_directory); "

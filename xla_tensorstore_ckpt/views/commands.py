@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from .. import inspection
-from ..cli_text import human_bytes, parse_shape, print_json, progress_bar
+from ..cli_text import human_bytes, parse_shape, parse_size, print_json, progress_bar
 from ..errors import UsageError
 from . import diff as diff_view
 from . import histogram, layout, report, text
@@ -45,14 +45,12 @@ def add_stats_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--histogram", choices=("linear", "log"), help="draw each array's value histogram: equal bins of "
                    "the value, or of log10 |value| (zeros counted apart)")
     p.add_argument("--bins", type=int, default=20, help="histogram bins (default 20)")
-    p.add_argument("--max-host-bytes", default="64MiB", help="chunks in flight at most (default 64MiB; one chunk if "
-                   "larger)")
+    p.add_argument("--max-host-bytes", type=parse_size, default=histogram.DEFAULT_MAX_BYTES,
+                   help="chunks in flight at most (default 64MiB; one chunk if larger)")
 
 
 def stats(args: argparse.Namespace) -> int:
-    from ..cli_text import parse_size
-
-    budget = parse_size(args.max_host_bytes)
+    budget = args.max_host_bytes
     if not 1 <= args.bins <= 1000:
         raise UsageError(f"--bins {args.bins}: between 1 and 1000")
     checkpoint = inspection.open_checkpoint(args.path)
