@@ -10,6 +10,8 @@ NEWEST_VENV ?= .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_STAMP := $(NEWEST_VENV)/.installed
 NEWEST_TORCH ?= 2.14.1
+# The HTML report's browser test drives Debian's chromium (tests/browser.py); installed only where it is missing.
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: demo test test-xla test-newest stacks lint bench clean
 
@@ -32,7 +34,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # Both environments, set up one after the other (two editable installs of one checkout must not race).
-stacks: $(STAMP) $(NEWEST_STAMP)
+stacks: $(STAMP) $(NEWEST_STAMP) $(CHROMIUM)
+
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 # Tests run on several workers: many wait on subprocesses, servers and retries, so more workers than cores help.
 # The two stacks run at the same time, each on its own workers, and each prints its own summary at the end;
@@ -50,10 +55,10 @@ test: lint stacks
 	@echo "=== newest stack: torch $(NEWEST_TORCH), no torch_xla (tests marked xla deselected) ==="; cat .test-newest.log
 	@test "$$(cat .test-xla.rc)" = 0 && test "$$(cat .test-newest.rc)" = 0
 
-test-xla: lint
+test-xla: lint $(CHROMIUM)
 	$(PYTEST_XLA)
 
-test-newest: lint $(NEWEST_STAMP)
+test-newest: lint $(NEWEST_STAMP) $(CHROMIUM)
 	$(PYTEST_NEWEST)
 
 bench: $(STAMP)

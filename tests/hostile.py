@@ -160,14 +160,18 @@ def ops_for(seed: Seed, out: str) -> list[list]:
     path = seed.path
     if seed.kind == "root":
         return [["cli", "steps", path], ["cli", "verify", path], ["cli", "tree", os.path.join(path, "1")],
-                ["cli", "convert", os.path.join(path, "1"), os.path.join(out, "item")]]
-    ops = [["cli", "tree", path], ["cli", "verify", path], ["cli", "stats", path], ["metadata", path],
-           ["restore", path], ["cli", "convert", path, os.path.join(out, "item"), "--max-host-bytes", "64MiB"],
+                ["cli", "convert", os.path.join(path, "1"), os.path.join(out, "item")],
+                ["cli", "report", path, "-o", os.path.join(out, "report.html")]]
+    ops = [["cli", "tree", path], ["cli", "verify", path], ["cli", "stats", path, "--histogram", "log"],
+           ["metadata", path], ["restore", path],
+           ["cli", "convert", path, os.path.join(out, "item"), "--max-host-bytes", "64MiB"],
            ["cli", "convert", path, os.path.join(out, "hf"), "--to", "safetensors"]]
     if seed.kind == "step":
         ops = [op for op in ops if op[0] == "cli"]  # the API reads items; a step's items are read by the CLI
+    ops += [["cli", "diff", path, path], ["cli", "report", path, "-o", os.path.join(out, "report.html")]]
     if seed.array_key:
-        ops.append(["cli", "show", path, f"{seed.array_key}[0:1]"])
+        ops += [["cli", "show", path, f"{seed.array_key}[0:1]"], ["cli", "show", path, seed.array_key, "--layout"],
+                ["cli", "show", path, seed.array_key, "--layout", "--mesh", "2x2", "--processes", "2"]]
     return ops
 
 

@@ -120,8 +120,22 @@ def test_stats_match_numpy(root, capsys):
     assert stats["model/emb"]["mean"] == pytest.approx(emb.mean()) and stats["model/emb"]["std"] == pytest.approx(
         emb.std())
     status, out, _ = run("stats", root / "1", "model/b", capsys=capsys)
-    assert out == ("key      finite  min  max  mean      std  nan  inf\n"
-                   "model/b       4    0    3   1.5  1.11803    0    0\n")
+    assert out == ("key      finite  min  p1  p25      p50      p75  p99  max  mean      std   zeros  nan  inf\n"
+                   "model/b       4    0   0    0  1.00391  2.00781    3    3   1.5  1.11803  25.00%    0    0\n"
+                   "quantiles: nearest rank; values within 0.39% (relative), exact for bfloat16/8-bit types\n")
+
+
+@pytest.mark.xla
+def test_layout_of_a_sharded_array(root, capsys):
+    """model/w was saved on a (4, 2) mesh ("data", "model") with spec ("data", "model"): one chunk per device."""
+    status, out, _ = run("show", root / "2", "model/w", "--layout", "--json", capsys=capsys)
+    view = json.loads(out)
+    assert status == 0 and view["grid"] == [4, 2] and view["notes"] == []
+    holders = {(b["rows"][0], b["cols"][0]): b["holders"] for b in view["boxes"]}
+    assert holders == {(2 * r, 2 * c): [2 * r + c] for r in range(4) for c in range(2)}
+    assert {b["bytes"] for b in view["boxes"]} == {2 * 2 * 2}
+    status, out, _ = run("show", root / "2", "model/emb", "--layout", capsys=capsys)
+    assert status == 0 and "d0" in out and "d7" in out and "mesh (4, 2)" in out
 
 
 @pytest.mark.xla
@@ -133,7 +147,9 @@ def test_diff_golden(root, capsys):
     w1, w2 = weights(1)["w"].double(), weights(2)["w"].double()
     assert entries["model/w"]["max_abs_diff"] == pytest.approx(float((w2 - w1).abs().max()))
     assert entries["model/w"]["relative_l2"] == pytest.approx(float((w2 - w1).norm() / w1.norm()))
-    assert entries["extra/position"] == {"key": "extra/position", "change": "value", "a": 10, "b": 20}
+    assert entries["extra/position"] == {"key": "extra/position", "change": "value", "group": "extra", "a": 10,
+                                         "b": 20}
+    assert (entries["model/w"]["differing"], entries["model/w"]["elements"]) == (int((w2 != w1).sum()), 32)
     status, out, _ = run("diff", root / "2", root / "2", capsys=capsys)
     assert out == "no differences\n"
 
@@ -251,6 +267,7 @@ def test_open_array_returns_a_tensorstore_array(root):
 def test_every_command_runs_without_torch_xla(root, tmp_path):
     commands = [["steps", root], ["tree", root / "2"], ["show", root / "2", "model/w[0:2]"],
                 ["stats", root / "2"], ["diff", root / "1", root / "2"], ["verify", root],
+                ["show", root / "2", "model/w", "--layout"], ["report", root, "-o", tmp_path / "report.html"],
                 ["export", root / "2", tmp_path / "x", "--format", "safetensors"],
                 ["export", root / "2", tmp_path / "x.pt", "--format", "torch"]]
     env = dict(os.environ)

@@ -164,3 +164,18 @@ def test_a_step_restores_directly_onto_4_devices_in_another_process(runs, tmp_pa
         for name, value in entries.items():
             assert torch.equal(got["optim"]["state"][index][name], value), (index, name)
     assert got["step"] == 6 and got["scheduler"]["last_epoch"] == 6
+
+
+def test_views_of_a_torch_xla_manager_root(runs, tmp_path, capsys):
+    """The report, stats, layouts and the step-to-step diff read a torch_xla CheckpointManager root."""
+    source, _, _ = runs["index"]
+    out = tmp_path / "report.html"
+    assert cli.main(["report", source, "-o", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    data = json.loads(out.read_text().split('id="report-data">', 1)[1].split("</script>", 1)[0])
+    assert [s["step"] for s in data["steps"]] == [2, 4, 6] and (data["diff"]["a"], data["diff"]["b"]) == (4, 6)
+    assert data["stats"] and any(layer["changed"] for layer in data["diff"]["layers"])
+    key = data["stats"][0]["key"]
+    assert cli.main(["stats", os.path.join(source, "6"), key, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["count"] == data["stats"][0]["count"]
+    assert cli.main(["show", os.path.join(source, "6"), key, "--layout"]) == 0

@@ -19,7 +19,6 @@ import numpy as np
 
 from . import convert, export, host_memory, inspection, restore_plan, scans, storage
 from .cli_text import (
-    fmt_number,
     human_bytes,
     metrics_text,
     parse_shape,
@@ -30,6 +29,7 @@ from .cli_text import (
     time_text,
 )
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UsageError
+from .views import commands as views
 
 EXIT_DATA, EXIT_USAGE = 1, 2
 
@@ -88,6 +88,8 @@ def cmd_tree(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if args.layout or args.mesh:
+        return views.show_layout(args)
     checkpoint = inspection.open_checkpoint(args.path)
     key, index = inspection.parse_key_and_slice(
         args.key, lambda k: len(inspection.array_metadata(checkpoint, k)[1].shape))
@@ -111,47 +113,6 @@ def _to_json_values(values: np.ndarray) -> Any:
     as_float = values.astype(np.float64)
     return [None if not math.isfinite(v) else v for v in as_float.reshape(-1).tolist()] if as_float.ndim else (
         float(as_float) if math.isfinite(float(as_float)) else None)
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    checkpoint = inspection.open_checkpoint(args.path)
-    keys = args.keys or scans.all_array_keys(checkpoint)
-    draw = progress_bar("stats")
-    results = []
-    for done, key in enumerate(keys, 1):
-        results.append(scans.array_stats(checkpoint, key))
-        if draw:
-            draw(done, len(keys))
-    if args.json:
-        print_json([r.to_json() for r in results])
-        return 0
-    rows = [(r.key, r.count, fmt_number(r.min), fmt_number(r.max), fmt_number(r.mean), fmt_number(r.std),
-             r.nan, r.inf) for r in results]
-    print(table(("key", "finite", "min", "max", "mean", "std", "nan", "inf"), rows, right=(1, 2, 3, 4, 5, 6, 7)))
-    return 0
-
-
-def cmd_diff(args: argparse.Namespace) -> int:
-    a, b = inspection.open_checkpoint(args.a), inspection.open_checkpoint(args.b)
-    entries = scans.diff(a, b, progress_bar("diff"))
-    if args.json:
-        print_json([e.to_json() for e in entries])
-        return 0
-    if not entries:
-        print("no differences")
-        return 0
-    rows = []
-    for e in entries:
-        if e.change == "values":
-            detail = (f"max |b-a| {fmt_number(e.detail['max_abs_diff'])}, "
-                      f"relative L2 {fmt_number(e.detail['relative_l2'])}")
-        elif e.detail:
-            detail = f"{e.detail['a']} -> {e.detail['b']}"
-        else:
-            detail = ""
-        rows.append((e.key, e.change, detail))
-    print(table(("key", "change", "detail"), rows))
-    return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -275,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _inspection_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
-    """The commands that read checkpoints: steps, tree, show, stats, diff, verify, plan."""
+    """The commands that read checkpoints: steps, tree, show, stats, diff, report, verify, plan."""
     p = command("steps", "committed steps with time, size and metrics; partial steps shown as such", cmd_steps)
     p.add_argument("root")
     p.add_argument("--local", metavar="DIR", help="also list this host's local tier (a manager's local_directory); "
@@ -286,15 +247,23 @@ def _inspection_commands(command: Callable[..., argparse.ArgumentParser]) -> Non
                 cmd_tree)
     p.add_argument("path", help="ROOT/STEP, or an item directory")
     p.add_argument("item", nargs="?")
-    p = command("show", "values of a slice, reading only the chunks needed: KEY[0:4, :8]", cmd_show)
+    p = command("show", "values of a slice, reading only the chunks needed: KEY[0:4, :8]; or with --layout the "
+                "array's chunk grid and who holds (or would read) each chunk", cmd_show)
     p.add_argument("path")
     p.add_argument("key", help="ITEM/KEY optionally followed by [slice], e.g. 'model/w[0:4, :8]'")
-    p = command("stats", "min, max, mean, std, NaN and Inf counts per array, chunk by chunk", cmd_stats)
+    views.add_show_arguments(p)
+    p = command("stats", "min, max, mean, std, quantiles, sparsity, NaN and Inf counts per array and with "
+                "--histogram a value histogram, chunk by chunk in bounded memory", views.stats)
     p.add_argument("path")
     p.add_argument("keys", nargs="*")
-    p = command("diff", "keys added/removed, shape and dtype changes, value differences", cmd_diff)
+    views.add_stats_arguments(p)
+    p = command("diff", "keys added/removed, shape and dtype changes, and per tensor the 2-norm of the change, its "
+                "size relative to A, the share of elements that differ and the max |B-A|", views.diff)
     p.add_argument("a")
     p.add_argument("b")
+    views.add_diff_arguments(p)
+    views.add_report_arguments(command("report", "a self-contained HTML report: steps and sizes, the tree, layouts, "
+                                       "statistics with histograms, the diff of two steps", views.report_command))
     p = command("verify", "every chunk present and every checksum valid (exit 1 otherwise)", cmd_verify)
     p.add_argument("path", help="ROOT, ROOT/STEP or an item directory")
     p = command("plan", "plan a restore without reading data: per key the bytes and chunks each process reads, "

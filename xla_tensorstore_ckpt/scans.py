@@ -1,24 +1,24 @@
-"""Whole-array passes over checkpoints, chunk by chunk: statistics, diffs and verification. Memory stays near a
-few chunks; every chunk's checksum is verified as it is read. Used by the command line; blocks; no torch_xla."""
+"""Whole-array passes over checkpoints, chunk by chunk: the chunk walk (which `views.histogram`'s statistics take),
+diffs and verification. Memory stays near a few chunks; every chunk's checksum is verified as it is read. Used by
+the command line and the views; blocks; no torch_xla."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import arrays, grid, layout, storage
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from . import arrays, dtypes, grid, layout, storage
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from .formats import checksums
 from .inspection import (
     Checkpoint,
     Progress,
     TreeRow,
-    array_metadata,
     full_key,
     list_steps,
     open_checkpoint,
@@ -69,71 +69,28 @@ def _take(entry: tuple[Cell, arrays.PendingRead]) -> tuple[Cell, np.ndarray | Ex
         return cell, exc
 
 
-# ------------------------------------------------------------------------------------------------- stats
-
-
-@dataclass(frozen=True)
-class ArrayStats:
-    key: str
-    count: int
-    min: float | None
-    max: float | None
-    mean: float | None
-    std: float | None
-    nan: int
-    inf: int
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def array_stats(checkpoint: Checkpoint, key: str) -> ArrayStats:
-    """Min, max, mean, std (over finite values), NaN and Inf counts, streaming chunk by chunk. Raises
-    `CorruptCheckpointError` naming the chunk for damaged data."""
-    item, meta = array_metadata(checkpoint, key)
-    count = nan = inf = 0
-    total = total_sq = 0.0
-    low, high = math.inf, -math.inf
-    for cell, data in iter_chunks(checkpoint, item, meta):
-        if isinstance(data, Exception):
-            raise CorruptCheckpointError(f"{key} chunk {layout.chunk_key(cell)}: {data}") from data
-        values = data.astype(np.float64) if data.dtype.kind != "c" else np.abs(data).astype(np.float64)
-        finite = values[np.isfinite(values)]
-        nan += int(np.isnan(values).sum())
-        inf += int(np.isinf(values).sum())
-        if finite.size:
-            count += finite.size
-            total += float(finite.sum())
-            total_sq += float(np.square(finite).sum())
-            low, high = min(low, float(finite.min())), max(high, float(finite.max()))
-    if not count:
-        return ArrayStats(key, 0, None, None, None, None, nan, inf)
-    mean = total / count
-    return ArrayStats(key, count, low, high, mean, math.sqrt(max(0.0, total_sq / count - mean * mean)), nan, inf)
-
-
-def all_array_keys(checkpoint: Checkpoint) -> list[str]:
-    return [row.key for row in tree_rows(checkpoint) if row.meta is not None]
-
-
 # -------------------------------------------------------------------------------------------------- diff
 
 
 @dataclass(frozen=True)
 class DiffEntry:
     key: str
-    change: str  # "added", "removed", "shape", "dtype", "values", "value"
+    change: str  # "added", "removed", "shape", "dtype", "values", "value", "equal"
     detail: dict
 
     def to_json(self) -> dict:
         return {"key": self.key, "change": self.change, **self.detail}
 
 
-def diff(a: Checkpoint, b: Checkpoint, progress: Progress | None = None) -> list[DiffEntry]:
+def diff(a: Checkpoint, b: Checkpoint, progress: Progress | None = None, *,
+         key_map: Callable[[str], str | None] | None = None, include_equal: bool = False) -> list[DiffEntry]:
     """Differences from `a` to `b`: keys added and removed, shape and dtype changes, and for arrays whose
-    values differ the max absolute difference and relative L2 distance ``|b - a| / |a|``. Streams chunk by
-    chunk. Equal arrays and values are not listed."""
-    rows_a = {r.key: r for r in tree_rows(a)}
+    values differ ("values"): the 2-norm of the difference ``|b - a|`` (``delta_l2``), of `a` (``a_l2``), their
+    ratio (``relative_l2``), the elements that differ (``differing``, NaN equal to NaN, of ``elements``) and
+    the max absolute difference. Streams chunk by chunk, each chunk of both read once. Equal arrays and values
+    are listed (change "equal") only with `include_equal`. `key_map` renames `a`'s keys (None drops one) to
+    compare checkpoints whose formats name keys otherwise; `UsageError` if two keys get the same name."""
+    rows_a = _renamed({r.key: r for r in tree_rows(a)}, key_map)
     rows_b = {r.key: r for r in tree_rows(b)}
     out = [DiffEntry(k, "removed", {}) for k in rows_a if k not in rows_b]
     out += [DiffEntry(k, "added", {}) for k in rows_b if k not in rows_a]
@@ -143,16 +100,32 @@ def diff(a: Checkpoint, b: Checkpoint, progress: Progress | None = None) -> list
         if ra.meta is None or rb.meta is None:
             if ra.meta is not None or rb.meta is not None or ra.value != rb.value:
                 out.append(DiffEntry(key, "value", {"a": _describe(ra), "b": _describe(rb)}))
+            elif include_equal:
+                out.append(DiffEntry(key, "equal", {}))
         elif ra.meta.shape != rb.meta.shape:
             out.append(DiffEntry(key, "shape", {"a": list(ra.meta.shape), "b": list(rb.meta.shape)}))
         elif ra.meta.dtype != rb.meta.dtype:
             out.append(DiffEntry(key, "dtype", {"a": ra.meta.dtype, "b": rb.meta.dtype}))
         else:
-            entry = _array_diff(a, b, key, ra.meta, rb.meta)
-            if entry is not None:
+            entry = _array_diff(a, b, key, (ra.key, ra.meta), (rb.key, rb.meta))
+            if entry.change != "equal" or include_equal:
                 out.append(entry)
         if progress:
             progress(done, len(common))
+    return out
+
+
+def _renamed(rows: dict[str, TreeRow], key_map: Callable[[str], str | None] | None) -> dict[str, TreeRow]:
+    if key_map is None:
+        return rows
+    out: dict[str, TreeRow] = {}
+    for key, row in rows.items():
+        new = key_map(key)
+        if new is None:
+            continue
+        if new in out:
+            raise UsageError(f"the key map gives {out[new].key!r} and {key!r} the same name {new!r}")
+        out[new] = row
     return out
 
 
@@ -160,30 +133,45 @@ def _describe(row: TreeRow) -> Any:
     return f"array {row.meta.dtype}{list(row.meta.shape)}" if row.meta is not None else row.value
 
 
-def _array_diff(a: Checkpoint, b: Checkpoint, key: str, ma: ArrayMetadata, mb: ArrayMetadata
-                ) -> DiffEntry | None:
+def _array_diff(a: Checkpoint, b: Checkpoint, key: str, side_a: tuple[str, ArrayMetadata],
+                side_b: tuple[str, ArrayMetadata]) -> DiffEntry:
+    (key_a, ma), (key_b, mb) = side_a, side_b
     # b may be chunked otherwise: it is read by a's chunks (each side walks a's grid lazily, on its own)
-    chunks_a = iter_chunks(a, split_key(key, a)[0], ma, regions=chunk_regions(ma))
-    chunks_b = iter_chunks(b, split_key(key, b)[0], mb, regions=chunk_regions(ma))
-    max_abs = 0.0
-    diff_sq = ref_sq = 0.0
-    differs = False
+    chunks_a = iter_chunks(a, split_key(key_a, a)[0], ma, regions=chunk_regions(ma))
+    chunks_b = iter_chunks(b, split_key(key_b, b)[0], mb, regions=chunk_regions(ma))
+    max_abs = diff_sq = ref_sq = 0.0
+    differing = 0
+    raw = dtypes.by_name(ma.dtype).copy_dtype
     for (cell, data_a), (_, data_b) in zip(chunks_a, chunks_b):
         for data in (data_a, data_b):
             if isinstance(data, Exception):
                 raise CorruptCheckpointError(f"{key} chunk {layout.chunk_key(cell)}: {data}") from data
+        if data_a.dtype == data_b.dtype and np.array_equal(data_a.view(raw), data_b.view(raw)):
+            ref_sq += _sum_of_squares(data_a)  # the same bytes: no float copies of either side
+            continue
         va, vb = data_a.astype(np.float64), data_b.astype(np.float64)
         ref_sq += float(np.square(np.nan_to_num(va)).sum())
         if np.array_equal(va, vb, equal_nan=True):
             continue
-        differs = True
+        unequal = (va != vb) & ~(np.isnan(va) & np.isnan(vb))
+        differing += int(np.count_nonzero(unequal))
         delta = np.abs(vb - va)
         max_abs = max(max_abs, float(np.nanmax(delta)) if delta.size else 0.0)
         diff_sq += float(np.nansum(np.square(vb - va)))
-    if not differs:
-        return None
+    elements = math.prod(ma.shape)
+    if not differing:
+        return DiffEntry(key, "equal", {"elements": elements, "a_l2": math.sqrt(ref_sq)})
     relative = math.sqrt(diff_sq) / math.sqrt(ref_sq) if ref_sq else math.inf
-    return DiffEntry(key, "values", {"max_abs_diff": max_abs, "relative_l2": relative})
+    return DiffEntry(key, "values", {"max_abs_diff": max_abs, "relative_l2": relative, "delta_l2": math.sqrt(diff_sq),
+                                     "a_l2": math.sqrt(ref_sq), "differing": differing, "elements": elements})
+
+
+def _sum_of_squares(data: np.ndarray) -> float:
+    """Σ x² in float64 (NaN as 0), without a float64 copy for finite float32/float64 data."""
+    flat = data.reshape(-1)
+    if flat.dtype in (np.float32, np.float64) and np.isfinite(flat).all():
+        return float(np.einsum("i,i->", flat, flat, dtype=np.float64))
+    return float(np.square(np.nan_to_num(flat.astype(np.float64))).sum())
 
 
 # ------------------------------------------------------------------------------------------------ verify

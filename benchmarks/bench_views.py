@@ -1,0 +1,128 @@
+"""`xtckpt stats` and `xtckpt report` over a large checkpoint, against the cold-read floor, same files, same run.
+
+The `model` workload (a decoder with its AdamW moments, float32; ~1 GiB at the default scale 0.4, 2.4 GiB at 1)
+is saved as an item of ours, every tensor in the 8 chunks of a 4x2 grid (as an FSDP/2-D sharded save stores it;
+no torch_xla needed: host shards). Each contender runs in a fresh process after the item's files were evicted
+from the page cache:
+
+- floor: read every file of the item once, sequentially in 8 MiB blocks, and nothing else (the disk's cold
+  read time for these bytes through the page cache);
+- read: every chunk of every array read once through the library's reader and nothing computed (the cold-read
+  floor of the views: what `scans.iter_chunks` costs);
+- stats: `views.stats_view` over every array (the work of ``xtckpt stats``: count, min/max/mean/std, zeros,
+  NaN/Inf, quantiles from the bfloat16-bin sketch, a histogram), chunk by chunk;
+- report: `views.write_report` of the item (tree, layouts, statistics with histograms; one item: no diff).
+
+Reported per contender (medians over the rounds, taken ABBA): wall seconds and their ratio to the faster of
+floor and read, CPU
+seconds, bytes read from the disk per byte of the item, the peak growth of the resident set during the call
+and the process's peak resident set (torch and the library imported). Prints one JSON line.
+
+    python benchmarks/bench_views.py [--scale 0.4] [--rounds 7] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import footprint  # noqa: E402
+from fresh_process import abba, evict, run_json  # noqa: E402
+
+CONTENDERS = ("floor", "read", "stats", "report")
+
+
+def build(path: str, scale: float) -> int:
+    """Save the workload's tensors as host shards on a 4x2 grid at `path`; returns the item's bytes."""
+    import numpy as np
+    import torch
+    from workloads import specs
+
+    import xla_tensorstore_ckpt as xtc
+
+    entries, _ = specs("model", scale)
+    rng = np.random.default_rng(0)
+    state, total = {}, 0
+    for name, shape, _, _, _ in entries:
+        full = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+        shard = tuple(-(-n // p) for n, p in zip(shape, (4, 2)))
+        state[name] = xtc.ShardedArray.from_tensor(full, shard, xtc.ShardedArray.grid(shape, shard))
+        total += full.numel() * 4
+    xtc.save(path, state)
+    return total
+
+
+def floor(path: str) -> None:
+    for root, _, names in os.walk(path):
+        for name in sorted(names):
+            with open(os.path.join(root, name), "rb", buffering=0) as f:
+                while f.read(8 << 20):
+                    pass
+
+
+def read(path: str) -> None:
+    from xla_tensorstore_ckpt import inspection, scans
+
+    checkpoint = inspection.open_checkpoint(path)
+    for row in inspection.tree_rows(checkpoint):
+        if row.meta is not None:
+            for _, data in scans.iter_chunks(checkpoint, inspection.split_key(row.key, checkpoint)[0], row.meta):
+                if isinstance(data, Exception):
+                    raise data
+
+
+def worker(contender: str, path: str, out: str) -> None:
+    from xla_tensorstore_ckpt import views
+
+    work = {"floor": lambda: floor(path), "read": lambda: read(path), "stats": lambda: views.stats_view(path),
+            "report": lambda: views.write_report(path, out, overwrite=True)}[contender]
+    measured, _ = footprint.measure(work)
+    measured["peak_rss_bytes"] = footprint.memory._status_kib("VmHWM") * 1024
+    print(json.dumps(measured))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scale", type=float, default=0.4)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dir")
+    parser.add_argument("--worker", nargs=3, metavar=("CONTENDER", "PATH", "OUT"))
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
+    base = args.dir or tempfile.mkdtemp(prefix="bench-views-")
+    item = os.path.join(base, "item")
+    nbytes = build(item, args.scale) if not os.path.exists(item) else None
+    if nbytes is None:
+        from xla_tensorstore_ckpt import inspection
+        nbytes = sum(r.meta.nbytes for r in inspection.tree_rows(inspection.open_checkpoint(item)) if r.meta)
+    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
+    for contender in abba(list(CONTENDERS), args.rounds):
+        evict(item)
+        runs[contender].append(run_json([sys.executable, __file__, "--worker", contender, item,
+                                         os.path.join(base, "report.html")], dict(os.environ), contender))
+
+    def med(contender: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[contender])
+
+    result = {"bytes": nbytes, "rounds": args.rounds, "scale": args.scale}
+    fastest = min(med("floor", "wall_s"), med("read", "wall_s"))
+    for c in CONTENDERS:
+        result[c] = {"wall_s": med(c, "wall_s"), "vs_floor": med(c, "wall_s") / fastest,
+                     "cpu_s": statistics.median(r["user_s"] + r["system_s"] for r in runs[c]),
+                     "read_per_byte": med(c, "read_bytes") / nbytes,
+                     "rss_growth_mib": med(c, "rss_growth_bytes") / 2**20,
+                     "peak_rss_mib": med(c, "peak_rss_bytes") / 2**20}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

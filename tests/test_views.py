@@ -1,0 +1,276 @@
+"""The inspection views (`xla_tensorstore_ckpt.views`): quantiles, sparsity and histograms against numpy, diffs per
+tensor and per layer against torch, layouts against saved shardings and restore plans, the report's data and
+escaping; on our steps, Hugging Face files, Orbax items and DCP directories. No torch_xla."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import object_store
+from hf_files import write_hf_dir
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import cli, convert, inspection, storage, views
+from xla_tensorstore_ckpt.errors import UsageError
+from xla_tensorstore_ckpt.records import SavedSharding
+from xla_tensorstore_ckpt.views import histogram, layout, report
+
+GOLDEN_ORBAX = os.path.join(os.path.dirname(__file__), "golden", "orbax-0.11", "item")
+
+
+def model(step: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    state = {"layers": [{"w": torch.randn(64, 32, generator=g), "b": torch.zeros(32)} for _ in range(3)],
+             "norm": torch.ones(32, dtype=torch.bfloat16), "<script>": torch.arange(6.0)}
+    if step == 2:
+        state["layers"][1]["w"][:8] += 0.5
+    return state
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("views") / "ckpt"
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None, async_save=False, save_rng=False)
+    with xtc.CheckpointManager(root, options) as manager:
+        for step in (1, 2):
+            manager.save(step, model=model(step), extra={"note": "</script><script>alert(1)</script>"})
+    return root
+
+
+def run(*argv, capsys):
+    status = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def nearest_rank(values: np.ndarray, q: float) -> float:
+    ordered = np.sort(values[np.isfinite(values)])
+    return float(ordered[max(1, math.ceil(q * ordered.size)) - 1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int8"])
+def test_sketch_quantiles_are_within_the_bound_and_counts_exact(dtype):
+    rng = np.random.default_rng(1)
+    values = (rng.standard_normal(50_001) * 30).astype(np.float64)
+    values[:5000] = 0
+    values = values.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
+    as_float = values.astype(np.float64)
+    if dtype.startswith("float"):
+        values[7], values[8] = np.nan, np.inf
+        as_float = values.astype(np.float64)
+    whole, halves = histogram.ValueSketch(), [histogram.ValueSketch(), histogram.ValueSketch()]
+    whole.add(values)
+    halves[0].add(values[:20_000])
+    halves[1].add(values[20_000:])
+    halves[0].merge(halves[1])
+    summary = histogram.summarize("k", dtype, values.shape, halves[0])
+    assert np.array_equal(halves[0].counts, whole.counts)
+    finite = as_float[np.isfinite(as_float)]
+    assert (summary.count, summary.zeros) == (finite.size, int((finite == 0).sum()))
+    assert (summary.nan, summary.inf) == (int(np.isnan(as_float).sum()), int(np.isinf(as_float).sum()))
+    assert summary.min == finite.min() and summary.max == finite.max()
+    assert summary.mean == pytest.approx(finite.mean()) and summary.std == pytest.approx(finite.std())
+    assert summary.sparsity == int((finite == 0).sum()) / finite.size
+    exact = dtype in ("bfloat16", "int8")
+    assert summary.quantile_error == (0.0 if exact else 2.0 ** -8)
+    for q, value in summary.quantiles:
+        expected = nearest_rank(as_float, q)
+        if exact:
+            assert value == expected, (q, value, expected)
+        else:
+            assert abs(value - expected) <= 2.0 ** -8 * abs(expected) + (0.5 if dtype == "int32" else 0), q
+    assert sum(summary.histogram.counts) == finite.size
+    log = halves[0].histogram(10, "log")
+    assert sum(log.counts) + log.zeros == finite.size and log.zeros == int((finite == 0).sum())
+
+
+def test_stats_command_quantiles_and_histograms(root, capsys):
+    status, out, _ = run("stats", root / "2", "model/layers.0.w", "model/norm", "--json", capsys=capsys)
+    assert status == 0
+    by_key = {s["key"]: s for s in json.loads(out)}
+    w = model(2)["layers"][0]["w"].double().numpy()
+    assert by_key["model/layers.0.w"]["quantiles"]["0.5"] == pytest.approx(nearest_rank(w, 0.5), rel=2 ** -8)
+    assert by_key["model/norm"]["quantiles"] == {f"{q:g}": 1.0 for q in histogram.QUANTILES}
+    assert by_key["model/norm"]["sparsity"] == 0.0 and by_key["model/norm"]["histogram"]["counts"] == [32]
+    status, out, _ = run("stats", root / "2", "model/layers.0.b", "--histogram", "log", "--bins", "4",
+                         capsys=capsys)
+    assert status == 0 and "model/layers.0.b" in out and "100.00%" in out and "zeros: 32" in out
+    status, _, err = run("stats", root / "2", "model/norm", "--bins", "0", capsys=capsys)
+    assert status == cli.EXIT_USAGE and err.startswith("xtckpt: error: --bins 0")
+
+
+def test_diff_per_tensor_and_per_layer(root, capsys):
+    status, out, _ = run("diff", root / "1", root / "2", "--json", "--sort", "change", capsys=capsys)
+    assert status == 0
+    entries = json.loads(out)
+    assert [e["key"] for e in entries] == ["model/layers.1.w"]
+    a, b = model(1)["layers"][1]["w"].double(), model(2)["layers"][1]["w"].double()
+    e = entries[0]
+    assert e["delta_l2"] == pytest.approx(float((b - a).norm())) and e["a_l2"] == pytest.approx(float(a.norm()))
+    assert e["relative_l2"] == pytest.approx(float((b - a).norm() / a.norm()))
+    assert (e["differing"], e["elements"], e["differ_fraction"]) == (256, 2048, 0.125)
+    assert e["max_abs_diff"] == pytest.approx(0.5) and e["group"] == "model/layers.1"
+    diffs = views.diff_view(str(root / "1"), str(root / "2"), include_equal=True, sort="layer")
+    layers = {g.group: g for g in views.by_layer(diffs)}
+    assert set(layers) == {"model/layers.0", "model/layers.1", "model/layers.2", "model"}
+    assert layers["model/layers.1"].changed == 1 and layers["model/layers.0"].delta_l2 == 0
+    status, out, _ = run("diff", root / "1", root / "2", "--sort", "layer", capsys=capsys)
+    assert "[model/layers.1]" in out and "12.50%" in out
+
+
+def test_diff_across_formats_with_a_key_map(tmp_path, capsys):
+    hf = str(tmp_path / "hf")
+    write_hf_dir(hf)
+    convert.convert_to_step(storage.location(hf), storage.location(str(tmp_path / "root" / "1")))
+    step = tmp_path / "root" / "1"
+    status, out, _ = run("diff", hf, step, "--json", capsys=capsys)
+    assert {e["change"] for e in json.loads(out)} == {"added", "removed"}
+    status, out, _ = run("diff", hf, step, "--key-map", '{"*": "model/*"}', "--all", "--json", capsys=capsys)
+    entries = json.loads(out)
+    assert status == 0 and {e["change"] for e in entries} == {"equal"} and len(entries) == 7
+    status, _, err = run("diff", hf, step, "--key-map", "[1]", capsys=capsys)
+    assert status == cli.EXIT_USAGE and "key map" in err and len(err.splitlines()) == 1
+    orbax_step = tmp_path / "root" / "2"
+    convert.convert_to_step(storage.location(GOLDEN_ORBAX), storage.location(str(orbax_step)))
+    assert views.diff_view(GOLDEN_ORBAX, str(orbax_step), key_map={"*": "model/*"}, include_equal=True)
+    assert views.diff_view(GOLDEN_ORBAX, str(orbax_step), key_map={"*": "model/*"}) == []
+    mapped = views.diff_view(hf, str(step), key_map=lambda k: "model/" + k if "norm" in k else None)
+    assert [d.change for d in mapped] == ["added"] * 5  # the keys the map dropped from A
+
+
+def test_tile_devices_from_hlo_and_dtensor_shardings():
+    hlo = SavedSharding("{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}", (4, 1), 2, 8)
+    assert layout.tile_devices(hlo, 2) == {(0, 0): (0, 1), (1, 0): (2, 3), (2, 0): (4, 5), (3, 0): (6, 7)}
+    iota = SavedSharding("{devices=[2,2]<=[2,2]T(1,0)}", (2, 2), 1, 4)
+    assert layout.tile_devices(iota, 2) == {(0, 0): (0,), (0, 1): (2,), (1, 0): (1,), (1, 1): (3,)}
+    # a DTensor on a (2, 2) mesh: Shard(0) on mesh dim 1, Replicate on mesh dim 0
+    dtensor = SavedSharding("", (2, 1), 2, 4, (2, 2), None, (1, None), ("Replicate()", "Shard(dim=0)"))
+    assert layout.tile_devices(dtensor, 2) == {(0, 0): (0, 2), (1, 0): (1, 3)}
+    named = SavedSharding("", (4, 1), 1, 4, (2, 2), ("dp", "tp"), (("dp", "tp"), None), ("Shard(dim=0)",) * 2)
+    assert layout.tile_devices(named, 2) == {(0, 0): (0,), (1, 0): (1,), (2, 0): (2,), (3, 0): (3,)}
+    assert layout.tile_devices(SavedSharding("{replicated}", (1, 1), 4, 4), 2) == {(0, 0): (0, 1, 2, 3)}
+    assert layout.tile_devices(SavedSharding("{devices=[9]0}", (9,), 1, 1), 1) == {}  # inconsistent: unknown
+    assert layout.drawn_dims((3, 100, 7, 50)) == (1, 3) and layout.drawn_dims((5,)) == (0,)
+
+
+def test_restore_layout_uses_the_restore_plan(root, capsys):
+    status, out, _ = run("show", root / "2", "model/layers.0.w", "--layout", "--mesh", "4x2", "--processes", "2",
+                         "--json", capsys=capsys)
+    assert status == 0
+    view = json.loads(out)
+    assert view["kind"] == "restore" and view["grid"] == [4, 2]
+    assert sorted((b["rows"][0], b["cols"][0], b["holders"][0]) for b in view["boxes"]) == [
+        (r, c, 0 if r < 32 else 1) for r in (0, 16, 32, 48) for c in (0, 16)]
+    status, out, _ = run("plan", root / "2", "model", "--mesh", "4x2", "--processes", "2", "--json", capsys=capsys)
+    plans = json.loads(out)
+    planned = [next(k for k in p["keys"] if k["key"] == "layers/0/w")["read_bytes"] for p in plans]
+    assert [p["read_bytes"] for p in view["plans"]] == planned
+    status, out, _ = run("show", root / "2", "model/layers.0.w", "--layout", capsys=capsys)
+    assert status == 0 and "host" in out and "8.0 KiB" in out and "saved without a recorded sharding" in out
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("views-dcp") / "dcp")
+    dcp.save({"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.zeros(5)}}, checkpoint_id=path,
+             no_dist=True)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["hf", "orbax", "dcp"])
+def test_views_on_foreign_formats(kind, dcp_dir, tmp_path, capsys):
+    if kind == "hf":
+        path, key = str(tmp_path / "hf"), "model.norm.weight"
+        write_hf_dir(path)
+    else:
+        path, key = (GOLDEN_ORBAX, None) if kind == "orbax" else (dcp_dir, "model.w")
+    checkpoint = inspection.open_checkpoint(path)
+    key = key or next(r.key for r in inspection.tree_rows(checkpoint) if r.meta is not None)
+    summary = views.stats_view(path, key)
+    values = inspection.read_slice(checkpoint, key, ()).astype(np.float64)
+    assert summary.count == values.size and summary.max == values.max()
+    assert summary.quantiles[3][1] == pytest.approx(nearest_rank(values.reshape(-1), 0.5), rel=2 ** -8)
+    assert run("show", path, key, "--layout", capsys=capsys)[0] == 0
+    assert run("diff", path, path, capsys=capsys)[1] == "no differences\n"
+    out = tmp_path / "report.html"
+    assert run("report", path, "-o", out, capsys=capsys)[0] == 0
+    data = report.report_data(path)
+    assert {s["key"] for s in data["stats"]} == {r["key"] for r in data["tree"] if "shape" in r}
+
+
+def test_report_escapes_and_keeps_an_existing_file(root, tmp_path, capsys):
+    out = tmp_path / "report.html"
+    status, printed, _ = run("report", root, "-o", out, capsys=capsys)
+    assert status == 0 and printed.strip() == str(out)
+    page = out.read_text()
+    assert page.count("<script") == 2 and page.count("</script>") == 2  # the template's own two
+    assert "\\u003cscript\\u003e" in page and "alert(1)" in page
+    assert [n for n in os.listdir(tmp_path) if n != "report.html"] == []  # no temporary file left
+    data = json.loads(page.split('id="report-data">', 1)[1].split("</script>", 1)[0])
+    assert [s["step"] for s in data["steps"]] == [1, 2] and data["diff"]["a"] == 1
+    assert {t["key"] for t in data["tree"]} >= {"model/<script>", "extra/note"}
+    out.write_text("keep me")
+    status, _, err = run("report", root, "-o", out, capsys=capsys)
+    assert status == cli.EXIT_USAGE and "--overwrite" in err and out.read_text() == "keep me"
+    assert run("report", root, "-o", out, "--overwrite", "--no-stats", capsys=capsys)[0] == 0
+    assert "keep me" not in out.read_text()
+    with pytest.raises(UsageError):
+        report.report_data(str(root), report.ReportOptions(step="9"))
+
+
+@pytest.mark.parametrize("scheme", ["gcs", "s3"])
+def test_views_on_object_stores(scheme, request, tmp_path, capsys):
+    remote, _, _ = object_store(request, scheme, "views")
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None, async_save=False, save_rng=False)
+    with xtc.CheckpointManager(remote, options) as manager:
+        for step in (1, 2):
+            manager.save(step, model=model(step))
+    summary = views.stats_view(f"{remote}/2", "model/layers.1.w")
+    assert summary.count == 2048 and summary.max == float(model(2)["layers"][1]["w"].max())
+    assert [d.key for d in views.diff_view(f"{remote}/1", f"{remote}/2")] == ["model/layers.1.w"]
+    assert views.layout_view(f"{remote}/2", "model/norm").boxes[0].nbytes == 64
+    out = tmp_path / "report.html"
+    assert run("report", remote, "-o", out, capsys=capsys)[0] == 0
+    data = json.loads(out.read_text().split('id="report-data">', 1)[1].split("</script>", 1)[0])
+    assert data["diff"]["b"] == 2 and len(data["stats"]) == 8
+
+
+def test_plots_need_matplotlib_only_when_asked(root):
+    from xla_tensorstore_ckpt.views import plots
+
+    summary = views.stats_view(str(root / "2"), "model/layers.0.w")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(UsageError, match="matplotlib"):
+            plots.histogram(summary)
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    assert plots.histogram(summary).axes and plots.layout(views.layout_view(str(root / "2"), "model/norm")).axes
+
+
+def test_chunks_added_on_threads_give_the_same_summary(tmp_path, monkeypatch):
+    full = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
+    full[:16] = 0
+    xtc.save(tmp_path / "item", {"w": xtc.ShardedArray.from_tensor(full, (16, 24), xtc.ShardedArray.grid((64, 48),
+                                                                                                        (16, 24)))})
+    checkpoint = inspection.open_checkpoint(str(tmp_path / "item"))
+    serial = histogram.array_summary(checkpoint, "w")
+    monkeypatch.setattr(histogram, "PARALLEL_BYTES", 0)
+    parallel = histogram.array_summary(checkpoint, "w")
+    whole = histogram.ValueSketch()
+    whole.add(full.numpy())
+    expected = histogram.summarize("w", "float32", (64, 48), whole)
+    for summary in (serial, parallel):
+        assert (summary.quantiles, summary.histogram, summary.count, summary.zeros, summary.min, summary.max) == (
+            expected.quantiles, expected.histogram, 3072, 768, expected.min, expected.max)
+        assert summary.mean == pytest.approx(expected.mean) and summary.std == pytest.approx(expected.std)
