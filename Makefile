@@ -43,7 +43,8 @@ $(CHROMIUM):
 # The two stacks run at the same time, each on its own workers, and each prints its own summary at the end;
 # `make test-xla` or `make test-newest` runs one of them (TEST_WORKERS=0: in one process).
 TEST_WORKERS ?= 2
-PYTEST_XLA := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
+PYTEST_XLA := XTC_NEWEST_PYTHON=$(abspath $(NEWEST_PY)) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
+	--dist worksteal
 PYTEST_NEWEST := $(NEWEST_PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal -m "not xla"
 
 test: lint stacks
@@ -55,7 +56,7 @@ test: lint stacks
 	@echo "=== newest stack: torch $(NEWEST_TORCH), no torch_xla (tests marked xla deselected) ==="; cat .test-newest.log
 	@test "$$(cat .test-xla.rc)" = 0 && test "$$(cat .test-newest.rc)" = 0
 
-test-xla: lint $(CHROMIUM)
+test-xla: lint $(NEWEST_STAMP) $(CHROMIUM)  # tests/test_cross_stack.py runs jobs on the newest stack
 	$(PYTEST_XLA)
 
 test-newest: lint $(NEWEST_STAMP) $(CHROMIUM)
