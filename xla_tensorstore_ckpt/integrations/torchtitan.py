@@ -15,6 +15,7 @@ trainer hands over, ``train_state`` among them, by name) and ``rng`` (every proc
 
 from __future__ import annotations
 
+import copy
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -97,8 +98,10 @@ class XtcCheckpointManager(BaseCheckpointManager):
                 BaseCheckpointManager.Config.__post_init__(self)
             finally:
                 self.last_save_in_hf, self.initial_load_in_hf = hf
+            self.async_mode = self.async_mode.lower()  # as torchtitan's DCP manager normalises it
             if self.async_mode not in ("disabled", "async"):
-                raise ValueError(f"async_mode must be 'disabled' or 'async', got {self.async_mode!r}")
+                raise ValueError(f"Invalid async_mode: {self.async_mode!r} (this manager's are 'disabled' and "
+                                 "'async')")
             if self.local_directory is None and self.local_interval is not None:
                 raise ValueError("local_interval needs local_directory")
 
@@ -154,7 +157,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
                                    "lr_scheduler": self.states[LR_SCHEDULER].state_dict()}
         if self.states[DATALOADER] is not None:
             objects["data_loader"] = _loader_rows(self.states[DATALOADER].state_dict(), self._coordinator)
-        extra = {name: state.state_dict() for name, state in self._extra_states().items()}
+        extra = {name: training_state.state_of(state) for name, state in self._extra_states().items()}
         if extra:
             objects["extra"] = extra
         return objects
@@ -202,7 +205,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
         `step` not committed, `CheckpointNotFoundError` for an initial path holding nothing we read."""
         committed = self._manager.all_steps()
         if step != -1 and step not in committed:
-            raise StepNotFoundError(f"checkpoint.load_step={step} is not committed under {self._manager.directory} "
+            raise StepNotFoundError(f"--checkpoint.load_step={step} is not committed under {self._manager.directory} "
                                     f"(committed: {committed or 'none'})", step=step)
         if committed:
             chosen = max(committed) if step == -1 else step
@@ -240,8 +243,10 @@ class XtcCheckpointManager(BaseCheckpointManager):
             targets["lr_scheduler"] = self.states[LR_SCHEDULER].state_dict()
         if DATALOADER not in excluded and self.states[DATALOADER] is not None:
             targets["loader"] = _LoaderTarget(self.states[DATALOADER])
-        extra = {name: state.state_dict() for name, state in self._extra_states().items()}
-        if extra:  # excluded states are read too (a step's item is read whole) but not applied
+        # Excluded states are read too (a step's item is read whole), into copies, and not applied.
+        extra = {name: copy.deepcopy(training_state.state_of(state)) if name in excluded
+                 else training_state.state_of(state) for name, state in self._extra_states().items()}
+        if extra:
             targets["extra"] = extra
         return targets
 
@@ -252,7 +257,9 @@ class XtcCheckpointManager(BaseCheckpointManager):
         if "lr_scheduler" in targets:
             self.states[LR_SCHEDULER].load_state_dict(targets["lr_scheduler"])
         for name, state in self._extra_states().items():
-            if name not in self.config.exclude_from_loading and name in targets.get("extra", {}):
+            # A state without load_state_dict (a tensor, a dict) was restored in place.
+            if name not in self.config.exclude_from_loading and name in targets.get("extra", {}) and \
+                    callable(getattr(state, "load_state_dict", None)):
                 state.load_state_dict(targets["extra"][name])
 
     def _extra_states(self) -> dict[str, Any]:
