@@ -222,6 +222,7 @@ def test_flipped_byte_in_a_single_file_array_names_the_chunk(tmp_path):
     assert chunk in str(err.value)
 
 
+@pytest.mark.xla
 def test_truncated_single_file_array_is_corrupt(tmp_path):
     from conftest import make_mesh, sharded
 

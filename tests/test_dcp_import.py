@@ -83,6 +83,7 @@ def test_restores_without_a_target_bit_exact(dcp_dir):
     assert_same(restored, state)
 
 
+@pytest.mark.xla
 def test_a_state_dict_target_matches_by_name_onto_meshes(dcp_dir, mesh_4x2, mesh_8):
     """The target holds the optimizer's integer keys (DCP saved them as "optim.state.0..."), model weights on a
     2D mesh, and the rest on the CPU, an unsharded device tensor and a 1D mesh."""
@@ -119,6 +120,7 @@ def test_a_state_dict_target_matches_by_name_onto_meshes(dcp_dir, mesh_4x2, mesh
     assert opt.state_dict()["state"][0]["exp_avg"].equal(state["optim"]["state"][0]["exp_avg"])
 
 
+@pytest.mark.xla
 def test_dtype_casts_key_maps_and_key_and_shape_errors(dcp_dir, mesh_4x2):
     path, state = dcp_dir
     target = {"w": sharded(torch.zeros(16, 8, dtype=torch.bfloat16), mesh_4x2, ("x", "y")),
@@ -194,6 +196,7 @@ def test_a_two_process_job_with_dtensors_restores_onto_a_mesh(tmp_path, mesh_4x2
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
+@pytest.mark.xla
 def test_object_stores_read_byte_ranges(dcp_dir, mesh_4x2, scheme, request, monkeypatch):
     path, state = dcp_dir
     if scheme == "gs":

@@ -114,6 +114,7 @@ def test_partial_dtensors_are_refused_by_key(tmp_path):
         assert "reduce" in line["error"] and not line["exists"]
 
 
+@pytest.mark.xla
 def test_torch_xla_spmd_save_restores_as_dtensors_and_back(tmp_path):
     mesh = make_mesh((4, 2), ("a", "b"))
     values = {name: dtensor_job.global_value(name) for name in ("even", "uneven", "two_dims", "bf16")}

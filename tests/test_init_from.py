@@ -65,6 +65,7 @@ def test_a_run_starts_from_an_item_until_a_step_is_committed(source, tmp_path, m
     assert torch.equal(model.embed.cpu(), expected()["embed"] + 1.0)
 
 
+@pytest.mark.xla
 def test_init_from_reports_keys_the_model_lacks(source, tmp_path, mesh_4x2):
     class Larger(Model):
         def __init__(self, mesh):

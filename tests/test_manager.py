@@ -106,6 +106,7 @@ def seed_all(seed):
     np.random.randn()  # leave a cached normal variate in both
 
 
+@pytest.mark.xla
 def test_rng_states_are_saved_and_restored(tmp_path):
     with xtc.CheckpointManager(tmp_path, options()) as mgr:
         seed_all(3)
@@ -246,6 +247,7 @@ def test_raw_state_trees_are_restored_in_place(tmp_path):
     assert target["w"] is w and torch.equal(w, torch.ones(3)) and torch.equal(target["b"], torch.zeros(2))
 
 
+@pytest.mark.xla
 def test_restore_in_place_swaps_batch_by_batch(tmp_path, mesh_4x2):
     """Each batch is swapped in as soon as it is read (old device buffers freed as the restore goes): damaged
     data in the last tensor raises after the earlier tensors are already restored, in place."""
@@ -467,6 +469,7 @@ def test_corrupt_or_newer_marker_is_not_committed_and_not_deleted(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["1", "2", "3"]  # nothing deleted
 
 
+@pytest.mark.xla
 def test_model_mismatch_and_param_group_layout_errors(tmp_path, mesh_4x2):
     net = xla_net(mesh_4x2)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)

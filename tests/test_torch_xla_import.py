@@ -24,6 +24,8 @@ import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli
 from xla_tensorstore_ckpt.errors import CheckpointNotFoundError, ItemNotFoundError
 
+pytestmark = pytest.mark.xla  # every test here needs torch_xla
+
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "scripts", "torch_xla_manager.py")
 RESTORE_ELSEWHERE = os.path.join(HERE, "scripts", "restore_elsewhere.py")

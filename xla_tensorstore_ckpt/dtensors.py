@@ -6,7 +6,7 @@ A DTensor is to this library what a process's addressable shards of an SPMD tens
 (its local tensor) at an index in the global array, replicated where the mesh has `Replicate()` dimensions. The
 save and restore paths treat it like a `ShardedArray` (`tensor_layout.Placement.DTENSOR`). torch_xla is never
 imported here, so a process that trains with DTensors alone saves and restores without it. Pure functions over
-metadata except `local_data` and `build`; no collectives (the mesh's coordinates are computed, not
+metadata except `host_copies` and `build`; no collectives (the mesh's coordinates are computed, not
 exchanged).
 """
 
@@ -182,15 +182,51 @@ def signature(value: Any) -> tuple:
             mesh.mesh_dim_names, mesh.get_coordinate(), value._local_tensor.device)
 
 
-def local_data(value: Any, *, copy: bool) -> torch.Tensor:
-    """The DTensor's local tensor on the host, detached: a view of it if it is on the CPU, unless `copy` (a
-    caller that returns before writing it must not see the training loop change it). Blocks for a copy off an
-    accelerator."""
+def host_copies(values: Sequence[Any], *, copy: bool) -> list[torch.Tensor]:
+    """Each DTensor's local tensor on the host, detached, for a batch of a save: device-agnostic (CPU, CUDA, a
+    PrivateUse1 device such as TorchTPU's "tpu"). Local tensors on an accelerator are copied with non-blocking
+    copies, into pinned host memory when `copy` (an asynchronous save keeps the copies while training goes on)
+    and the accelerator pins, then each device is synchronized once for the batch, not once per tensor. CPU
+    local tensors are views unless `copy` (a caller that returns before writing them must not see the training
+    loop change them). Blocks until the copies are done."""
+    out: list[torch.Tensor] = []
+    devices: dict[str, torch.device] = {}
     with torch.no_grad():
-        local = value.to_local().detach()
-    if local.device.type != "cpu":
-        return local.cpu()
-    return local.clone() if copy else local
+        for value in values:
+            local = value.to_local().detach()
+            if local.device.type == "cpu":
+                out.append(local.clone() if copy else local)
+                continue
+            host = torch.empty(local.shape, dtype=local.dtype, pin_memory=copy and _pins(local.device))
+            out.append(host.copy_(local, non_blocking=True))
+            devices.setdefault(str(local.device), local.device)
+    for device in devices.values():
+        _synchronize(device)
+    return out
+
+
+def _pins(device: torch.device) -> bool:
+    """Whether host memory can be pinned for copies off `device`: the current accelerator's type (torch pins for
+    that one only), where the public accelerator API exists."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or not accelerator.is_available():
+        return False
+    current = accelerator.current_accelerator()
+    return current is not None and current.type == device.type
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the copies queued on `device`: through torch's device-generic accelerator API where it knows the
+    device, else through the device's own module (`torch.cuda`, `torch.tpu`: PrivateUse1 backends register one)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        current = accelerator.current_accelerator()
+        if current is not None and current.type == device.type:
+            accelerator.synchronize(device)
+            return
+    module = getattr(torch, device.type, None)
+    if module is not None and hasattr(module, "synchronize"):
+        module.synchronize()
 
 
 def build(reference: Any, data: torch.Tensor) -> Any:
