@@ -36,7 +36,7 @@ def _build(folder, **config):
     return manager, model, states
 
 
-def test_config_keeps_torchtitans_checks_and_allows_remote_hf():
+def test_config_keeps_torchtitans_checks_and_reads_remote_hf():
     from xla_tensorstore_ckpt.integrations.torchtitan import XtcCheckpointManager
 
     with pytest.raises(ValueError, match="at least 2 checkpoint replicas"):
@@ -45,10 +45,11 @@ def test_config_keeps_torchtitans_checks_and_allows_remote_hf():
         XtcCheckpointManager.Config(async_mode="async_with_pinned_mem")
     with pytest.raises(ValueError, match="local_interval needs local_directory"):
         XtcCheckpointManager.Config(local_interval=5)
-    config = XtcCheckpointManager.Config(folder="gs://bucket/run", last_save_in_hf=True,
-                                         initial_load_path="gs://bucket/hf", initial_load_in_hf=True,
-                                         async_mode="ASYNC")
-    assert config.last_save_in_hf and config.initial_load_in_hf and config.async_mode == "async"
+    with pytest.raises(ValueError, match="last_save_in_hf needs a local checkpoint.folder, got gs://bucket/run"):
+        XtcCheckpointManager.Config(folder="gs://bucket/run", last_save_in_hf=True)
+    config = XtcCheckpointManager.Config(folder="gs://bucket/run", initial_load_path="gs://bucket/hf",
+                                         initial_load_in_hf=True, async_mode="ASYNC")
+    assert config.initial_load_in_hf and config.async_mode == "async"
 
 
 def test_errors_name_the_step_and_the_path(tmp_path):

@@ -55,8 +55,8 @@ class XtcCheckpointManager(BaseCheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseCheckpointManager.Config):
         """torchtitan's fields mean what torchtitan documents (``folder`` may be ``gs://`` or ``s3://``;
-        ``keep_latest_k`` is the persistent tier's retention; HF exports are allowed on a remote folder's
-        trainer too), plus this library's own."""
+        ``keep_latest_k`` is the persistent tier's retention; an ``initial_load_path`` in Hugging Face
+        safetensors may be remote too), plus this library's own."""
 
         async_mode: Literal["disabled", "async"] = "async"
         """``async``: `save` returns once the state is copied off the devices; the writes and the commit run in
@@ -87,7 +87,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
         """Told of every phase of saves and restores (`events`)."""
 
         def __post_init__(self) -> None:
-            # torchtitan's checks, but HF safetensors on a remote folder or initial path are allowed: we read them.
+            # torchtitan's checks, but HF safetensors at a remote initial path are allowed: we read them.
             hf = (self.last_save_in_hf, self.initial_load_in_hf)
             if self.last_save_in_hf and not self.last_save_model_only:
                 raise ValueError("last_save_in_hf requires last_save_model_only=True.")
@@ -102,6 +102,9 @@ class XtcCheckpointManager(BaseCheckpointManager):
             if self.async_mode not in ("disabled", "async"):
                 raise ValueError(f"Invalid async_mode: {self.async_mode!r} (this manager's are 'disabled' and "
                                  "'async')")
+            if self.last_save_in_hf and filesystem.is_remote(self.folder):
+                # Our safetensors export writes local directories only (export.py).
+                raise ValueError(f"last_save_in_hf needs a local checkpoint.folder, got {self.folder}")
             if self.local_directory is None and self.local_interval is not None:
                 raise ValueError("local_interval needs local_directory")
 
