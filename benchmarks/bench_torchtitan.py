@@ -5,7 +5,8 @@ One job of `--processes` processes (4; gloo on 127.0.0.1) holds torchtitan's lla
 its six layers; torchtitan's SDPA inner attention: FlexAttention has no backward on CPU) under FSDP2 over every
 process, its AdamW `OptimizersContainer` (moments populated by one training step), its LR-scheduler container,
 its `ParallelAwareDataloader` and a train state; each manager is built from its Config, as torchtitan's trainer
-builds it, with ``interval=1`` and ``keep_latest_k=2``. Contenders: ``dcp-sync``, ``dcp-async``,
+builds it, with ``interval=1`` and ``keep_latest_k=2``, once per contender and warmed up by an untimed save (a
+training run keeps its manager: plans and process groups are reused). Contenders: ``dcp-sync``, ``dcp-async``,
 ``dcp-async-pinned`` (torchtitan's ``async_with_pinned_mem``; reported as not running where it cannot on CPU),
 ``xtc-async``, ``xtc-sync``. Per round (`--repeats`, at least 7 for a measurement; contenders in ABBA order):
 
@@ -129,7 +130,8 @@ def _cpu() -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One process of the measuring job: every contender, `repeats` rounds, ABBA."""
+    """One process of the measuring job: every contender's manager built once and warmed up by an untimed save
+    (as a training run keeps one), then `repeats` rounds, ABBA."""
     import torch.distributed as dist
     from fresh_process import abba
 
@@ -137,25 +139,31 @@ def worker(args: argparse.Namespace) -> None:
     parts, nbytes = _job(args.layers)
     out: dict = {"rank": dist.get_rank(), "state_bytes": nbytes, "rounds": {c: [] for c in CONTENDERS},
                  "errors": {}}
-    for round_index, contender in enumerate(abba(list(CONTENDERS), args.repeats)):
-        if contender in out["errors"]:
-            continue
-        folder = os.path.join(args.dir, contender)
-        step = round_index + 1
+    managers = {}
+    for contender in CONTENDERS:
         try:
-            out["rounds"][contender].append(_round(contender, folder, parts, step))
+            managers[contender] = _manager(contender, os.path.join(args.dir, contender), parts)
+            managers[contender].save(1)
+            managers[contender].maybe_wait_for_staging()
+            managers[contender].maybe_wait_for_saving()
         except Exception as exc:  # noqa: BLE001 - a contender that cannot run here is reported, not fatal
             out["errors"][contender] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         dist.barrier()
+    for round_index, contender in enumerate(abba(list(CONTENDERS), args.repeats)):
+        if contender not in out["errors"]:
+            out["rounds"][contender].append(_round(contender, managers[contender], os.path.join(args.dir, contender),
+                                                   parts, round_index + 2))
+        dist.barrier()
+    for manager in managers.values():
+        manager.close()
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 
 
-def _round(contender: str, folder: str, parts: dict, step: int) -> dict:
+def _round(contender: str, manager, folder: str, parts: dict, step: int) -> dict:
     import torch.distributed as dist
     from fresh_process import evict
 
-    manager = _manager(contender, folder, parts)
     dist.barrier()
     cpu, started = _cpu(), time.perf_counter()
     manager.save(step)
@@ -163,10 +171,9 @@ def _round(contender: str, folder: str, parts: dict, step: int) -> dict:
     blocking = time.perf_counter() - started
     manager.maybe_wait_for_saving()
     whole, cpu = time.perf_counter() - started, _cpu() - cpu
-    manager.close()
     dist.barrier()
-    if dist.get_rank() == 0:
-        evict(folder)
+    if dist.get_rank() == 0:  # the step alone: retention may be deleting older ones in the background
+        evict(os.path.join(folder, f"step_{step}" if contender.startswith("xtc") else f"step-{step}"))
     dist.barrier()
     loader = _manager(contender, folder, parts)
     started = time.perf_counter()
