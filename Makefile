@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 $(NEWEST_STAMP): pyproject.toml
 	test -x $(NEWEST_PY) || $(PYTHON) -m venv $(NEWEST_VENV)
 	$(NEWEST_PY) -m pip install --quiet --upgrade pip
-	$(NEWEST_PY) -m pip install --quiet -e '.[test]' 'torch==$(NEWEST_TORCH)'
+	$(NEWEST_PY) -m pip install --quiet -e '.[test,trainers]' 'torch==$(NEWEST_TORCH)'
 	touch $(NEWEST_STAMP)
 
 demo: $(STAMP)

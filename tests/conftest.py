@@ -1,6 +1,7 @@
 """Test environment: torch_xla SPMD on 8 virtual CPU devices, set up before anything imports torch_xla, on the
 stack that has it. On the newest stack (no torch_xla) the tests marked `xla` are deselected: `make test` passes
-`-m "not xla"` there, and pytest's summary counts them."""
+`-m "not xla"` there, and pytest's summary counts them. The tests marked `trainers` need torchtitan and Lightning (the
+`[trainers]` extra, on the newest stack): without them they are deselected and counted the same way."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ["CPU_NUM_DEVICES"] = os.environ.get("XTC_TEST_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import importlib.util  # noqa: E402
 import itertools  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -29,16 +31,23 @@ if HAS_TORCH_XLA:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "xla: needs torch_xla (the XLA stack); deselected on a stack without it")
+    config.addinivalue_line("markers", "trainers: needs torchtitan and Lightning (the [trainers] extra, newest stack); "
+                            "deselected without them")
+
+
+HAS_TRAINERS = all(importlib.util.find_spec(name) is not None for name in ("torchtitan", "lightning_fabric"))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without torch_xla, the tests that need it are deselected (and counted as such), whatever `-m` says."""
-    if HAS_TORCH_XLA:
-        return
-    needs = [item for item in items if item.get_closest_marker("xla")]
-    if needs:
-        config.hook.pytest_deselected(items=needs)
-        items[:] = [item for item in items if not item.get_closest_marker("xla")]
+    """Without torch_xla (or torchtitan and Lightning), the tests that need it are deselected (and counted as
+    such), whatever `-m` says."""
+    for marker, present in (("xla", HAS_TORCH_XLA), ("trainers", HAS_TRAINERS)):
+        if present:
+            continue
+        needs = [item for item in items if item.get_closest_marker(marker)]
+        if needs:
+            config.hook.pytest_deselected(items=needs)
+            items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
 def pytest_addoption(parser):

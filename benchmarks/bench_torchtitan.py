@@ -1,0 +1,272 @@
+"""torchtitan's own DCP checkpoint manager against this library's (`integrations.torchtitan.XtcCheckpointManager`),
+on the same torchtitan job state, same job, side by side.
+
+One job of `--processes` processes (4; gloo on 127.0.0.1) holds torchtitan's llama3 debug model (`--layers` of
+its six layers; torchtitan's SDPA inner attention: FlexAttention has no backward on CPU) under FSDP2 over every
+process, its AdamW `OptimizersContainer` (moments populated by one training step), its LR-scheduler container,
+its `ParallelAwareDataloader` and a train state; each manager is built from its Config, as torchtitan's trainer
+builds it, with ``interval=1`` and ``keep_latest_k=2``, once per contender and warmed up by an untimed save (a
+training run keeps its manager: plans and process groups are reused). Contenders: ``dcp-sync``, ``dcp-async``,
+``dcp-async-pinned`` (torchtitan's ``async_with_pinned_mem``; reported as not running where it cannot on CPU),
+``xtc-async``, ``xtc-sync``. Per round (`--repeats`, at least 7 for a measurement; contenders in ABBA order):
+
+- blocking: ``save(step)`` plus ``maybe_wait_for_staging()`` (what the training loop waits for);
+- whole save: from ``save(step)`` until ``maybe_wait_for_saving()`` returns (the step is on disk);
+- CPU seconds of the process over the whole save (threads included; DCP's pinned mode saves in another process,
+  whose CPU is not counted);
+- resume: a fresh manager of the same folder, the newest step evicted from the page cache
+  (benchmarks/fresh_process.py), ``load()``;
+- fresh memory: in a fresh job of its own per contender, the growth of the processes' peak RSS over ``load()``.
+
+A round's time is the slowest process's; the table gives medians over rounds.
+
+usage: python benchmarks/bench_torchtitan.py [--repeats 7] [--layers 6] [--processes 4] [--dir DIR]
+       [--out benchmarks/results/torchtitan]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+CONTENDERS = ("dcp-sync", "dcp-async", "dcp-async-pinned", "xtc-async", "xtc-sync")
+
+
+def _job(layers: int):
+    """The job's state, built the same way in every process and every run (seeded)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import IterableDataset
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+
+    class Tokens(IterableDataset):
+        def __init__(self) -> None:
+            self.position = 0
+
+        def __iter__(self):
+            while True:
+                self.position += 1
+                yield torch.randint(0, 2048, (17,), generator=torch.Generator().manual_seed(self.position))
+
+        def state_dict(self) -> dict:
+            return {"position": self.position}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.position = state["position"]
+
+    class TrainState:
+        step = 1
+
+        def state_dict(self) -> dict:
+            return {"step": self.step}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.step = state["step"]
+
+    spec = model_registry("debugmodel")
+    spec.model.layers = spec.model.layers[:layers]
+    for layer in spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = spec.model.build()
+    with torch.no_grad():
+        model.init_states()
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizers = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
+        implementation="for-loop").build(model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=100)
+    loader = ParallelAwareDataloader(Tokens(), dp_rank=dist.get_rank(), dp_world_size=dist.get_world_size(),
+                                     batch_size=2)
+    tokens = next(iter(loader))
+    logits = model(tokens[:, :-1], positions=torch.arange(16).repeat(2, 1))
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizers.step()
+    lr_schedulers.step()
+    optimizers.zero_grad()
+    nbytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) * 3
+    return dict(dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+                states={"train_state": TrainState()}, sd_adapter=None), nbytes
+
+
+def _manager(contender: str, folder: str, parts: dict):
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from xla_tensorstore_ckpt.integrations.torchtitan import XtcCheckpointManager
+
+    common = dict(enable=True, folder=folder, interval=1, keep_latest_k=2)
+    if contender.startswith("dcp"):
+        mode = {"dcp-sync": "disabled", "dcp-async": "async", "dcp-async-pinned": "async_with_pinned_mem"}[contender]
+        config = CheckpointManager.Config(**common, async_mode=mode)
+    else:
+        config = XtcCheckpointManager.Config(**common, async_mode={"xtc-async": "async", "xtc-sync": "disabled"}[
+            contender])
+    return config.build(**{**parts, "states": dict(parts["states"])}, base_folder="")
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One process of the measuring job: every contender's manager built once and warmed up by an untimed save
+    (as a training run keeps one), then `repeats` rounds, ABBA."""
+    import torch.distributed as dist
+    from fresh_process import abba
+
+    dist.init_process_group("gloo")
+    parts, nbytes = _job(args.layers)
+    out: dict = {"rank": dist.get_rank(), "state_bytes": nbytes, "rounds": {c: [] for c in CONTENDERS},
+                 "errors": {}}
+    managers = {}
+    for contender in CONTENDERS:
+        try:
+            managers[contender] = _manager(contender, os.path.join(args.dir, contender), parts)
+            managers[contender].save(1)
+            managers[contender].maybe_wait_for_staging()
+            managers[contender].maybe_wait_for_saving()
+        except Exception as exc:  # noqa: BLE001 - a contender that cannot run here is reported, not fatal
+            out["errors"][contender] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        dist.barrier()
+    for round_index, contender in enumerate(abba(list(CONTENDERS), args.repeats)):
+        if contender not in out["errors"]:
+            out["rounds"][contender].append(_round(contender, managers[contender], os.path.join(args.dir, contender),
+                                                   parts, round_index + 2))
+        dist.barrier()
+    for manager in managers.values():
+        manager.close()
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def _round(contender: str, manager, folder: str, parts: dict, step: int) -> dict:
+    import torch.distributed as dist
+    from fresh_process import evict
+
+    dist.barrier()
+    cpu, started = _cpu(), time.perf_counter()
+    manager.save(step)
+    manager.maybe_wait_for_staging()
+    blocking = time.perf_counter() - started
+    manager.maybe_wait_for_saving()
+    whole, cpu = time.perf_counter() - started, _cpu() - cpu
+    dist.barrier()
+    if dist.get_rank() == 0:  # the step alone: retention may be deleting older ones in the background
+        evict(os.path.join(folder, f"step_{step}" if contender.startswith("xtc") else f"step-{step}"))
+    dist.barrier()
+    loader = _manager(contender, folder, parts)
+    started = time.perf_counter()
+    loader.load(step=step)
+    resume = time.perf_counter() - started
+    loader.close()
+    return {"blocking": blocking, "whole": whole, "cpu": cpu, "resume": resume}
+
+
+def fresh_memory(args: argparse.Namespace) -> None:
+    """One process of a fresh job: the growth of its peak RSS over one `load()` of the contender's newest step."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    parts, _ = _job(args.layers)
+    manager = _manager(args.contender, os.path.join(args.dir, args.contender), parts)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    manager.load()
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    manager.close()
+    print(json.dumps({"rank": dist.get_rank(), "peak_rss_growth_kib": grown}), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("driver", "worker", "fresh"), default="driver")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--dir")
+    parser.add_argument("--contender")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "torchtitan"))
+    args = parser.parse_args()
+    if args.mode == "worker":
+        return worker(args)
+    if args.mode == "fresh":
+        return fresh_memory(args)
+    driver(args)
+
+
+def driver(args: argparse.Namespace) -> None:
+    from jobs import run_job
+
+    own = args.dir is None
+    args.dir = args.dir or tempfile.mkdtemp(prefix="bench-titan-")
+    common = ["--layers", str(args.layers), "--dir", args.dir]
+    try:
+        answers = run_job([__file__, "--mode", "worker", "--repeats", str(args.repeats), *common], args.processes)
+        memory = {}
+        for contender in CONTENDERS:
+            if contender in answers[0]["errors"]:
+                continue
+            fresh = run_job([__file__, "--mode", "fresh", "--contender", contender, *common], args.processes)
+            memory[contender] = max(a["peak_rss_growth_kib"] for a in fresh) / 1024
+    finally:
+        if own:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    report(args, answers, memory)
+
+
+def report(args: argparse.Namespace, answers: list[dict], memory: dict) -> None:
+    rows, table = {}, []
+    for contender in CONTENDERS:
+        if contender in answers[0]["errors"]:
+            table.append(f"{contender:18s} does not run here: {answers[0]['errors'][contender]}")
+            continue
+        rounds = zip(*(a["rounds"][contender] for a in answers))
+        slowest = [{k: max(r[k] for r in per_rank) for k in per_rank[0]} for per_rank in rounds]
+        rows[contender] = {k: statistics.median(r[k] for r in slowest) for k in slowest[0]}
+        rows[contender]["rounds"] = len(slowest)
+        rows[contender]["fresh_peak_rss_growth_mib"] = memory.get(contender)
+    header = f"{'contender':18s} {'blocking s':>10s} {'whole s':>9s} {'cpu s':>7s} {'resume s':>9s} {'fresh MiB':>9s}"
+    table.insert(0, header)
+    for contender, row in rows.items():
+        table.append(f"{contender:18s} {row['blocking']:10.3f} {row['whole']:9.3f} {row['cpu']:7.2f} "
+                     f"{row['resume']:9.3f} {row['fresh_peak_rss_growth_mib'] or 0:9.1f}")
+    if "dcp-async" in rows and "xtc-async" in rows:
+        blocking = rows["xtc-async"]["blocking"] / rows["dcp-async"]["blocking"]
+        resume = rows["dcp-async"]["resume"] / rows["xtc-async"]["resume"]
+        table.append(f"blocking per save, xtc-async / dcp-async: {blocking:.2f}x; resume {resume:.2f}x faster than "
+                     "DCP's")
+    text = (f"torchtitan job state: llama3 debug model, {args.layers} layers, FSDP2 over {args.processes} processes, "
+            f"{answers[0]['state_bytes'] / 2**20:.1f} MiB of parameters and AdamW moments per process; medians of "
+            f"{args.repeats} rounds\n" + "\n".join(table))
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".txt", "w") as f:
+        f.write(text + "\n")
+    with open(args.out + ".json", "w") as f:
+        json.dump({"rows": rows, "errors": answers[0]["errors"], "processes": args.processes, "layers": args.layers,
+                   "repeats": args.repeats}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""`XtcCheckpointManager` in one process, with torchtitan's real optimizer and LR-scheduler containers around a small
+module: its Config's checks, its errors (one line, naming the step or path), the last step saved model-only in
+the export dtype, a Hugging Face export on the last step, and states that are plain tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import xla_tensorstore_ckpt as xtc
+
+pytestmark = pytest.mark.trainers
+
+
+def _build(folder, **config):
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    from xla_tensorstore_ckpt.integrations.torchtitan import XtcCheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    optimizers = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 0.1})],
+        implementation="for-loop").build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    model(torch.ones(3, 4)).sum().backward()
+    optimizers.step()
+    schedulers.step()
+    states = {"trainer": torch.tensor([1.25])}
+    manager = XtcCheckpointManager.Config(enable=True, folder="ckpt", interval=2, **config).build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states=states,
+        sd_adapter=None, base_folder=str(folder))
+    return manager, model, states
+
+
+def test_config_keeps_torchtitans_checks_and_reads_remote_hf():
+    from xla_tensorstore_ckpt.integrations.torchtitan import XtcCheckpointManager
+
+    with pytest.raises(ValueError, match="at least 2 checkpoint replicas"):
+        XtcCheckpointManager.Config(keep_latest_k=1)
+    with pytest.raises(ValueError, match="Invalid async_mode"):
+        XtcCheckpointManager.Config(async_mode="async_with_pinned_mem")
+    with pytest.raises(ValueError, match="local_interval needs local_directory"):
+        XtcCheckpointManager.Config(local_interval=5)
+    with pytest.raises(ValueError, match="last_save_in_hf needs a local checkpoint.folder, got gs://bucket/run"):
+        XtcCheckpointManager.Config(folder="gs://bucket/run", last_save_in_hf=True)
+    config = XtcCheckpointManager.Config(folder="gs://bucket/run", initial_load_path="gs://bucket/hf",
+                                         initial_load_in_hf=True, async_mode="ASYNC")
+    assert config.initial_load_in_hf and config.async_mode == "async"
+
+
+def test_errors_name_the_step_and_the_path(tmp_path):
+    manager, _, _ = _build(tmp_path)
+    try:
+        assert manager.load() is False  # a fresh start
+        with pytest.raises(xtc.StepNotFoundError, match=r"--checkpoint.load_step=7 is not committed under .*ckpt"):
+            manager.load(step=7)
+    finally:
+        manager.close()
+    missing = str(tmp_path / "absent")
+    other, _, _ = _build(tmp_path / "second", initial_load_path=missing)
+    try:
+        with pytest.raises(xtc.CheckpointNotFoundError, match=f"initial_load_path {missing} does not exist"):
+            other.load()
+    finally:
+        other.close()
+
+
+def test_interval_last_step_model_only_in_export_dtype_and_plain_tensor_states(tmp_path):
+    manager, model, states = _build(tmp_path, last_save_model_only=True, export_dtype="bfloat16",
+                                    async_mode="disabled")
+    saved_trainer = states["trainer"].clone()
+    assert [manager.save(step) for step in (1, 2, 3)] == [False, True, False]
+    assert manager.save(3, last_step=True) is True
+    manager.close()
+    root = os.path.join(tmp_path, "ckpt")
+    last = xtc.restore(os.path.join(root, "step_3", "model"))
+    assert {k: v.dtype for k, v in last.items()} == {k: torch.bfloat16 for k in model.state_dict()}
+    assert torch.equal(last["0.weight"], model.state_dict()["0.weight"].to(torch.bfloat16))
+    items = os.listdir(os.path.join(root, "step_3"))
+    assert "model" in items and not {"optimizer", "lr_scheduler", "extra"} & set(items)
+    resumed, resumed_model, resumed_states = _build(tmp_path, exclude_from_loading=["trainer"])
+    resumed_states["trainer"].fill_(0)
+    with torch.no_grad():
+        resumed_model[0].weight.fill_(0)
+    assert resumed.load(step=2) is True
+    assert torch.equal(resumed_model[0].weight, model[0].weight)
+    assert torch.equal(resumed_states["trainer"], torch.zeros(1))  # excluded: untouched
+    resumed.close()
+    included, _, included_states = _build(tmp_path)
+    included_states["trainer"].fill_(0)
+    assert included.load(step=2) is True
+    assert torch.equal(included_states["trainer"], saved_trainer)  # a plain tensor state, restored in place
+    included.close()
