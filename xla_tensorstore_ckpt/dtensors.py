@@ -244,3 +244,19 @@ def local_tensor(value: Any) -> torch.Tensor:
     """The DTensor's local tensor itself (its memory, not a copy): what a restore in place reads into or copies
     into, so that the DTensor keeps its identity (an FSDP2 parameter stays its optimizer's and its module's)."""
     return value._local_tensor
+
+
+def regions_by_rank(value: Any) -> tuple[tuple[int, Index], ...]:
+    """(global rank, the region of the global array it holds) for every rank of the DTensor `value`'s mesh: the
+    regions of every process, computed (not exchanged) the way each computes its own (`layouts`). Single-replica
+    reads plan from them. No device work, no collectives."""
+    mesh = value.device_mesh
+    return _rank_regions(tuple(value.shape), tuple(mesh.shape), tuple(value.placements),
+                         tuple(int(r) for r in mesh.mesh.flatten().tolist()))
+
+
+@lru_cache(maxsize=1024)
+def _rank_regions(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple,
+                  ranks: tuple[int, ...]) -> tuple[tuple[int, Index], ...]:
+    points = itertools.product(*(range(n) for n in mesh_shape))
+    return tuple((rank, _box(shape, mesh_shape, placements, point)) for rank, point in zip(ranks, points))
