@@ -63,7 +63,7 @@ def create_store(group: Any, index: int, timeout_s: float, host: str) -> Any:
     import torch
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=max(timeout_s, GRACE_S))
+    timeout = datetime.timedelta(seconds=max(timeout_s, GRACE_S) + GRACE_S)
     port = torch.zeros(1, dtype=torch.int64)
     store = None
     if index == 0:
@@ -173,11 +173,13 @@ class GlooTransport:
         try:
             self._store.set(f"arrived/{sequence}/{self.index}", b"1")
             self._store.set(f"alarm/{sequence}", b"1")
-            try:
-                self._store.wait(list(keys.values()), datetime.timedelta(seconds=min(self.timeout_s, GRACE_S)))
-                return []
-            except RuntimeError:  # someone did not arrive: ask key by key (the failure path only)
-                return [p for p in others if not self._store.check([keys[p]])]
+            # Looked at, not waited for: a store wait that outlasts the store's own timeout breaks its connection.
+            until = time.monotonic() + min(self.timeout_s, GRACE_S)
+            while not self._store.check(list(keys.values())):
+                if time.monotonic() > until:  # someone did not arrive: ask key by key (the failure path only)
+                    return [p for p in others if not self._store.check([keys[p]])]
+                time.sleep(0.05)
+            return []
         except RuntimeError:  # the store itself does not answer: its host, process 0, is the silent one
             return [0]
 
