@@ -332,7 +332,7 @@ def balance(holders: Sequence[tuple[Any, int, Sequence[int]]], count: int) -> di
             load[procs[0]] += nbytes
     shared = sorted((h for h in holders if len(h[2]) > 1), key=lambda h: (-h[1], str(h[0])))
     for chunk, nbytes, procs in shared:
-        best = min(sorted(procs), key=lambda p: load[p])
+        best = min(sorted(procs), key=load.__getitem__)
         writer[chunk] = best
         load[best] += nbytes
     return writer

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -73,7 +73,7 @@ def derived_needs(jobs: Sequence[ReadJob], count: int, me: int) -> Needs | None:
         if job.reference is None:
             groups: tuple[Group, ...] = ((job.reads, tuple(range(count))),) if job.reads else ()
         elif dtensors.is_dtensor(job.reference):
-            groups = _dtensor_groups(dtensors.regions_by_rank(job.reference), count)
+            groups = dtensor_groups(*dtensors.mesh_sharding(job.reference), count)
         else:
             return None
         own = next((regions for regions, procs in groups if me in procs), ())
@@ -84,9 +84,12 @@ def derived_needs(jobs: Sequence[ReadJob], count: int, me: int) -> Needs | None:
 
 
 @lru_cache(maxsize=1024)
-def _dtensor_groups(regions: tuple[tuple[int, Index], ...], count: int) -> tuple[Group, ...]:
+def dtensor_groups(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, ranks: tuple[int, ...],
+                   count: int) -> tuple[Group, ...]:
+    """The groups of a DTensor sharding (`dtensors.mesh_sharding`) among `count` processes. Cached: the arrays
+    of a model share a few shardings, and the same object stands for each (`digest` relies on it)."""
     by_region: dict[Index, list[int]] = {}
-    for rank, region in regions:
+    for rank, region in dtensors.rank_regions(shape, mesh_shape, placements, ranks):
         if rank < count and math.prod(b - a for a, b in region):
             by_region.setdefault(region, []).append(rank)
     return tuple(sorted(((region,), tuple(sorted(procs))) for region, procs in by_region.items()))
@@ -109,13 +112,18 @@ def gathered_needs(entries: Sequence[Sequence[tuple[layout.KeyPath, Geometry, tu
 
 def digest(where: str, geometry: Mapping[layout.KeyPath, Geometry], needs: Needs, batch_bytes: int) -> int:
     """A 62-bit digest of a plan's inputs (the plan is a function of them): equal on two processes iff, but for
-    a collision, they plan alike."""
+    a collision, they plan alike. Each distinct groups object is hashed once (arrays share shardings)."""
     hasher = hashlib.blake2b(f"{where}\0{batch_bytes}".encode(), digest_size=8)
+    seen: dict[int, bytes] = {}
     for key, groups in needs.items():
         hasher.update(repr((key, geometry[key])).encode())
-        for regions, procs in groups:
-            hasher.update(repr(regions).encode())
-            hasher.update(np.asarray(procs, dtype=np.int32).tobytes())
+        if id(groups) not in seen:
+            part = hashlib.blake2b(digest_size=16)
+            for regions, procs in groups:
+                part.update(repr(regions).encode())
+                part.update(np.asarray(procs, dtype=np.int32).tobytes())
+            seen[id(groups)] = part.digest()
+        hasher.update(seen[id(groups)])
     return int.from_bytes(hasher.digest(), "little") >> 2
 
 
@@ -128,8 +136,11 @@ def plan_arrays(me: int, count: int, geometry: Mapping[layout.KeyPath, Geometry]
     for key, groups in needs.items():
         own = next((regions for regions, procs in groups if me in procs), ())
         plans[key] = _array_plan(me, own, geometry[key], boxes[key], readers[key], users[key])
-    sizes = {key: max((_bytes(regions, geometry[key].itemsize) for regions, _ in groups), default=0)
-             for key, groups in needs.items()}
+    largest: dict[int, int] = {}  # elements of the largest needs of each distinct groups object
+    for groups in needs.values():
+        if id(groups) not in largest:
+            largest[id(groups)] = max((_bytes(regions, 1) for regions, _ in groups), default=0)
+    sizes = {key: largest[id(groups)] * geometry[key].itemsize for key, groups in needs.items()}
     batches = tuple(tuple(group) for group in grid.batches(list(needs), sizes.__getitem__, batch_bytes))
     return plans, batches
 
@@ -143,20 +154,20 @@ def _assign(geometry: Mapping[layout.KeyPath, Geometry], needs: Needs, count: in
     for key, groups in needs.items():
         geo = geometry[key]
         chunk_boxes: dict[Position, Index] = {}
-        needers: dict[Position, set[int]] = {}
         used: dict[Position, list] = {}
         for regions, procs in groups:
             for order, region in enumerate(regions):
-                for position, chunk in grid.chunks_in(region, geo.chunk_shape, geo.shape):
-                    part = grid.intersection(region, chunk)
+                for position, chunk in _chunks_in(region, geo):
+                    part = chunk if grid.contains(region, chunk) else grid.intersection(region, chunk)
                     old = chunk_boxes.get(position)
                     chunk_boxes[position] = part if old is None else tuple(
                         (min(a, c), max(b, d)) for (a, b), (c, d) in zip(old, part))
-                    needers.setdefault(position, set()).update(procs)
                     used.setdefault(position, []).append((procs, order, region))
         boxes[key], users[key] = chunk_boxes, used
-        holders += [((key, position), _bytes((box,), geo.itemsize), sorted(needers[position]))
-                    for position, box in chunk_boxes.items()]
+        for position, box in chunk_boxes.items():
+            groups_of = used[position]
+            needers = groups_of[0][0] if len(groups_of) == 1 else sorted({p for g in groups_of for p in g[0]})
+            holders.append(((key, position), math.prod(b - a for a, b in box) * geo.itemsize, needers))
     chosen = balance(holders, count)
     readers: dict[layout.KeyPath, dict[Position, int]] = {key: {} for key in needs}
     for (key, position), process in chosen.items():
@@ -167,7 +178,7 @@ def _assign(geometry: Mapping[layout.KeyPath, Geometry], needs: Needs, count: in
 def _array_plan(me: int, own: tuple[Index, ...], geo: Geometry, boxes: Mapping[Position, Index],
                 readers: Mapping[Position, int], users: Mapping[Position, list]) -> ArrayPlan:
     def chunks(region: Index):
-        return [position for position, _ in grid.chunks_in(region, geo.chunk_shape, geo.shape)]
+        return [position for position, _ in _chunks_in(region, geo)]
 
     # A region of mine is read at once if every chunk in it is mine and nobody needs any of them outside it.
     direct = [region for region in own if all(
@@ -197,6 +208,14 @@ def _array_plan(me: int, own: tuple[Index, ...], geo: Geometry, boxes: Mapping[P
             sends += [((process, order, position), (process, source[position], part))
                       for process in procs if process != me]
     return ArrayPlan(tuple(reads), frozenset(direct), tuple(assembled), tuple(send for _, send in sorted(sends)))
+
+
+def _chunks_in(region: Index, geo: Geometry) -> Iterable[tuple[Position, Index]]:
+    """`grid.chunks_in`, at once for the common region that is exactly one chunk (a shard on its save's grid)."""
+    if all(b > a and a % c == 0 and (b - a == c or b == n > a + c - 1 and b - a < c)
+           for (a, b), c, n in zip(region, geo.chunk_shape, geo.shape)):
+        return ((tuple(a // c for (a, _), c in zip(region, geo.chunk_shape)), region),)
+    return grid.chunks_in(region, geo.chunk_shape, geo.shape)
 
 
 def _bytes(regions: Sequence[Index], itemsize: int) -> int:

@@ -173,13 +173,13 @@ class Exchange:
             return
         self._done = True
         try:
-            self._coordinator.statuses(_status(error))
+            self._coordinator.statuses(_status(error), "abandoning the restore")
         except CoordinationError:
             pass
 
     def _agree(self, error: BaseException | None, what: str, expected: Callable[[int], str] | None = None) -> None:
         try:
-            statuses = self._coordinator.statuses(None if error is None else _status(error)) \
+            statuses = self._coordinator.statuses(None if error is None else _status(error), what) \
                 if not self._done else [None]
         except CoordinationError as exc:
             self._done = True
