@@ -6,9 +6,10 @@ round: `everywhere` (every process's status gathered: the agreement after each p
 primary acts, every process learns the outcome), `statuses` (the point-to-point all-is-well flags a
 single-replica restore exchanges after each batch's reads), `all_gather` of a small record (a plan's per-process
 summary, ~1 KiB encoded), `broadcast` and, where the code has it, `reduce_max` of 4 integers (the digest
-agreement of a derived restore plan). Run with PYTHONPATH pointing at an older tree, it measures that one: the
-before/after comparison of issue 66 ran both alternately in the same session. Reported: the median and 90th percentile of the slowest process per
-round. On this 2-core machine, 8 processes share 2 cores: figures above 2 processes include scheduling delay,
+agreement of a derived restore plan). Run from an older tree's directory with PYTHONPATH pointing at it, it
+measures that one (the children run `python -c`, which imports from the working directory first): the
+before/after comparison of issue 66 ran both one after the other in the same session. Reported: the median and
+90th percentile of the slowest process per round. On this 2-core machine, 8 processes share 2 cores: figures above 2 processes include scheduling delay,
 so they bound the cost from above.
 
     python benchmarks/bench_coordination.py [--processes 1,2,4,8] [--repeats 200] [--output F.json]
