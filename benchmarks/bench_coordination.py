@@ -9,8 +9,8 @@ summary, ~1 KiB encoded), `broadcast` and, where the code has it, `reduce_max` o
 agreement of a derived restore plan). Run from an older tree's directory with PYTHONPATH pointing at it, it
 measures that one (the children run `python -c`, which imports from the working directory first): the
 before/after comparison of issue 66 ran both one after the other in the same session. Reported: the median and
-90th percentile of the slowest process per round. On this 2-core machine, 8 processes share 2 cores: figures above 2 processes include scheduling delay,
-so they bound the cost from above.
+90th percentile of the slowest process per round. On this 2-core machine, 8 processes share 2 cores: figures
+above 2 processes include scheduling delay, so they bound the cost from above.
 
     python benchmarks/bench_coordination.py [--processes 1,2,4,8] [--repeats 200] [--output F.json]
 writes benchmarks/results/coordination.{json,txt} unless --output says otherwise.
