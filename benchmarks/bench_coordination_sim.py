@@ -37,6 +37,7 @@ from sim_transport import SimulatedTransport  # noqa: E402
 
 from xla_tensorstore_ckpt import dtensors, replica_plans, wire  # noqa: E402
 from xla_tensorstore_ckpt.distributed import Coordinator  # noqa: E402
+from xla_tensorstore_ckpt.transport import RING_MAX  # noqa: E402
 
 SAVED_FSDP = 32
 BATCH_BYTES = 256 << 20  # broadcast_max_bytes' default
@@ -182,14 +183,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--output", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                          "coordination-sim.json"))
+    parser.add_argument("--from-json", action="store_true", help="redo the tables and plots of --output's rows")
     args = parser.parse_args()
     rows = []
-    for count in (int(p) for p in args.processes.split(",")):
+    if args.from_json:
+        with open(args.output) as f:
+            rows = json.load(f)["rows"]
+    for count in () if args.from_json else (int(p) for p in args.processes.split(",")):
         rows.append(measure(count, args.repeats))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    logs = [math.log2(r["processes"]) for r in rows]
-    a, b, r2 = fit(logs, [r["restore_messages_per_batch"] for r in rows])
-    la, lb, lr2 = fit([r["processes"] for r in rows], [r["restore_messages_per_batch"] for r in rows])
+    fitted = [r for r in rows if r["processes"] > RING_MAX]  # recursive doubling (gloo's ring below)
+    per_batch = [r["restore_messages_per_batch"] for r in fitted]
+    a, b, r2 = fit([math.log2(r["processes"]) for r in fitted], per_batch)
+    la, lb, lr2 = fit([r["processes"] for r in fitted], per_batch)
     base = os.path.splitext(args.output)[0]
     with open(args.output, "w") as f:
         json.dump({"rows": rows, "fit_log2": [a, b, r2], "fit_linear": [la, lb, lr2]}, f, indent=1)
@@ -215,8 +221,9 @@ def text(rows: list[dict], args: argparse.Namespace, log_fit: tuple, linear_fit:
         f"{r['before_plan_gather_bytes']:12d}\n" for r in rows)
     a, b, r2 = log_fit
     la, lb, lr2 = linear_fit
-    return head + body + (f"\nmessages per process per restore batch = {a:.2f} + {b:.2f} log2(P) (R^2 {r2:.4f}); "
-                          f"a linear fit in P: {la:.2f} + {lb:.4f} P (R^2 {lr2:.4f})\n")
+    return head + body + (f"\nmessages per process per restore batch, P > {RING_MAX}: {a:.2f} + {b:.2f} log2(P) "
+                          f"(R^2 {r2:.4f}); a linear fit in P: {la:.2f} + {lb:.4f} P (R^2 {lr2:.4f}). Up to "
+                          f"{RING_MAX} processes the reduction is gloo's ring all-reduce: 4 (P - 1) messages.\n")
 
 
 def plots(rows: list[dict], base: str) -> None:
