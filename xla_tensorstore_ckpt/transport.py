@@ -2,7 +2,7 @@
 of fixed-size byte slots, a broadcast, each one collective with a deadline), its implementation over a gloo
 group (`GlooTransport`), and how a missed deadline names the processes that did not arrive.
 
-`Coordinator` (distributed.py) is the only user; `simulate.SimulatedTransport` implements the same protocol to
+`Coordinator` (distributed.py) is the only user; benchmarks/sim_transport.py implements the same protocol to
 count messages and bytes at a thousand processes. Messages per process of each collective over gloo: the
 reduction takes log2(P) rounds (recursive doubling over point-to-point messages above `RING_MAX` processes;
 gloo's own ring all-reduce, 2(P-1) small steps in C++, below), the broadcast a binomial tree (log2(P)), the
