@@ -5,9 +5,12 @@ Per process count, every process runs `--repeats` rounds of each collective a sa
 round: `everywhere` (every process's status gathered: the agreement after each phase), `on_primary` (the
 primary acts, every process learns the outcome), `statuses` (the point-to-point all-is-well flags a
 single-replica restore exchanges after each batch's reads), `all_gather` of a small record (a plan's per-process
-summary, ~1 KiB pickled) and `broadcast`. Reported: the median and 90th percentile of the slowest process per
-round. On this 2-core machine, 8 processes share 2 cores: figures above 2 processes include scheduling delay,
-so they bound the cost from above.
+summary, ~1 KiB encoded), `broadcast` and, where the code has it, `reduce_max` of 4 integers (the digest
+agreement of a derived restore plan). Run from an older tree's directory with PYTHONPATH pointing at it, it
+measures that one (the children run `python -c`, which imports from the working directory first): the
+before/after comparison of issue 66 ran both one after the other in the same session. Reported: the median and
+90th percentile of the slowest process per round. On this 2-core machine, 8 processes share 2 cores: figures
+above 2 processes include scheduling delay, so they bound the cost from above.
 
     python benchmarks/bench_coordination.py [--processes 1,2,4,8] [--repeats 200] [--output F.json]
 writes benchmarks/results/coordination.{json,txt} unless --output says otherwise.
@@ -36,6 +39,7 @@ cases = {
     "statuses": lambda: c.statuses(None),
     "all_gather_1k": lambda: c.all_gather(record),
     "broadcast": lambda: c.broadcast(record),
+    **({"reduce_max_4": lambda: c.reduce_max([0, 1, 2, 3])} if hasattr(c, "reduce_max") else {}),
 }
 out = {}
 for name, fn in cases.items():

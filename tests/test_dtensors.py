@@ -105,6 +105,7 @@ def test_single_replica_reads_fetch_each_stored_chunk_once(saved, restored):
     once = next(e for e in seen if e.kind == "restore_finished").details["storage_bytes"]
     assert once >= 2 << 20 and once <= stored_chunk_bytes(str(root / "item"))
     assert sum(line["storage_bytes"] for line in on) == once and sum(line["received"] for line in on) > 0
+    assert all(line["plan"] == "derived" for line in on), on  # from the shardings: no gather of regions
     assert sum(line["storage_bytes"] for line in off) > 1.5 * once  # each replica fetched its own
 
 
@@ -171,7 +172,7 @@ def test_a_peer_dying_mid_save_commits_nothing(tmp_path):
         r = results[rank]
         assert r["returncode"] == 0, r["stderr"][-3000:]
         step2 = next(line for line in r["lines"] if "step2" in line)
-        assert step2["step2"] == "CoordinationError", step2
+        assert step2["step2"] in ("CoordinationError", "CoordinationTimeoutError"), step2
         assert next(line for line in r["lines"] if "steps" in line)["steps"] == [1]
     restored = xtc.restore(tmp_path / "root" / "1" / "model")
     for name in dtensor_job.ARRAYS:

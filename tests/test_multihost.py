@@ -45,6 +45,23 @@ def test_records_gathered_from_every_process_arrive_whole_small_or_large(tmp_pat
         assert got["large"] == [list(range(p, p + 3000)) for p in range(world)]
         assert got["mixed"] == ["x" * p for p in range(world - 1)] + ["x" * 9000]
         assert got["any"] == [True, False, True]
+        assert got["max"] == [world - 1, 0, 7]
+        assert got["told"] == [{"from": 0}, ["y" * 5000, 0]]  # (JSON lists: the line's encoding)
+
+
+@pytest.mark.parametrize("when", ["save", "restore"])
+def test_a_stopped_process_is_named_by_every_other_within_the_deadline(tmp_path, when):
+    """Process 3 stops (SIGSTOP) before a save or a restore that the others enter: each of them raises,
+    after the deadline (coordination_timeout_s=5), the error naming the phase and process 3, instead of
+    waiting for it forever (then process 0 kills it: a hang would fail launch's timeout)."""
+    results = launch(4, "stall", str(tmp_path / "root"), when, "3")
+    assert results[3]["returncode"] == -9
+    for rank in (0, 1, 2):
+        r = results[rank]
+        assert r["returncode"] == 0, r["stderr"][-3000:]
+        (line,) = r["lines"]
+        assert line["error"] == "CoordinationTimeoutError" and line["missing"] == [3], line
+        assert line["phase"] and f"{line['phase']}: process 3 died or did not answer" in line["message"], line
 
 
 def test_four_processes_save_one_checkpoint(saved):
@@ -105,7 +122,8 @@ def test_a_process_killed_mid_save_means_no_commit_and_no_hang(tmp_path):
         r = results[rank]
         assert r["returncode"] == 0, r["stderr"][-3000:]
         step2 = next(line for line in r["lines"] if "step2" in line)
-        assert step2["step2"] == "CoordinationError", step2
+        assert step2["step2"] == "CoordinationTimeoutError", step2  # a CoordinationError naming the dead process
+        assert "process 2 died or did not answer" in step2["error"], step2
         assert next(line for line in r["lines"] if "steps" in line)["steps"] == [1]
     with xtc.CheckpointManager(tmp_path / "root", xtc.CheckpointManagerOptions(save_interval_steps=1)) as mgr:
         assert mgr.all_steps() == [1]

@@ -100,5 +100,14 @@ class CoordinationError(CheckpointError, RuntimeError):
         self.process = process
 
 
+class CoordinationTimeoutError(CoordinationError):
+    """A collective phase of a save or restore missed its deadline (`coordination_timeout_s`), or a process left
+    it: `phase` names it, `missing` the processes that did not arrive (every live process raises this)."""
+
+    def __init__(self, message: str, *, phase: str, missing: tuple[int, ...]):
+        super().__init__(message, process=missing[0] if missing else None)
+        self.phase, self.missing = phase, missing
+
+
 class UsageError(CheckpointError, ValueError):
     """A request is malformed (unknown item or key, bad slice); distinct from damaged data."""

@@ -19,7 +19,9 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
 
 and of a restore (per item): ``restore_planned`` (`nbytes` this process will read, `details["arrays"]`,
 `details["chunks"]`: stored chunks its reads touch) and ``restore_finished`` (`seconds`, `nbytes` read;
-`details["storage_bytes"]`: what the reader fetched from storage for them, None where it cannot tell); with
+`details["storage_bytes"]`: what the reader fetched from storage for them, None where it cannot tell; with
+single-replica reads also `details["plan"]`, ``"derived"`` from the shardings or ``"gathered"``, and
+`details["agreement_seconds"]`: seconds spent in each collective phase); with
 `local_replication`, ``peer_fetched`` when a local step (or its damaged files) came from a peer before the
 restore (`nbytes` received, `details["source"]`: the process it came from, `details["repair"]`).
 

@@ -472,7 +472,7 @@ class PeerReplicator:
             mine = (list_files(directory, c.index, step),
                     {item: (key, _file_crc(os.path.join(directory, item, "_METADATA")),
                             _file_crc(os.path.join(directory, item, "_strings.json"))) for item, key in keys.items()})
-        everyone = c.all_gather(mine)
+        everyone = c.all_gather(mine, f"listing the files of step {step} to copy")
         transfers = []
         for writer, entry in enumerate(everyone):
             if entry is None:
@@ -487,7 +487,8 @@ class PeerReplicator:
         sources = {i: directory for i, t in enumerate(transfers) if t.source == c.index}
         crcs_of, unwritten = transfer(c, transfers, sources, partials, f"step {step}")
         # Each writer tells its receivers the CRC32Cs of what it read; a copy commits only if they match.
-        truth = c.all_gather({i: crcs for i, crcs in crcs_of.items() if transfers[i].source == c.index})
+        truth = c.all_gather({i: crcs for i, crcs in crcs_of.items() if transfers[i].source == c.index},
+                             f"checking the copies of step {step}")
         committed: list[int] = []
         for i in partials:
             t, crcs = transfers[i], crcs_of[i]
@@ -503,7 +504,7 @@ class PeerReplicator:
                                                       f"{t.source} in {partials[i]}: {exc}")
                 continue
             committed.append(t.source)
-        holders = c.all_gather(committed)
+        holders = c.all_gather(committed, f"committing the copies of step {step}")
         held_by: dict[int, list[int]] = {}
         for holder, writers in enumerate(holders):
             for writer in writers:
@@ -721,7 +722,7 @@ class PeerCopies:
         own_dir = os.path.join(self.root, step_name)
         held = self.held()
         served = {t: held[(writers[t], step)] for t, s in sources.items() if s == me}
-        manifests = coordinator.all_gather({t: files for t, (_, files) in served.items()})
+        manifests = coordinator.all_gather({t: files for t, (_, files) in served.items()}, f"repairing step {step}")
         main = {t: manifests[s][t] for t, s in sources.items()}
         needs = sorted((t, item, q) for t, files in main.items() for item, q in files.shared)
         lists = self._item_files(coordinator, needs, own_dir, step)
@@ -736,7 +737,7 @@ class PeerCopies:
                     intact = file_crcs(own_dir, ref.files) == list(ref.crcs or ())
                     wanted.append([] if intact else [path for path, _ in ref.files])
                     whole |= set() if intact else {item}
-        requests = coordinator.all_gather(wanted)
+        requests = coordinator.all_gather(wanted, f"repairing step {step}")
         transfers, dirs = [], []
         for t, s in sorted(sources.items()):
             transfers.append(Transfer(s, t, main[t], tuple(requests[t][0])))
@@ -761,7 +762,7 @@ class PeerCopies:
                 files = _item_of(list_files(own_dir, holder, step), item)
                 crcs = tuple(crc or 0 for crc in file_crcs(own_dir, files))
                 mine[(target, item)] = StepFiles(holder, step, files, crcs)
-        return coordinator.all_gather(mine)
+        return coordinator.all_gather(mine, f"listing the items of step {step}")
 
     def _move(self, coordinator: Coordinator, step: int, transfers: list[Transfer], dirs: list[str | None],
               final: str, *, replace_files: bool, whole_items: Collection[str] = (), refused: Sequence[str] = ()

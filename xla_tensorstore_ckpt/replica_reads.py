@@ -2,11 +2,11 @@
 stored chunk is read from storage by one process, and the others that need parts of it receive those parts
 from that one over the job's process group.
 
-Planning (`plan`, collective): every process tells the others the regions of each array it needs (its
-`ReadJob.reads`); from these, every process computes the same answer: for each stored chunk anyone needs, the
-box of it that anyone needs and its reader (the one process that needs it or, for a chunk several need, the
-least loaded of them, largest chunks first: `distributed.balance`, as writers are chosen on save), and batches
-of arrays in which the processes read, exchange and build in step.
+Planning (`plan`, collective): every process derives the regions of each array every process needs from the
+targets' shardings (or, where they do not tell, the processes gather their `ReadJob.reads`), and computes the
+same answer (`replica_plans`): for each stored chunk anyone needs, the box of it that anyone needs and its
+reader, and batches of arrays in which the processes read, exchange and build in step. One reduction of the
+plan's digest proves every process derived the same plan.
 
 Reading (`Exchange`, driven by `restoring.read_arrays`): a process reads from storage the chunks it is the
 reader of (a region of its own at once where every part anyone needs of its chunks lies within it, else each
@@ -15,164 +15,62 @@ read succeeded (a reader's damaged chunk raises the same error class on every pr
 and the chunk), each sends the others their parts of its chunks and receives its own, and the regions are
 assembled. The transport is `Coordinator.exchange` (gloo over the host network here).
 
-Lockstep: every process runs the same collectives in the same order: the plan's exchange, one agreement per
+Lockstep: every process runs the same collectives in the same order: the plan's agreement, one agreement per
 batch followed by its transfers, one agreement at the end. A process that fails in between joins the next
 agreement with its error (`Exchange.abandon`, `tell_failure`), so no process is left waiting for it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import arrays, dtypes, errors, grid, layout, storage, tree
-from .distributed import Coordinator, balance, copy_into
+from . import arrays, dtypes, errors, grid, layout, replica_plans, storage, tree
+from .distributed import Coordinator, copy_into
 from .errors import CheckpointError, CoordinationError
 from .read_jobs import ReadJob
+from .replica_plans import ArrayPlan
 from .tensor_layout import Index
 
-Position = tuple[int, ...]  # a chunk's position in its array's grid
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A part of a region of this process, and where it comes from: a box read here (`box`) or another process
-    (`source`)."""
-
-    part: Index
-    source: int
-    box: Index | None
-
-
-@dataclass(frozen=True)
-class ArrayPlan:
-    """What this process does for one array: the boxes it reads from storage (`reads`; those among its own
-    regions are its data as they are), its other regions assembled from pieces (`assembled`), and the parts
-    it sends: (process, box read here, part)."""
-
-    reads: tuple[Index, ...]
-    direct: frozenset[Index]
-    assembled: tuple[tuple[Index, tuple[Piece, ...]], ...]
-    sends: tuple[tuple[int, Index, Index], ...]
-
-
-@dataclass(frozen=True)
-class Geometry:
-    shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    itemsize: int
+PLAN_PHASE = "agreeing on the plan of the single-replica reads"
 
 
 def tell_failure(coordinator: Coordinator, error: BaseException) -> None:
-    """Join the plan's exchange with `error` (this process failed before it could plan the restore), so that the
+    """Join the plan's agreement with `error` (this process failed before it could plan the restore), so that the
     others raise too instead of waiting. Collective; never raises."""
     try:
-        coordinator.all_gather(("failed", _status(error)))
+        coordinator.reduce_max([1, 0, 0, 0], PLAN_PHASE)
+        coordinator.all_gather(_status(error), PLAN_PHASE)
     except CoordinationError:
         pass  # another process is gone: the others learn that from the group
 
 
 def plan(coordinator: Coordinator, loc: storage.Location, jobs: Sequence[ReadJob], batch_bytes: int) -> Exchange | None:
-    """Plan the single-replica reads of `jobs` with every other process (collective; blocks). None if the
-    processes restore from different places (each its own local tier): they read on their own. Raises
-    `CoordinationError` (or the failed process's error class) if another process failed before planning."""
-    mine = ("needs", str(loc), tuple((job.key_path, Geometry(job.meta.shape, job.meta.chunk_shape,
-                                                              dtypes.by_name(job.meta.dtype).itemsize), job.reads)
-                                     for job in jobs))
-    everyone = coordinator.all_gather(mine)
-    for process, entry in enumerate(everyone):
-        if isinstance(entry, tuple) and entry[0] == "failed":
-            raise _remote_error(process, entry[1], f"planning the restore of {loc}")
-        if not (isinstance(entry, tuple) and entry[0] == "needs"):  # it is in another collective: a bug's sign
-            raise CoordinationError(f"process {process} is not restoring {loc} with the others (every process "
-                                    f"must restore the item together with single-replica reads)", process=process)
-    if len({entry[1] for entry in everyone}) > 1:
-        return None
-    geometry: dict[layout.KeyPath, Geometry] = {}
-    needs: dict[layout.KeyPath, dict[int, tuple[Index, ...]]] = {}
-    for process, (_, _, entries) in enumerate(everyone):
-        for key, geo, reads in entries:
-            geometry.setdefault(key, geo)
-            needs.setdefault(key, {})[process] = reads
-    boxes, readers = _assign(geometry, needs, coordinator.count)
-    me = coordinator.index
-    plans = {key: _array_plan(me, needs[key], geometry[key], boxes[key], readers[key])
-             for key in needs if me in needs[key]}
-    sizes = {key: max(_bytes(reads, geometry[key].itemsize) for reads in by_process.values())
-             for key, by_process in needs.items()}
-    batches = tuple(tuple(group) for group in grid.batches(list(needs), sizes.__getitem__, batch_bytes))
-    return Exchange(coordinator, loc, plans, batches)
-
-
-def _assign(geometry: Mapping[layout.KeyPath, Geometry], needs: Mapping[layout.KeyPath, Mapping[int, tuple]],
-            count: int) -> tuple[dict, dict]:
-    """Per array, each needed chunk's box (the bounding box of every part anyone needs of it) and its reader."""
-    boxes: dict[layout.KeyPath, dict[Position, Index]] = {}
-    holders = []
-    for key, by_process in needs.items():
-        geo = geometry[key]
-        chunk_boxes: dict[Position, Index] = {}
-        needers: dict[Position, set[int]] = {}
-        for process, reads in by_process.items():
-            for region in reads:
-                for position, chunk in grid.chunks_in(region, geo.chunk_shape, geo.shape):
-                    part = grid.intersection(region, chunk)
-                    old = chunk_boxes.get(position)
-                    chunk_boxes[position] = part if old is None else tuple(
-                        (min(a, c), max(b, d)) for (a, b), (c, d) in zip(old, part))
-                    needers.setdefault(position, set()).add(process)
-        boxes[key] = chunk_boxes
-        holders += [((key, position), _bytes((box,), geo.itemsize), sorted(needers[position]))
-                    for position, box in chunk_boxes.items()]
-    chosen = balance(holders, count)
-    readers: dict[layout.KeyPath, dict[Position, int]] = {key: {} for key in needs}
-    for (key, position), process in chosen.items():
-        readers[key][position] = process
-    return boxes, readers
-
-
-def _array_plan(me: int, needs: Mapping[int, tuple[Index, ...]], geo: Geometry, boxes: Mapping[Position, Index],
-                readers: Mapping[Position, int]) -> ArrayPlan:
-    def chunks(region: Index):
-        return [position for position, _ in grid.chunks_in(region, geo.chunk_shape, geo.shape)]
-
-    # A region of mine is read at once if every chunk in it is mine and nobody needs any of them outside it.
-    direct = [region for region in needs[me] if all(
-        readers[p] == me and grid.contains(region, boxes[p]) for p in chunks(region))]
-    source: dict[Position, Index] = {}
-    for region in direct:
-        for position in chunks(region):
-            source.setdefault(position, region)
-    mine = sorted(p for p, reader in readers.items() if reader == me and p not in source)
-    for position in mine:
-        source[position] = boxes[position]
-    reads = (*direct, *(boxes[p] for p in mine))
-    assembled = []
-    for region in needs[me]:
-        if region in direct or math.prod(b - a for a, b in region) == 0:
-            continue
-        pieces = []
-        for position, chunk in grid.chunks_in(region, geo.chunk_shape, geo.shape):
-            reader = readers[position]
-            pieces.append(Piece(grid.intersection(region, chunk), reader, source[position] if reader == me else None))
-        assembled.append((region, tuple(pieces)))
-    sends = []
-    for process in sorted(needs):  # each receiver's parts in its own order: its regions, chunks in C order
-        if process == me:
-            continue
-        for region in needs[process]:
-            for position, chunk in grid.chunks_in(region, geo.chunk_shape, geo.shape):
-                if readers[position] == me:
-                    sends.append((process, source[position], grid.intersection(region, chunk)))
-    return ArrayPlan(tuple(reads), frozenset(direct), tuple(assembled), tuple(sends))
-
-
-def _bytes(regions: Sequence[Index], itemsize: int) -> int:
-    return sum(math.prod(b - a for a, b in region) for region in regions) * itemsize
+    """Plan the single-replica reads of `jobs` with every other process (collective; blocks). Each process
+    derives every process's needs from the targets' shardings (`replica_plans.derived_needs`) and the processes
+    agree, in one reduction, on the digest of what they derived; where a target's layout does not tell the
+    others' regions, or the digests differ, they gather their needs instead. None if the processes restore
+    from different places (each its own local tier): they read on their own. Raises `CoordinationError` (or
+    the failed process's error class) if another process failed before planning."""
+    geometry = {job.key_path: replica_plans.geometry_of(job) for job in jobs}
+    needs = replica_plans.derived_needs(jobs, coordinator.count, coordinator.index)
+    digest = 0 if needs is None else replica_plans.digest(str(loc), geometry, needs, batch_bytes)
+    failed, underived, high, low = coordinator.reduce_max([0, int(needs is None), digest, -digest], PLAN_PHASE)
+    if failed:
+        for process, status in enumerate(coordinator.all_gather(None, PLAN_PHASE)):
+            if status is not None:
+                raise _remote_error(process, tuple(status), f"planning the restore of {loc}")
+    derived = needs is not None and not underived and high == -low
+    if not derived:
+        mine = (str(loc), tuple((job.key_path, geometry[job.key_path], job.reads) for job in jobs))
+        everyone = coordinator.all_gather(mine, "gathering the needs of the single-replica reads")
+        if len({entry[0] for entry in everyone}) > 1:
+            return None
+        geometry, needs = replica_plans.gathered_needs([entry[1] for entry in everyone])
+    plans, batches = replica_plans.plan_arrays(coordinator.index, coordinator.count, geometry, needs, batch_bytes)
+    return Exchange(coordinator, loc, plans, batches, derived=derived)
 
 
 class _Slot:
@@ -193,8 +91,9 @@ class Exchange:
     """The single-replica reads of one restore on this process (see the module). Used on one thread."""
 
     def __init__(self, coordinator: Coordinator, loc: storage.Location, plans: Mapping[layout.KeyPath, ArrayPlan],
-                 batches: tuple[tuple[layout.KeyPath, ...], ...]):
+                 batches: tuple[tuple[layout.KeyPath, ...], ...], *, derived: bool = False):
         self._coordinator, self._loc, self._plans = coordinator, loc, plans
+        self.derived = derived  # planned from the shardings (True) or from every process's gathered needs
         self.batches = batches  # keys of every process's arrays, batch by batch, in the same order everywhere
         self._reads: dict[layout.KeyPath, tuple[dict, Callable, np.dtype, dict[Index, _Slot]]] = {}
         self._done = False  # every process knows how this restore ended (or the group is broken)
@@ -274,13 +173,13 @@ class Exchange:
             return
         self._done = True
         try:
-            self._coordinator.statuses(_status(error))
+            self._coordinator.statuses(_status(error), "abandoning the restore")
         except CoordinationError:
             pass
 
     def _agree(self, error: BaseException | None, what: str, expected: Callable[[int], str] | None = None) -> None:
         try:
-            statuses = self._coordinator.statuses(None if error is None else _status(error)) \
+            statuses = self._coordinator.statuses(None if error is None else _status(error), what) \
                 if not self._done else [None]
         except CoordinationError as exc:
             self._done = True

@@ -123,7 +123,9 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
             reader.close()  # every read has finished: read_arrays waits for them, also on errors
         details = {"arrays": len(jobs), "storage_bytes": fetched}
         if exchange is not None:
-            details.update(peer_bytes_sent=exchange.sent_bytes, peer_bytes_received=exchange.received_bytes)
+            details.update(peer_bytes_sent=exchange.sent_bytes, peer_bytes_received=exchange.received_bytes,
+                           plan="derived" if exchange.derived else "gathered",
+                           agreement_seconds=shared.take_timings() if shared is not None else {})
         events.emit(RESTORE_FINISHED, seconds=time.perf_counter() - begun, nbytes=planned_bytes, details=details)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values

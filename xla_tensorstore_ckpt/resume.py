@@ -65,7 +65,8 @@ def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, w
     if local is None and peers is None:  # nothing to agree on: every process lists the same persistent tier
         gathered = [([], Holdings(frozenset()))] * coordinator.count
     else:
-        gathered = coordinator.all_gather((mine, peers.holdings(own) if peers is not None else Holdings(own)))
+        gathered = coordinator.all_gather((mine, peers.holdings(own) if peers is not None else Holdings(own)),
+                                          "agreeing on the step to resume from")
     everyone = [{step: flag for step, flag, _ in entries} for entries, _ in gathered]
     holdings = [held for _, held in gathered]
     fetches: dict[int, tuple[tuple[int, int], ...]] = {}
@@ -171,10 +172,9 @@ def failures(coordinator: Coordinator, candidate: Candidate, where: str, error: 
     """After every process tried to restore a local `candidate` from its step directory `where` (`error`: how it
     failed here, or None): the processes where it failed with damage (`DAMAGE`), each with its path and error,
     the same on every process. A failure that is not damage is raised instead, on every process."""
-    if not coordinator.any(error is not None):  # the reasons travel only when some process failed
-        return {}
-    statuses = coordinator.all_gather(None if error is None else (isinstance(error, DAMAGE), where,
-                                                                  f"{type(error).__name__}: {error}"))
+    statuses = coordinator.statuses(None if error is None else (isinstance(error, DAMAGE), where,
+                                                                f"{type(error).__name__}: {error}"),
+                                    "agreeing on the restore of a local step")  # reasons travel only on failures
     failed = {process: status for process, status in enumerate(statuses) if status is not None}
     if error is not None and not isinstance(error, DAMAGE):
         raise error

@@ -164,7 +164,8 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
                tuple((p, t.dtype) for p, t in scalars), options, coordinator.index, coordinator.count, own_copy)
     hit = key is not None and cache is not None and cache.key == key
     if coordinator.distributed and not own_copy:
-        hit = not coordinator.any(not hit)  # collective planning: every process takes the same path
+        # Collective planning: every process takes the same path.
+        hit = not coordinator.any(not hit, "checking the cached save plan")
     if hit:
         names = cache.names  # type: ignore[union-attr]
         plans = [dataclasses.replace(template, value=value)
@@ -321,7 +322,7 @@ def _assign_writers(local: list[tuple[ArrayMetadata, TensorLayout]], options: Sa
     writing. Collective with several processes."""
     mine = [(meta.path, meta.shape, meta.dtype, meta.chunk_shape, tuple(_local_chunks(lay, meta.chunk_shape)))
             for meta, lay in local]
-    everyone = coordinator.all_gather(mine)
+    everyone = coordinator.all_gather(mine, "choosing the writers of the chunks")
     reference = [entry[:4] for entry in everyone[0]]
     holders: dict[tuple[str, Index], list[int]] = {}
     for process, entries in enumerate(everyone):

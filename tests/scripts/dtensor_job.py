@@ -78,7 +78,7 @@ def stored_once(rank: int, restored: dict, events_seen: list) -> dict:
     details = next(e for e in events_seen if e.kind == "restore_finished").details
     equal = all(torch.equal(restored[name].full_tensor(), global_value(name)) for name in ARRAYS)
     return {"equal": equal, "storage_bytes": details["storage_bytes"],
-            "received": details.get("peer_bytes_received", 0)}
+            "received": details.get("peer_bytes_received", 0), "plan": details.get("plan")}
 
 
 def digest(tensor: torch.Tensor) -> str:

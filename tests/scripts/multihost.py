@@ -6,8 +6,12 @@ usage: multihost.py save ROOT            -> saves the item ROOT/item from this p
        multihost.py manager ROOT KILL    -> manager saves steps 1 and 2; the process of rank KILL dies in step 2
        multihost.py rng_save ROOT        -> seeds its generators by rank, saves step 1, prints the next draws
        multihost.py rng_restore ROOT     -> restores step 1 (RNG states included), prints the next draws
-       multihost.py gather ROOT          -> all_gathers records small and large (one process's only large) and
-                                            flags (`any`), prints them
+       multihost.py gather ROOT          -> all_gathers records small and large (one process's only large),
+                                            flags (`any`), maxima (`reduce_max`), broadcasts; prints them
+       multihost.py stall ROOT WHEN P    -> the manager saves step 1; then the process of rank P stops itself
+                                            (SIGSTOP) before the save of step 2 (WHEN=save) or the restore of
+                                            step 1 (WHEN=restore); the others print the error naming it, then
+                                            process 0 kills it
 Prints one JSON line: {"rank": r, "bytes": bytes this process wrote, ...}.
 """
 
@@ -16,7 +20,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -62,6 +68,34 @@ def state(rank: int, world: int) -> dict:
     return tree
 
 
+def stall(root: str, when: str, stalled: int, rank: int, world: int) -> None:
+    """See the module's usage. Exits without closing: the job's groups are unusable after a missed deadline."""
+    pids = Coordinator.from_environment().all_gather(os.getpid())
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False,
+                                           coordination_timeout_s=5)
+    manager = xtc.CheckpointManager(root, options)
+    manager.save(1, model=state(rank, world))
+    if rank == stalled:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        if when == "save":
+            manager.save(2, model=state(rank, world))
+        else:
+            manager.restore(1, model=state(rank, world))
+        print(json.dumps({"rank": rank, "error": None}), flush=True)
+    except xtc.CoordinationTimeoutError as exc:
+        print(json.dumps({"rank": rank, "error": type(exc).__name__, "phase": exc.phase,
+                          "missing": list(exc.missing), "message": str(exc)[:500]}), flush=True)
+    # Process 0 hosts the side channel the others name the stopped one through: it leaves when they are done.
+    with open(f"{root}/named.{rank}", "w"):
+        pass
+    if rank == 0:
+        while len([p for p in range(world) if os.path.exists(f"{root}/named.{p}")]) < world - 1:
+            time.sleep(0.05)
+        os.kill(pids[stalled], signal.SIGKILL)
+    os._exit(0)
+
+
 def main() -> None:
     mode, root = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -86,8 +120,13 @@ def main() -> None:
         large = coordinator.all_gather(list(range(rank, rank + 3000)))
         mixed = coordinator.all_gather("x" * (9000 if rank == world - 1 else rank))
         flags = [coordinator.any(rank == world - 1), coordinator.any(False), coordinator.any(True)]
+        maxima = coordinator.reduce_max([rank, -rank, 7])
+        told = [coordinator.broadcast({"from": rank}), coordinator.broadcast(("y" * 5000, rank))]
         coordinator.close()
-        print(json.dumps({"rank": rank, "small": small, "large": large, "mixed": mixed, "any": flags}), flush=True)
+        print(json.dumps({"rank": rank, "small": small, "large": large, "mixed": mixed, "any": flags,
+                          "max": maxima, "told": told}), flush=True)
+    elif mode == "stall":
+        stall(root, sys.argv[3], int(sys.argv[4]), rank, world)
     elif mode in ("rng_save", "rng_restore"):
         manager = xtc.CheckpointManager(root, xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False))
         with warnings.catch_warnings(record=True) as caught:

@@ -1,0 +1,115 @@
+"""Coordination without processes: the pickle-free record encoding, the rounds of the reduction, the single-replica
+read plan derived from shardings (against the one gathered from every process), and the simulated transport the
+scale benchmark counts messages with. Pure Python; the gloo side is tests/test_multihost.py's."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+
+from xla_tensorstore_ckpt import dtensors, replica_plans, wire
+from xla_tensorstore_ckpt.distributed import Coordinator
+from xla_tensorstore_ckpt.errors import CoordinationError, UsageError
+from xla_tensorstore_ckpt.peer_copies import Holdings
+from xla_tensorstore_ckpt.records import StepMetadata
+from xla_tensorstore_ckpt.transport import recursive_doubling
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from sim_transport import SimulatedTransport  # noqa: E402
+
+
+def test_records_travel_without_pickle_and_come_back_equal():
+    value = ({1: StepMetadata(1, ("model",), 1.5, 2.5, metrics={"loss": 0.25})},
+             Holdings(frozenset({(1, 2), (3, 4)}), {(1, 2): (("model", 1),)}),
+             [None, True, "x", (1, (2, 3)), 2.0 ** 70], {"a": {(1,): frozenset()}, "b": set()})
+    back = wire.decode(wire.encode(value))
+    assert back == (value[0], value[1], value[2], {"a": {(1,): frozenset()}, "b": frozenset()})
+    with pytest.raises(UsageError, match="cannot travel"):
+        wire.encode({"f": object()})
+    with pytest.raises(CoordinationError, match="not a record"):
+        wire.decode(b'{"r": "os.system", "v": {}}')
+
+
+@pytest.mark.parametrize("count", [*range(1, 20), 33, 100])
+def test_recursive_doubling_gives_every_process_the_maximum(count):
+    values = {p: [p, -p] for p in range(count)}
+    plans = {p: recursive_doubling(p, count) for p in range(count)}
+    assert max(len(r) for r in plans.values()) <= math.floor(math.log2(count)) + 2
+    queues: dict[tuple[int, int], list] = {}  # messages in flight, matched in order per pair as gloo does
+    done, sent = dict.fromkeys(plans, 0), set()
+    while any(done[p] < len(r) for p, r in plans.items()):
+        progress = False
+        for p, rounds in plans.items():
+            if done[p] == len(rounds):
+                continue
+            sends, receives = rounds[done[p]]
+            if (p, done[p]) not in sent:
+                for q in sends:
+                    queues.setdefault((p, q), []).append(list(values[p]))
+                sent.add((p, done[p]))
+            if all(queues.get((q, p)) for q in receives):
+                for q in receives:
+                    values[p] = [max(a, b) for a, b in zip(values[p], queues[(q, p)].pop(0))]
+                done[p] += 1
+                progress = True
+        assert progress, "the rounds deadlock"
+    assert not any(queues.values())  # every message sent was received
+    assert all(v == [count - 1, 0] for v in values.values())
+
+
+def test_plain_regions_are_the_regions_of_the_general_rule():
+    for shape, mesh in itertools.product([(10, 6), (7,), (0, 4), (1, 9)], [(2, 3), (4,), (3, 2, 2)]):
+        for placements in itertools.product([Replicate(), Shard(0), Shard(len(shape) - 1)], repeat=len(mesh)):
+            for point in itertools.product(*(range(n) for n in mesh)):
+                assert dtensors._plain_box(shape, mesh, placements, point) == \
+                    dtensors._box(shape, mesh, placements, point), (shape, mesh, placements, point)
+
+
+SHAPES = {("w",): (24, 6), ("b",): (10,), ("e",): (5, 4)}
+
+
+def derived(count, mesh, chunk_rows):
+    ranks = tuple(range(count))
+    needs = {key: replica_plans.dtensor_groups(shape, mesh, (Replicate(), Shard(0)), ranks, count)
+             for key, shape in SHAPES.items()}
+    geometry = {key: replica_plans.Geometry(shape, (chunk_rows, *shape[1:]), 4) for key, shape in SHAPES.items()}
+    return geometry, needs
+
+
+@pytest.mark.parametrize("mesh,chunk_rows", [((2, 4), 3), ((2, 4), 2), ((4, 2), 5)])
+def test_a_plan_derived_from_shardings_is_the_gathered_one_and_every_part_sent_is_received(mesh, chunk_rows):
+    count = math.prod(mesh)
+    geometry, needs = derived(count, mesh, chunk_rows)
+    own = {p: [(key, geometry[key], next((r for r, procs in groups if p in procs), ()))
+               for key, groups in needs.items()] for p in range(count)}
+    gathered_geometry, gathered = replica_plans.gathered_needs([own[p] for p in range(count)])
+    assert gathered == needs
+    assert replica_plans.digest("x", gathered_geometry, gathered, 64) == replica_plans.digest("x", geometry, needs, 64)
+    assert replica_plans.digest("x", geometry, needs, 64) != replica_plans.digest("y", geometry, needs, 64)
+    plans = {p: replica_plans.plan_arrays(p, count, geometry, needs, 64) for p in range(count)}
+    assert len({batches for _, batches in plans.values()}) == 1
+    for key, shape in SHAPES.items():
+        read = [box for p in range(count) for box in plans[p][0][key].reads]
+        assert sum(math.prod(b - a for a, b in box) for box in read) >= math.prod(shape)  # all of it, once
+        for sender, receiver in itertools.permutations(range(count), 2):
+            sent = [part for to, _, part in plans[sender][0][key].sends if to == receiver]
+            expected = [piece.part for _, pieces in plans[receiver][0][key].assembled for piece in pieces
+                        if piece.source == sender]
+            assert sent == expected, (key, sender, receiver)
+
+
+def test_the_simulated_transport_counts_log2_messages_per_agreement_at_a_thousand_processes():
+    transport = SimulatedTransport(1023, 1024)
+    coordinator = Coordinator(index=1023, count=1024, transport=transport)
+    assert coordinator.statuses(None) == [None] * 1024
+    assert transport.tally.messages == 2 * 10  # a send and a receive in each of log2(1024) rounds
+    assert coordinator.all_gather({"p": 1}) == [{"p": 1}] * 1024
+    assert transport.tally.collectives == {"reduce": 1, "gather": 1}
+    primary = SimulatedTransport(0, 1024)  # a broadcast's value is the primary's: the simulation runs it there
+    assert Coordinator(index=0, count=1024, transport=primary).broadcast({"plan": 1}) == {"plan": 1}
+    assert primary.tally.messages == 10  # the root of a binomial tree sends log2(P) times

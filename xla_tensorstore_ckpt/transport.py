@@ -1,0 +1,204 @@
+"""How the processes of a job reach each other for agreements: the `Transport` protocol (a reduction, a gather
+of fixed-size byte slots, a broadcast, each one collective with a deadline), its implementation over a gloo
+group (`GlooTransport`), and how a missed deadline names the processes that did not arrive.
+
+`Coordinator` (distributed.py) is the only user; benchmarks/sim_transport.py implements the same protocol to
+count messages and bytes at a thousand processes. Messages per process of each collective over gloo: the
+reduction takes log2(P) rounds (recursive doubling over point-to-point messages above `RING_MAX` processes;
+gloo's own ring all-reduce, 2(P-1) small steps in C++, below), the broadcast a binomial tree (log2(P)), the
+gather a ring (P-1: it carries every process's slot, so it is used only where every record is needed).
+
+Deadlines: every collective waits at most `timeout_s`, in slices of `SLICE_S`; between slices a process looks
+at the job's side channel (a `torch.distributed.TCPStore` hosted by process 0) for another process's alarm.
+When the deadline passes, or gloo reports a peer gone, the process raises the alarm, marks itself arrived and
+waits (at most `GRACE_S`) for the others to do the same: every live process of the collective notices the
+alarm within a slice, so those that never mark themselves are the silent ones (stopped, dead, or elsewhere),
+and every live process raises `CoordinationTimeoutError` naming them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from .errors import CoordinationError, CoordinationTimeoutError
+
+RING_MAX = 16  # at most this many processes, gloo's all-reduce (one call into C++) beats log2(P) Python rounds
+SLICE_S = 0.5
+GRACE_S = 5.0
+_REDUCE_TAG = 2  # point-to-point messages of the reduction, apart from data (0) and status flags (1)
+
+
+class Transport(Protocol):
+    """One process's end of the collectives of a job of `count` processes. Every method is collective (every
+    process calls it, in the same order) and blocks; raises `CoordinationError` (`CoordinationTimeoutError`
+    naming the processes that did not arrive) if the collective does not finish by the deadline."""
+
+    index: int
+    count: int
+
+    def reduce_max(self, values: np.ndarray, phase: str) -> np.ndarray:
+        """The elementwise maximum of every process's int64 `values` (same length everywhere)."""
+
+    def _round(self, tensor: Any, sends: list[int], incoming: list, receives: list[int]) -> list:
+        import torch.distributed as dist
+
+        return [*(dist.isend(tensor, p, group=self.group, tag=_REDUCE_TAG) for p in sends),
+                *(dist.irecv(t, p, group=self.group, tag=_REDUCE_TAG) for t, p in zip(incoming, receives))]
+
+    def gather(self, slot: np.ndarray, phase: str) -> np.ndarray:
+        """Every process's uint8 `slot` (same length everywhere), stacked in process order."""
+
+    def broadcast(self, buffer: np.ndarray, phase: str) -> np.ndarray:
+        """Process 0's uint8 `buffer` (same length everywhere)."""
+
+
+def create_store(group: Any, index: int, timeout_s: float, host: str) -> Any:
+    """The side channel of a group: a TCPStore process 0 hosts on a free port, announced to the others over the
+    group. Collective."""
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=max(timeout_s, GRACE_S) + GRACE_S)
+    port = torch.zeros(1, dtype=torch.int64)
+    store = None
+    if index == 0:
+        store = dist.TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
+        port[0] = store.port
+    dist.broadcast(port, 0, group=group)
+    return store if store is not None else dist.TCPStore(host, int(port[0]), None, False, timeout)
+
+
+class GlooTransport:
+    """`Transport` over a gloo group, with `store` (`create_store`) to name silent processes."""
+
+    def __init__(self, group: Any, index: int, count: int, timeout_s: float, store: Any = None):
+        self.group, self.index, self.count, self.timeout_s, self._store = group, index, count, timeout_s, store
+        self._sequence = 0  # collectives so far: the same on every process, it keys the side channel
+        self.broken: CoordinationError | None = None  # after a missed deadline the group is unusable
+
+    def reduce_max(self, values: np.ndarray, phase: str) -> np.ndarray:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64).copy())
+        if self.count <= RING_MAX:
+            self._run(phase, lambda: [dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group,
+                                                      async_op=True)])
+            return tensor.numpy()
+        for sends, receives in recursive_doubling(self.index, self.count):
+            incoming = [torch.empty_like(tensor) for _ in receives]
+            self._run(phase, functools.partial(self._round, tensor, sends, incoming, receives), count=False)
+            for t in incoming:  # max is idempotent: a process receiving the final result may take it in too
+                tensor = torch.maximum(tensor, t)
+        self._sequence += 1
+        return tensor.numpy()
+
+    def _round(self, tensor: Any, sends: list[int], incoming: list, receives: list[int]) -> list:
+        import torch.distributed as dist
+
+        return [*(dist.isend(tensor, p, group=self.group, tag=_REDUCE_TAG) for p in sends),
+                *(dist.irecv(t, p, group=self.group, tag=_REDUCE_TAG) for t, p in zip(incoming, receives))]
+
+    def gather(self, slot: np.ndarray, phase: str) -> np.ndarray:
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.from_numpy(np.ascontiguousarray(slot))
+        out = torch.empty((self.count, slot.size), dtype=torch.uint8)
+        self._run(phase, lambda: [dist.all_gather(list(out.unbind(0)), mine, group=self.group, async_op=True)])
+        return out.numpy()
+
+    def broadcast(self, buffer: np.ndarray, phase: str) -> np.ndarray:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.from_numpy(np.ascontiguousarray(buffer).copy())
+        self._run(phase, lambda: [dist.broadcast(tensor, 0, group=self.group, async_op=True)])
+        return tensor.numpy()
+
+    def _run(self, phase: str, start: Any, count: bool = True) -> None:
+        """Start a collective's works and wait for them by the deadline (`count`: it is a whole collective)."""
+        if self.broken is not None:
+            raise CoordinationError(f"process {self.index}: {phase}: the process group is unusable since an "
+                                    f"earlier failure ({self.broken})", process=self.broken.process)
+        sequence = self._sequence
+        if count:
+            self._sequence += 1
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            works = start()
+        except RuntimeError as exc:
+            raise self._named(phase, sequence, exc) from exc
+        for work in works:
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    work.wait(datetime.timedelta(seconds=max(0.001, min(SLICE_S, remaining))))
+                    break
+                except RuntimeError as exc:
+                    timed_out = "timed out" in str(exc).lower()
+                    if not timed_out or remaining <= SLICE_S or self._alarmed(sequence):
+                        raise self._named(phase, sequence, exc) from exc
+
+    def _alarmed(self, sequence: int) -> bool:
+        if self._store is None:
+            return False
+        try:
+            return bool(self._store.check([f"alarm/{sequence}"]))
+        except RuntimeError:  # the store's host is gone: so is the collective
+            return True
+
+    def _named(self, phase: str, sequence: int, cause: Exception) -> CoordinationTimeoutError:
+        """Raise the alarm of collective `sequence`, wait for the live processes to answer it, and the error
+        naming those that did not."""
+        silent = self._silent(sequence)
+        names = ", ".join(map(str, silent)) if silent else "unknown"
+        error = CoordinationTimeoutError(
+            f"process {self.index}: {phase}: process{'es' if len(silent) != 1 else ''} {names} died or did not "
+            f"answer within {self.timeout_s:g} s (coordination_timeout_s): {cause}",
+            phase=phase, missing=tuple(silent))
+        self.broken = error
+        return error
+
+    def _silent(self, sequence: int) -> list[int]:
+        if self._store is None:
+            return []
+        others = [p for p in range(self.count) if p != self.index]
+        keys = {p: f"arrived/{sequence}/{p}" for p in others}
+        try:
+            self._store.set(f"arrived/{sequence}/{self.index}", b"1")
+            self._store.set(f"alarm/{sequence}", b"1")
+            # Looked at, not waited for: a store wait that outlasts the store's own timeout breaks its connection.
+            until = time.monotonic() + min(self.timeout_s, GRACE_S)
+            while not self._store.check(list(keys.values())):
+                if time.monotonic() > until:  # someone did not arrive: ask key by key (the failure path only)
+                    return [p for p in others if not self._store.check([keys[p]])]
+                time.sleep(0.05)
+            return []
+        except RuntimeError:  # the store itself does not answer: its host, process 0, is the silent one
+            return [0]
+
+
+def recursive_doubling(index: int, count: int) -> list[tuple[list[int], list[int]]]:
+    """The rounds of an all-reduce by recursive doubling among `count` processes, for process `index`: per
+    round, the processes it sends to and receives from. The processes above the largest power of two fold into
+    their partners first and get the result from them last: at most log2(count) + 2 rounds."""
+    power = 1 << (count.bit_length() - 1)
+    extra = count - power
+    if index >= power:  # send, then receive the result
+        return [([index - power], []), ([], [index - power])]
+    rounds: list[tuple[list[int], list[int]]] = []
+    if index < extra:
+        rounds.append(([], [index + power]))
+    mask = 1
+    while mask < power:
+        rounds.append(([index ^ mask], [index ^ mask]))
+        mask <<= 1
+    if index < extra:
+        rounds.append(([index + power], []))
+    return rounds
