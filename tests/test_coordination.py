@@ -67,7 +67,7 @@ def test_plain_regions_are_the_regions_of_the_general_rule():
         for placements in itertools.product([Replicate(), Shard(0), Shard(len(shape) - 1)], repeat=len(mesh)):
             for point in itertools.product(*(range(n) for n in mesh)):
                 assert dtensors._plain_box(shape, mesh, placements, point) == \
-                    dtensors._box(shape, mesh, placements, point), (shape, mesh, placements, point)
+                    dtensors._indexed_box(shape, mesh, placements, point), (shape, mesh, placements, point)
 
 
 SHAPES = {("w",): (24, 6), ("b",): (10,), ("e",): (5, 4)}

@@ -263,7 +263,8 @@ def test_dtensor_regions_agree_with_torch_for_every_coordinate():
             for placements in layouts:
                 for point in itertools.product(*(range(n) for n in mesh_shape)):
                     expected = _torch_regions((rows, cols), mesh_shape, placements, point)
-                    assert dtensors._box((rows, cols), mesh_shape, placements, point) == expected, \
-                        (rows, cols, mesh_shape, placements, point)
+                    for box in (dtensors._box, dtensors._indexed_box):  # the arithmetic and the general rule
+                        assert box((rows, cols), mesh_shape, placements, point) == expected, \
+                            (rows, cols, mesh_shape, placements, point)
                     checked += 1
     assert checked > 10_000

@@ -102,6 +102,14 @@ def _chunked(indices: list[int], parts: int, part: int) -> list[int]:
 
 def _box(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple,
          point: tuple[int, ...]) -> Index:
+    """The region of the global array the mesh coordinate `point` holds: in arithmetic where no shard is strided
+    (a 1,024-rank mesh in milliseconds), else by the index lists strided shards need."""
+    strided = any(_split_factor(p) is not None for p in placements)
+    return (_indexed_box if strided else _plain_box)(shape, mesh_shape, placements, point)
+
+
+def _indexed_box(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple,
+                 point: tuple[int, ...]) -> Index:
     """The region of the global array the mesh coordinate `point` holds, by DTensor's semantics over public
     placement attributes (torch's functions for this are private and have changed between releases). Each split
     takes its `torch.chunk` piece of the indices its tensor dimension still has. Strided shards differ by
@@ -261,14 +269,12 @@ def rank_regions(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements
     regions of every process, computed (not exchanged) the way each computes its own (`layouts`). Single-replica
     reads plan from them."""
     points = itertools.product(*(range(n) for n in mesh_shape))
-    strided = any(_split_factor(p) is not None for p in placements)
-    box = _box if strided else _plain_box  # the plain rule in arithmetic: a 1,024-rank mesh in milliseconds
-    return tuple((rank, box(shape, mesh_shape, placements, point)) for rank, point in zip(ranks, points))
+    return tuple((rank, _box(shape, mesh_shape, placements, point)) for rank, point in zip(ranks, points))
 
 
 def _plain_box(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple,
                point: tuple[int, ...]) -> Index:
-    """`_box` for placements without strided shards, on (start, length) instead of index lists."""
+    """`_indexed_box` for placements without strided shards, on (start, length) instead of index lists."""
     held = [(0, n) for n in shape]
     for mesh_dim, placement in enumerate(placements):
         if placement.is_shard():
