@@ -128,6 +128,7 @@ def read_back(*trees):
             else trees[0][name] for name in trees[0]}
 
 
+@pytest.mark.xla
 def test_rng_rows_go_to_the_process_of_the_same_index_and_new_processes_derive_theirs():
     from xla_tensorstore_ckpt import rng_state
 

@@ -169,7 +169,6 @@ def _print_plan(plan: restore_plan.RestorePlan, processes: int) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    host_memory.release_large_buffers_at_once()
     checkpoint = inspection.open_checkpoint(args.path)
     items = tuple(args.items.split(",")) if args.items else (("model",) if "model" in checkpoint.items else
                                                              checkpoint.items)
@@ -190,7 +189,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    host_memory.release_large_buffers_at_once()
     if args.to in ("safetensors", "torch"):
         args.path, args.out, args.format = args.source, args.destination, args.to
         return cmd_export(args)
@@ -339,7 +337,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def run() -> None:
-    """Console-script wrapper: exit with `main`'s status; a closed stdout pipe (``| head``) is not an error."""
+    """Console-script wrapper: exit with `main`'s status; a closed stdout pipe (``| head``) is not an error. The
+    command owns its process, so glibc is told to return large freed buffers at once (the streaming commands'
+    memory budgets depend on it); `main` called inside another program leaves that program's allocator alone."""
+    host_memory.release_large_buffers_at_once()
     try:
         status = main()
         sys.stdout.flush()

@@ -92,7 +92,7 @@ def release_large_buffers_at_once() -> None:
     """Have glibc give every allocation of 1 MiB or more back to the OS when it is freed. Its default keeps
     freed buffers of up to 32 MiB in per-thread arenas, so a streaming copy whose chunk buffers are allocated on
     several threads grew 2-3x beyond the data in flight (measured in tests/test_convert.py). A process-wide
-    setting: called by the command line for the commands that stream (it owns its process), never by the
-    library. Never raises."""
+    setting: called by the console script `xtckpt` (it owns its process), never by the library nor by `cli.main`
+    run inside another program (a test, a notebook: their allocator is theirs). Never raises."""
     if _LIBC is not None:
         _LIBC.mallopt(_M_MMAP_THRESHOLD, 1 << 20)  # fixing it also stops glibc's dynamic raising of it

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt import cli, host_memory
 
 
 def status_bytes(field: str) -> int:
@@ -22,6 +22,7 @@ def status_bytes(field: str) -> int:
     raise SystemExit(f"no {field} in /proc/self/status")
 
 
+host_memory.release_large_buffers_at_once()  # as the console script does: the command owns this process
 baseline = status_bytes("VmRSS")
 status = cli.main(json.loads(sys.argv[1]))
 peak = status_bytes("VmHWM")
