@@ -29,7 +29,6 @@ import tensorstore as ts
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch_xla.experimental.distributed_checkpoint.manager import _CheckpointMetadata
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import convert, storage
@@ -39,6 +38,14 @@ import hostile  # noqa: E402
 from hf_files import write_hf_dir  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def _torch_xla_marker(step: int) -> bytes:
+    """torch_xla's CheckpointManager marker, a pickle of its ``_CheckpointMetadata(step, ts)``, written without
+    torch_xla (absent on the newest stack): the class by name, then its state, as pickle writes a dataclass."""
+    state = pickle.dumps({"step": step, "ts": datetime.datetime(2026, 1, 1)}, protocol=3)
+    head = b"ctorch_xla.experimental.distributed_checkpoint.manager\n_CheckpointMetadata\n)\x81"
+    return state[:2] + head + state[2:-1] + b"b."
 
 
 def _orbax_zarr2(path: str) -> None:
@@ -93,8 +100,7 @@ def seeds(tmp_path_factory) -> list[hostile.Seed]:
     dcp.save(state, checkpoint_id=str(base / "dcp"), no_dist=True)
     for step in (2, 4):  # a torch_xla CheckpointManager root: DCP steps, each with the manager's marker
         dcp.save(state, checkpoint_id=str(base / "xla-root" / str(step)), no_dist=True)
-        with open(base / "xla-root" / str(step) / ".manager_metadata", "wb") as f:
-            pickle.dump(_CheckpointMetadata(step=step, ts=datetime.datetime(2026, 1, 1)), f)
+        (base / "xla-root" / str(step) / ".manager_metadata").write_bytes(_torch_xla_marker(step))
     return [hostile.Seed("dcp", str(base / "dcp"), "item", "w"),
             hostile.Seed("xla-root", str(base / "xla-root"), "xla-root", None),hostile.Seed("hf-dir", hf, "item", key),
             hostile.Seed("hf-file", str(base / "single.safetensors"), "item", "w"),

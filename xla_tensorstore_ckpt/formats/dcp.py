@@ -31,7 +31,7 @@ from .. import bounds, dtypes, layout, tree
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 from ..records import ArrayStore, ItemManifest, PieceMetadata, PiecesArrayMetadata
 from ..storage import Location, RangeNotSatisfiableError
-from . import torch_pickle
+from . import torch_pickle, torch_zip
 from .safetensors import row_block
 
 NAME = "dcp"
@@ -241,7 +241,7 @@ def _value(loc: Location, file: str, start: int, length: int, key: str) -> Any:
         if len(pickles) != 1 or len(archive.namelist()) > 16:
             return _Skipped("not a torch.save blob of a value")
         record = archive.read(pickles[0])
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+    except torch_zip.ZIP_ERRORS:
         return _Skipped("raw bytes, not a torch.save blob")
     try:
         value = torch_pickle.load_value(record, where)
