@@ -270,6 +270,9 @@ NAMED = {
                                 ("verify", "restore", "convert")),
     "socket as DCP's .metadata": ("dcp", lambda c: _special(c, ".metadata", "socket"),
                                   METADATA_READS),
+    "DCP .metadata declaring a bytearray of 2^62 bytes": ("dcp", lambda c: open(
+        os.path.join(c, ".metadata"), "wb").write(b"\x80\x04\x96" + (1 << 62).to_bytes(8, "little") + b"."),
+        METADATA_READS),
     "our part of _METADATA not an object": ("ours-ocdbt", lambda c: _edit_json(
         os.path.join(c, "_METADATA"), lambda d: d.update(xla_tensorstore_ckpt="a\x00b")), METADATA_READS),
     "NUL byte in an index file name": ("hf-dir", _index_nul, METADATA_READS),
