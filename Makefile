@@ -1,16 +1,29 @@
-# Two commands set everything up from nothing: `make demo` (the main job) and `make test` (ruff + the suite).
+# Two commands set everything up from nothing: `make demo` (the main job) and `make test` (ruff + the suite on both
+# stacks). Two virtual environments, one per stack:
+#   .venv         the XLA stack: torch 2.9 + torch_xla 2.9 (the `[xla]` extra): the main job and the whole suite;
+#   .venv-newest  the newest stack: the newest torch that installs here, no torch_xla: every test not marked `xla`.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+NEWEST_VENV ?= .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP := $(NEWEST_VENV)/.installed
+NEWEST_TORCH ?= 2.14.1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-xla test-newest stacks lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[xla,test]'
 	touch $(STAMP)
+
+$(NEWEST_STAMP): pyproject.toml
+	test -x $(NEWEST_PY) || $(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install --quiet --upgrade pip
+	$(NEWEST_PY) -m pip install --quiet -e '.[test]' 'torch==$(NEWEST_TORCH)'
+	touch $(NEWEST_STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
@@ -18,16 +31,34 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# Tests run on several workers: many wait on subprocesses, servers and retries, so more workers than cores help
-# (3 on this 2-core machine); `make test TEST_WORKERS=0` runs them in one process.
-TEST_WORKERS ?= 3
+# Both environments, set up one after the other (two editable installs of one checkout must not race).
+stacks: $(STAMP) $(NEWEST_STAMP)
 
-test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+# Tests run on several workers: many wait on subprocesses, servers and retries, so more workers than cores help.
+# The two stacks run at the same time, each on its own workers, and each prints its own summary at the end;
+# `make test-xla` or `make test-newest` runs one of them (TEST_WORKERS=0: in one process).
+TEST_WORKERS ?= 2
+PYTEST_XLA := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
+PYTEST_NEWEST := $(NEWEST_PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal -m "not xla"
+
+test: lint stacks
+	@rm -f .test-xla.log .test-newest.log
+	@( $(PYTEST_XLA) > .test-xla.log 2>&1; echo $$? > .test-xla.rc ) & \
+	 ( $(PYTEST_NEWEST) > .test-newest.log 2>&1; echo $$? > .test-newest.rc ) & \
+	 wait
+	@echo "=== XLA stack: torch 2.9 + torch_xla 2.9 (the whole suite) ==="; cat .test-xla.log
+	@echo "=== newest stack: torch $(NEWEST_TORCH), no torch_xla (tests marked xla deselected) ==="; cat .test-newest.log
+	@test "$$(cat .test-xla.rc)" = 0 && test "$$(cat .test-newest.rc)" = 0
+
+test-xla: lint
+	$(PYTEST_XLA)
+
+test-newest: lint $(NEWEST_STAMP)
+	$(PYTEST_NEWEST)
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[xla,test,bench]'
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) build *.egg-info .test-*.log .test-*.rc

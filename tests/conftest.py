@@ -1,4 +1,6 @@
-"""Test environment: torch_xla SPMD on 8 virtual CPU devices, set up before anything imports torch_xla."""
+"""Test environment: torch_xla SPMD on 8 virtual CPU devices, set up before anything imports torch_xla, on the
+stack that has it. On the newest stack (no torch_xla) the tests marked `xla` are deselected: `make test` passes
+`-m "not xla"` there, and pytest's summary counts them."""
 
 from __future__ import annotations
 
@@ -13,18 +15,30 @@ import itertools  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch_xla  # noqa: E402
-import torch_xla.distributed.spmd as xs  # noqa: E402
-import torch_xla.runtime as xr  # noqa: E402
+from xla_stack import HAS_TORCH_XLA, torch_xla, xr, xs  # noqa: E402
 
-xr.use_spmd()
+if HAS_TORCH_XLA:
+    xr.use_spmd()
+    # torch's autograd engine sizes its per-device queues at the first backward pass. If a CPU-only backward runs
+    # first (some tests train a CPU model), a later backward on the XLA device trips an internal assert in
+    # torch 2.9; one tiny XLA backward up front initializes the engine for both.
+    _warm = torch.ones(1, device="xla", requires_grad=True)
+    (_warm * 2).sum().backward()
+    torch_xla.sync()
 
-# torch's autograd engine sizes its per-device queues at the first backward pass. If a CPU-only backward runs
-# first (some tests train a CPU model), a later backward on the XLA device trips an internal assert in
-# torch 2.9; one tiny XLA backward up front initializes the engine for both.
-_warm = torch.ones(1, device="xla", requires_grad=True)
-(_warm * 2).sum().backward()
-torch_xla.sync()
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "xla: needs torch_xla (the XLA stack); deselected on a stack without it")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without torch_xla, the tests that need it are deselected (and counted as such), whatever `-m` says."""
+    if HAS_TORCH_XLA:
+        return
+    needs = [item for item in items if item.get_closest_marker("xla")]
+    if needs:
+        config.hook.pytest_deselected(items=needs)
+        items[:] = [item for item in items if not item.get_closest_marker("xla")]
 
 
 def pytest_addoption(parser):

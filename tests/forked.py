@@ -12,19 +12,20 @@ FORKING = os.path.join(os.path.dirname(__file__), "scripts", "forking.py")
 
 
 def run_forked(script: str, argvs: list[list[str]], *, parallel: int = 2, env: dict | None = None,
-               job_envs: list[dict[str, str]] | None = None,
-               timeout: float = 900) -> list[subprocess.CompletedProcess]:
+               job_envs: list[dict[str, str]] | None = None, timeout: float = 900,
+               python: str = sys.executable) -> list[subprocess.CompletedProcess]:
     """Run ``script ARGV`` for each of `argvs` (at most `parallel` at once), each in a fork of one process that
-    imported the script once (with `env`), each run with its entry of `job_envs` added to its environment;
-    their exit statuses and output, as `subprocess.run` would give them. Blocks until every run has ended (a
-    kill is an end: the event waited for)."""
+    imported the script once (with `env`; run by `python`, another stack's interpreter for a cross-stack test),
+    each run with its entry of `job_envs` added to its environment; their exit statuses and output, as
+    `subprocess.run` would give them. Blocks until every run has ended (a kill is an end: the event waited
+    for)."""
     env = dict(os.environ if env is None else env)
     env.pop("PJRT_DEVICE", None)  # the scripts run on CPU tensors, without torch_xla
     job_envs = job_envs or [{} for _ in argvs]
     with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
         jobs = [{"argv": [str(a) for a in argv], "env": job_env, "out": os.path.join(tmp, f"{i}.out"),
                  "err": os.path.join(tmp, f"{i}.err")} for i, (argv, job_env) in enumerate(zip(argvs, job_envs))]
-        proc = subprocess.run([sys.executable, FORKING, script, str(parallel)],
+        proc = subprocess.run([python, FORKING, script, str(parallel)],
                               input="".join(json.dumps(job) + "\n" for job in jobs), capture_output=True, text=True,
                               env=env, timeout=timeout)
         if proc.returncode != 0:
@@ -35,7 +36,7 @@ def run_forked(script: str, argvs: list[list[str]], *, parallel: int = 2, env: d
 
 
 def launch_job(script: str, world: int, *args: str, env: dict | None = None,
-               rank_args: list[list[str]] | None = None) -> list[dict]:
+               rank_args: list[list[str]] | None = None, python: str = sys.executable) -> list[dict]:
     """Run ``script ARGS`` (then the rank's entry of `rank_args`) as the `world` processes of one job (gloo on
     127.0.0.1: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; `env` added), forked from one process that imported
     the script once (`run_forked`); each one's return code, stderr and JSON lines, in rank order. Blocks until
@@ -46,6 +47,6 @@ def launch_job(script: str, world: int, *args: str, env: dict | None = None,
                   **(env or {}))
     argvs = [[*args, *(rank_args[rank] if rank_args else [])] for rank in range(world)]
     runs = run_forked(script, argvs, parallel=world, env=common,
-                      job_envs=[{"RANK": str(rank)} for rank in range(world)], timeout=600)
+                      job_envs=[{"RANK": str(rank)} for rank in range(world)], timeout=600, python=python)
     return [{"returncode": run.returncode, "stderr": run.stderr,
              "lines": [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]} for run in runs]

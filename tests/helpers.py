@@ -8,7 +8,7 @@ import os
 import threading
 
 import torch
-import torch_xla
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import dtypes, events, formats, layout, storage

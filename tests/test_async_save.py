@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
-import torch_xla
 from fault_backends import hooked, wait_for
 from helpers import assert_trees_equal, cpu_state, train_steps, xla_net
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import arrays, layout, staging, writing
@@ -31,6 +31,7 @@ def test_async_is_the_default():
     assert xtc.CheckpointManagerOptions().async_save is True
 
 
+@pytest.mark.xla
 def test_written_values_are_those_at_save_time(tmp_path, mesh_4x2, monkeypatch):
     net = xla_net(mesh_4x2)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -163,6 +164,7 @@ def test_max_host_bytes_streams_the_save(tmp_path, monkeypatch):
         assert_trees_equal(xtc.restore(tmp_path / "1" / "model"), state)
 
 
+@pytest.mark.xla
 def test_sigterm_saves_commits_and_the_run_resumes(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "scripts", "train.py")
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8")

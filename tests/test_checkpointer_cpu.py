@@ -207,6 +207,7 @@ def test_memory_storage_round_trip():
     assert_trees_equal(xtc.restore("memory://core-test/ck"), state)
 
 
+@pytest.mark.xla
 def test_flipped_byte_in_a_single_file_array_names_the_chunk(tmp_path):
     pytest.importorskip("torch_xla")
     from conftest import make_mesh, sharded
@@ -222,6 +223,7 @@ def test_flipped_byte_in_a_single_file_array_names_the_chunk(tmp_path):
     assert chunk in str(err.value)
 
 
+@pytest.mark.xla
 def test_truncated_single_file_array_is_corrupt(tmp_path):
     from conftest import make_mesh, sharded
 

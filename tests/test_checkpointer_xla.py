@@ -8,15 +8,15 @@ import os
 
 import pytest
 import torch
-import torch_xla
-import torch_xla.debug.metrics as met
-import torch_xla.distributed.spmd as xs
 import zarr
 from conftest import make_mesh, sharded
 from helpers import assert_trees_equal, random_tensor
+from xla_stack import met, torch_xla, xs
+from xla_stack import sharding as sharding_module
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import sharding as sharding_module
+
+pytestmark = pytest.mark.xla  # every test here needs torch_xla
 
 
 def chunk_files(array_dir):

@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch_xla.distributed.spmd as xs
 from conftest import make_mesh, sharded
 from helpers import ocdbt_data_files
 from safetensors.torch import load_file
+from xla_stack import xs
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, layout
@@ -62,6 +62,7 @@ def run(*argv, capsys):
     return status, out, err
 
 
+@pytest.mark.xla
 def test_steps_golden(root, capsys):
     status, out, _ = run("steps", root, capsys=capsys)
     assert status == 0
@@ -76,6 +77,7 @@ def test_steps_golden(root, capsys):
                                                                    (3, "partial", None)]
 
 
+@pytest.mark.xla
 def test_tree_golden(root, capsys):
     status, out, _ = run("tree", root / "2", capsys=capsys)
     assert status == 0
@@ -93,6 +95,7 @@ def test_tree_golden(root, capsys):
     assert json.loads(out) == [{"key": "extra/position", "value": 20}, {"key": "extra/name", "value": "run"}]
 
 
+@pytest.mark.xla
 def test_show_reads_a_slice(root, capsys, monkeypatch):
     status, out, _ = run("show", root / "2", "model/emb[1:3, ::2]", "--json", capsys=capsys)
     assert status == 0
@@ -105,6 +108,7 @@ def test_show_reads_a_slice(root, capsys, monkeypatch):
     assert "[0. 2. 4. 6.]" in out
 
 
+@pytest.mark.xla
 def test_stats_match_numpy(root, capsys):
     status, out, _ = run("stats", root / "1", "model/emb", "model/b", "--json", capsys=capsys)
     assert status == 0
@@ -120,6 +124,7 @@ def test_stats_match_numpy(root, capsys):
                    "model/b       4    0    3   1.5  1.11803    0    0\n")
 
 
+@pytest.mark.xla
 def test_diff_golden(root, capsys):
     status, out, _ = run("diff", root / "1", root / "2", "--json", capsys=capsys)
     assert status == 0
@@ -133,6 +138,7 @@ def test_diff_golden(root, capsys):
     assert out == "no differences\n"
 
 
+@pytest.mark.xla
 def test_export_safetensors_split_and_torch(root, tmp_path, capsys):
     status, out, _ = run("export", root / "2", tmp_path / "st", "--format", "safetensors", "--max-file-size",
                          "300B", capsys=capsys)
@@ -175,6 +181,7 @@ def _corrupt_copy(root, tmp_path, how):
 
 
 @pytest.mark.parametrize("how", ["flip", "delete"])
+@pytest.mark.xla
 def test_verify_catches_damage(root, tmp_path, capsys, how):
     status, out, _ = run("verify", root, capsys=capsys)
     assert status == 0 and out.endswith("OK: 6 arrays checked, 0 problems\n")
@@ -215,6 +222,7 @@ def test_verify_catches_damage_in_an_ocdbt_store(tmp_path, capsys):
     (["bogus"], 2, "invalid choice"),
 ], ids=["not-a-checkpoint", "missing-step", "partial-step", "unknown-key", "unknown-item", "malformed-slice",
         "too-many-indices", "out-of-range", "no-steps", "bad-command"])
+@pytest.mark.xla
 def test_bad_input_is_one_line_and_the_right_status(root, tmp_path, capsys, argv, status, message):
     argv = [a.format(tmp=tmp_path, root=root) for a in argv]
     with pytest.raises(SystemExit) if argv == ["bogus"] else _nothing() as raised:
@@ -232,12 +240,14 @@ class _nothing:
         return False
 
 
+@pytest.mark.xla
 def test_open_array_returns_a_tensorstore_array(root):
     array = xtc.open_array(str(root / "2"), "model/emb")
     assert array.shape == (16, 6)
     assert np.array_equal(array[2:4, 1:3].read().result(), weights(2)["emb"][2:4, 1:3].numpy())
 
 
+@pytest.mark.xla
 def test_every_command_runs_without_torch_xla(root, tmp_path):
     commands = [["steps", root], ["tree", root / "2"], ["show", root / "2", "model/w[0:2]"],
                 ["stats", root / "2"], ["diff", root / "1", root / "2"], ["verify", root],
@@ -254,12 +264,14 @@ def test_every_command_runs_without_torch_xla(root, tmp_path):
     assert "model/w" in results[1]["stdout"]
 
 
+@pytest.mark.xla
 def test_module_entry_point(root):
     proc = subprocess.run([sys.executable, "-m", "xla_tensorstore_ckpt", "steps", str(root), "--json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and [s["step"] for s in json.loads(proc.stdout)] == [1, 2, 3]
 
 
+@pytest.mark.xla
 def test_progress_bar_only_on_a_terminal(root, capsys, monkeypatch):
     _, _, err = run("stats", root / "2", capsys=capsys)
     assert err == ""

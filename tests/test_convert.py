@@ -39,6 +39,7 @@ def without_torch_xla(*commands: list[str]) -> list[dict]:
     return results
 
 
+@pytest.mark.xla
 def test_hf_to_our_item_and_back_is_bit_exact_without_torch_xla(tmp_path, mesh_4x2):
     expected = write_hf_dir(str(tmp_path / "hf"))
     item, again, sharded_again = tmp_path / "item", tmp_path / "again", tmp_path / "again-split"
@@ -94,6 +95,7 @@ def test_chunk_shapes_given_chosen_by_budget_or_refused(tmp_path):
                              options=convert.ConvertOptions(max_host_bytes=4096, chunk_shape=(100, 48)))
 
 
+@pytest.mark.xla
 def test_hf_to_a_step_the_manager_resumes(tmp_path, mesh_2x4, capsys):
     expected = write_hf_dir(str(tmp_path / "hf"))
     root = tmp_path / "run"

@@ -14,11 +14,11 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch_xla
 from conftest import GCS_BUCKET, S3_BUCKET, sharded
 from forked import launch_job
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, storage, tree
@@ -83,6 +83,7 @@ def test_restores_without_a_target_bit_exact(dcp_dir):
     assert_same(restored, state)
 
 
+@pytest.mark.xla
 def test_a_state_dict_target_matches_by_name_onto_meshes(dcp_dir, mesh_4x2, mesh_8):
     """The target holds the optimizer's integer keys (DCP saved them as "optim.state.0..."), model weights on a
     2D mesh, and the rest on the CPU, an unsharded device tensor and a 1D mesh."""
@@ -119,6 +120,7 @@ def test_a_state_dict_target_matches_by_name_onto_meshes(dcp_dir, mesh_4x2, mesh
     assert opt.state_dict()["state"][0]["exp_avg"].equal(state["optim"]["state"][0]["exp_avg"])
 
 
+@pytest.mark.xla
 def test_dtype_casts_key_maps_and_key_and_shape_errors(dcp_dir, mesh_4x2):
     path, state = dcp_dir
     target = {"w": sharded(torch.zeros(16, 8, dtype=torch.bfloat16), mesh_4x2, ("x", "y")),
@@ -168,6 +170,7 @@ def test_metadata_and_offline_tools(dcp_dir, tmp_path, capsys):
         assert torch.equal(exported[key], value.contiguous()), key
 
 
+@pytest.mark.xla
 def test_a_two_process_job_with_dtensors_restores_onto_a_mesh(tmp_path, mesh_4x2):
     import sys
 
@@ -194,6 +197,7 @@ def test_a_two_process_job_with_dtensors_restores_onto_a_mesh(tmp_path, mesh_4x2
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
+@pytest.mark.xla
 def test_object_stores_read_byte_ranges(dcp_dir, mesh_4x2, scheme, request, monkeypatch):
     path, state = dcp_dir
     if scheme == "gs":

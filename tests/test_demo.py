@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.xla  # every test here needs torch_xla
+
 DEMO = os.path.join(os.path.dirname(__file__), "..", "examples", "demo.py")
 
 

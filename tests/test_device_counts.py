@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import sharded
 
@@ -14,6 +15,7 @@ import xla_tensorstore_ckpt as xtc
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "restore_elsewhere.py")
 
 
+@pytest.mark.xla
 def test_restore_with_other_device_counts_and_without_torch_xla(tmp_path, mesh_4x2, mesh_8):
     torch.manual_seed(0)
     expected = {"w": torch.randn(16, 12), "b": torch.randn(10, 6).to(torch.bfloat16), "u": torch.randn(7, 5)}

@@ -114,6 +114,7 @@ def test_partial_dtensors_are_refused_by_key(tmp_path):
         assert "reduce" in line["error"] and not line["exists"]
 
 
+@pytest.mark.xla
 def test_torch_xla_spmd_save_restores_as_dtensors_and_back(tmp_path):
     mesh = make_mesh((4, 2), ("a", "b"))
     values = {name: dtensor_job.global_value(name) for name in ("even", "uneven", "two_dims", "bf16")}
@@ -231,3 +232,37 @@ def test_fsdp2_training_resumes_from_the_local_tier(fsdp_run, tmp_path):
     for rank in range(2):
         assert losses(first)[rank] + losses(second)[rank] == losses(whole)[rank], rank
     assert lines_with(second, "digests") == lines_with(whole, "digests")
+
+
+def _torch_regions(shape, mesh_shape, placements, point):
+    """The region torch itself computes for a mesh coordinate (a private function, fine in a test: the library
+    computes it from public placement attributes, and this checks it agrees on the torch installed)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(point), placements)
+    return tuple((o, o + s) if s else (n, n) for o, s, n in zip(offset, local, shape))
+
+
+def test_dtensor_regions_agree_with_torch_for_every_coordinate():
+    """Even, uneven, empty and nested splits, replication, and FSDP-over-TP strided shards (whose meaning differs
+    between torch 2.9 and newer releases): the region of every mesh coordinate is the one torch computes."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from xla_tensorstore_ckpt import dtensors
+
+    checked = 0
+    for rows, cols in itertools.product(range(0, 11), (1, 3, 8)):
+        for mesh_shape in [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 2, 2)]:
+            layouts = list(itertools.product([Replicate(), Shard(0), Shard(1)], repeat=len(mesh_shape)))
+            if len(mesh_shape) == 2:
+                layouts += [(_StridedShard(d, split_factor=mesh_shape[1]), Shard(d)) for d in (0, 1)]
+            for placements in layouts:
+                for point in itertools.product(*(range(n) for n in mesh_shape)):
+                    expected = _torch_regions((rows, cols), mesh_shape, placements, point)
+                    assert dtensors._box((rows, cols), mesh_shape, placements, point) == expected, \
+                        (rows, cols, mesh_shape, placements, point)
+                    checked += 1
+    assert checked > 10_000

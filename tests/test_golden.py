@@ -39,6 +39,7 @@ def test_items_restore_bit_for_bit_without_a_target():
     assert isinstance(extra["pair"], tuple) and extra["inf"] == -math.inf and extra[7] == "integer key"
 
 
+@pytest.mark.xla
 def test_arrays_restore_onto_another_mesh_with_their_saved_metadata():
     path = os.path.join(GOLDEN, "2", "model")
     info = xtc.metadata(path)

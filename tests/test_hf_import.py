@@ -13,10 +13,10 @@ import sys
 
 import pytest
 import torch
-import torch_xla
 from conftest import GCS_BUCKET, S3_BUCKET, sharded
 from hf_files import hf_tensors, write_hf_dir
 from safetensors.torch import save_file
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, storage
@@ -58,6 +58,7 @@ def assert_restored(restored: dict, expected: dict, dtype: torch.dtype | None = 
         assert got.dtype == want.dtype and torch.equal(got, want), key
 
 
+@pytest.mark.xla
 def test_directory_restores_onto_a_2d_mesh_bit_exact(hf_dir, mesh_4x2, mesh_2x4):
     path, expected = hf_dir
     for mesh in (mesh_4x2, mesh_2x4):
@@ -70,6 +71,7 @@ def test_directory_restores_onto_a_2d_mesh_bit_exact(hf_dir, mesh_4x2, mesh_2x4)
                 torch_xla._XLAC._get_xla_sharding_spec(target[key])
 
 
+@pytest.mark.xla
 def test_dtype_casts_both_ways(hf_dir, mesh_4x2):
     path, expected = hf_dir
     assert_restored(xtc.restore(path, mesh_target(expected, mesh_4x2, dtype=torch.float32)), expected, torch.float32)
@@ -77,6 +79,7 @@ def test_dtype_casts_both_ways(hf_dir, mesh_4x2):
                     torch.bfloat16)
 
 
+@pytest.mark.xla
 def test_single_file_onto_cpu_unsharded_xla_and_sharded_targets(tmp_path, mesh_8):
     first, _ = hf_tensors()
     path = str(tmp_path / "model.safetensors")
@@ -90,6 +93,7 @@ def test_single_file_onto_cpu_unsharded_xla_and_sharded_targets(tmp_path, mesh_8
     assert_restored(xtc.restore(str(tmp_path), {k: torch.empty_like(v) for k, v in first.items()}), first)
 
 
+@pytest.mark.xla
 def test_restores_onto_4_devices_in_another_process(hf_dir, tmp_path):
     path, expected = hf_dir
     out = str(tmp_path / "on4")
@@ -102,6 +106,7 @@ def test_restores_onto_4_devices_in_another_process(hf_dir, tmp_path):
 
 
 @pytest.mark.parametrize("scheme", ["memory", "gs", "s3"])
+@pytest.mark.xla
 def test_object_stores_serve_ranged_reads(hf_dir, mesh_4x2, scheme, request, monkeypatch):
     path, expected = hf_dir
     if scheme == "gs":
@@ -183,6 +188,7 @@ def test_key_map_renames_and_reports_key_and_shape_mismatches(hf_dir):
         xtc.restore(path, wrong)
 
 
+@pytest.mark.xla
 def test_manager_initialises_a_run_from_hf_weights_until_a_step_is_committed(hf_dir, tmp_path, mesh_4x2):
     path, expected = hf_dir
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-import torch_xla
 from conftest import make_mesh, sharded
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 
@@ -45,6 +45,7 @@ def source(request, tmp_path) -> str:
     return str(tmp_path / "weights")
 
 
+@pytest.mark.xla
 def test_a_run_starts_from_an_item_until_a_step_is_committed(source, tmp_path, mesh_4x2):
     model = Model(mesh_4x2)
     root = tmp_path / "run"
@@ -65,6 +66,7 @@ def test_a_run_starts_from_an_item_until_a_step_is_committed(source, tmp_path, m
     assert torch.equal(model.embed.cpu(), expected()["embed"] + 1.0)
 
 
+@pytest.mark.xla
 def test_init_from_reports_keys_the_model_lacks(source, tmp_path, mesh_4x2):
     class Larger(Model):
         def __init__(self, mesh):

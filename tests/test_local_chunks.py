@@ -267,6 +267,7 @@ def test_a_restore_in_place_reads_into_the_targets_memory(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("options", [PLAIN, xtc.SaveOptions()], ids=["chunk-files", "ocdbt"])
+@pytest.mark.xla
 def test_cold_chunks_are_read_around_the_page_cache(tmp_path, monkeypatch, options, mesh_4x2, mesh_2x4):
     """A chunk the page cache does not hold is read with O_DIRECT (a cold restore does not fill the cache with
     bytes it never reads again), bit for bit: whole chunks into their destination, and in pieces onto another

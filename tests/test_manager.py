@@ -10,8 +10,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch_xla
 from helpers import Net, cpu_state, options, train_steps, xla_net
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import formats, layout, policies
@@ -53,6 +53,7 @@ def test_restore_warns_and_returns_none_when_requested_step_missing_and_nothing_
     lambda p: torch.optim.Adam(p, lr=1e-2),
     lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
 ], ids=["sgd-momentum", "adam", "adamw"])
+@pytest.mark.xla
 def test_fresh_optimizer_restores_with_parameter_sharding(tmp_path, mesh_4x2, mesh_2x4, make_opt):
     net = xla_net(mesh_4x2)
     opt = make_opt(net.parameters())
@@ -106,6 +107,7 @@ def seed_all(seed):
     np.random.randn()  # leave a cached normal variate in both
 
 
+@pytest.mark.xla
 def test_rng_states_are_saved_and_restored(tmp_path):
     with xtc.CheckpointManager(tmp_path, options()) as mgr:
         seed_all(3)
@@ -192,6 +194,7 @@ def test_a_process_that_never_initialised_cuda_saves_no_cuda_generator(monkeypat
     assert "cuda" not in rng_state.capture(0, 1)
 
 
+@pytest.mark.xla
 def test_extra_dict_updated_in_place_keeping_tensor_sharding(tmp_path, mesh_4x2):
     import torch_xla.distributed.spmd as xs
 
@@ -246,6 +249,7 @@ def test_raw_state_trees_are_restored_in_place(tmp_path):
     assert target["w"] is w and torch.equal(w, torch.ones(3)) and torch.equal(target["b"], torch.zeros(2))
 
 
+@pytest.mark.xla
 def test_restore_in_place_swaps_batch_by_batch(tmp_path, mesh_4x2):
     """Each batch is swapped in as soon as it is read (old device buffers freed as the restore goes): damaged
     data in the last tensor raises after the earlier tensors are already restored, in place."""
@@ -467,6 +471,7 @@ def test_corrupt_or_newer_marker_is_not_committed_and_not_deleted(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["1", "2", "3"]  # nothing deleted
 
 
+@pytest.mark.xla
 def test_model_mismatch_and_param_group_layout_errors(tmp_path, mesh_4x2):
     net = xla_net(mesh_4x2)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)

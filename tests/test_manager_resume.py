@@ -13,6 +13,8 @@ import torch
 
 import xla_tensorstore_ckpt as xtc
 
+pytestmark = pytest.mark.xla  # every test here needs torch_xla
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train.py")
 STEPS, STOP = 6, 3
 

@@ -16,10 +16,10 @@ import warnings
 
 import pytest
 import torch
-import torch_xla
 from conftest import GCS_BUCKET, make_mesh, sharded
 from forked import run_forked
 from helpers import ocdbt_data_files
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import formats, inspection, layout, local_tier, staging, storage
@@ -114,6 +114,7 @@ def trained(tmp_path, mesh):
     return root, local, draws
 
 
+@pytest.mark.xla
 def test_each_tier_keeps_its_own_steps(trained):
     root, local, _ = trained
     with xtc.CheckpointManager(root, options(local)) as manager:
@@ -146,6 +147,7 @@ def steps_on_disk(root: str, gcs=None) -> list[int]:
     return sorted(int(name) for name in os.listdir(root) if name.isdigit())
 
 
+@pytest.mark.xla
 def test_retention_is_per_tier(persistent_root, tmp_path, mesh, request):
     local = str(tmp_path / "local")
     kw = dict(max_to_keep=1, local_max_to_keep=3, save_interval_steps=2)
@@ -159,6 +161,7 @@ def test_retention_is_per_tier(persistent_root, tmp_path, mesh, request):
     assert steps_on_disk(local) == [6, 7, 8]
 
 
+@pytest.mark.xla
 def test_the_choice_is_logged(trained, mesh, caplog):
     root, local, _ = trained
     with caplog.at_level(logging.INFO, logger="xla_tensorstore_ckpt"):
@@ -173,6 +176,7 @@ def test_the_choice_is_logged(trained, mesh, caplog):
     assert f"restored step 4 from the persistent tier ({os.path.join(root, '4')})" in caplog.messages
 
 
+@pytest.mark.xla
 def test_resume_prefers_the_newer_local_step(trained, mesh):
     root, local, draws = trained
     step, model, loader, extra, draw, _ = resume(root, local, mesh)
@@ -182,6 +186,7 @@ def test_resume_prefers_the_newer_local_step(trained, mesh):
     assert draw == draws[6]  # the RNG state saved with the local step
 
 
+@pytest.mark.xla
 def test_resume_from_persistent_when_local_tier_is_gone(trained, mesh):
     root, local, draws = trained
     shutil.rmtree(local)
@@ -191,6 +196,7 @@ def test_resume_from_persistent_when_local_tier_is_gone(trained, mesh):
     assert loader.position == 40 and extra == {"step": 4} and draw == draws[4]
 
 
+@pytest.mark.xla
 def test_damaged_local_step_is_skipped(trained, mesh):
     root, local, _ = trained
     flip_byte(os.path.join(local, "6"))
@@ -218,6 +224,7 @@ MALFORMED_MANIFESTS = {
 
 
 @pytest.mark.parametrize("damage", list(MALFORMED_MANIFESTS))
+@pytest.mark.xla
 def test_a_malformed_local_step_is_skipped_like_a_corrupt_one(trained, mesh, damage):
     root, local, _ = trained
     with open(os.path.join(local, "6", "model", "_METADATA"), "w") as f:
@@ -228,6 +235,7 @@ def test_a_malformed_local_step_is_skipped_like_a_corrupt_one(trained, mesh, dam
     assert any("skipping step 6 of the local tier" in m and "_METADATA" in m for m in messages), messages
 
 
+@pytest.mark.xla
 def test_a_flipped_digit_in_a_local_data_loader_position_is_skipped(trained, mesh):
     """The position lives in the item's _METADATA (no array chunk holds it for us): its checksum finds the flip."""
     root, local, _ = trained
@@ -247,6 +255,7 @@ def test_a_flipped_digit_in_a_local_data_loader_position_is_skipped(trained, mes
         messages
 
 
+@pytest.mark.xla
 def test_the_command_line_reports_a_flipped_digit_in_a_local_step(trained, capsys):
     from xla_tensorstore_ckpt import cli
 
@@ -261,6 +270,7 @@ def test_the_command_line_reports_a_flipped_digit_in_a_local_step(trained, capsy
     assert f"FAIL step 6: data_loader: {metadata}: the file is damaged" in out
 
 
+@pytest.mark.xla
 def test_training_goes_on_after_a_fallback(trained, mesh):
     root, local, _ = trained
     flip_byte(os.path.join(local, "6"))
@@ -279,6 +289,7 @@ def test_training_goes_on_after_a_fallback(trained, mesh):
     assert_state(model, 106)
 
 
+@pytest.mark.xla
 def test_a_local_tier_left_by_another_run_is_ignored(trained, tmp_path, mesh):
     _, local, _ = trained
     other_root = str(tmp_path / "another-run")
@@ -295,6 +306,7 @@ def test_a_local_tier_left_by_another_run_is_ignored(trained, tmp_path, mesh):
     assert sorted(n for n in os.listdir(local) if n.isdigit()) == ["2", "3", "5", "6"]  # the other run's kept
 
 
+@pytest.mark.xla
 def test_steps_of_a_plain_manager_in_the_local_directory_are_left_alone(tmp_path, mesh):
     root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
     with xtc.CheckpointManager(local, xtc.CheckpointManagerOptions(save_interval_steps=1)) as plain:
@@ -310,6 +322,7 @@ def test_steps_of_a_plain_manager_in_the_local_directory_are_left_alone(tmp_path
     assert os.path.isdir(os.path.join(local, "10"))  # retention never touched it
 
 
+@pytest.mark.xla
 def test_a_missing_data_file_is_skipped(trained, mesh):
     root, local, _ = trained
     files = ocdbt_data_files(os.path.join(local, "6", "model"))
@@ -321,6 +334,7 @@ def test_a_missing_data_file_is_skipped(trained, mesh):
     assert any("skipping step 6 of the local tier" in m for m in messages), messages
 
 
+@pytest.mark.xla
 def test_a_missing_item_is_a_user_error_not_damage(trained, mesh):
     """An object the step has no item for fails on every tier alike: raised, no fallback, nothing deleted."""
     root, local, _ = trained
@@ -335,6 +349,7 @@ def test_a_missing_item_is_a_user_error_not_damage(trained, mesh):
     assert sorted(n for n in os.listdir(local) if n.isdigit()) == ["5", "6"]
 
 
+@pytest.mark.xla
 def test_no_intact_step_and_an_empty_persistent_tier(tmp_path, mesh):
     root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
     train(root, local, range(1, 3), mesh)  # save_interval_steps=4: nothing persistent
@@ -351,6 +366,7 @@ def test_no_intact_step_and_an_empty_persistent_tier(tmp_path, mesh):
                 manager.restore("latest", model=place(cpu_state(0), mesh))
 
 
+@pytest.mark.xla
 def test_background_errors_name_the_step_and_the_tier(tmp_path, mesh, monkeypatch):
     root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
     real = Tier.commit
@@ -370,6 +386,7 @@ def test_background_errors_name_the_step_and_the_tier(tmp_path, mesh, monkeypatc
         assert err.value.step == 2
 
 
+@pytest.mark.xla
 def test_a_local_delete_that_fails_at_restore_only_warns(trained, mesh, monkeypatch):
     root, local, _ = trained
     flip_byte(os.path.join(local, "6"))
@@ -388,6 +405,7 @@ def test_a_local_delete_that_fails_at_restore_only_warns(trained, mesh, monkeypa
                and "permission denied" in m for m in messages), messages
 
 
+@pytest.mark.xla
 def test_partial_local_steps_are_removed_with_a_warning(trained, mesh):
     root, local, _ = trained
     os.makedirs(os.path.join(local, "7", "model"))  # a save that never committed
@@ -397,6 +415,7 @@ def test_partial_local_steps_are_removed_with_a_warning(trained, mesh):
     assert sorted(os.listdir(local)) == ["5", "6"]
 
 
+@pytest.mark.xla
 def test_local_steps_of_this_run_are_recognised_however_the_root_was_spelled(trained, mesh):
     """The persistent root recorded in a local marker is compared through storage.location, not as text."""
     root, local, _ = trained
@@ -413,6 +432,7 @@ def test_local_steps_of_this_run_are_recognised_however_the_root_was_spelled(tra
     assert not local_tier.same_root("/a/b", "/a/c") and not local_tier.same_root("nope://x", "/a")
 
 
+@pytest.mark.xla
 def test_local_chunk_missing_is_skipped(trained, mesh):
     root, local, _ = trained
     shutil.rmtree(os.path.join(local, "6", "model"))
@@ -423,6 +443,7 @@ def test_local_chunk_missing_is_skipped(trained, mesh):
     assert any("skipping step 6" in m for m in messages)
 
 
+@pytest.mark.xla
 def test_older_local_steps_lose_to_a_newer_persistent_step(tmp_path, mesh):
     root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
     train(root, local, range(1, 3), mesh)
@@ -432,6 +453,7 @@ def test_older_local_steps_lose_to_a_newer_persistent_step(tmp_path, mesh):
     assert_state(model, 8)
 
 
+@pytest.mark.xla
 def test_a_step_due_for_both_tiers_is_copied_off_the_devices_once(tmp_path, mesh, monkeypatch):
     fetched = []
     real = staging.fetch_sources
@@ -457,6 +479,7 @@ def test_a_step_due_for_both_tiers_is_copied_off_the_devices_once(tmp_path, mesh
             assert_state(model, 4)
 
 
+@pytest.mark.xla
 def test_sync_mode_and_host_memory_cap_save_both_tiers(tmp_path, mesh):
     for name, kw in (("sync", {"async_save": False}), ("capped", {"max_host_bytes": 1 << 16})):
         root, local = str(tmp_path / name / "persistent"), str(tmp_path / name / "local")
@@ -469,6 +492,7 @@ def test_sync_mode_and_host_memory_cap_save_both_tiers(tmp_path, mesh):
         assert_state(model, 4)
 
 
+@pytest.mark.xla
 def test_persistent_tier_on_the_gcs_emulator(tmp_path, mesh, gcs_emulator_server):
     root, local = f"gs://{GCS_BUCKET}/multi-tier/{tmp_path.name}", str(tmp_path / "local")
     train(root, local, range(3, 6), mesh)
@@ -481,6 +505,7 @@ def test_persistent_tier_on_the_gcs_emulator(tmp_path, mesh, gcs_emulator_server
     assert_state(model, 4)
 
 
+@pytest.mark.xla
 def test_fallback_to_the_persistent_tier_on_the_gcs_emulator(tmp_path, mesh, gcs_emulator_server):
     root, local = f"gs://{GCS_BUCKET}/multi-tier/{tmp_path.name}", str(tmp_path / "local")
     draws = train(root, local, range(3, 6), mesh)  # persistent [4] on GCS, local [4, 5]
@@ -511,6 +536,7 @@ def test_unknown_tier_name(tmp_path):
             manager.all_steps("local")
 
 
+@pytest.mark.xla
 def test_cli_lists_both_tiers(trained, capsys):
     from xla_tensorstore_ckpt import cli
 
@@ -526,6 +552,7 @@ def test_cli_lists_both_tiers(trained, capsys):
                                                                    (6, "local", 0)]
 
 
+@pytest.mark.xla
 def test_cli_marks_the_local_steps_a_manager_would_ignore(trained, tmp_path, mesh, capsys):
     from xla_tensorstore_ckpt import cli
 

@@ -86,6 +86,7 @@ def test_restore_in_two_processes_with_another_split(saved, tmp_path):
         assert covered[name] == set(xtc.ShardedArray.grid(shape, restore_shards))  # the two split it all
 
 
+@pytest.mark.xla
 def test_restore_in_one_process_onto_torch_xla_spmd(saved):
     root, _ = saved
     mesh = make_mesh((2, 4), ("a", "b"))

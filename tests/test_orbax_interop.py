@@ -61,6 +61,7 @@ def written_by_orbax(tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.xla
 def test_orbax_items_restore_bit_for_bit_onto_another_mesh(written_by_orbax, variant):
     item = written_by_orbax / variant
     expected = as_torch(orbax_trees.tree())
@@ -245,6 +246,7 @@ def our_state():
 
 
 @pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "directories"])
+@pytest.mark.xla
 def test_our_items_restore_in_orbax_with_and_without_a_target(tmp_path, use_ocdbt):
     state = our_state()
     xtc.save(tmp_path / "item", state, options=xtc.SaveOptions(use_ocdbt=use_ocdbt))

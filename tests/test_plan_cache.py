@@ -3,6 +3,7 @@ shardings reuses the array part of the last plan with the new values; anything e
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import sharded
 
@@ -16,6 +17,7 @@ def state(mesh, seed: int, spec=("x", "y"), **extra) -> dict:
             "n": seed, "s": f"run-{seed}", **extra}
 
 
+@pytest.mark.xla
 def test_a_hit_reuses_layouts_and_takes_the_new_values(mesh_4x2):
     cache = save_plan.PlanCache()
     first = save_plan.plan_save(state(mesh_4x2, 1), cache=cache)
@@ -30,6 +32,7 @@ def test_a_hit_reuses_layouts_and_takes_the_new_values(mesh_4x2):
     assert second.arrays[2].value.item() == 2  # the scalar leaf "n" holds the new value
 
 
+@pytest.mark.xla
 def test_a_change_of_sharding_shape_or_kind_plans_afresh(mesh_4x2):
     cache = save_plan.PlanCache()
     save_plan.plan_save(state(mesh_4x2, 1), cache=cache)
@@ -42,6 +45,7 @@ def test_a_change_of_sharding_shape_or_kind_plans_afresh(mesh_4x2):
             (p.key_path, p.meta, p.layout, p.writes) for p in fresh.arrays]
 
 
+@pytest.mark.xla
 def test_manager_saves_with_the_cache_restore_their_own_values(tmp_path, mesh_4x2):
     with xtc.CheckpointManager(tmp_path, xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None)) as m:
         for step in (1, 2, 3):
@@ -53,6 +57,7 @@ def test_manager_saves_with_the_cache_restore_their_own_values(tmp_path, mesh_4x
         assert restored["n"] == step and restored["s"] == f"run-{step}"
 
 
+@pytest.mark.xla
 def test_a_new_global_mesh_plans_afresh(mesh_4x2):
     import torch_xla.distributed.spmd as xs
     from conftest import make_mesh

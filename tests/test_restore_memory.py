@@ -13,12 +13,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch_xla
-import torch_xla.core.xla_model
 from conftest import make_mesh, sharded
+from xla_stack import sharding, torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import host_memory, restore_arenas, restoring, sharding
+from xla_tensorstore_ckpt import host_memory, restore_arenas, restoring
+
+pytestmark = pytest.mark.xla  # every test here needs torch_xla
 
 
 class Tied(torch.nn.Module):

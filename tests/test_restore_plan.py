@@ -31,6 +31,7 @@ def state() -> dict:
 
 
 @pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "directories"])
+@pytest.mark.xla
 def test_the_plan_predicts_the_bytes_the_restore_reads(tmp_path, mesh_4x2, mesh_2x4, use_ocdbt):
     saved = {"w": sharded(state()["w"], mesh_4x2, ("x", "y")), "b": state()["b"], "n": 7}
     xtc.save(tmp_path / "ck", saved, options=xtc.SaveOptions(use_ocdbt=use_ocdbt))

@@ -37,6 +37,7 @@ def _stored_bytes(path) -> int:
 
 
 @pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "directories"])
+@pytest.mark.xla
 def test_a_restore_onto_another_mesh_fetches_each_stored_chunk_once(tmp_path, use_ocdbt):
     torch.manual_seed(0)
     # Chunks of a few KiB: smaller ones sit inline in the OCDBT B-tree or share one file (tensorstore reads those).
@@ -66,6 +67,7 @@ def test_a_restore_of_part_of_an_item_fetches_only_its_chunks(tmp_path):
     assert finished.details["storage_bytes"] == one
 
 
+@pytest.mark.xla
 def test_a_safetensors_restore_counts_exactly_the_bytes_of_its_regions(tmp_path):
     from safetensors.torch import save_file
 

@@ -17,6 +17,7 @@ import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, layout, storage
 
 
+@pytest.mark.xla
 def test_item_round_trip_with_resharding(storage_root, mesh_4x2, mesh_2x4):
     src = torch.randn(16, 12)
     state = {"w": sharded(src, mesh_4x2, ("x", "y")), "b": torch.arange(5).to(torch.bfloat16), "step": 3,

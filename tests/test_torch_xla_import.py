@@ -16,19 +16,32 @@ import sys
 
 import pytest
 import torch
-import torch_xla
 from conftest import make_mesh
 from gcs_emulator import free_port
+from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli
 from xla_tensorstore_ckpt.errors import CheckpointNotFoundError, ItemNotFoundError
 
+pytestmark = pytest.mark.xla  # every test here needs torch_xla
+
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "scripts", "torch_xla_manager.py")
 RESTORE_ELSEWHERE = os.path.join(HERE, "scripts", "restore_elsewhere.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
-from torch_xla_manager import build, train_step  # noqa: E402
+
+
+def build(mesh):
+    from torch_xla_manager import build  # imports torch_xla: the xla stack's only
+
+    return build(mesh)
+
+
+def train_step(*args):
+    from torch_xla_manager import train_step
+
+    return train_step(*args)
 
 
 @pytest.fixture(scope="module")

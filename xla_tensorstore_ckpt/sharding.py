@@ -18,9 +18,16 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-import torch_xla
-import torch_xla.distributed.spmd as xs
-import torch_xla.runtime as xr
+
+from .errors import UsageError
+
+try:
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+except ImportError as error:  # the newest stack: torch_xla is an extra
+    raise UsageError("XLA tensors, meshes and partition specs need torch_xla, which is not installed: "
+                     "pip install 'xla_tensorstore_ckpt[xla]' (torch 2.9 + torch_xla 2.9)") from error
 
 from .records import SavedSharding
 from .tensor_layout import LocalShard, Placement, TensorLayout, full_index

@@ -16,8 +16,9 @@ from .tensor_layout import LocalShard, Placement
 
 def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tensor]]:
     """Host data of each plan's writes (one tensor per write), fetched from the devices with one torch_xla call
-    per placement kind. Host tensors are referenced, not copied, unless `copy_cpu` (a caller that returns
-    before the writes finish must copy: the training loop may change them)."""
+    per placement kind, DTensors' with one synchronization per device. Host tensors are referenced, not copied,
+    unless `copy_cpu` (a caller that returns before the writes finish must copy: the training loop may change
+    them)."""
     sources = fetch_sources(batch, copy_cpu=copy_cpu)
     return [[_cut(sources[i][w.source], w) for w in p.writes] for i, p in enumerate(batch)]
 
@@ -27,6 +28,9 @@ def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[Lo
     sources: list[dict[LocalShard, torch.Tensor]] = [{} for _ in batch]
     xla = [i for i, p in enumerate(batch) if p.layout.placement in (Placement.TILED, Placement.REPLICATED,
                                                                     Placement.UNSHARDED) and p.writes]
+    distributed = [i for i, p in enumerate(batch) if p.layout.placement is Placement.DTENSOR and p.writes]
+    for i, data in zip(distributed, dtensors.host_copies([batch[i].value for i in distributed], copy=copy_cpu)):
+        sources[i] = {batch[i].layout.shards[0]: data}
     for i, p in enumerate(batch):
         if p.layout.placement is Placement.CPU and p.writes:
             data = p.value.detach().resolve_conj().resolve_neg()
@@ -34,8 +38,6 @@ def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[Lo
         elif p.layout.placement is Placement.HOST and p.writes:
             held = dict(zip(p.layout.shards, (d for _, d in p.value.shards)))
             sources[i] = {s: held[s].clone() if copy_cpu else held[s] for s in p.sources}
-        elif p.layout.placement is Placement.DTENSOR and p.writes:
-            sources[i] = {p.layout.shards[0]: dtensors.local_data(p.value, copy=copy_cpu)}
     if xla:
         from . import sharding
 

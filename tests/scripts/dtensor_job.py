@@ -88,7 +88,8 @@ def digest(tensor: torch.Tensor) -> str:
 
 
 def emit(rank: int, **fields) -> None:
-    print(json.dumps({"rank": rank, "torch_xla": "torch_xla" in sys.modules, **fields}), flush=True)
+    print(json.dumps({"rank": rank, "torch": torch.__version__, "torch_xla": "torch_xla" in sys.modules, **fields}),
+          flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ training
