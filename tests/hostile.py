@@ -1,12 +1,15 @@
 """Hostile checkpoints, made from real ones, and a harness that runs every reader on them in a guarded process.
 
 Seeds are small checkpoints of every format this library reads (ours, format 1 and 2, as OCDBT stores and as
-directories; Orbax's, zarr v3 and v2; a root of steps; a Hugging Face file and directory). A case is a copy of a
-seed with one mutation (`mutate`): bytes flipped, the file truncated, a JSON value replaced by a hostile one
-(huge or negative numbers, deep nesting, wrong types, look-alike digits), a key deleted, the file removed or
-replaced by a FIFO. `Harness` runs each case's reads (`ops_for`) in `tests/scripts/hostile_worker.py` under a
-memory limit (RLIMIT_AS) and a time limit, and `check` says what went wrong: a signal, a hang, a traceback, or a
-file changed outside the destination. Deterministic: case n of a seed is the same on every run.
+directories; Orbax's, zarr v3 and v2; a root of steps; a Hugging Face file and directory; a DCP directory; a
+torch_xla CheckpointManager root). A case is a copy of a seed with one mutation (`mutate`): bytes flipped, the
+file truncated, a JSON value replaced by a hostile one (huge or negative numbers, deep nesting, wrong types,
+look-alike digits), a string replaced by a hostile name (a path leaving the directory, absolute, a drive, NUL,
+backslashes, over-long), a key deleted, the file removed or replaced by a FIFO, a socket or a symbolic link to a
+FIFO (any file, data files too: tensorstore opens those). `Harness` runs each case's reads (`ops_for`) in
+`tests/scripts/hostile_worker.py` under a memory limit (RLIMIT_AS) and a time limit, and `check` says what went
+wrong: a signal, a hang, a traceback, or a file changed outside the destination. Deterministic: case n of a
+seed is the same on every run.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import random
 import resource
 import select
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -32,14 +36,15 @@ MEMORY_LIMIT = 8 << 30
 CASE_TIMEOUT_S = 120  # a hang guard, far beyond what any case takes (tenths of a second)
 
 METADATA_NAMES = ("_METADATA", "_CHECKPOINT_METADATA", "zarr.json", ".zarray", "_strings.json", "metadata",
-                  "model.safetensors.index.json", "manifest.ocdbt", "commit_success.txt")
+                  "model.safetensors.index.json", "manifest.ocdbt", "commit_success.txt", ".metadata",
+                  ".manager_metadata")
 
 
 @dataclass(frozen=True)
 class Seed:
     name: str
     path: str  # the checkpoint (a directory, or a safetensors file)
-    kind: str  # "item", "step", "root" or "file"
+    kind: str  # "item", "step", "root", "xla-root" or "file"
     array_key: str | None  # a key `xtckpt show` can read
 
 
@@ -60,6 +65,14 @@ def files_of(seed: Seed) -> list[str]:
 
 HOSTILE_VALUES = [2**40, 2**63, 2**64 + 7, -1, -(2**63), 0, 1e308, "²", "1.5", "", "x" * 5000, None, True, [], {},
                   [2**40] * 40, [[[]]], {"a": {"b": {}}}, "../../etc", "/abs", "a\x00b", [0] * 3, 3.5]
+# Names a reader would join to its directory: each must be refused, or kept inside the directory.
+HOSTILE_NAMES = ["../outside", "../../../../../../tmp/outside", "/etc/passwd", "a/../../outside", "..", ".", "",
+                 "C:", "C:/outside", "c:\\outside", "..\\outside", "a\x00b", "a//b", "./a", "a/", "x" * 300,
+                 "/".join(["d"] * 2100), "²", "\u202e..", "a/./b"]
+KINDS = ["flip", "truncate", "json", "json", "json", "name", "delete-key", "remove", "deep", "fifo", "socket",
+         "fifo-link"]
+KIND_WEIGHTS = [3, 2, 4, 4, 4, 3, 2, 1, 1, 0.3, 0.2, 0.2]
+SPECIAL = ("fifo", "socket", "fifo-link")
 
 
 def mutate(seed: Seed, root: str, index: int) -> Case:
@@ -72,19 +85,24 @@ def mutate(seed: Seed, root: str, index: int) -> Case:
         shutil.copytree(seed.path, target, symlinks=True)
     files = files_of(seed)
     metadata = [f for f in files if os.path.basename(f) in METADATA_NAMES or f.endswith(".safetensors") or f == ""]
-    name = rng.choice(metadata if metadata and rng.random() < 0.85 else files)
+    kind = rng.choices(KINDS, weights=KIND_WEIGHTS)[0]
+    # Special files anywhere half the time: data files too (chunks, OCDBT data files), which tensorstore opens.
+    share = 0.5 if kind in SPECIAL else 0.85
+    name = rng.choice(metadata if metadata and rng.random() < share else files)
     path = os.path.join(target, name) if name else target
-    kind = rng.choices(["flip", "truncate", "json", "json", "json", "delete-key", "remove", "deep", "fifo"],
-                       weights=[3, 2, 4, 4, 4, 2, 1, 1, 0.3])[0]
+    what = f"{seed.name}: {kind} {name or os.path.basename(seed.path)}"
+    if kind in SPECIAL:
+        _special(path, kind, root)
+        return Case(f"{seed.name}-{index}", _moved(seed, target), what)
     data = open(path, "rb").read()
     header = None
     if name.endswith(".safetensors") or name == "":  # a safetensors file: mutate its JSON header
         length = struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else 0
         header, body = data[8:8 + length], data[8 + length:]
     doc = _json(header if header is not None else data)
-    if kind in ("json", "delete-key", "deep") and doc is None:
+    if kind in ("json", "name", "delete-key", "deep") and doc is None:
         kind = "flip"
-    what = f"{seed.name}: {kind} {name or os.path.basename(seed.path)}"
+        what = f"{seed.name}: {kind} {name or os.path.basename(seed.path)}"
     if kind == "flip":
         buffer = bytearray(data)
         for _ in range(rng.randint(1, 8)):
@@ -97,16 +115,12 @@ def mutate(seed: Seed, root: str, index: int) -> Case:
     elif kind == "remove":
         os.remove(path)
         return Case(f"{seed.name}-{index}", _moved(seed, target), what)
-    elif kind == "fifo":
-        os.remove(path)
-        os.mkfifo(path)
-        return Case(f"{seed.name}-{index}", _moved(seed, target), what)
     else:
         if kind == "deep":
             encoded = ("[" * 100_000 + "]" * 100_000).encode()
             what += " (nested 100,000 deep)"
         else:
-            doc, change = _mutate_json(doc, rng, delete=kind == "delete-key")
+            doc, change = _mutate_json(doc, rng, delete=kind == "delete-key", names=kind == "name")
             encoded = json.dumps(doc).encode()
             what += f" ({change})"
         if header is not None:
@@ -130,8 +144,33 @@ def _json(data: bytes):
         return None
 
 
-def _mutate_json(doc, rng: random.Random, *, delete: bool):
-    """Replace (or delete) one node of `doc`, chosen at random among all of them; the change, described."""
+def _special(path: str, kind: str, root: str) -> None:
+    """Replace the file `path` by a FIFO, a bound Unix socket, or a symbolic link to a FIFO outside the case's
+    checkpoint (in `root`): none of them may be opened by a reader (a FIFO blocks it, a socket cannot be read)."""
+    if os.path.isdir(path):  # a file seed: the checkpoint itself is replaced
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":  # bound from its directory: a socket's path may not exceed 107 bytes
+        here = os.getcwd()
+        os.chdir(os.path.dirname(path))
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.bind(os.path.basename(path))
+        finally:
+            os.chdir(here)
+    else:
+        fifo = os.path.join(root, "elsewhere.fifo")
+        if not os.path.exists(fifo):
+            os.mkfifo(fifo)
+        os.symlink(fifo, path)
+
+
+def _mutate_json(doc, rng: random.Random, *, delete: bool, names: bool = False):
+    """Replace (or delete) one node of `doc`, chosen at random among all of them; the change, described. With
+    `names`: a string (a key or a value) chosen at random replaced by one of `HOSTILE_NAMES`."""
     doc = copy.deepcopy(doc)
     nodes = []  # (container, key) of every value
 
@@ -144,6 +183,16 @@ def _mutate_json(doc, rng: random.Random, *, delete: bool):
             walk(value, depth + 1)
 
     walk(doc)
+    if names:
+        strings = [(c, k) for c, k in nodes if isinstance(c[k], str) or isinstance(k, str)]
+        if strings:
+            container, key = rng.choice(strings)
+            value = rng.choice(HOSTILE_NAMES)
+            if isinstance(container[key], str) and (not isinstance(key, str) or rng.random() < 0.7):
+                container[key] = value
+                return doc, f"{str(key)[:40]!r} set to the name {value[:40]!r}"
+            container[value] = container.pop(key)
+            return doc, f"key {str(key)[:40]!r} renamed {value[:40]!r}"
     if not nodes:
         return HOSTILE_VALUES[rng.randrange(len(HOSTILE_VALUES))], "the whole document replaced"
     container, key = rng.choice(nodes)
@@ -162,6 +211,10 @@ def ops_for(seed: Seed, out: str) -> list[list]:
         return [["cli", "steps", path], ["cli", "verify", path], ["cli", "tree", os.path.join(path, "1")],
                 ["cli", "convert", os.path.join(path, "1"), os.path.join(out, "item")],
                 ["cli", "report", path, "-o", os.path.join(out, "report.html")]]
+    if seed.kind == "xla-root":  # a torch_xla CheckpointManager root: its steps are DCP directories
+        step = os.path.join(path, "2")
+        return [["cli", "steps", path], ["cli", "tree", step], ["metadata", step], ["restore", step],
+                ["cli", "verify", step], ["cli", "convert", step, os.path.join(out, "item")]]
     ops = [["cli", "tree", path], ["cli", "verify", path], ["cli", "stats", path, "--histogram", "log"],
            ["metadata", path], ["restore", path],
            ["cli", "convert", path, os.path.join(out, "item"), "--max-host-bytes", "64MiB"],

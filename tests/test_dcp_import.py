@@ -332,7 +332,7 @@ def _damage(path: str, how: str) -> str:
         message = r"'model\.0\.weight' of shape \(16, 8\) has a chunk at \(0, 0\) of size \(32, 8\), outside it"
     elif how == "path outside the directory":
         meta.storage_data[index] = _StorageInfo("../elsewhere.distcp", info.offset, info.length)
-        message = r"'model\.0\.weight' is stored in '\.\./elsewhere\.distcp', not a plain file name"
+        message = r"\['model\.0\.weight'\]: file name '\.\./elsewhere\.distcp', which is not a plain name"
     else:
         raise AssertionError(how)
     _write_metadata(path, meta)

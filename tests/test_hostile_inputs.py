@@ -4,16 +4,20 @@ Two parts. Named cases, each a hostile file found in review (a scalar backed by 
 ``zarr.json`` nested 100,000 deep, a 2^40-chunk grid, offsets beyond 2^63, 3,000-component key paths, look-alike
 digits, FIFOs, NUL bytes, strings that are not strings, an int4 array): every reader must refuse each with a
 library error. Then generated cases (`--hostile-cases N`, default 300): byte flips, truncations, JSON
-mutations, removals and FIFOs of the metadata files of every format read (ours v1 and v2, OCDBT and directories,
-Orbax zarr v3 and v2, a root of steps, safetensors files and directories). Every case runs every reader and CLI
+mutations, hostile names (paths leaving the directory, absolute, drives, NUL, over-long), removals, and FIFOs,
+sockets and links to FIFOs in place of any file, of every format read (ours v1 and v2, OCDBT and directories,
+Orbax zarr v3 and v2, a root of steps, safetensors files and directories, DCP directories, a torch_xla
+CheckpointManager root). Every case runs every reader and CLI
 command in a worker process under a memory and a time limit (tests/hostile.py): it must end in success or a
 library error, never a signal, a hang, a traceback, or a file changed outside the destination.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import pickle
 import shutil
 import struct
 import sys
@@ -23,6 +27,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import xla_tensorstore_ckpt as xtc
@@ -33,6 +38,14 @@ import hostile  # noqa: E402
 from hf_files import write_hf_dir  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def _torch_xla_marker(step: int) -> bytes:
+    """torch_xla's CheckpointManager marker, a pickle of its ``_CheckpointMetadata(step, ts)``, written without
+    torch_xla (absent on the newest stack): the class by name, then its state, as pickle writes a dataclass."""
+    state = pickle.dumps({"step": step, "ts": datetime.datetime(2026, 1, 1)}, protocol=3)
+    head = b"ctorch_xla.experimental.distributed_checkpoint.manager\n_CheckpointMetadata\n)\x81"
+    return state[:2] + head + state[2:-1] + b"b."
 
 
 def _orbax_zarr2(path: str) -> None:
@@ -83,7 +96,13 @@ def seeds(tmp_path_factory) -> list[hostile.Seed]:
     shutil.copytree(os.path.join(GOLDEN, "orbax-0.11", "root", "2"), root / "3")
     for name in ("v1", "v2-unchecked"):
         shutil.copytree(os.path.join(GOLDEN, name, "1"), base / f"{name}-step")
-    return [hostile.Seed("hf-dir", hf, "item", key),
+    state = {"w": torch.arange(12.0).reshape(3, 4), "layers": [torch.ones(2, dtype=torch.bfloat16)], "n": 3}
+    dcp.save(state, checkpoint_id=str(base / "dcp"), no_dist=True)
+    for step in (2, 4):  # a torch_xla CheckpointManager root: DCP steps, each with the manager's marker
+        dcp.save(state, checkpoint_id=str(base / "xla-root" / str(step)), no_dist=True)
+        (base / "xla-root" / str(step) / ".manager_metadata").write_bytes(_torch_xla_marker(step))
+    return [hostile.Seed("dcp", str(base / "dcp"), "item", "w"),
+            hostile.Seed("xla-root", str(base / "xla-root"), "xla-root", None),hostile.Seed("hf-dir", hf, "item", key),
             hostile.Seed("hf-file", str(base / "single.safetensors"), "item", "w"),
             hostile.Seed("ours-ocdbt", str(base / "ours-ocdbt"), "item", key),
             hostile.Seed("ours-dirs", str(base / "ours-dirs"), "item", key),
@@ -185,6 +204,20 @@ def _fifo(path: str) -> None:
     os.mkfifo(path)
 
 
+def _first_file(case: str, directory: str) -> str:
+    """The first file (in sorted order) in a directory named `directory` (``d``: OCDBT data files; ``c``: zarr
+    chunk files, the directory of the first chunk index) of the case."""
+    for root, _, files in sorted(os.walk(case)):
+        if directory in root[len(case):].split(os.sep) and files:
+            return os.path.join(root, sorted(files)[0])
+    raise AssertionError(f"no file under a directory {directory!r} in {case}")
+
+
+def _special(case: str, path: str, kind: str) -> None:
+    """`path` replaced by a FIFO, a socket or a link to a FIFO beside the case (`hostile._special`)."""
+    hostile._special(os.path.join(case, path), kind, os.path.dirname(case))
+
+
 def _index_nul(case: str) -> None:
     _edit_json(os.path.join(case, "model.safetensors.index.json"),
                lambda d: d["weight_map"].update({"lm_head.weight": "model-00001\x00.safetensors"}))
@@ -228,6 +261,18 @@ NAMED = {
     "FIFO as manifest.ocdbt": ("ours-tree", lambda c: _fifo(os.path.join(c, "manifest.ocdbt")), DATA_READS),
     "FIFO as zarr.json": ("ours-dirs", lambda c: _fifo(os.path.join(c, "model.norm.weight", "zarr.json")),
                           DATA_READS),
+    "FIFO as an OCDBT data file (ours)": ("ours-ocdbt", lambda c: _special(c, _first_file(c, "d"), "fifo"), DATA_READS),
+    "socket as an OCDBT data file (Orbax's)": ("orbax-ocdbt", lambda c: _special(c, _first_file(c, "d"), "socket"),
+                                               ("verify", "restore", "convert")),
+    "link to a FIFO as a zarr chunk file": ("ours-dirs", lambda c: _special(c, _first_file(c, "c"), "fifo-link"),
+                                            DATA_READS),
+    "FIFO as a DCP data file": ("dcp", lambda c: _special(c, "__0_0.distcp", "fifo"),
+                                ("verify", "restore", "convert")),
+    "socket as DCP's .metadata": ("dcp", lambda c: _special(c, ".metadata", "socket"),
+                                  METADATA_READS),
+    "DCP .metadata declaring a bytearray of 2^62 bytes": ("dcp", lambda c: open(
+        os.path.join(c, ".metadata"), "wb").write(b"\x80\x04\x96" + (1 << 62).to_bytes(8, "little") + b"."),
+        METADATA_READS),
     "our part of _METADATA not an object": ("ours-ocdbt", lambda c: _edit_json(
         os.path.join(c, "_METADATA"), lambda d: d.update(xla_tensorstore_ckpt="a\x00b")), METADATA_READS),
     "NUL byte in an index file name": ("hf-dir", _index_nul, METADATA_READS),

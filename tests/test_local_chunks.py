@@ -185,7 +185,7 @@ def test_an_ocdbt_reference_outside_the_item_is_refused(tmp_path, where):
     """The B-tree's value references (compressed on disk, so not edited here) must stay inside the item."""
     from xla_tensorstore_ckpt import storage
 
-    with pytest.raises(xtc.CorruptCheckpointError, match="outside its directory"):
+    with pytest.raises(xtc.CorruptCheckpointError, match="references .*(not a value|leaves its directory|absolute)"):
         ocdbt._indirect(storage.location(tmp_path), where)
 
 

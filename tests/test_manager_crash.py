@@ -3,8 +3,10 @@ never listed (by our manager, nor by Orbax's), and the next manager start remove
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import sys
 
 import pytest
@@ -98,3 +100,28 @@ def test_kill_mid_save_loses_nothing_committed(crashed, index):
     # the dead process's stale lock was taken over (through a takeover marker), then freed with the marker
     assert not any(n.startswith(layout.MANAGER_LOCK) for n in os.listdir(root))
     assert not any(n.endswith(".tmp") for _, _, files in os.walk(root) for n in files)
+
+
+def _dead_record(token: str) -> str:
+    """A lock record of a process of this host that is gone: our pid, but started at another time."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "another-boot:0",
+                       "token": token, "heartbeat": 0.0})
+
+
+@pytest.mark.parametrize("killed", ["releasing", "taking over"])
+def test_a_process_killed_inside_the_lock_protocol_leaves_nothing_behind(tmp_path, killed):
+    """An owner that took the root over and was killed between deleting the lock and its takeover marker left the
+    marker, which no later manager removed (test_soak_short flaked on it: its kills can land in a saver's close);
+    a contender killed between creating its takeover marker and writing the lock kept the stale lock from ever
+    being taken over. The next manager owns the root, saves, and leaves no lock file."""
+    takeover = f"{layout.MANAGER_LOCK}.takeover."
+    if killed == "releasing":
+        (tmp_path / f"{takeover}{'a' * 32}").write_text(_dead_record("b" * 32))
+    else:
+        (tmp_path / layout.MANAGER_LOCK).write_text(_dead_record("a" * 32))
+        (tmp_path / f"{takeover}{'a' * 32}").write_text(_dead_record("c" * 32))
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False)
+    with xtc.CheckpointManager(tmp_path, options) as mgr:
+        assert mgr.save(1, model=state_for(1))
+    assert_trees_equal(xtc.restore(tmp_path / "1" / "model"), state_for(1))
+    assert sorted(os.listdir(tmp_path)) == ["1"]

@@ -180,7 +180,7 @@ def test_orbax_keys_that_would_leave_the_item_are_refused(tmp_path, key):
     hostile_orbax_item(item, key)
     where = re.escape(f"{item / '_METADATA'}: the array of key {(key,)}")
     for read in (xtc.metadata, xtc.restore):
-        with pytest.raises(xtc.CorruptCheckpointError, match=where + r" would be read from .*not a path inside"):
+        with pytest.raises(xtc.CorruptCheckpointError, match=where + r" would be read from .*, which "):
             read(item)
 
 

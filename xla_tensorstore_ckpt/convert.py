@@ -119,7 +119,7 @@ def convert_to_step(source: storage.Location, step_dir: storage.Location, *, ite
     step = layout.parse_step_name(step_dir.name, None, any_prefix=False)
     if step is None:
         raise UsageError(f"{step_dir}: a step directory is named by its step number (e.g. <root>/0)")
-    if not layout.is_safe_relative_path(item) or "/" in item:
+    if not layout.is_safe_relative_path(item, single=True):
         raise UsageError(f"{item!r} is not an item name (one path segment)")
     outputs.check_separate(source, step_dir)
     outputs.check_vacant(step_dir, overwrite=overwrite)

@@ -89,7 +89,7 @@ def torch_xla_steps(loc: Location) -> list[TorchXlaStep] | None:
     step-numbered directory with torch_xla's marker or a DCP ``.metadata``). Called by `find` and by
     ``xtckpt steps``; blocks on a listing and a small read or two per step; a hostile marker is a step's
     problem, not an error."""
-    names = sorted((int(name), name) for name in loc.list() if name.isdigit())
+    names = sorted((step, name) for name in loc.list() if (step := layout.parse_step_name(name, None)) is not None)
     out = []
     for step, name in names:
         child = loc.child(name)

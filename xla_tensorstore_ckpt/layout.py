@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from .errors import CorruptCheckpointError
+
 ITEM_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 ZARR_METADATA = "zarr.json"
@@ -23,12 +25,48 @@ KeyEntry = str | int
 KeyPath = tuple[KeyEntry, ...]
 
 
-def is_safe_relative_path(path: str) -> bool:
-    """True if `path` (read from a checkpoint's metadata) stays inside its item directory."""
-    if not path or path.startswith("/") or "\\" in path or "\x00" in path:
-        return False
-    parts = path.split("/")
-    return all(p not in ("", ".", "..") for p in parts)
+MAX_PATH_BYTES = 4096  # a relative path read from a checkpoint: Linux's PATH_MAX
+MAX_NAME_BYTES = 1024  # one component (an OCDBT key's may exceed a file name's 255; ours stay under 800)
+_DRIVE = re.compile(r"[A-Za-z]:(/|$)")
+
+
+def relative_path(name: object, *, where: str, what: str = "name", single: bool = False) -> str:
+    """`name`, a string read from a checkpoint's file that becomes a path or an item name (an array's path, an
+    item, an index's or a DCP record's file, a copy marker's file, an OCDBT data file), if it is a relative path
+    that stays inside its directory: no absolute path, no ``..``, ``.`` or empty component, no NUL, no
+    backslash, no drive (``C:``, ``C:/x``), at most `MAX_PATH_BYTES` long with components of at most
+    `MAX_NAME_BYTES`; with `single`, one component (no ``/``). Every reader of such names calls this (or
+    `is_safe_relative_path`). Raises `CorruptCheckpointError` naming `where` (the file) and the name otherwise."""
+    problem = _path_problem(name, single=single)
+    if problem is not None or not isinstance(name, str):
+        raise CorruptCheckpointError(f"{where}: {what} {str(name)[:200]!r}, which {problem}")
+    return name
+
+
+def is_safe_relative_path(path: object, *, single: bool = False) -> bool:
+    """True if `relative_path` accepts `path` (for callers that skip a bad name rather than refuse the file)."""
+    return _path_problem(path, single=single) is None
+
+
+def _path_problem(name: object, *, single: bool) -> str | None:
+    if not isinstance(name, str):
+        return "is not a string"
+    if not name:
+        return "is empty"
+    if "\x00" in name or "\\" in name:
+        return "holds a NUL byte or a backslash"
+    if name.startswith("/") or _DRIVE.match(name):
+        return "is an absolute path"
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        return f"is longer than {MAX_PATH_BYTES} bytes"
+    parts = name.split("/")
+    if single and len(parts) > 1:
+        return "is not a plain name in its directory"
+    if any(p in ("", ".", "..") for p in parts):
+        return "leaves its directory (an empty, '.' or '..' component)"
+    if any(len(p.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for p in parts):
+        return f"has a component longer than {MAX_NAME_BYTES} bytes"
+    return None
 
 
 def step_name(step: int, prefix: str | None, width: int | None = None) -> str:

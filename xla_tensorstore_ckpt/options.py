@@ -268,8 +268,8 @@ class CheckpointManagerOptions:
         for name in ("best_fn", "on_commit", "on_local_commit"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ValueError(f"{name} must be callable")
-        if self.step_prefix is not None and (not self.step_prefix or "/" in self.step_prefix
-                                             or not layout.is_safe_relative_path(self.step_prefix)):
+        if self.step_prefix is not None and not layout.is_safe_relative_path(self.step_prefix,
+                                                                                       single=True):
             raise ValueError(f"step_prefix {self.step_prefix!r} is not a plain name")
         for name in ("create", "async_save", "save_rng", "save_on_preemption", "keep_checkpoints_without_metrics"):
             if not isinstance(getattr(self, name), bool):

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -33,17 +35,20 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from . import layout
 from .arrays.local_reads import read_runs
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator, Exchange
 from .errors import CoordinationError, CorruptCheckpointError, StorageError, UsageError
 from .save_plan import SavePlan
-from .storage.local import fsync_path
+from .storage.local import fsync_path, is_regular
 from .tensor_layout import Placement
 
 COPIES_DIR = "peer_copies"  # under the local root; not a step name, so the local tier's scans pass it by
 COPY_MARKER = "copy.json"
 _PARTIAL = ".partial-"
+_WRITER = re.compile(r"[0-9]+")  # a writer's directory of copies (ASCII digits: "²".isdigit() holds)
+log = logging.getLogger("xla_tensorstore_ckpt")
 # File bytes per round of a process that sends one transfer and receives one (half for each; a process in more
 # transfers holds half of it for each). Two rounds are in flight at once, so reading, sending and writing overlap
 # (one 64 MiB round took 19 ms to read, 63 ms to travel and 30 ms to write and check, one after another).
@@ -141,11 +146,17 @@ def list_files(directory: str, writer: int, step: int) -> StepFiles:
 
 
 def read_copy(directory: str) -> StepFiles | None:
-    """The manifest of a committed peer copy, or None if `directory` holds none (absent, partial, unreadable)."""
+    """The manifest of a committed peer copy, or None if `directory` holds none (absent, partial, unreadable):
+    a damaged marker (one naming a file outside the copy, say, or a FIFO in its place) is logged and the copy
+    treated as absent, so a resume falls back to another copy or tier."""
+    marker = os.path.join(directory, COPY_MARKER)
     try:
-        with open(os.path.join(directory, COPY_MARKER)) as f:
-            manifest = _from_record(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError):
+        if not is_regular(marker):
+            return None
+        with open(marker, "rb") as f:
+            manifest = _from_record(json.loads(f.read()), marker)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("ignoring the peer copy in %s: %s", directory, str(exc)[:500])
         return None
     return manifest if manifest.crcs is not None else None
 
@@ -158,13 +169,16 @@ def _record(manifest: StepFiles) -> dict:
             "shared": [list(entry) for entry in manifest.shared]}
 
 
-def _from_record(record: dict) -> StepFiles:
-    """Raises KeyError, TypeError or ValueError if `record` is not one."""
+def _from_record(record: dict, where: str) -> StepFiles:
+    """Raises KeyError, TypeError or ValueError if `record` (from `where`) is not one: `CorruptCheckpointError`
+    for a file or item name that would lie outside the step (`layout.relative_path`)."""
     crcs = [crc for _, _, crc in record["files"]]
-    return StepFiles(int(record["writer"]), int(record["step"]),
-                     tuple((str(path), int(size)) for path, size, _ in record["files"]),
-                     None if None in crcs else tuple(int(crc) for crc in crcs),
-                     tuple((str(item), int(process)) for item, process in record.get("shared", [])))
+    files = tuple((layout.relative_path(path, where=where, what="file"), int(size))
+                  for path, size, _ in record["files"])
+    shared = tuple((layout.relative_path(item, where=where, what="item", single=True), int(process))
+                   for item, process in record.get("shared", []))
+    return StepFiles(int(record["writer"]), int(record["step"]), files,
+                     None if None in crcs else tuple(int(crc) for crc in crcs), shared)
 
 
 def held_copies(local_root: str,
@@ -176,7 +190,7 @@ def held_copies(local_root: str,
     for writer in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         if _PARTIAL in writer:  # a fetch cut short
             shutil.rmtree(os.path.join(base, writer), ignore_errors=True)
-        if not writer.isdigit():
+        if not _WRITER.fullmatch(writer) or not os.path.isdir(os.path.join(base, writer)):
             continue
         for name in sorted(os.listdir(os.path.join(base, writer))):
             directory = os.path.join(base, writer, name)
@@ -521,6 +535,8 @@ class PeerReplicator:
             return
         base = copies_root(self._root)
         for writer in os.listdir(base) if os.path.isdir(base) else []:
+            if not os.path.isdir(os.path.join(base, writer)):
+                continue
             entries = []
             for name in os.listdir(os.path.join(base, writer)):
                 manifest = read_copy(os.path.join(base, writer, name))
@@ -696,15 +712,16 @@ class PeerCopies:
         items = {(t, item): StepFiles(q, step, ()) for t, item, q in needs}
         for t, item, q in needs:
             if q == me and item in outgoing.get(t, {}).get("items", {}):
-                items[(t, item)] = _from_record(outgoing[t]["items"][item])
+                items[(t, item)] = _from_record(outgoing[t]["items"][item], f"the file lists of step {step}")
         refused = []
         for sender, (blob,) in received.items():
             try:
                 message = json.loads(blob.tobytes())
+                where = f"the file lists of step {step} from process {sender}"
                 if message["main"] is not None:
-                    main[me] = _from_record(message["main"])
+                    main[me] = _from_record(message["main"], where)
                 for item, record in message["items"].items():
-                    items[(me, item)] = _from_record(record)
+                    items[(me, item)] = _from_record(record, where)
                 if message["error"] is not None:
                     refused.append(str(message["error"]))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -6,7 +6,10 @@ or one that started at another time, as after a container restart that reuses pi
 than the timeout (other hosts). A free root is taken by an exclusive create; a stale lock through an exclusive create of
 ``_MANAGER_LOCK.takeover.<stale token>``: of several managers that found the same stale lock at once, exactly one
 creates it and overwrites the lock, the others then find a live owner. The marker stays until its owner releases
-the root, so that a contender still holding the stale record cannot create it again meanwhile. All of this rests
+the root, so that a contender still holding the stale record cannot create it again meanwhile. A process killed
+in between leaves a marker of a dead owner: the next owner removes such markers (one killed between giving up
+the lock and deleting its marker), and a contender killed between its marker and the lock is stale in turn, its
+own marker claimed instead (it would otherwise keep the root from ever being taken over). All of this rests
 on `create_exclusive` having one winner (`Capabilities.atomic_create`); on a backend without it the lock is best
 effort, and a warning says so. Called by the primary process only; blocks.
 """
@@ -56,6 +59,7 @@ class RootLock:
         record = self._record()
         for _ in range(3):
             if self.root.create_exclusive(layout.MANAGER_LOCK, record):
+                self._remove_dead_takeovers()
                 return self._owned()
             data = self.root.read(layout.MANAGER_LOCK)
             if data is None:
@@ -64,18 +68,41 @@ class RootLock:
             if holder is not None and self._is_live(holder):
                 self.holder = holder
                 return False
-            stale = holder.get("token") if holder is not None else None
-            if not isinstance(stale, str) or not stale.isalnum():
-                stale = hashlib.sha256(data).hexdigest()[:32]  # unreadable: named by its content
-            if self.root.create_exclusive(f"{_TAKEOVER}{stale}", record):
+            marker = self._claim(_token(holder, data), record)
+            if marker is not None:
                 self.root.write(layout.MANAGER_LOCK, record, fsync=False)
-                self._takeover = f"{_TAKEOVER}{stale}"
-                for name in self.root.list():
-                    if name.startswith(_TAKEOVER) and name != self._takeover:
-                        self.root.delete(name)  # of earlier takeovers by owners that died since
+                self._takeover = marker
+                self._remove_dead_takeovers()
                 return self._owned()
         self.holder = self.live_holder()
         return False
+
+    def _claim(self, stale: str, record: bytes) -> str | None:
+        """Create the takeover marker of the stale owner `stale`; its name, or None if a live contender holds it.
+        A contender that created it and died before writing the lock (killed in between) is stale in turn: its
+        own marker is claimed instead, so that no dead process can keep the root from being taken over."""
+        for _ in range(8):  # each round follows one more dead contender; real chains are one or two long
+            marker = f"{_TAKEOVER}{stale}"
+            if self.root.create_exclusive(marker, record):
+                return marker
+            data = self.root.read(marker)
+            if data is None:
+                continue  # released meanwhile: claim it again
+            contender = _decode(data)
+            if contender is not None and self._is_live(contender):
+                return None
+            stale = _token(contender, data)
+        return None
+
+    def _remove_dead_takeovers(self) -> None:
+        """Delete the takeover markers of owners that died since (one killed between giving up the lock and
+        deleting its marker leaves one, which no later owner would otherwise remove)."""
+        for name in self.root.list():
+            if name.startswith(_TAKEOVER) and name != self._takeover:
+                data = self.root.read(name)
+                owner = _decode(data) if data is not None else None
+                if owner is None or not self._is_live(owner):
+                    self.root.delete(name)
 
     def heartbeat(self) -> None:
         """Refresh the lock's timestamp (at every commit), so other hosts see the owner alive."""
@@ -106,6 +133,13 @@ class RootLock:
             return not isinstance(started, str) or process_start(pid) in (None, started)  # type: ignore[arg-type]
         heartbeat = holder.get("heartbeat")
         return isinstance(heartbeat, (int, float)) and time.time() - heartbeat < self.timeout_s
+
+
+def _token(holder: dict | None, data: bytes) -> str:
+    """The token a takeover marker of `holder` (the record `data`) is named by; an unreadable record is named by
+    its content."""
+    token = holder.get("token") if holder is not None else None
+    return token if isinstance(token, str) and token.isalnum() else hashlib.sha256(data).hexdigest()[:32]
 
 
 def _decode(data: bytes) -> dict | None:

@@ -248,5 +248,5 @@ def check_items(items: Mapping[str, str] | None, requested: Mapping[str, Any]) -
         if name not in requested:
             raise UsageError(f"items names {name!r}, which is not an object given to restore (given: "
                              f"{', '.join(requested) or 'none'})")
-        if not isinstance(item, str) or not layout.is_safe_relative_path(item) or "/" in item:
+        if not isinstance(item, str) or not layout.is_safe_relative_path(item, single=True):
             raise UsageError(f"items[{name!r}] must be the name of an item of the step, got {item!r}")

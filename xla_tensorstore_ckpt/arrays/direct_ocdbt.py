@@ -186,7 +186,7 @@ class _DataFile:
         self.window = window
         self.size = 0  # bytes appended
         self.filled = 0  # bytes of the window not yet written
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)  # less the umask
         # Buffered until the first full window: a file smaller than one stays in the page cache, where reading
         # it back right away costs no disk read (small saves, metadata-sized stores); larger ones go around it.
         # O_DIRECT is set on the open file: a file system that refuses it (EINVAL) has the file written buffered.
@@ -253,7 +253,7 @@ class _DataFile:
 
 
 def _write_file(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # less the umask
     try:
         view = memoryview(data)
         while len(view):

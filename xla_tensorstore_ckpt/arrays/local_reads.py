@@ -25,6 +25,7 @@ import crc32c
 import numpy as np
 
 from ..errors import CorruptCheckpointError, StorageError
+from ..storage.local import is_regular
 
 ALIGN = 4096  # a multiple of every logical block size O_DIRECT asks for
 WINDOW_BYTES = 8 << 20  # each thread's aligned window
@@ -208,7 +209,10 @@ def _open_direct(path: str) -> int | None:
 
 
 def open_for_runs(path: str, flags: int = 0) -> int:
-    """A read-only descriptor of `path` for `read_runs` (`flags` added). Raises OSError."""
+    """A read-only descriptor of `path` for `read_runs` (`flags` added). Raises OSError (EINVAL for a FIFO, a
+    socket or a device, refused before it is opened: `storage.local.is_regular`)."""
+    if not is_regular(path) and os.path.isdir(path):
+        raise OSError(errno.EISDIR, f"{path} is a directory")
     fd = os.open(path, os.O_RDONLY | flags)
     try:
         # No readahead: it would cache the pieces after these, and the probe would then take them as warm.

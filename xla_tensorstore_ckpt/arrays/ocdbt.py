@@ -100,7 +100,7 @@ def ocdbt_index(item: storage.Location, context: ts.Context | None = None) -> di
     data files. Raises `CorruptCheckpointError` for a store that cannot be read or whose data files lie outside
     the item directory. Blocks."""
     context = context or operation_context()
-    item.read_range(layout.OCDBT_MANIFEST, 0, 0).result()  # a FIFO there would block tensorstore: refused
+    storage.check_regular_files(item)  # a FIFO there would block tensorstore: refused
     try:
         base = ts.KvStore.open(item.kvstore_spec(), context=context).result()
         manifest = ts.ocdbt.dump(base, context=context).result()
@@ -133,6 +133,7 @@ def _indirect(item: storage.Location, where: str) -> StoredValue:
     head, offset, length = where.rsplit(":", 2)
     kind, base, file = head.split(":", 2)
     path = base + file
-    if kind != "value" or not layout.is_safe_relative_path(path):
-        raise CorruptCheckpointError(f"the array store of {item} references {where!r}, outside its directory")
+    if kind != "value":
+        raise CorruptCheckpointError(f"the array store of {item} references {where!r}, not a value in a file")
+    layout.relative_path(path, where=f"the array store of {item} references {where!r}", what="data file")
     return StoredValue(file=path, offset=int(offset), length=int(length))

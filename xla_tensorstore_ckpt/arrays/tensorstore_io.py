@@ -231,6 +231,7 @@ class TensorstoreReader(ArrayReader):
         self._context = context
         self._driver = item.kvstore_spec()["driver"]
         self._bytes_read_at_start = _kvstore_bytes_read(self._driver)
+        self._checked_files = False  # the item's local files, for special files, before tensorstore opens one
 
     @property
     def context(self) -> ts.Context:
@@ -263,12 +264,15 @@ class TensorstoreReader(ArrayReader):
         zarr3 = self.store.zarr_format == 3
         metadata = layout.ZARR_METADATA if zarr3 else _ZARR2_METADATA
         if self.item.local_file("") is not None:
-            # Local files are read through the backend, which refuses a FIFO or a device where a file belongs
-            # (tensorstore's file driver would block on it); for OCDBT, the store's manifest is checked likewise.
-            if self.store.kind == "ocdbt":
-                self.item.read_range(layout.OCDBT_MANIFEST, 0, 0).result()
-            else:
+            # No FIFO or device where tensorstore's file driver would open a file (it would block on it): the
+            # item's OCDBT store, once per reader, or the array's directory; its metadata is read through the
+            # backend, which refuses them likewise.
+            if self.store.kind != "ocdbt":
+                storage.check_regular_files(ref.location)
                 return _Opening(ref, Ready(ref.location.read(metadata)), metadata, "zarr3" if zarr3 else "zarr")
+            if not self._checked_files:
+                storage.check_regular_files(self.item)
+                self._checked_files = True
         try:
             kvstore = ts.KvStore.open(ref.kvstore_spec(), context=self.context).result()
             reading = kvstore.read(metadata)

@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import io
 import math
-import re
 import warnings
 import zipfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import bounds, dtypes, tree
+from .. import bounds, dtypes, layout, tree
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 from ..records import ArrayStore, ItemManifest, PieceMetadata, PiecesArrayMetadata
 from ..storage import Location, RangeNotSatisfiableError
-from . import torch_pickle
+from . import torch_pickle, torch_zip
 from .safetensors import row_block
 
 NAME = "dcp"
@@ -43,7 +42,6 @@ STORE = ArrayStore(kind="dcp", zarr_format=0, checksums=False)
 MAX_METADATA_BYTES = 1 << 30
 MAX_VALUE_BYTES = 16 << 20  # a bytes entry that is a plain value is a few KiB
 MATCH_BY_NAME = True  # restores match a target's keys by dotted name (DCP's own keys are flattened names)
-_PLAIN_FILE = re.compile(r"[^/\\\x00-\x1f]+")
 
 
 def claims_item(loc: Location, doc: dict | None) -> bool:
@@ -125,9 +123,7 @@ def _storage_index(data: dict, where: str) -> dict[tuple[str, tuple | None], tup
                                for n in ("relative_path", "offset", "length"))
         if not isinstance(fqn, str) or not (offset is None or isinstance(offset, tuple)):
             raise CorruptCheckpointError(f"{where}: a malformed storage index {str(index)[:200]}")
-        if not (isinstance(file, str) and _PLAIN_FILE.fullmatch(file) and file not in (".", "..")):
-            raise CorruptCheckpointError(f"{where}: {fqn!r} is stored in {str(file)[:100]!r}, not a plain file name "
-                                         f"in this directory")
+        layout.relative_path(file, where=f"{where} [{fqn[:200]!r}]", what="file name", single=True)
         if not (_count(start) and _count(length)):
             raise CorruptCheckpointError(f"{where}: {fqn!r} has offset {start!r} and length {length!r}, not byte "
                                          f"counts"[:300])
@@ -247,7 +243,7 @@ def _value(loc: Location, file: str, start: int, length: int, key: str) -> Any:
         if len(pickles) != 1 or len(archive.namelist()) > 16:
             return _Skipped("not a torch.save blob of a value")
         record = archive.read(pickles[0])
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+    except torch_zip.ZIP_ERRORS:
         return _Skipped("raw bytes, not a torch.save blob")
     try:
         value = torch_pickle.load_value(record, where)

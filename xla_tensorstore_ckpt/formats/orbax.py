@@ -204,9 +204,7 @@ def _check_array_name(path: layout.KeyPath, name: str, where: str) -> None:
     """`CorruptCheckpointError` if the array Orbax names by `path` would lie outside the item directory. A
     ``/`` within a name is allowed: Orbax stores the key ``"a/b"`` as the nested directory ``a/b`` and restores
     it; a name that leaves the item (``..`` or ``.`` or empty components, a leading ``/``, ``\\``, NUL) is not."""
-    if not layout.is_safe_relative_path(name):
-        raise CorruptCheckpointError(f"{where}: the array of key {_key_text(path)} would be read "
-                                     f"from {name!r}, which is not a path inside the item")
+    layout.relative_path(name, where=where, what=f"the array of key {_key_text(path)[:200]} would be read from")
 
 
 def _json_item(doc: Any, *, where: str) -> ItemManifest:
@@ -297,7 +295,7 @@ def decode_step(loc: Location, doc: dict, step: int | None, *, where: str) -> St
             raise CorruptCheckpointError(f"{where}: not in a step directory")
     handlers = doc.get("item_handlers")
     if isinstance(handlers, dict):
-        items = tuple(name for name in handlers if layout.is_safe_relative_path(name) and "/" not in name)
+        items = tuple(name for name in handlers if layout.is_safe_relative_path(name, single=True))
     else:
         items = tuple(name for name in loc.list() if loc.child(name).read(layout.ITEM_METADATA) is not None)
     metrics = doc.get("metrics")

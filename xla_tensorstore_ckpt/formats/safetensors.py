@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import bounds, dtypes
+from .. import bounds, dtypes, layout
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 from ..records import ArrayStore, ItemManifest, RawArrayMetadata
 from ..storage import Location, RangeNotSatisfiableError
@@ -46,7 +45,6 @@ NAME = "safetensors"
 DESCRIPTION = "Hugging Face safetensors"
 FILE_SUFFIX = SUFFIX
 MATCH_BY_NAME = False
-_SAFE_FILE_NAME = re.compile(r"[^/\\\x00-\x1f]+")
 
 
 def is_file(loc: Location) -> bool:
@@ -125,8 +123,7 @@ def weight_map_of(data: bytes, where: str) -> dict[str, str]:
                                                    for k, v in weight_map.items()):
         raise CorruptCheckpointError(f"{where}: 'weight_map' must map tensor names to file names")
     for name in set(weight_map.values()):
-        if not _SAFE_FILE_NAME.fullmatch(name) or name in (".", ".."):
-            raise CorruptCheckpointError(f"{where}: file name {name!r} is not a plain name in this directory")
+        layout.relative_path(name, where=where, what="file name", single=True)
     return weight_map
 
 

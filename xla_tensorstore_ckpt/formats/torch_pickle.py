@@ -15,6 +15,8 @@ from __future__ import annotations
 import datetime
 import io
 import pickle
+import pickletools
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,7 +183,30 @@ _STORAGE_NAMES = {("torch", name): name for name in STORAGE_DTYPES} | {("torch.s
                                                                        ("torch", "UntypedStorage"): "UntypedStorage"}
 
 
+def _check_counted_bytearrays(data: bytes, where: str) -> None:
+    """`CorruptCheckpointError` for a pickle holding a BYTEARRAY8 opcode (0x96) that declares more bytes than the
+    whole pickle has. CPython's unpickler allocates that size before reading, and where the allocation fails it
+    leaves a bytearray whose deallocation prints "SystemError: deallocated bytearray object has exported
+    buffers" on stderr (seen on damaged DCP ``.metadata`` files). Only a pickle with a 0x96 byte followed by
+    such a length is walked opcode by opcode (`pickletools.genops`, which reads no more than the data holds)
+    to tell an opcode from a byte inside another one's argument."""
+    at = data.find(_BYTEARRAY8)
+    while at >= 0 and int.from_bytes(data[at + 1:at + 9], "little") <= len(data):
+        at = data.find(_BYTEARRAY8, at + 1)
+    if at < 0:
+        return
+    try:
+        for _ in pickletools.genops(data):
+            pass
+    except (ValueError, EOFError, OverflowError, struct.error) as exc:
+        raise CorruptCheckpointError(f"{where}: not a readable pickle ({exc})"[:500]) from None
+
+
+_BYTEARRAY8 = b"\x96"
+
+
 def _load(data: bytes, known: dict, where: str, *, storages: bool = False) -> Any:
+    _check_counted_bytearrays(data, where)
     try:
         return _Restricted(data, known, where, storages=storages).load()
     except CorruptCheckpointError:

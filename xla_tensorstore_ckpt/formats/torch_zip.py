@@ -14,6 +14,7 @@ import io
 import math
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
 
 from .. import dtypes
@@ -48,6 +49,12 @@ class TensorBytes:
         return all(s == e or n == 1 for s, e, n in zip(self.stride, reversed(expected), self.size))
 
 
+# What `zipfile` raises on a damaged archive besides BadZipFile: an unknown "version" or compression
+# (NotImplementedError), an "encrypted" record (RuntimeError), names that are not UTF-8 (UnicodeDecodeError, a
+# ValueError), fields that overflow, short reads, broken deflate streams.
+ZIP_ERRORS = (zipfile.BadZipFile, NotImplementedError, RuntimeError, OSError, ValueError, EOFError, OverflowError,
+              struct.error, zlib.error)
+
 def locate(directory: Location, file: str, start: int, length: int, dtype: str, size: tuple[int, ...],
            where: str) -> TensorBytes:
     """The bytes of the tensor that the ``torch.save`` blob at [`start`, `start + length`) of `file` holds,
@@ -56,8 +63,10 @@ def locate(directory: Location, file: str, start: int, length: int, dtype: str, 
     view = _BlobView(directory, file, start, length, where)
     try:
         archive = zipfile.ZipFile(view)
-    except zipfile.BadZipFile as exc:
-        raise CorruptCheckpointError(f"{where}: not a torch.save blob ({exc})") from None
+    except CorruptCheckpointError:
+        raise
+    except ZIP_ERRORS as exc:
+        raise CorruptCheckpointError(f"{where}: not a torch.save blob ({exc!r})"[:500]) from None
     names = archive.namelist()
     pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
@@ -118,8 +127,10 @@ def _record(archive: zipfile.ZipFile, name: str, where: str, *, required: bool =
         raise CorruptCheckpointError(f"{where}: the record {name} of {info.file_size} bytes is too large")
     try:
         return archive.read(name)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        raise CorruptCheckpointError(f"{where}: cannot read the record {name} ({exc})") from None
+    except CorruptCheckpointError:
+        raise
+    except ZIP_ERRORS as exc:
+        raise CorruptCheckpointError(f"{where}: cannot read the record {name} ({exc!r})"[:500]) from None
 
 
 class _BlobView(io.RawIOBase):

@@ -86,6 +86,7 @@ def array_names(paths: list[layout.KeyPath]) -> list[str]:
     for path in paths:
         name = ".".join(str(k) for k in path)
         if (not path or any(str(k) == "" for k in path) or _UNSAFE_IN_NAME.search(name) or name in _ITEM_FILES
+                or not layout.is_safe_relative_path(name, single=True)
                 or name.startswith(layout.OCDBT_PROCESS_PREFIX) or len(name) > v1.MAX_COMPONENT_LENGTH
                 or name in taken):
             name = "%" + ".".join(v1.escape_component(k).replace(".", "%2E") for k in path)
@@ -171,8 +172,8 @@ def decode_step(_loc: Location, doc: dict, _step: int | None, *, where: str) -> 
     if metrics is not None and not isinstance(metrics, dict):
         raise CorruptCheckpointError(f"{where}: metrics is not an object")
     items = v1.listing(mine.get("items"), where)
-    if not all(isinstance(i, str) and layout.is_safe_relative_path(i) and "/" not in i for i in items):
-        raise CorruptCheckpointError(f"{where}: malformed item list {items!r}"[:300])
+    for i in items:
+        layout.relative_path(i, where=where, what="item", single=True)
     versions = mine.get("versions")
     local = mine.get("local_tier")
     if local is not None and not (isinstance(local, dict) and isinstance(local.get("persistent_copy"), bool)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import os
 
+from ..errors import CorruptCheckpointError
 from .base import Backend, Capabilities, Location, PendingBytes, RangeNotSatisfiableError
 from .gcs import GcsBackend
 from .kvstore import context, operation_context, without_spec
-from .local import LocalBackend, absolute
+from .local import LocalBackend, absolute, check_tree
 from .memory import MemoryBackend
 from .s3 import S3Backend
 
-__all__ = ["Backend", "Capabilities", "Location", "PendingBytes", "RangeNotSatisfiableError", "context", "location",
-           "operation_context", "register_backend", "without_spec"]
+__all__ = ["Backend", "Capabilities", "Location", "PendingBytes", "RangeNotSatisfiableError", "check_regular_files",
+           "context", "location", "operation_context", "register_backend", "without_spec"]
 
 _BACKENDS: dict[str, type[Backend]] = {}
 
@@ -46,3 +47,17 @@ def location(path: str | os.PathLike | Location) -> Location:
         known = ", ".join(f"{s}://" for s in sorted(_BACKENDS) if s != "file")
         raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path or {known}")
     return Location(*backend.parse(rest))
+
+
+def check_regular_files(loc: Location) -> None:
+    """`CorruptCheckpointError` if the local directory `loc` holds, anywhere below it, anything but regular files
+    and directories (a FIFO, a socket, a device, or a symbolic link to one): called before tensorstore opens
+    files there itself (an OCDBT store's manifest and data files, zarr chunk files), which it would block on.
+    Never opens a file (`local.check_tree`); nothing to do on other backends. Blocks on a listing."""
+    path = loc.local_file("")
+    if path is None:
+        return
+    try:
+        check_tree(path)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read {loc}: {exc.strerror or exc}") from None

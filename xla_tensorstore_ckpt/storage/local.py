@@ -7,9 +7,9 @@ import ctypes
 import errno
 import os
 import re
+import secrets
 import shutil
 import stat
-import tempfile
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -239,9 +239,7 @@ def _temporary_copy(path: str, data: bytes, *, fsync: bool) -> str:
     """`data` in a new temporary file beside `path` (its directory created if needed); the file's path."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    # The writer in the name: a later manager removes what a writer that died (SIGKILL) left behind.
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{host_tag()}-{os.getpid()}.", suffix=".tmp",
-                               dir=directory)
+    fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -254,9 +252,67 @@ def _temporary_copy(path: str, data: bytes, *, fsync: bool) -> str:
     return tmp
 
 
+def is_regular(path: str) -> bool:
+    """True if `path` is a regular file (a symbolic link to one too), False if nothing or a directory is there.
+    Anything else (a FIFO, a socket, a device) raises OSError(EINVAL): opening a FIFO blocks until a writer
+    comes, reading a device may never end, and tensorstore opens the files it reads itself. Checked with `stat`
+    alone, which never opens `path`. Every reader of local files it did not just write asks this first (this
+    module's reads, `arrays.local_reads`, `check_tree` before tensorstore opens a directory's files)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISREG(mode):
+        return True
+    if stat.S_ISDIR(mode):
+        return False
+    raise OSError(errno.EINVAL, f"{path} is {_special_kind(mode)}, not a regular file")
+
+
+def check_tree(directory: str) -> None:
+    """OSError(EINVAL) naming the first entry under `directory` (symbolic links followed to what they name) that
+    is neither a regular file nor a directory: called before tensorstore opens files there (an OCDBT store's data
+    files, zarr chunk files), which it would block on. A listing (the entries' types come with it) and a `stat`
+    per symbolic link; never opens a file. Nothing there: nothing to refuse."""
+    pending = [directory]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(entry.path)
+            elif not entry.is_file(follow_symlinks=False):  # a link, or a special file
+                is_regular(entry.path)
+
+
+def _special_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), f"a special file (mode {mode:o})")
+
+
+def _create_temporary(path: str) -> tuple[int, str]:
+    """A new empty file beside `path` under a temporary name, and its descriptor (write-only). Created with mode
+    0666, which the kernel narrows by the process's umask as for any file a user creates (``mkstemp``'s 0600
+    would leave checkpoint metadata unreadable by the other users of a shared directory). The writer is in the
+    name: a later manager removes what a writer that died (SIGKILL) left behind (`remove_stale_temporaries`)."""
+    prefix = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{host_tag()}-{os.getpid()}.")
+    while True:
+        tmp = f"{prefix}{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def _open_regular(path: str) -> int | None:
     """A read-only descriptor of the regular file `path`; None if nothing or a directory is there. Anything
-    else (a FIFO, a device, a socket) is an error, checked before a read could block or never end."""
+    else (a FIFO, a device, a socket) is an error (`is_regular`), checked before it is opened; the descriptor
+    is checked again, for a file replaced in between."""
+    if not is_regular(path):
+        return None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
@@ -268,7 +324,7 @@ def _open_regular(path: str) -> int | None:
     os.close(fd)
     if stat.S_ISDIR(mode):
         return None
-    raise OSError(errno.EINVAL, "not a regular file")
+    raise OSError(errno.EINVAL, f"{path} is {_special_kind(mode)}, not a regular file")
 
 
 def _remove(path: str) -> None:
