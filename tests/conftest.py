@@ -1,7 +1,7 @@
 """Test environment: torch_xla SPMD on 8 virtual CPU devices, set up before anything imports torch_xla, on the
 stack that has it. On the newest stack (no torch_xla) the tests marked `xla` are deselected: `make test` passes
-`-m "not xla"` there, and pytest's summary counts them. The tests marked `trainers` need torchtitan and Lightning (the
-`[trainers]` extra, on the newest stack): without them they are deselected and counted the same way."""
+`-m "not xla"` there, and `pytest --collect-only -q -m xla` counts them. The tests marked `trainers` need
+torchtitan and Lightning (the `[trainers]` extra, on the newest stack): without them they are deselected too."""
 
 from __future__ import annotations
 
