@@ -64,11 +64,7 @@ class DCPStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
-        try:
-            storage.location(checkpoint_id)
-        except (ValueError, TypeError):
-            return False
-        return True
+        return storage.is_location(checkpoint_id)
 
     def read_metadata(self) -> Metadata:
         """DCP's `Metadata` of the item (every rank calls it). Blocks on reading the item's metadata files.

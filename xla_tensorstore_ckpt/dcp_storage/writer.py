@@ -67,11 +67,7 @@ class DCPStorageWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
-        try:
-            storage.location(checkpoint_id)
-        except (ValueError, TypeError):
-            return False
-        return True
+        return storage.is_location(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self._location()))

@@ -19,7 +19,7 @@ from .memory import MemoryBackend
 from .s3 import S3Backend
 
 __all__ = ["Backend", "Capabilities", "Location", "PendingBytes", "RangeNotSatisfiableError", "check_regular_files",
-           "context", "location", "operation_context", "register_backend", "without_spec"]
+           "context", "is_location", "location", "operation_context", "register_backend", "without_spec"]
 
 _BACKENDS: dict[str, type[Backend]] = {}
 
@@ -47,6 +47,15 @@ def location(path: str | os.PathLike | Location) -> Location:
         known = ", ".join(f"{s}://" for s in sorted(_BACKENDS) if s != "file")
         raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path or {known}")
     return Location(*backend.parse(rest))
+
+
+def is_location(path: str | os.PathLike | Location) -> bool:
+    """Whether `location(path)` would succeed: a local path or a URL of a registered scheme. Never raises."""
+    try:
+        location(path)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def check_regular_files(loc: Location) -> None:
