@@ -52,9 +52,9 @@ def test_restore_in_place_releases_each_target_before_placing_it(tmp_path, monke
         fresh = _on_mesh(Tied(), mesh)
         params = {name: p for name, p in fresh.named_parameters()}
         events = []
-        real_release, real_replace = sharding._release, sharding.replace
+        real_release, real_replace = sharding._release, sharding.assign
         monkeypatch.setattr(sharding, "_release", lambda t: events.append(("release", id(t))) or real_release(t))
-        monkeypatch.setattr(sharding, "replace", lambda targets, new: events.extend(
+        monkeypatch.setattr(sharding, "assign", lambda targets, new: events.extend(
             ("replace", id(t)) for t in targets) or real_replace(targets, new))
         assert manager.restore(1, model=fresh, restore_rng=False) == 1
     assert {name: p for name, p in fresh.named_parameters()} == params  # the same objects
@@ -129,7 +129,7 @@ def test_wait_transferred_returns_once_the_placed_tensor_is_on_its_devices(spec)
     target = sharded(torch.zeros(64, 32), mesh if spec else None, spec)
     lay = sharding.layouts([target])[0]
     shards = [value[tuple(slice(a, b) for a, b in s.index)].contiguous() for s in lay.shards]
-    placed = sharding.build(target, lay, shards)
+    placed = sharding.place(target, lay, shards)
     sharding.wait_transferred(placed)
     sharding.wait_transferred(placed)  # already there: returns at once
     assert torch.equal(placed.cpu(), value)
