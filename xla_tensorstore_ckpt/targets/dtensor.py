@@ -73,9 +73,10 @@ def signatures(values: Sequence[Any]) -> list[tuple]:
     out = []
     for value in values:
         mesh = value.device_mesh
+        coordinate = mesh.get_coordinate()  # a list in torch 2.9: made a tuple, the signature is hashable
         out.append((NAME, tuple(value.shape), value.dtype, tuple(value.placements), tuple(mesh.shape),
-                    tuple(mesh.mesh.reshape(-1).tolist()), mesh.mesh_dim_names, mesh.get_coordinate(),
-                    value._local_tensor.device))
+                    tuple(mesh.mesh.reshape(-1).tolist()), mesh.mesh_dim_names,
+                    None if coordinate is None else tuple(coordinate), value._local_tensor.device))
     return out
 
 
