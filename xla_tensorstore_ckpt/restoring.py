@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from . import (
     targets,
     tree,
 )
+from .arrays.local_reads import COUNTS as LOCAL_READS
 from .distributed import Coordinator, default_coordinator
 from .errors import (
     CheckpointError,
@@ -38,7 +40,7 @@ from .errors import (
     UnsupportedValueError,
     UsageError,
 )
-from .events import RESTORE_FINISHED, RESTORE_PLANNED, Emitter
+from .events import RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_FINISHED, RESTORE_PLANNED, Emitter
 from .gc_pause import paused_gc
 from .options import RestoreOptions
 from .read_jobs import ReadJob, RestoreAs, is_array_target
@@ -47,6 +49,8 @@ from .records import ArrayMetadata, ItemManifest
 PathLike = str | storage.Location
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
+# What `read_arrays` counts of the paths its reads take (``restore_finished``'s ``paths``, with the local reads').
+_PATHS = ("batches", "read_ahead", "arena_bytes", "own_buffer_bytes", "into_target_bytes")
 
 
 def read_item(path: PathLike, target: Any = None, *, strict: bool = True, options: RestoreOptions | None = None,
@@ -113,12 +117,15 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
                         details={"arrays": len(jobs), "chunks": sum(job.chunks_touched for job in jobs)})
             begun = time.perf_counter()
             into = _readable_into(wanted) if release_targets else {}
+            paths: Counter[str] = Counter()
+            local_before = LOCAL_READS.snapshot()
             values = read_arrays(loc, reader, jobs, options, take, release_targets=release_targets,
-                                 exchange=exchange, into=into)
+                                 exchange=exchange, into=into, events=events, paths=paths)
             fetched = reader.fetched_bytes()
         finally:
             reader.close()  # every read has finished: read_arrays waits for them, also on errors
-        details = {"arrays": len(jobs), "storage_bytes": fetched}
+        details = {"arrays": len(jobs), "storage_bytes": fetched,
+                   "paths": {**{name: paths[name] for name in _PATHS}, **LOCAL_READS.since(local_before)}}
         if exchange is not None:
             details.update(peer_bytes_sent=exchange.sent_bytes, peer_bytes_received=exchange.received_bytes,
                            plan="derived" if exchange.derived else "gathered",
@@ -216,7 +223,8 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
 def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequence[ReadJob], options: RestoreOptions,
                 take: Callable[[dict], None] | None = None, *, release_targets: bool = False,
                 exchange: replica_reads.Exchange | None = None,
-                into: Mapping[layout.KeyPath, torch.Tensor] | None = None) -> dict:
+                into: Mapping[layout.KeyPath, torch.Tensor] | None = None, events: Emitter | None = None,
+                paths: Counter[str] | None = None) -> dict:
     """Read every job's regions and build its tensor, batch by batch as `read_jobs.schedule` plans them: the
     reads of the next batch overlap building this one (unless both exceed `options.max_host_bytes`), one
     transfer to the devices runs while the next tensor is copied, and under a budget the freed host memory is
@@ -225,10 +233,14 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
     `release_targets`). On error, outstanding reads are waited for before the error propagates. With an
     `exchange` (single-replica reads), the batches are the ones every process agreed on, and each is settled
     with the others (`replica_reads.Exchange`) before it is built. `into`: target tensors by key path that the
-    reads may fill directly (`read_item`'s restores in place)."""
+    reads may fill directly (`read_item`'s restores in place). `events` hears of each batch's reads and each
+    value built (`events.RESTORE_BATCH_ISSUED`, `RESTORE_BUILT`); `paths` counts which paths they took."""
     _check_sizes(loc, jobs)
+    events = events or Emitter()
+    paths = Counter() if paths is None else paths
     schedule = read_jobs.schedule(list(jobs), options, exchange and exchange.batches)
-    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs}, exchange, into)
+    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs}, exchange, into,
+                       events, paths)
     transfers = _Transfers()
     resident_at_start = host_memory.resident_bytes() if schedule.budget is not None else None
     results: dict[layout.KeyPath, torch.Tensor] = {}
@@ -238,10 +250,14 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
             batches.issue(k)  # unless it was read ahead
             if schedule.reads_ahead(k):
                 batches.issue(k + 1)
+                paths["read_ahead"] += 1
             if exchange is not None:
                 exchange.settle(k)
             for i, job in enumerate(group):
                 value = _build(job, batches.take(k, i), release=release_targets)
+                if events.listeners:
+                    events.emit(RESTORE_BUILT, nbytes=job.read_bytes, details={
+                        "key": tree.format_key_path(job.key_path), "batch": k, "target": job.target.NAME})
                 if job.target.DEVICE_BOUND:
                     transfers.started(job.target, value)
                 if take is None:
@@ -295,9 +311,10 @@ class _Batches:
     buffers of its own); a region's buffer is dropped once its tensor is built."""
 
     def __init__(self, loc: storage.Location, schedule: read_jobs.ReadSchedule, opened: dict,
-                 exchange: replica_reads.Exchange | None = None,
-                 into: Mapping[layout.KeyPath, torch.Tensor] | None = None):
+                 exchange: replica_reads.Exchange | None, into: Mapping[layout.KeyPath, torch.Tensor] | None,
+                 events: Emitter, paths: Counter[str]):
         self._loc, self._schedule, self._opened, self._exchange = loc, schedule, opened, exchange
+        self._events, self._paths = events, paths
         self._arenas = (restore_arenas.Arena(schedule.batch_bytes), restore_arenas.Arena(schedule.batch_bytes))
         self._issued: dict[int, list[dict]] = {}
         self._into = into or {}
@@ -313,8 +330,17 @@ class _Batches:
             arena = None
         else:
             arena.reset()
-        self._issued[k] = _issue_reads(self._loc, self._schedule.groups[k], self._opened, arena, self._exchange,
-                                       self._into, self.written_into)
+        group = self._schedule.groups[k]
+        into_before = set(self.written_into)
+        self._issued[k] = _issue_reads(self._loc, group, self._opened, arena, self._exchange, self._into,
+                                       self.written_into, self._paths)
+        self._paths["batches"] += 1
+        if self._events.listeners:
+            into = [tree.format_key_path(job.key_path) for job in group if job.key_path in self.written_into
+                    and job.key_path not in into_before]
+            self._events.emit(RESTORE_BATCH_ISSUED, nbytes=self._schedule.sizes[k], details={
+                "batch": k, "keys": [tree.format_key_path(job.key_path) for job in group],
+                "buffers": "own" if arena is None else "arena", "into_targets": into})
 
     def take(self, k: int, i: int) -> dict:
         """The read regions of job i of batch k (blocks until they are read); the batch no longer holds them."""
@@ -362,20 +388,25 @@ class _Transfers:
 
 def _issue_reads(loc: storage.Location, group: Sequence[ReadJob], opened: dict,
                  arena: restore_arenas.Arena | None, exchange: replica_reads.Exchange | None,
-                 into: Mapping[layout.KeyPath, torch.Tensor], written_into: set[layout.KeyPath]) -> list[dict]:
+                 into: Mapping[layout.KeyPath, torch.Tensor], written_into: set[layout.KeyPath],
+                 paths: Counter[str]) -> list[dict]:
     """Start the reads of `group` (through `exchange`, if given). Data bound for XLA devices is read into
     `arena` if given (torch_xla copies it before `_build` returns, so the arena is free again once the group is
     built); a host target restored in place (`into`) is read into directly where it can be (`_target_memory`;
-    its key is added to `written_into`); other CPU and host results own theirs."""
+    its key is added to `written_into`); other CPU and host results own theirs. `paths` counts the bytes read
+    into each kind of buffer."""
     issued = []
     for job in group:
         stored = opened[job.key_path].result()
         _check_stored(loc, job, stored)
-        empty = arena.empty if arena is not None and job.target.DEVICE_BOUND else host_memory.empty
+        in_arena = arena is not None and job.target.DEVICE_BOUND
+        empty = arena.empty if in_arena else host_memory.empty
         memory = _target_memory(job, into.get(job.key_path))
         if memory is not None:
             empty = _into(memory)
             written_into.add(job.key_path)
+        paths["into_target_bytes" if memory is not None else "arena_bytes" if in_arena
+              else "own_buffer_bytes"] += job.read_bytes
         issued.append(stored.read(job.reads, empty) if exchange is None else exchange.read(job, stored, empty))
     return issued
 
