@@ -15,16 +15,25 @@ CHROMIUM := /usr/bin/chromium
 
 .PHONY: demo test test-xla test-newest stacks lint bench clean
 
+# The package's requirements with the extras named as arguments, one per line, read from pyproject.toml: the two
+# environments install them at the same time; the editable installs of the one checkout (which write its
+# *.egg-info) then take turns under a lock.
+REQUIREMENTS = $(PYTHON) -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	print(*p["dependencies"], *(r for extra in sys.argv[1:] for r in p["optional-dependencies"][extra]), sep="\n")'
+EDITABLE = flock .install.lock $(1) -m pip install --quiet --no-deps -e .
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[xla,test]'
+	$(REQUIREMENTS) xla test | $(PY) -m pip install --quiet -r /dev/stdin
+	$(call EDITABLE,$(PY))
 	touch $(STAMP)
 
 $(NEWEST_STAMP): pyproject.toml
 	test -x $(NEWEST_PY) || $(PYTHON) -m venv $(NEWEST_VENV)
 	$(NEWEST_PY) -m pip install --quiet --upgrade pip
-	$(NEWEST_PY) -m pip install --quiet -e '.[test,trainers]' 'torch==$(NEWEST_TORCH)'
+	( $(REQUIREMENTS) test trainers; echo 'torch==$(NEWEST_TORCH)' ) | $(NEWEST_PY) -m pip install --quiet -r /dev/stdin
+	$(call EDITABLE,$(NEWEST_PY))
 	touch $(NEWEST_STAMP)
 
 demo: $(STAMP)
@@ -33,8 +42,9 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# Both environments, set up one after the other (two editable installs of one checkout must not race).
-stacks: $(STAMP) $(NEWEST_STAMP) $(CHROMIUM)
+# Both environments (and the browser), set up at the same time.
+stacks:
+	$(MAKE) --no-print-directory -j3 $(STAMP) $(NEWEST_STAMP) $(CHROMIUM)
 
 $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
@@ -47,7 +57,7 @@ PYTEST_XLA := XTC_NEWEST_PYTHON=$(abspath $(NEWEST_PY)) $(PY) -m pytest -q -p no
 	--dist worksteal
 PYTEST_NEWEST := $(NEWEST_PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal -m "not xla"
 
-test: lint stacks
+test: stacks lint
 	@rm -f .test-xla.log .test-newest.log
 	@( $(PYTEST_XLA) > .test-xla.log 2>&1; echo $$? > .test-xla.rc ) & \
 	 ( $(PYTEST_NEWEST) > .test-newest.log 2>&1; echo $$? > .test-newest.rc ) & \
@@ -67,4 +77,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) build *.egg-info .test-*.log .test-*.rc
+	rm -rf $(VENV) $(NEWEST_VENV) build *.egg-info .test-*.log .test-*.rc .install.lock

@@ -19,6 +19,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from xla_stack import HAS_TORCH_XLA, torch_xla, xr, xs  # noqa: E402
 
+pytest_plugins = ["cpu_durations"]  # `--cpu-durations=N`: where the suite's time budget goes
+
 if HAS_TORCH_XLA:
     xr.use_spmd()
     # torch's autograd engine sizes its per-device queues at the first backward pass. If a CPU-only backward runs
