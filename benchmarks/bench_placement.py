@@ -4,7 +4,7 @@ A restore onto torch_xla tensors ends by handing host data to torch_xla. Two bin
 from host memory:
 
 - `cpu-shards`: ``_global_tensor_from_cpu_shards(shards, op_sharding, shape)``, one host tensor per device, as
-  this library's `sharding.build` calls it. It copies every shard (``AtenSource``) before PJRT's transfer, and it
+  this library's `targets.xla.place` calls it. It copies every shard (``AtenSource``) before PJRT's transfer, and it
   holds the GIL while it does (no ``NoGilSection`` in its binding).
 - `from-aten`: ``_xla_tensors_from_aten([global], [device], [XlaShardingSpec])``, the one whole host tensor, as
   torch_xla's data loader sends a sharded batch. It lets go of the GIL, but cuts the global tensor per device
@@ -72,7 +72,7 @@ def worker(contender: str, check: bool) -> dict:
     import workloads
 
     xr.use_spmd()
-    from xla_tensorstore_ckpt import sharding
+    from xla_tensorstore_ckpt.targets import xla as sharding
 
     X = torch_xla._XLAC
     target = workloads.build_target("large", 1.0)
@@ -90,7 +90,7 @@ def worker(contender: str, check: bool) -> dict:
 
     def place() -> dict:
         if contender == "cpu-shards":
-            out = {n: sharding.build(target[n], layouts[n], shards[n]) for n in names}
+            out = {n: sharding.place(target[n], layouts[n], shards[n]) for n in names}
         else:
             out = {n: X._xla_tensors_from_aten([host[n]], [device], [specs[n]])[0] for n in names}
         for tensor in out.values():

@@ -30,7 +30,8 @@ import footprint  # noqa: E402
 import fresh_process  # noqa: E402
 import workloads  # noqa: E402
 
-from xla_tensorstore_ckpt import sharding, storage  # noqa: E402
+from xla_tensorstore_ckpt import storage  # noqa: E402
+from xla_tensorstore_ckpt.targets import xla as sharding  # noqa: E402
 
 
 def _disk_usage(path: str) -> tuple[int, int]:
@@ -68,8 +69,8 @@ PLACEMENT = "placement"  # not a contender: the floor of placing a restore's hos
 def _placement(target: dict):
     """What a restore in place onto torch_xla 2.9 tensors must do once it has read the bytes, timed apart from
     reading them: each target tensor's host shards (made and touched here, untimed) placed on its devices the way
-    the manager's restore places them (`sharding.build` with the target's device data released first, then
-    `sharding.replace`; torch_xla copies each host shard, `AtenSource`, and PJRT copies that into the device
+    the manager's restore places them (`sharding.place` with the target's device data released first, then
+    `sharding.assign`; torch_xla copies each host shard, `AtenSource`, and PJRT copies that into the device
     buffer), returning when the last tensor is handed over, as the restore does. Returns the timed call."""
     tensors = list(target.values())
     lays = sharding.layouts(tensors)
@@ -80,7 +81,7 @@ def _placement(target: dict):
 
     def place() -> None:
         for tensor, lay, host in zip(tensors, lays, shards):
-            sharding.replace([tensor], [sharding.build(tensor, lay, host, release_target=True)])
+            sharding.assign([tensor], [sharding.place(tensor, lay, host, release_target=True)])
 
     return place
 

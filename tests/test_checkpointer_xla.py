@@ -159,6 +159,7 @@ def test_shards_are_fetched_in_batches(tmp_path, mesh_4x2, monkeypatch):
                 return lambda tensors, *a: calls.append((name, len(tensors))) or real(tensors, *a)
             return real
 
+    sharding_module.load()  # torch_xla imported: the patch replaces it, and its undoing restores it
     monkeypatch.setattr(sharding_module, "_X", CountingXLAC())
     state = {f"t{i}": sharded(torch.randn(8, 4), mesh_4x2, ("x", "y")) for i in range(20)}
     state.update({f"u{i}": sharded(torch.randn(3), None, None) for i in range(10)})
@@ -229,13 +230,13 @@ def test_reads_cover_exactly_the_local_shards():
     """On a multi-host pod a process holds only some shards; it reads their regions and nothing else."""
     from xla_tensorstore_ckpt.read_jobs import ReadJob
     from xla_tensorstore_ckpt.records import ArrayMetadata
-    from xla_tensorstore_ckpt.tensor_layout import LocalShard, Placement, TensorLayout
+    from xla_tensorstore_ckpt.tensor_layout import LocalShard, TensorLayout
 
     meta = ArrayMetadata("w", (16, 8), "float32", (4, 4))
 
     def job(indices):
         shards = tuple(LocalShard(i, f"d{i}", idx, 0) for i, idx in enumerate(indices))
-        return ReadJob(("w",), meta, None, torch.float32, TensorLayout((16, 8), Placement.TILED, (4, 4), shards))
+        return ReadJob(("w",), meta, None, torch.float32, TensorLayout((16, 8), "xla", (4, 4), shards))
 
     # Two shards forming a box are read as that box.
     assert job([((0, 4), (0, 4)), ((0, 4), (4, 8))]).reads == (((0, 4), (0, 8)),)
@@ -251,7 +252,7 @@ def test_large_shards_are_read_into_their_own_buffers():
     from xla_tensorstore_ckpt import storage
     from xla_tensorstore_ckpt.read_jobs import SMALL_READ_BYTES, ReadJob
     from xla_tensorstore_ckpt.records import ArrayMetadata
-    from xla_tensorstore_ckpt.tensor_layout import LocalShard, Placement, TensorLayout
+    from xla_tensorstore_ckpt.tensor_layout import LocalShard, TensorLayout
 
     rows = 4096
     assert rows * 8192 * 4 > 8 * SMALL_READ_BYTES
@@ -261,7 +262,7 @@ def test_large_shards_are_read_into_their_own_buffers():
         indices = [((i * r, (i + 1) * r), (j * c, (j + 1) * c)) for i in range(grid[0]) for j in range(grid[1])]
         shards = tuple(LocalShard(k, f"d{k}", idx, 0) for k, idx in enumerate(indices))
         meta = ArrayMetadata("w", shape, "float32", chunk_shape)
-        lay = TensorLayout(shape, Placement.TILED, (r, c), shards)
+        lay = TensorLayout(shape, "xla", (r, c), shards)
         return ReadJob(("w",), meta, None, torch.float32, lay, max_amplification), indices
 
     same_mesh, indices = job((rows // 4, 4096), (4, 2))

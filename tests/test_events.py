@@ -56,9 +56,10 @@ def test_a_manager_tells_every_phase_of_its_saves_and_restores(tmp_path, async_s
     with xtc.CheckpointManager(tmp_path / "root", options) as manager:
         assert manager.restore("latest", model=model) == 2
     assert torch.equal(model["w"], state(2)["w"])
-    assert [(e.kind, e.step, e.tier, e.item) for e in recorder.events] == [
+    phases = [e for e in recorder.events if e.kind in (events.RESTORE_PLANNED, events.RESTORE_FINISHED)]
+    assert [(e.kind, e.step, e.tier, e.item) for e in phases] == [
         (events.RESTORE_PLANNED, 2, "local", "model"), (events.RESTORE_FINISHED, 2, "local", "model")]
-    planned, finished = recorder.events
+    planned, finished = phases
     assert planned.nbytes == finished.nbytes == STATE_BYTES and planned.details["arrays"] == 2
     assert planned.details["chunks"] == 2 and finished.seconds >= 0 and finished.gbps is not None
 
@@ -70,8 +71,15 @@ def test_item_saves_and_restores_tell_their_listeners(tmp_path):
     assert recorder.events[1].nbytes == STATE_BYTES and recorder.events[1].path == str(tmp_path / "item")
     recorder.events.clear()
     xtc.restore(tmp_path / "item", options=xtc.RestoreOptions(listeners=(recorder,)))
-    assert recorder.kinds() == [events.RESTORE_PLANNED, events.RESTORE_FINISHED]
-    assert recorder.events[1].nbytes == STATE_BYTES and recorder.events[1].step is None
+    assert recorder.kinds() == [events.RESTORE_PLANNED, events.RESTORE_BATCH_ISSUED, events.RESTORE_BUILT,
+                                events.RESTORE_BUILT, events.RESTORE_FINISHED]
+    issued, built, finished = recorder.events[1], recorder.events[2:4], recorder.events[4]
+    assert finished.nbytes == STATE_BYTES and finished.step is None
+    assert sorted(issued.details["keys"]) == ["b", "w"] and issued.details["buffers"] == "arena"
+    assert sorted(e.details["key"] for e in built) == ["b", "w"] and {e.details["target"] for e in built} == {"cpu"}
+    paths = finished.details["paths"]  # a restore that is not in place: CPU results own their buffers
+    assert (paths["batches"], paths["own_buffer_bytes"], paths["arena_bytes"]) == (1, STATE_BYTES, 0)
+    assert {"read_ahead", "into_target_bytes", "cache_probes", "direct_bytes", "buffered_bytes"} <= set(paths)
 
 
 def test_json_lines_and_log_listeners(tmp_path, caplog):

@@ -237,10 +237,10 @@ def test_a_restore_in_place_that_meets_damage_names_the_targets_it_left_alone(tm
         assert not target["b"].any() and not target["c"].any()
 
 
-def test_a_restore_in_place_reads_into_the_targets_memory(tmp_path, monkeypatch):
+def test_a_restore_in_place_reads_into_the_targets_memory(tmp_path):
     """Host targets of the saved dtype are the reads' buffers (no second copy of the state); tied targets (one
     memory under two keys) are not, and take the last key's values as before."""
-    from xla_tensorstore_ckpt import restoring, storage, training_state
+    from xla_tensorstore_ckpt import events, storage, training_state
 
     state = {"a": torch.randn(64, 32), "b": torch.randn(16), "c": torch.randn(8, 8).to(torch.bfloat16),
              "x": torch.full((4, 4), 1.0), "y": torch.full((4, 4), 2.0)}
@@ -248,19 +248,15 @@ def test_a_restore_in_place_reads_into_the_targets_memory(tmp_path, monkeypatch)
     tied = torch.zeros(4, 4)
     target = {"a": torch.zeros(64, 32), "b": torch.zeros(16), "c": torch.zeros(8, 8, dtype=torch.bfloat16),
               "x": tied, "y": tied}
-    buffers = []
-    real = restoring._target_memory
-
-    def recording(job, tensor):
-        memory = real(job, tensor)
-        if memory is not None:
-            buffers.append(memory.__array_interface__["data"][0])
-        return memory
-
-    monkeypatch.setattr(restoring, "_target_memory", recording)
+    heard = []
+    pointers = {k: target[k].data_ptr() for k in ("a", "b", "c")}
     training_state.restore_object(storage.location(str(tmp_path / "ck")), target, strict=True,
-                                  options=xtc.RestoreOptions())
-    assert sorted(buffers) == sorted(target[k].data_ptr() for k in ("a", "b", "c"))
+                                  options=xtc.RestoreOptions(listeners=(heard.append,)))
+    issued = [e for e in heard if e.kind == events.RESTORE_BATCH_ISSUED]
+    assert sorted(k for e in issued for k in e.details["into_targets"]) == ["a", "b", "c"]
+    (finished,) = [e for e in heard if e.kind == events.RESTORE_FINISHED]
+    assert finished.details["paths"]["into_target_bytes"] == sum(state[k].nbytes for k in ("a", "b", "c"))
+    assert {k: target[k].data_ptr() for k in ("a", "b", "c")} == pointers  # their own memory, read into
     for key in ("a", "b", "c"):
         assert torch.equal(target[key], state[key]), key
     assert target["x"] is tied and torch.equal(tied, state["y"])

@@ -54,6 +54,13 @@ def _runs(data):
     return [(at, memoryview(out)) for (at, _), out in zip(spans, outs)], outs, [data[a:a + n] for a, n in spans]
 
 
+def _paths(before: dict) -> list[str]:
+    """The paths the local reads since `before` (a `COUNTS.snapshot`) took, one entry per read: what
+    ``restore_finished`` reports as ``paths``."""
+    since = local_reads.COUNTS.since(before)
+    return ["direct"] * since["direct_reads"] + ["buffered"] * since["buffered_reads"]
+
+
 @pytest.fixture
 def small_windows(monkeypatch):
     monkeypatch.setattr(local_reads, "WINDOW_BYTES", 16384)  # runs cross several windows
@@ -66,20 +73,17 @@ def test_runs_read_the_same_bytes_cold_or_warm(tmp_path, monkeypatch, small_wind
     if probe == "nowait-read":  # kernels before 6.5 (no cachestat)
         monkeypatch.setattr(local_reads, "_cachestat", None)
     path, data = _file(tmp_path)
-    seen = []
-    real_direct, real_buffered = local_reads._read_direct, local_reads._read_buffered
-    monkeypatch.setattr(local_reads, "_read_direct", lambda *a: seen.append("direct") or real_direct(*a))
-    monkeypatch.setattr(local_reads, "_read_buffered", lambda *a: seen.append("buffered") or real_buffered(*a))
     if cache == "cold":
         _evict(path)
     else:
         open(path, "rb").read()
     runs, outs, expected = _runs(data)
+    before = local_reads.COUNTS.snapshot()
     checksum = local_reads.read_runs(path, runs, "the test file", checksummed=4)
     assert [bytes(o) for o in outs] == expected
     assert checksum == crc32c.crc32c(b"".join(expected[:4]))  # computed window by window when direct
     direct = cache == "cold" and _direct_supported(path)
-    assert seen == (["direct"] if direct else ["buffered"])
+    assert _paths(before) == (["direct"] if direct else ["buffered"])
     if direct:  # a cold read leaves the file out of the page cache
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -89,7 +93,7 @@ def test_runs_read_the_same_bytes_cold_or_warm(tmp_path, monkeypatch, small_wind
             os.close(fd)
 
 
-def test_runs_whose_first_page_is_cached_are_still_read_direct(tmp_path, monkeypatch, small_windows):
+def test_runs_whose_first_page_is_cached_are_still_read_direct(tmp_path, small_windows):
     """A chunk's first page is often cached by the read before it (the previous chunk's checksum shares it):
     the probe looks at the middle of what is read, so the rest is not read through the page cache."""
     path, data = _file(tmp_path)
@@ -98,30 +102,26 @@ def test_runs_whose_first_page_is_cached_are_still_read_direct(tmp_path, monkeyp
     _evict(path)
     with open(path, "rb") as f:
         f.read(1)
-    seen = []
-    real_direct = local_reads._read_direct
-    monkeypatch.setattr(local_reads, "_read_direct", lambda *a: seen.append("direct") or real_direct(*a))
+    before = local_reads.COUNTS.snapshot()
     out = bytearray(60_000)
     local_reads.read_runs(path, [(100, memoryview(out))], "the test file")
     assert bytes(out) == data[100:60_100]
-    assert seen == ["direct"]
+    assert _paths(before) == ["direct"]
 
 
-def test_cold_bytes_read_twice_are_read_direct_twice(tmp_path, monkeypatch, small_windows):
+def test_cold_bytes_read_twice_are_read_direct_twice(tmp_path, small_windows):
     """Asking whether bytes are cached reads none of them: a second restore of the same cold chunks (a resume
     after a failed one) goes around the page cache as the first did."""
     path, data = _file(tmp_path)
     if not _direct_supported(path) or not _cachestat_counts(path):
         pytest.skip("the file system refuses O_DIRECT, or the kernel cannot count its cached pages")
     _evict(path)
-    seen = []
-    real_direct = local_reads._read_direct
-    monkeypatch.setattr(local_reads, "_read_direct", lambda *a: seen.append("direct") or real_direct(*a))
+    before = local_reads.COUNTS.snapshot()
     for _ in range(2):
         out = bytearray(60_000)
         local_reads.read_runs(path, [(100, memoryview(out))], "the test file")
         assert bytes(out) == data[100:60_100]
-    assert seen == ["direct", "direct"]
+    assert _paths(before) == ["direct", "direct"]
 
 
 def _failing_cachestat(code, calls):

@@ -17,7 +17,8 @@ from conftest import make_mesh, sharded
 from xla_stack import sharding, torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import host_memory, restore_arenas, restoring
+from xla_tensorstore_ckpt import host_memory, restore_arenas
+from xla_tensorstore_ckpt.events import RESTORE_BATCH_ISSUED, RESTORE_BUILT
 
 pytestmark = pytest.mark.xla  # every test here needs torch_xla
 
@@ -52,9 +53,9 @@ def test_restore_in_place_releases_each_target_before_placing_it(tmp_path, monke
         fresh = _on_mesh(Tied(), mesh)
         params = {name: p for name, p in fresh.named_parameters()}
         events = []
-        real_release, real_replace = sharding._release, sharding.replace
+        real_release, real_replace = sharding._release, sharding.assign
         monkeypatch.setattr(sharding, "_release", lambda t: events.append(("release", id(t))) or real_release(t))
-        monkeypatch.setattr(sharding, "replace", lambda targets, new: events.extend(
+        monkeypatch.setattr(sharding, "assign", lambda targets, new: events.extend(
             ("replace", id(t)) for t in targets) or real_replace(targets, new))
         assert manager.restore(1, model=fresh, restore_rng=False) == 1
     assert {name: p for name, p in fresh.named_parameters()} == params  # the same objects
@@ -67,21 +68,24 @@ def test_restore_in_place_releases_each_target_before_placing_it(tmp_path, monke
     assert all(a[0] == "release" and b[0] == "replace" and a[1] == b[1] for a, b in zip(events[::2], events[1::2]))
 
 
+def _read_and_placed(event) -> list[tuple]:
+    """("read", keys) for a batch whose reads start, ("place", key) for a value built and placed."""
+    if event.kind == RESTORE_BATCH_ISSUED:
+        return [("read", tuple(event.details["keys"]))]
+    return [("place", event.details["key"])] if event.kind == RESTORE_BUILT else []
+
+
 @pytest.mark.parametrize("budget", [None, (1 << 20) - 1], ids=["read-ahead", "within-budget"])
 def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget):
     mesh = make_mesh((4, 2), ("x", "y"))
     state = {f"w{i}": sharded(torch.randn(256, 512), mesh, ("x", "y")) for i in range(4)}  # 512 KiB each
     xtc.save(tmp_path / "ck", state)
     events = []
-    real_issue, real_build = restoring._issue_reads, restoring._build
-    monkeypatch.setattr(restoring, "_issue_reads", lambda loc, group, opened, arena, *rest: events.append(
-        ("read", tuple(j.key_path[0] for j in group))) or real_issue(loc, group, opened, arena, *rest))
-    monkeypatch.setattr(restoring, "_build", lambda job, regions, **kw: events.append(
-        ("place", job.key_path[0])) or real_build(job, regions, **kw))
     monkeypatch.setattr(host_memory, "keep_within", lambda start, limit: events.append(("trim",)))
     real_wait = sharding.wait_transferred
     monkeypatch.setattr(sharding, "wait_transferred", lambda t: events.append(("wait",)) or real_wait(t))
-    options = xtc.RestoreOptions(read_batch_bytes=512 << 10, max_host_bytes=budget)
+    options = xtc.RestoreOptions(read_batch_bytes=512 << 10, max_host_bytes=budget,
+                                 listeners=(lambda e: events.extend(_read_and_placed(e)),))
     out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(256, 512), mesh, ("y", "x")) for k in state},
                       options=options)
     for key, value in state.items():
@@ -104,16 +108,15 @@ def test_under_a_budget_one_transfer_runs_while_the_next_tensor_is_placed(tmp_pa
     state = {f"w{i}": sharded(torch.randn(64, 256), mesh, ("x", "y")) for i in range(4)}  # 64 KiB each
     xtc.save(tmp_path / "ck", state)
     events = []
-    real_build, real_wait = restoring._build, sharding.wait_transferred
-    monkeypatch.setattr(restoring, "_build", lambda job, regions, **kw: (lambda v: events.append(
-        ("place", job.key_path[0], v)) or v)(real_build(job, regions, **kw)))
+    real_wait = sharding.wait_transferred
     monkeypatch.setattr(sharding, "wait_transferred", lambda t: events.append(("wait", t)) or real_wait(t))
     monkeypatch.setattr(host_memory, "keep_within", lambda start, limit: events.append(("trim",)))
+    listeners = (lambda e: events.extend(p for p in _read_and_placed(e) if p[0] == "place"),)
     out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(64, 256), mesh, ("y", "x")) for k in state},
-                      options=xtc.RestoreOptions(max_host_bytes=1 << 20))  # one batch of 256 KiB
+                      options=xtc.RestoreOptions(max_host_bytes=1 << 20, listeners=listeners))  # a 256 KiB batch
     for key, value in state.items():
         assert torch.equal(out[key].cpu(), value.cpu()), key
-    placed = {e[1]: e[2] for e in events if e[0] == "place"}
+    placed = {key: out[key] for key in state}  # the values built, as the restore returns them
     # Each tensor's transfer is waited for once the next is placed; the last one's at the end of the batch.
     assert [(e[0], e[1]) if e[0] == "place" else e[:1] for e in events] == [
         ("place", "w0"), ("place", "w1"), ("wait",), ("place", "w2"), ("wait",), ("place", "w3"), ("wait",),
@@ -129,7 +132,7 @@ def test_wait_transferred_returns_once_the_placed_tensor_is_on_its_devices(spec)
     target = sharded(torch.zeros(64, 32), mesh if spec else None, spec)
     lay = sharding.layouts([target])[0]
     shards = [value[tuple(slice(a, b) for a, b in s.index)].contiguous() for s in lay.shards]
-    placed = sharding.build(target, lay, shards)
+    placed = sharding.place(target, lay, shards)
     sharding.wait_transferred(placed)
     sharding.wait_transferred(placed)  # already there: returns at once
     assert torch.equal(placed.cpu(), value)
@@ -181,13 +184,12 @@ def test_under_a_budget_a_tensor_larger_than_a_batch_is_read_alone_without_arena
     xtc.save(tmp_path / "ck", {k: sharded(v, mesh, ("x", "y")) for k, v in state.items()})
     _, handed = _spy_arenas(monkeypatch)
     events = []
-    real_issue = restoring._issue_reads
-    monkeypatch.setattr(restoring, "_issue_reads", lambda loc, group, opened, arena, *rest: events.append(
-        (group[0].key_path[0], arena is not None)) or real_issue(loc, group, opened, arena, *rest))
+    listeners = (lambda e: e.kind == RESTORE_BATCH_ISSUED and events.append(
+        (e.details["keys"][0], e.details["buffers"] == "arena")),)
     # Budget 1 MiB: batches of 256 KiB (64 KiB a small tensor); the 1 MiB tensor is a batch of its own.
     out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(tuple(v.shape)), mesh, ("y", "x"))
                                         for k, v in state.items()},
-                      options=xtc.RestoreOptions(max_host_bytes=1 << 20))
+                      options=xtc.RestoreOptions(max_host_bytes=1 << 20, listeners=listeners))
     for key, value in state.items():
         assert torch.equal(out[key].cpu(), value), key
     # One at a time (a small batch, torch_xla's copy and the large tensor exceed the budget), the large one

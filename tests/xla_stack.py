@@ -37,4 +37,4 @@ xs = _Module("torch_xla.distributed.spmd")
 xr = _Module("torch_xla.runtime")
 xm = _Module("torch_xla.core.xla_model")
 met = _Module("torch_xla.debug.metrics")
-sharding = _Module("xla_tensorstore_ckpt.sharding")  # the library's torch_xla module
+sharding = _Module("xla_tensorstore_ckpt.targets.xla")  # the XLA target: the library's torch_xla module

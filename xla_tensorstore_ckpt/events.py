@@ -18,8 +18,15 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
   `details["sent_bytes"]`, `details["holders"]`: writer -> the processes now holding its copy).
 
 and of a restore (per item): ``restore_planned`` (`nbytes` this process will read, `details["arrays"]`,
-`details["chunks"]`: stored chunks its reads touch) and ``restore_finished`` (`seconds`, `nbytes` read;
-`details["storage_bytes"]`: what the reader fetched from storage for them, None where it cannot tell; with
+`details["chunks"]`: stored chunks its reads touch), ``restore_batch_issued`` when the reads of a batch start
+(`nbytes`; `details`: ``batch``, ``keys``, ``buffers``: ``"arena"`` or ``"own"``, ``into_targets``: the keys
+read straight into their target's memory), ``restore_built`` as each array's value is built and placed
+(`nbytes` read for it; `details`: ``key``, ``batch``, ``target``: its tensor kind), and ``restore_finished``
+(`seconds`, `nbytes` read; `details["paths"]`: which paths the reads took — ``batches``, ``read_ahead``,
+``arena_bytes``, ``own_buffer_bytes``, ``into_target_bytes``, and of this process's local file reads meanwhile
+``cache_probes``, ``cached_probes``, ``direct_reads``/``direct_bytes`` (around the page cache),
+``buffered_reads``/``buffered_bytes``; `details["storage_bytes"]`: what the reader fetched from storage for
+them, None where it cannot tell; with
 single-replica reads also `details["plan"]`, ``"derived"`` from the shardings or ``"gathered"``, and
 `details["agreement_seconds"]`: seconds spent in each collective phase); with
 `local_replication`, ``peer_fetched`` when a local step (or its damaged files) came from a peer before the
@@ -50,10 +57,13 @@ SAVE_COMMITTED = "save_committed"
 RETENTION_REMOVED = "retention_removed"
 RESTORE_PLANNED = "restore_planned"
 RESTORE_FINISHED = "restore_finished"
+RESTORE_BATCH_ISSUED = "restore_batch_issued"
+RESTORE_BUILT = "restore_built"
 PEER_COPIES_COMMITTED = "peer_copies_committed"
 PEER_FETCHED = "peer_fetched"
 KINDS = (SAVE_STARTED, SAVE_STAGED, SAVE_WRITTEN, SAVE_COMMITTED, RETENTION_REMOVED, RESTORE_PLANNED,
-         RESTORE_FINISHED, PEER_COPIES_COMMITTED, PEER_FETCHED)
+         RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_FINISHED, PEER_COPIES_COMMITTED, PEER_FETCHED)
+PER_ARRAY_KINDS = frozenset({RESTORE_BUILT})  # one per array: `LogListener` logs them at DEBUG
 
 
 @dataclass(frozen=True)
@@ -143,7 +153,8 @@ class LogListener:
         self.level = level
 
     def __call__(self, event: Event) -> None:
-        if not self.logger.isEnabledFor(self.level):
+        level = logging.DEBUG if event.kind in PER_ARRAY_KINDS else self.level
+        if not self.logger.isEnabledFor(level):
             return
         parts = [event.kind]
         for name in ("step", "tier", "item"):
@@ -159,7 +170,7 @@ class LogListener:
         if event.files is not None:
             parts.append(f"files={event.files}")
         parts += [f"{k}={v}" for k, v in event.details.items()]
-        self.logger.log(self.level, " ".join(parts))
+        self.logger.log(level, " ".join(parts))
 
 
 class JsonLinesListener:

@@ -35,14 +35,13 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import layout
+from . import layout, targets
 from .arrays.local_reads import read_runs
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator, Exchange
 from .errors import CoordinationError, CorruptCheckpointError, StorageError, UsageError
 from .save_plan import SavePlan
 from .storage.local import fsync_path, is_regular
-from .tensor_layout import Placement
 
 COPIES_DIR = "peer_copies"  # under the local root; not a step name, so the local tier's scans pass it by
 COPY_MARKER = "copy.json"
@@ -100,9 +99,6 @@ def peers_of(process: int, count: int, k: int, domain: Callable[[int], Hashable]
 
 # ------------------------------------------------------------------------------------ de-duplication
 
-_GLOBAL = (Placement.REPLICATED, Placement.TILED, Placement.HOST, Placement.DTENSOR)
-
-
 def item_keys(plans: Mapping[str, SavePlan], per_process: Collection[str]) -> dict[str, str]:
     """For each item of a local step (`plans`: its save plans) that can be shared with a data-parallel replica:
     a digest of which regions of which arrays this process wrote. Only items whose arrays are all global
@@ -111,7 +107,7 @@ def item_keys(plans: Mapping[str, SavePlan], per_process: Collection[str]) -> di
     global arrays wrote the same values, the invariant the persistent tier's one writer per shard rests on."""
     keys = {}
     for name, plan in plans.items():
-        if name in per_process or not plan.arrays or any(a.layout.placement not in _GLOBAL for a in plan.arrays):
+        if name in per_process or not plan.arrays or not all(targets.is_global(a.layout) for a in plan.arrays):
             continue
         regions = sorted((repr(a.key_path), sorted(w.region for w in a.writes)) for a in plan.arrays)
         keys[name] = hashlib.sha256(repr(regions).encode()).hexdigest()

@@ -9,21 +9,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
-from . import dtensors, dtypes, grid, layout
+from . import dtypes, grid, layout, targets
 from .options import RestoreOptions
 from .records import ArrayMetadata
-from .sharded_array import ShardedArray
-from .tensor_layout import Index, Placement, TensorLayout, cpu_layout, host_layout
+from .tensor_layout import Index, TensorLayout
 
 # Reading each target shard into its own buffer avoids cutting shards out of one large read (an extra copy, and
 # large allocations that must be faulted in afresh every time); fetching a chunk twice from the page cache costs
 # less than that, up to about this factor. Over a network, each chunk is fetched once.
 MAX_READ_AMPLIFICATION = 2.0
 SMALL_READ_BYTES = 4 << 20
-XLA_PLACEMENTS = (Placement.TILED, Placement.REPLICATED, Placement.UNSHARDED)
 # Host memory a restore holds per array while it runs besides the data (its records, reads and futures): a CPU
 # restore of the benchmarks' 2,000 small arrays peaked 10.9 MiB above its result (benchmarks/bench_restore_memory.py).
 BOOKKEEPING_BYTES_PER_ARRAY = 5 << 10
@@ -44,9 +43,9 @@ class ReadJob:
 
     key_path: layout.KeyPath
     meta: ArrayMetadata
-    reference: torch.Tensor | ShardedArray | None  # gives sharding and device (XLA, DTensor); None: a CPU tensor
+    reference: Any  # the target leaf the value is placed like (a tensor, DTensor, ShardedArray), or None
     dtype: torch.dtype
-    layout: TensorLayout  # where the data goes: the reference's local shards, or one whole-array shard
+    layout: TensorLayout  # where the data goes: the reference's local shards, or one whole-array CPU shard
     max_amplification: float = MAX_READ_AMPLIFICATION  # stored bytes fetched per byte, at most, to read by shard
 
     @cached_property
@@ -98,13 +97,13 @@ class ReadJob:
     def copied_bytes(self) -> int:
         """Host bytes torch_xla's copy of this tensor's data holds on its way to the devices: a padded shard per
         local device (a replicated tensor's data once per device), or the whole tensor for an unsharded one;
-        none for data that stays on the host."""
-        itemsize = dtypes.by_torch(self.dtype).itemsize
-        if self.layout.placement is Placement.UNSHARDED:
-            return math.prod(self.layout.shape) * itemsize
-        if self.layout.placement in (Placement.TILED, Placement.REPLICATED):
-            return len(self.layout.shards) * math.prod(self.layout.shard_shape) * itemsize
-        return 0
+        none for data that stays on the host (`Target.placing_elements`)."""
+        return self.target.placing_elements(self.layout) * dtypes.by_torch(self.dtype).itemsize
+
+    @property
+    def target(self) -> targets.Target:
+        """The target (tensor kind) that builds this array's value."""
+        return targets.of_layout(self.layout)
 
 
 def max_amplification(fetches_once: bool, cheap_refetch: bool) -> float:
@@ -117,29 +116,24 @@ def max_amplification(fetches_once: bool, cheap_refetch: bool) -> float:
 def jobs(saved: dict, wanted: dict, max_amplification: float) -> list[ReadJob]:
     """The reads of every array `wanted` asks for (target leaves by key path, as `restoring` matches them): what the
     restore reads, and what `restore_plan` reports."""
-    targets = {p: (t.reference, t.dtype) if isinstance(t, RestoreAs) else (t, t.dtype)
-               for p, t in wanted.items() if isinstance(t, (torch.Tensor, RestoreAs, ShardedArray))}
-    xla = [(p, ref) for p, (ref, _) in targets.items() if isinstance(ref, torch.Tensor) and ref.device.type == "xla"
-           and not dtensors.is_dtensor(ref)]
-    distributed = [(p, ref) for p, (ref, _) in targets.items() if dtensors.is_dtensor(ref)]
-    layouts: dict[layout.KeyPath, TensorLayout] = {
-        p: host_layout(ref) for p, (ref, _) in targets.items() if isinstance(ref, ShardedArray)}
-    layouts.update(zip([p for p, _ in distributed], dtensors.layouts([t for _, t in distributed])))
-    if xla:
-        from . import sharding
-
-        layouts.update(zip([p for p, _ in xla], sharding.layouts([t for _, t in xla])))
+    references = {p: (t.reference, t.dtype) if isinstance(t, RestoreAs) else (t, t.dtype)
+                  for p, t in wanted.items() if is_array_target(t)}
+    refs = [(p, ref, targets.of(ref)) for p, (ref, _) in references.items()]
+    layouts = dict(zip([p for p, _, _ in refs], targets.layouts([r for _, r, _ in refs], [t for _, _, t in refs])))
     out = []
     for path in wanted:
         meta = saved[path]
         if not isinstance(meta, ArrayMetadata):
             continue
-        reference, dtype = targets.get(path, (None, meta.torch_dtype))
-        if path not in layouts:
-            reference = None  # a CPU tensor
-        out.append(ReadJob(path, meta, reference, dtype, layouts.get(path) or cpu_layout(meta.shape),
-                            max_amplification))
+        reference, dtype = references.get(path, (None, meta.torch_dtype))
+        out.append(ReadJob(path, meta, reference, dtype, layouts.get(path) or targets.cpu.layout(meta.shape),
+                           max_amplification))
     return out
+
+
+def is_array_target(value: Any) -> bool:
+    """Whether a restore target's leaf asks for an array: a value some target claims, or a `RestoreAs`."""
+    return isinstance(value, RestoreAs) or targets.of(value) is not None
 
 
 
@@ -205,7 +199,8 @@ class ReadSchedule:
         return peak + BOOKKEEPING_BYTES_PER_ARRAY * sum(map(len, self.groups))
 
     def _xla_bytes(self, k: int) -> int:
-        return sum(job.read_bytes for job in self.groups[k] if job.layout.placement in XLA_PLACEMENTS)
+        """Bytes batch k reads into host buffers bound for devices (`Target.DEVICE_BOUND`)."""
+        return sum(job.read_bytes for job in self.groups[k] if job.target.DEVICE_BOUND)
 
 
 def batch_bytes(options: RestoreOptions) -> int:

@@ -70,10 +70,10 @@ def derived_needs(jobs: Sequence[ReadJob], count: int, me: int) -> Needs | None:
     the ones it reads (then the plan is gathered)."""
     needs: Needs = {}
     for job in jobs:
-        if job.reference is None:
+        if job.reference is None or job.target.WHOLE_ON_EVERY_PROCESS:
             groups: tuple[Group, ...] = ((job.reads, tuple(range(count))),) if job.reads else ()
-        elif dtensors.is_dtensor(job.reference):
-            groups = dtensor_groups(*dtensors.mesh_sharding(job.reference), count)
+        elif (mesh := job.target.mesh_sharding(job.reference)) is not None:
+            groups = dtensor_groups(*mesh, count)
         else:
             return None
         own = next((regions for regions, procs in groups if me in procs), ())
@@ -86,7 +86,7 @@ def derived_needs(jobs: Sequence[ReadJob], count: int, me: int) -> Needs | None:
 @lru_cache(maxsize=1024)
 def dtensor_groups(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, ranks: tuple[int, ...],
                    count: int) -> tuple[Group, ...]:
-    """The groups of a DTensor sharding (`dtensors.mesh_sharding`) among `count` processes. Cached: the arrays
+    """The groups of a DTensor sharding (`Target.mesh_sharding`) among `count` processes. Cached: the arrays
     of a model share a few shardings, and the same object stands for each (`digest` relies on it)."""
     by_region: dict[Index, list[int]] = {}
     for rank, region in dtensors.rank_regions(shape, mesh_shape, placements, ranks):

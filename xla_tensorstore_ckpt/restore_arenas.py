@@ -9,7 +9,7 @@ a host budget (`host_memory`), then faulted in anew: on the benchmark VM a budge
 is faulted in once and stays out of glibc's heap.
 
 Only for regions whose data no result keeps: XLA placements, whose host data torch_xla copies before
-`sharding.build` returns. Used by `restoring` on its own thread; not thread-safe.
+`targets.xla.build` returns. Used by `restoring` on its own thread; not thread-safe.
 """
 
 from __future__ import annotations

@@ -23,10 +23,9 @@ import torch
 
 from . import arrays, dtypes, formats, read_jobs, restoring, storage, tree
 from .options import RestoreOptions
-from .read_jobs import RestoreAs
+from .read_jobs import RestoreAs, is_array_target
 from .records import ArrayMetadata, ItemManifest
 from .restoring import KeyMap
-from .sharded_array import ShardedArray
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ def plan_restore(path: str | storage.Location, target: Any = None, *, key_map: K
         if key.problem:
             problems.append(f"{name}: {key.problem}")
         else:
-            matched[path_] = value if isinstance(value, (torch.Tensor, RestoreAs, ShardedArray)) else None
+            matched[path_] = value if is_array_target(value) else None
     for path_, stored in saved.items():
         if path_ not in wanted:
             name = tree.format_key_path(path_)
@@ -119,8 +118,8 @@ def plan_restore(path: str | storage.Location, target: Any = None, *, key_map: K
 
 
 def _target_fields(value: Any) -> dict:
-    reference = value.reference if isinstance(value, RestoreAs) else value
-    if isinstance(reference, (torch.Tensor, ShardedArray)):
+    if is_array_target(value):
+        reference = value.reference if isinstance(value, RestoreAs) else value
         dtype = value.dtype if isinstance(value, RestoreAs) else reference.dtype
         return {"target_shape": tuple(reference.shape), "target_dtype": dtypes.by_torch(dtype).name}
     return {}

@@ -7,10 +7,10 @@ Restoring needs no coordination between processes: each reads its own regions. E
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +19,6 @@ import torch
 
 from . import (
     arrays,
-    dtensors,
     dtypes,
     formats,
     host_memory,
@@ -28,8 +27,10 @@ from . import (
     replica_reads,
     restore_arenas,
     storage,
+    targets,
     tree,
 )
+from .arrays.local_reads import COUNTS as LOCAL_READS
 from .distributed import Coordinator, default_coordinator
 from .errors import (
     CheckpointError,
@@ -39,17 +40,17 @@ from .errors import (
     UnsupportedValueError,
     UsageError,
 )
-from .events import RESTORE_FINISHED, RESTORE_PLANNED, Emitter
+from .events import RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_FINISHED, RESTORE_PLANNED, Emitter
 from .gc_pause import paused_gc
 from .options import RestoreOptions
-from .read_jobs import XLA_PLACEMENTS, ReadJob, RestoreAs
+from .read_jobs import ReadJob, RestoreAs, is_array_target
 from .records import ArrayMetadata, ItemManifest
-from .sharded_array import ShardedArray
-from .tensor_layout import Index, LocalShard, Placement
 
 PathLike = str | storage.Location
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
+# What `read_arrays` counts of the paths its reads take (``restore_finished``'s ``paths``, with the local reads').
+_PATHS = ("batches", "read_ahead", "arena_bytes", "own_buffer_bytes", "into_target_bytes")
 
 
 def read_item(path: PathLike, target: Any = None, *, strict: bool = True, options: RestoreOptions | None = None,
@@ -89,9 +90,9 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
     shared = _shared(options, coordinator)
     with paused_gc():  # many small records (layouts, read plans) live until the item is read
         try:
-            if isinstance(target, ShardedArray):
+            if target is not None and not tree.is_container(target):
                 raise UnsupportedValueError("the restore target must be a tree (dict, list or tuple), not a "
-                                            "ShardedArray")
+                                            f"{type(target).__name__}")
             manifest = manifest or formats.read_item(loc)
             saved = manifest.leaves()
             if key_map is not None:
@@ -116,12 +117,15 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
                         details={"arrays": len(jobs), "chunks": sum(job.chunks_touched for job in jobs)})
             begun = time.perf_counter()
             into = _readable_into(wanted) if release_targets else {}
+            paths: Counter[str] = Counter()
+            local_before = LOCAL_READS.snapshot()
             values = read_arrays(loc, reader, jobs, options, take, release_targets=release_targets,
-                                 exchange=exchange, into=into)
+                                 exchange=exchange, into=into, events=events, paths=paths)
             fetched = reader.fetched_bytes()
         finally:
             reader.close()  # every read has finished: read_arrays waits for them, also on errors
-        details = {"arrays": len(jobs), "storage_bytes": fetched}
+        details = {"arrays": len(jobs), "storage_bytes": fetched,
+                   "paths": {**{name: paths[name] for name in _PATHS}, **LOCAL_READS.since(local_before)}}
         if exchange is not None:
             details.update(peer_bytes_sent=exchange.sent_bytes, peer_bytes_received=exchange.received_bytes,
                            plan="derived" if exchange.derived else "gathered",
@@ -137,10 +141,8 @@ def _readable_into(wanted: Mapping[layout.KeyPath, Any]) -> dict[layout.KeyPath,
     chunk's checksum is computed over the memory it was read into; they are copied one after the other)."""
     spans = []
     for path, tensor in wanted.items():
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        local = _host_local(tensor)
-        if local.device.type == "cpu" and local.numel() > 0:
+        local = targets.local_memory(tensor) if isinstance(tensor, torch.Tensor) else None
+        if local is not None and local.device.type == "cpu" and local.numel() > 0:
             start = local.data_ptr()  # a strided view's memory reaches its last element (strides are >= 0)
             elements = 1 + sum((n - 1) * step for n, step in zip(local.shape, local.stride()))
             spans.append((start, start + elements * local.element_size(), path, tensor))
@@ -153,11 +155,6 @@ def _readable_into(wanted: Mapping[layout.KeyPath, Any]) -> dict[layout.KeyPath,
         if end > reach:
             reach, reacher = end, path
     return {path: tensor for _, _, path, tensor in spans if path not in overlapping}
-
-
-def _host_local(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose memory holds a host target's data: a DTensor's local tensor, else the tensor."""
-    return dtensors.local_tensor(tensor) if dtensors.is_dtensor(tensor) else tensor
 
 
 def _shared(options: RestoreOptions, coordinator: Coordinator | None) -> Coordinator | None:
@@ -208,8 +205,8 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
         if path not in saved:
             continue
         stored = saved[path]
-        reference = value.reference if isinstance(value, RestoreAs) else value
-        if isinstance(reference, (torch.Tensor, ShardedArray)):
+        if is_array_target(value):
+            reference = value.reference if isinstance(value, RestoreAs) else value
             if not isinstance(stored, ArrayMetadata):
                 raise UnsupportedValueError(
                     f"cannot restore {tree.format_key_path(path)} from {loc}: the checkpoint holds the value "
@@ -219,14 +216,15 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
                     f"cannot restore {tree.format_key_path(path)}: checkpoint shape {stored.shape} at "
                     f"{loc.child(stored.path)} does not match target shape {tuple(reference.shape)}",
                     key=tree.format_key_path(path), saved_shape=stored.shape, target_shape=tuple(reference.shape))
-        wanted[path] = value if isinstance(value, (torch.Tensor, RestoreAs, ShardedArray)) else None
+        wanted[path] = value if is_array_target(value) else None
     return wanted
 
 
 def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequence[ReadJob], options: RestoreOptions,
                 take: Callable[[dict], None] | None = None, *, release_targets: bool = False,
                 exchange: replica_reads.Exchange | None = None,
-                into: Mapping[layout.KeyPath, torch.Tensor] | None = None) -> dict:
+                into: Mapping[layout.KeyPath, torch.Tensor] | None = None, events: Emitter | None = None,
+                paths: Counter[str] | None = None) -> dict:
     """Read every job's regions and build its tensor, batch by batch as `read_jobs.schedule` plans them: the
     reads of the next batch overlap building this one (unless both exceed `options.max_host_bytes`), one
     transfer to the devices runs while the next tensor is copied, and under a budget the freed host memory is
@@ -235,10 +233,14 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
     `release_targets`). On error, outstanding reads are waited for before the error propagates. With an
     `exchange` (single-replica reads), the batches are the ones every process agreed on, and each is settled
     with the others (`replica_reads.Exchange`) before it is built. `into`: target tensors by key path that the
-    reads may fill directly (`read_item`'s restores in place)."""
+    reads may fill directly (`read_item`'s restores in place). `events` hears of each batch's reads and each
+    value built (`events.RESTORE_BATCH_ISSUED`, `RESTORE_BUILT`); `paths` counts which paths they took."""
     _check_sizes(loc, jobs)
+    events = events or Emitter()
+    paths = Counter() if paths is None else paths
     schedule = read_jobs.schedule(list(jobs), options, exchange and exchange.batches)
-    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs}, exchange, into)
+    batches = _Batches(loc, schedule, {job.key_path: reader.open(job.meta) for job in jobs}, exchange, into,
+                       events, paths)
     transfers = _Transfers()
     resident_at_start = host_memory.resident_bytes() if schedule.budget is not None else None
     results: dict[layout.KeyPath, torch.Tensor] = {}
@@ -248,12 +250,16 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
             batches.issue(k)  # unless it was read ahead
             if schedule.reads_ahead(k):
                 batches.issue(k + 1)
+                paths["read_ahead"] += 1
             if exchange is not None:
                 exchange.settle(k)
             for i, job in enumerate(group):
                 value = _build(job, batches.take(k, i), release=release_targets)
-                if job.layout.placement in XLA_PLACEMENTS:
-                    transfers.started(value)
+                if events.listeners:
+                    events.emit(RESTORE_BUILT, nbytes=job.read_bytes, details={
+                        "key": tree.format_key_path(job.key_path), "batch": k, "target": job.target.NAME})
+                if job.target.DEVICE_BOUND:
+                    transfers.started(job.target, value)
                 if take is None:
                     results[job.key_path] = value
                 else:
@@ -305,9 +311,10 @@ class _Batches:
     buffers of its own); a region's buffer is dropped once its tensor is built."""
 
     def __init__(self, loc: storage.Location, schedule: read_jobs.ReadSchedule, opened: dict,
-                 exchange: replica_reads.Exchange | None = None,
-                 into: Mapping[layout.KeyPath, torch.Tensor] | None = None):
+                 exchange: replica_reads.Exchange | None, into: Mapping[layout.KeyPath, torch.Tensor] | None,
+                 events: Emitter, paths: Counter[str]):
         self._loc, self._schedule, self._opened, self._exchange = loc, schedule, opened, exchange
+        self._events, self._paths = events, paths
         self._arenas = (restore_arenas.Arena(schedule.batch_bytes), restore_arenas.Arena(schedule.batch_bytes))
         self._issued: dict[int, list[dict]] = {}
         self._into = into or {}
@@ -323,8 +330,17 @@ class _Batches:
             arena = None
         else:
             arena.reset()
-        self._issued[k] = _issue_reads(self._loc, self._schedule.groups[k], self._opened, arena, self._exchange,
-                                       self._into, self.written_into)
+        group = self._schedule.groups[k]
+        into_before = set(self.written_into)
+        self._issued[k] = _issue_reads(self._loc, group, self._opened, arena, self._exchange, self._into,
+                                       self.written_into, self._paths)
+        self._paths["batches"] += 1
+        if self._events.listeners:
+            into = [tree.format_key_path(job.key_path) for job in group if job.key_path in self.written_into
+                    and job.key_path not in into_before]
+            self._events.emit(RESTORE_BATCH_ISSUED, nbytes=self._schedule.sizes[k], details={
+                "batch": k, "keys": [tree.format_key_path(job.key_path) for job in group],
+                "buffers": "own" if arena is None else "arena", "into_targets": into})
 
     def take(self, k: int, i: int) -> dict:
         """The read regions of job i of batch k (blocks until they are read); the batch no longer holds them."""
@@ -353,40 +369,44 @@ class _Batches:
 
 
 class _Transfers:
-    """The placed tensor whose transfer to the devices may still run: torch_xla holds a host copy of its data
-    until the transfer ends, so the restore waits for it before the tensor after the next is copied."""
+    """The placed value whose transfer to the devices may still run, and its target: torch_xla holds a host copy
+    of its data until the transfer ends, so the restore waits for it before the value after the next is copied."""
 
     def __init__(self) -> None:
-        self._running: torch.Tensor | None = None
+        self._running: tuple[targets.Target, Any] | None = None
 
-    def started(self, tensor: torch.Tensor) -> None:
+    def started(self, target: targets.Target, value: Any) -> None:
         self.settle()
-        self._running = tensor
+        self._running = (target, value)
 
     def settle(self) -> None:
         if self._running is not None:
-            from . import sharding
-
-            sharding.wait_transferred(self._running)
+            target, value = self._running
+            target.settle(value)
             self._running = None
 
 
 def _issue_reads(loc: storage.Location, group: Sequence[ReadJob], opened: dict,
                  arena: restore_arenas.Arena | None, exchange: replica_reads.Exchange | None,
-                 into: Mapping[layout.KeyPath, torch.Tensor], written_into: set[layout.KeyPath]) -> list[dict]:
+                 into: Mapping[layout.KeyPath, torch.Tensor], written_into: set[layout.KeyPath],
+                 paths: Counter[str]) -> list[dict]:
     """Start the reads of `group` (through `exchange`, if given). Data bound for XLA devices is read into
     `arena` if given (torch_xla copies it before `_build` returns, so the arena is free again once the group is
     built); a host target restored in place (`into`) is read into directly where it can be (`_target_memory`;
-    its key is added to `written_into`); other CPU and host results own theirs."""
+    its key is added to `written_into`); other CPU and host results own theirs. `paths` counts the bytes read
+    into each kind of buffer."""
     issued = []
     for job in group:
         stored = opened[job.key_path].result()
         _check_stored(loc, job, stored)
-        empty = arena.empty if arena is not None and job.layout.placement in XLA_PLACEMENTS else host_memory.empty
+        in_arena = arena is not None and job.target.DEVICE_BOUND
+        empty = arena.empty if in_arena else host_memory.empty
         memory = _target_memory(job, into.get(job.key_path))
         if memory is not None:
             empty = _into(memory)
             written_into.add(job.key_path)
+        paths["into_target_bytes" if memory is not None else "arena_bytes" if in_arena
+              else "own_buffer_bytes"] += job.read_bytes
         issued.append(stored.read(job.reads, empty) if exchange is None else exchange.read(job, stored, empty))
     return issued
 
@@ -394,9 +414,9 @@ def _issue_reads(loc: storage.Location, group: Sequence[ReadJob], opened: dict,
 def _target_memory(job: ReadJob, target: torch.Tensor | None) -> np.ndarray | None:
     """The memory of a host target restored in place, as the buffer of its one read, or None where it cannot be
     one: another dtype than the saved one (a cast), a non-contiguous local tensor, more than one read."""
-    if target is None or job.layout.placement not in (Placement.CPU, Placement.DTENSOR) or len(job.reads) != 1:
+    local = None if target is None or len(job.reads) != 1 else job.target.local_memory(target)
+    if local is None:
         return None
-    local = _host_local(target)
     extent = tuple(b - a for a, b in job.reads[0])
     if (local.device.type != "cpu" or local.dtype != job.dtype or job.dtype != job.meta.torch_dtype
             or not local.is_contiguous() or tuple(local.shape) != extent or local.numel() == 0
@@ -426,67 +446,10 @@ def _check_stored(loc: storage.Location, job: ReadJob, stored: arrays.StoredArra
             f"{list(job.meta.chunk_shape)}")
 
 
-def _region(index: Index, reads: dict) -> Any:
-    """The data of `index` (a numpy view into the read that contains it), or None for an empty shard."""
-    if math.prod(b - a for a, b in index) == 0:
-        return None
-    for read, data in reads.items():
-        if index == read:
-            return data
-        if all(ra <= a and b <= rb for (a, b), (ra, rb) in zip(index, read)):
-            return data[tuple(slice(a - ra, b - ra) for (a, b), (ra, _) in zip(index, read))]
-    raise AssertionError(f"no read covers {index}")  # the reads are planned to cover every shard
-
-
-def _build(job: ReadJob, regions: dict, *, release: bool = False) -> torch.Tensor | ShardedArray:
-    """The tensor of `job` from its read `regions`; with `release`, an XLA reference's device data is released
-    first (see `read_item`)."""
-    saved_dtype = dtypes.by_name(job.meta.dtype).torch
-    lay = job.layout
-    if lay.placement is Placement.HOST:
-        shards = []
-        for shard in lay.shards:
-            region = _region(shard.index, regions)
-            data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(shard.extent,
-                                                                                          dtype=saved_dtype)
-            shards.append((shard.index, data.to(job.dtype).contiguous()))
-        return ShardedArray(lay.shape, job.dtype, lay.shard_shape, tuple(shards))
-    if lay.placement is Placement.DTENSOR:
-        extent = lay.shards[0].extent if lay.shards else (0,) * len(lay.shape)
-        region = _region(lay.shards[0].index, regions) if lay.shards else None
-        data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(extent, dtype=saved_dtype)
-        return dtensors.build(job.reference, data.to(job.dtype))
-    if lay.placement in (Placement.CPU, Placement.UNSHARDED):
-        region = _region(lay.shards[0].index, regions)
-        data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(lay.shape, dtype=saved_dtype)
-        data = data.to(job.dtype)
-        if lay.placement is Placement.CPU:
-            return data
-        from . import sharding
-
-        return sharding.build(job.reference, lay, [data], release_target=release)
-    padded: dict[Any, torch.Tensor] = {}
-    shards = []
-    for shard in lay.shards:
-        if shard.index not in padded:
-            padded[shard.index] = _pad(_region(shard.index, regions), shard, lay.shard_shape, saved_dtype,
-                                       job.dtype)
-        shards.append(padded[shard.index])
-    from . import sharding
-
-    return sharding.build(job.reference, lay, shards, release_target=release)
-
-
-def _pad(region: Any, shard: LocalShard, shard_shape: tuple[int, ...], saved_dtype: torch.dtype,
-         dtype: torch.dtype) -> torch.Tensor:
-    """The shard's data in a buffer of the padded shard shape (XLA wants padding; its value is irrelevant)."""
-    data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(shard.extent, dtype=saved_dtype)
-    data = data.to(dtype)
-    if tuple(data.shape) == shard_shape:
-        return data
-    out = torch.zeros(shard_shape, dtype=dtype)
-    out[tuple(slice(0, e) for e in shard.extent)] = data
-    return out
+def _build(job: ReadJob, regions: dict, *, release: bool = False) -> Any:
+    """The value of `job` from its read `regions`, built by its target; with `release`, a device reference's
+    data is released first (see `read_item`)."""
+    return job.target.build(job, regions, release=release)
 
 
 def _memory_limit() -> int:

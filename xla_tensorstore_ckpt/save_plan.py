@@ -13,22 +13,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import torch
 
-from . import dtensors, dtypes, formats, grid, layout, tree
+from . import dtypes, formats, grid, layout, targets, tree
 from .distributed import Coordinator, balance
 from .errors import UnsupportedValueError
 from .options import SaveOptions
 from .records import ArrayMetadata, ArrayStore, ItemManifest
 from .sharded_array import ShardedArray
-from .tensor_layout import Index, LocalShard, Placement, TensorLayout, cpu_layout, host_layout
+from .tensor_layout import Index, LocalShard, TensorLayout
 
-ArrayLike = torch.Tensor | ShardedArray  # a CPU or XLA tensor, a DTensor, host shards
+ArrayLike = torch.Tensor | ShardedArray  # a value some target claims (`targets`): a tensor, a DTensor, host shards
 
 
 @dataclass(frozen=True)
@@ -78,9 +77,7 @@ class ArrayPlan:
     @cached_property
     def host_bytes(self) -> int:
         """Bytes one fetch brings to the host (torch_xla fetches every local shard of a tiled tensor)."""
-        if self.layout.placement is Placement.TILED:
-            return math.prod(self.layout.shard_shape) * len(self.layout.shards) * self.itemsize
-        return self.staged_bytes
+        return targets.of_layout(self.layout).fetched_elements(self.layout, self.sources) * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -135,18 +132,15 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     fmt = formats.writer(options.format)
     leaves = tree.flatten(state)
     values: list[tuple[layout.KeyPath, ArrayLike]] = []
+    owners: list[targets.Target] = []  # the target of each value
     scalars: list[tuple[layout.KeyPath, torch.Tensor]] = []
     string_leaves: list[tuple[layout.KeyPath, str]] = []
     for path, leaf in leaves:
-        if dtensors.is_dtensor(leaf):
-            _check_dtensor(path, leaf)
+        target = targets.of(leaf)
+        if target is not None:
+            _check(path, leaf, target)
             values.append((path, leaf))
-        elif isinstance(leaf, torch.Tensor):
-            _check_tensor(path, leaf)
-            values.append((path, leaf))
-        elif isinstance(leaf, ShardedArray):
-            _check_dtype(path, leaf.dtype)
-            values.append((path, leaf))
+            owners.append(target)
         elif isinstance(leaf, str):
             string_leaves.append((path, leaf))
         elif not isinstance(leaf, tree.JSON_SCALARS):
@@ -155,12 +149,10 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
                 "JSON value (int, float, str, bool, None)")
         elif fmt.scalar_dtype(leaf) is not None:  # a JSON scalar the format also stores as a 0-d array
             scalars.append((path, torch.tensor(leaf, dtype=dtypes.by_name(fmt.scalar_dtype(leaf)).torch)))
-    specs = _sharding_specs([v for _, v in values])
+    signatures = targets.signatures([v for _, v in values], owners)
     key = None
     if cache is not None:
-        mesh = _mesh_key(specs)  # once: it is the same for every tensor
-        key = (tuple(p for p, _ in leaves), tuple((p, *_signature(v, spec, mesh)) for (p, v), spec in
-                                                  zip(values, specs)),
+        key = (tuple(p for p, _ in leaves), tuple((p, *sig) for (p, _), sig in zip(values, signatures)),
                tuple((p, t.dtype) for p, t in scalars), options, coordinator.index, coordinator.count, own_copy)
     hit = key is not None and cache is not None and cache.key == key
     if coordinator.distributed and not own_copy:
@@ -175,7 +167,8 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
         warning = fmt.save_warning(leaves, list(names.values()))
         if warning:
             warnings.warn(warning, UserWarning, stacklevel=2)
-        plans = _plan_arrays(values, scalars, specs, names, options, coordinator, own_copy)
+        lays = targets.layouts([v for _, v in values], owners, signatures)
+        plans = _plan_arrays(values, lays, scalars, names, options, coordinator, own_copy)
         if cache is not None:
             cache.key, cache.names, cache.arrays = key, names, tuple(plans)
     strings = {names[path]: leaf for path, leaf in string_leaves}
@@ -185,16 +178,18 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     return SavePlan(manifest, tuple(plans), strings)
 
 
-def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], scalars: list[tuple[layout.KeyPath, torch.Tensor]],
-                 specs: list[str | None], names: dict[layout.KeyPath, str], options: SaveOptions,
-                 coordinator: Coordinator, own_copy: bool) -> list[ArrayPlan]:
-    """The `ArrayPlan` of every value, then of every scalar leaf (`plan_save`)."""
+def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], lays: list[TensorLayout],
+                 scalars: list[tuple[layout.KeyPath, torch.Tensor]], names: dict[layout.KeyPath, str],
+                 options: SaveOptions, coordinator: Coordinator, own_copy: bool) -> list[ArrayPlan]:
+    """The `ArrayPlan` of every value (`lays`: their layouts), then of every scalar leaf (`plan_save`)."""
     local = []
-    for (path, value), lay in zip(values, _layouts([v for _, v in values], specs)):
+    for (path, value), lay in zip(values, lays):
         local.append((path, value, lay, ArrayMetadata(names[path], lay.shape, dtypes.by_torch(value.dtype).name,
                                                       lay.chunk_shape, lay.sharding)))
     for path, value in scalars:  # the primary's value, as in the manifest
-        lay = cpu_layout(()) if coordinator.is_primary or own_copy else TensorLayout((), Placement.CPU, (), ())
+        lay = targets.cpu.layout(())
+        if not (coordinator.is_primary or own_copy):
+            lay = dataclasses.replace(lay, shards=())
         local.append((path, value, lay, ArrayMetadata(names[path], (), dtypes.by_torch(value.dtype).name, ())))
     if own_copy:
         chunk_shapes = {meta.path: meta.chunk_shape for _, _, _, meta in local}
@@ -220,89 +215,20 @@ def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], scalars: list[t
     return plans
 
 
-def _is_xla(value: ArrayLike) -> bool:
-    return isinstance(value, torch.Tensor) and value.device.type == "xla" and not dtensors.is_dtensor(value)
-
-
-def _sharding_specs(values: Sequence[ArrayLike]) -> list[str | None]:
-    """The HLO sharding string of each XLA tensor (None for the others), once pending computations have run."""
-    xla = [i for i, v in enumerate(values) if _is_xla(v)]
-    out: list[str | None] = [None] * len(values)
-    if xla:
-        from . import sharding
-
-        sharding.materialize([values[i] for i in xla])
-        for i, spec in zip(xla, sharding.specs([values[i] for i in xla])):
-            out[i] = spec
-    return out
-
-
-def _mesh_key(specs: Sequence[str | None]) -> tuple | None:
-    """The global mesh XLA values are laid out on (`sharding.mesh_key`), None without XLA values (`specs` from
-    `_sharding_specs`: None for every other value)."""
-    if all(spec is None for spec in specs):
-        return None
-    from . import sharding
-
-    return sharding.mesh_key()
-
-
-def _signature(value: ArrayLike, spec: str | None, mesh: tuple | None) -> tuple:
-    """What a value's plan depends on besides its key: kind, shape, dtype and how it is laid out (`mesh`: the
-    global mesh, from `_mesh_key`)."""
-    if isinstance(value, ShardedArray):
-        return ("host", value.shape, value.dtype, value.shard_shape, tuple(index for index, _ in value.shards))
-    if dtensors.is_dtensor(value):
-        return ("dtensor", tuple(value.shape), value.dtype, dtensors.signature(value))
-    if value.device.type == "xla":
-        return ("xla", tuple(value.shape), value.dtype, spec, value.device, mesh)
-    return ("cpu", tuple(value.shape), value.dtype)
-
-
-def _check_tensor(path: layout.KeyPath, tensor: torch.Tensor) -> None:
-    if tensor.layout != torch.strided:
-        raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: {tensor.layout} tensors "
-                                    "are not supported; convert to dense first")
-    if tensor.device.type not in ("cpu", "xla"):
-        raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: tensors on "
-                                    f"{tensor.device} are not supported (use CPU or XLA tensors)")
-    _check_dtype(path, tensor.dtype)
-
-
-def _check_dtensor(path: layout.KeyPath, value: Any) -> None:
-    reason = dtensors.unsaveable(value)
+def _check(path: layout.KeyPath, value: ArrayLike, target: targets.Target) -> None:
+    """Refuse what `target` cannot save, and dtypes the format has none for, naming the key."""
+    reason = target.unsaveable(value)
     if reason is not None:
         raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: {reason}")
-    _check_dtype(path, value.dtype)
-
-
-def _check_dtype(path: layout.KeyPath, dtype: torch.dtype) -> None:
     try:
-        dtypes.by_torch(dtype)
+        dtypes.by_torch(value.dtype)
     except UnsupportedValueError as exc:
         raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: {exc}") from None
 
 
-def _layouts(values: Sequence[ArrayLike], specs: Sequence[str | None]) -> list[TensorLayout]:
-    """The layout of each value; `specs` from `_sharding_specs` (XLA tensors materialized)."""
-    xla = [i for i, v in enumerate(values) if _is_xla(v)]
-    distributed = [i for i, v in enumerate(values) if dtensors.is_dtensor(v)]
-    out: list[TensorLayout | None] = [
-        host_layout(v) if isinstance(v, ShardedArray) else cpu_layout(tuple(v.shape)) if v.device.type == "cpu"
-        else None for v in values]
-    for i, lay in zip(distributed, dtensors.layouts([values[i] for i in distributed])):
-        out[i] = lay
-    if xla:
-        from . import sharding
-
-        for i, lay in zip(xla, sharding.layouts([values[i] for i in xla], [specs[i] for i in xla])):
-            out[i] = lay
-    return out  # type: ignore[return-value]
-
-
 def _local_chunks(lay: TensorLayout, chunk_shape: tuple[int, ...]) -> dict[Index, LocalShard]:
     """The chunks whose data this process holds, each with the local shard (lowest replica) holding it."""
-    if chunk_shape == lay.chunk_shape and lay.placement is not Placement.DTENSOR:  # chunks are the shards
+    if chunk_shape == lay.chunk_shape and targets.of_layout(lay).SHARDS_ARE_CHUNKS:  # chunks are the shards
         return {shard.index: shard for shard in lay.distinct_shards()}
     out: dict[Index, LocalShard] = {}
     meta_grid = grid.regions(lay.shape, chunk_shape)

@@ -8,44 +8,26 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import dtensors, grid
+from . import grid, targets
 from .options import SaveOptions
 from .save_plan import ArrayPlan, ChunkWrite, SavePlan
-from .tensor_layout import LocalShard, Placement
+from .tensor_layout import LocalShard
 
 
 def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tensor]]:
-    """Host data of each plan's writes (one tensor per write), fetched from the devices with one torch_xla call
-    per placement kind, DTensors' with one synchronization per device. Host tensors are referenced, not copied,
-    unless `copy_cpu` (a caller that returns before the writes finish must copy: the training loop may change
-    them)."""
+    """Host data of each plan's writes (one tensor per write), fetched from the devices with one call per target
+    (torch_xla: one per sharding kind; DTensors: one synchronization per device). Host tensors are referenced,
+    not copied, unless `copy_cpu` (a caller that returns before the writes finish must copy: the training loop
+    may change them)."""
     sources = fetch_sources(batch, copy_cpu=copy_cpu)
     return [[_cut(sources[i][w.source], w) for w in p.writes] for i, p in enumerate(batch)]
 
 
 def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[LocalShard, torch.Tensor]]:
-    """The host data of the local shards each plan's writes read from (`stage`)."""
-    sources: list[dict[LocalShard, torch.Tensor]] = [{} for _ in batch]
-    xla = [i for i, p in enumerate(batch) if p.layout.placement in (Placement.TILED, Placement.REPLICATED,
-                                                                    Placement.UNSHARDED) and p.writes]
-    distributed = [i for i, p in enumerate(batch) if p.layout.placement is Placement.DTENSOR and p.writes]
-    for i, data in zip(distributed, dtensors.host_copies([batch[i].value for i in distributed], copy=copy_cpu)):
-        sources[i] = {batch[i].layout.shards[0]: data}
-    for i, p in enumerate(batch):
-        if p.layout.placement is Placement.CPU and p.writes:
-            data = p.value.detach().resolve_conj().resolve_neg()
-            sources[i] = {p.layout.shards[0]: data.clone() if copy_cpu else data}
-        elif p.layout.placement is Placement.HOST and p.writes:
-            held = dict(zip(p.layout.shards, (d for _, d in p.value.shards)))
-            sources[i] = {s: held[s].clone() if copy_cpu else held[s] for s in p.sources}
-    if xla:
-        from . import sharding
-
-        fetched = sharding.fetch([batch[i].value for i in xla], [batch[i].layout for i in xla],
-                                 [batch[i].sources for i in xla])
-        for i, shards in zip(xla, fetched):
-            sources[i] = dict(zip(batch[i].sources, shards))
-    return sources
+    """The host data of the local shards each plan's writes read from (`stage`): one call per target."""
+    fetched = targets.fetch([p.value for p in batch], [p.layout for p in batch], [p.sources for p in batch],
+                            copy=copy_cpu)
+    return [dict(zip(p.sources, shards)) for p, shards in zip(batch, fetched)]
 
 
 def _cut(data: torch.Tensor, write: ChunkWrite) -> torch.Tensor:

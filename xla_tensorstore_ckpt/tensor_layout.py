@@ -1,30 +1,19 @@
 """Immutable records describing where a tensor's data lives and which chunks this process writes or reads.
 
 A `TensorLayout` lists a tensor's local shards (one per local device, in the runtime's device order) with their
-index in the global array. It comes from `sharding.layouts` for XLA tensors, `dtensors.layouts` for DTensors and
-from `cpu_layout` for CPU tensors, so the checkpointer never touches torch_xla itself. Pure Python.
+index in the global array, and names the target (`targets`) whose layout it is, which made it: the checkpointer
+never touches a tensor kind itself. Pure Python.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from enum import Enum
 from functools import cached_property
 
 from .records import SavedSharding
-from .sharded_array import ShardedArray
 
 Index = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in global coordinates, without padding
-
-
-class Placement(Enum):
-    CPU = "cpu"  # a host tensor
-    UNSHARDED = "unsharded"  # an XLA tensor without a sharding annotation
-    REPLICATED = "replicated"  # an XLA tensor replicated on every device
-    TILED = "tiled"  # an XLA tensor split into tiles, possibly partially replicated
-    HOST = "host"  # a ShardedArray: host shards of a global array
-    DTENSOR = "dtensor"  # a DTensor: this process's local tensor, a shard of a global array
 
 
 @dataclass(frozen=True)
@@ -69,7 +58,7 @@ class TensorLayout:
     differ in size, the chunk grid its shards are made of."""
 
     shape: tuple[int, ...]
-    placement: Placement
+    target: str  # the name of the target (tensor kind) whose layout this is: `targets.named(target)`
     shard_shape: tuple[int, ...]
     shards: tuple[LocalShard, ...]
     sharding: SavedSharding | None = None
@@ -93,14 +82,3 @@ class TensorLayout:
 
 def full_index(shape: tuple[int, ...]) -> Index:
     return tuple((0, n) for n in shape)
-
-
-def cpu_layout(shape: tuple[int, ...]) -> TensorLayout:
-    """A CPU tensor: one shard covering the whole array."""
-    return TensorLayout(shape, Placement.CPU, shape, (LocalShard(0, "cpu", full_index(shape), 0),))
-
-
-def host_layout(array: ShardedArray) -> TensorLayout:
-    """A `ShardedArray`: the shards it holds, on its shard grid."""
-    shards = tuple(LocalShard(i, "host", index, 0) for i, (index, _) in enumerate(array.shards))
-    return TensorLayout(array.shape, Placement.HOST, array.shard_shape, shards)

@@ -11,9 +11,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.autograd.graph import increment_version
 
-from . import checkpointer, dtensors, formats, layout, restoring, rng_state, tree
+from . import checkpointer, formats, layout, restoring, rng_state, targets, tree
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError, ItemNotFoundError, UnsupportedValueError, UsageError
 from .events import Emitter
@@ -78,34 +77,16 @@ def assign_in_place(target: Any, values: dict[KeyPath, Any]) -> None:
     """Write restored `values` into the `target` tree: tensors keep their identity, device and sharding (XLA
     data is swapped without computation, CPU data and a DTensor's local tensor copied); other leaves are
     replaced in their (mutable) containers."""
-    xla_pairs = []
+    pairs = []
     for path, value in values.items():
         container, key = _parent(target, path)
         current = container[key]
-        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
-            if current.device.type == "xla" and not dtensors.is_dtensor(current):
-                xla_pairs.append((current, value))
-            else:
-                _copy_host(current, value)
+        owner = targets.of(current)
+        if owner is not None and owner.ASSIGNS_IN_PLACE and targets.of(value) is owner:
+            pairs.append((current, value))  # by its target, batched (`targets.assign`)
         elif isinstance(container, (dict, list)):
             container[key] = value
-    if xla_pairs:
-        from . import sharding
-
-        sharding.replace([t for t, _ in xla_pairs], [v for _, v in xla_pairs])
-
-
-def _copy_host(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy the restored `value` into the host target `target` (a CPU tensor, or a DTensor's local tensor: same
-    mesh and placements), unless the restore read it into that memory already; then only its autograd version
-    moves, as a copy would have moved it."""
-    if dtensors.is_dtensor(target):
-        target, value = dtensors.local_tensor(target), dtensors.local_tensor(value)
-    with torch.no_grad():
-        if target.data_ptr() != value.data_ptr() or target.numel() == 0:
-            target.copy_(value)
-        else:
-            increment_version(target)
+    targets.assign(pairs)
 
 
 def _parent(root: Any, path: KeyPath) -> tuple[Any, Any]:

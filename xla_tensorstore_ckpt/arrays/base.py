@@ -96,6 +96,33 @@ class ByteCounter:
         return self._total
 
 
+class PathCounts:
+    """What local reads did, by path: cache probes (and how many found the bytes cached), and the reads and bytes
+    that went around the page cache (direct) or through it (buffered). `local_reads.COUNTS` counts this
+    process's since it started; restores report the difference over their reads (``restore_finished``'s
+    ``paths``); tests read it to see which path ran. Thread-safe."""
+
+    FIELDS = ("cache_probes", "cached_probes", "direct_reads", "direct_bytes", "buffered_reads", "buffered_bytes")
+
+    def __init__(self) -> None:
+        self._counts = dict.fromkeys(self.FIELDS, 0)
+        self._lock = threading.Lock()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def since(self, before: dict[str, int]) -> dict[str, int]:
+        """The counts added since `before` (a `snapshot`)."""
+        now = self.snapshot()
+        return {name: now[name] - before[name] for name in self.FIELDS}
+
+
 class Ready:
     """An operation that finished at once, shaped like a pending one."""
 

@@ -26,12 +26,16 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, StorageError
 from ..storage.local import is_regular
+from .base import PathCounts
 
 ALIGN = 4096  # a multiple of every logical block size O_DIRECT asks for
 WINDOW_BYTES = 8 << 20  # each thread's aligned window
 _IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per preadv
 _NUMPY_COPY_BYTES = 64 << 10  # smaller copies out of a window are cheaper as memoryview copies (no arrays made)
 _windows = threading.local()
+
+
+COUNTS = PathCounts()  # what this process's local reads did, by path
 
 
 def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: int | None = None,
@@ -57,9 +61,13 @@ def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: 
     try:
         direct_path = path if own else f"/proc/self/fd/{fd}"
         end = max(at + len(view) for at, view, _ in tagged)
+        nbytes = sum(len(view) for _, view, _ in tagged)
         checksum = None if _cached(fd, tagged[0][0], end) else _read_direct(direct_path, tagged, where)
         if checksum is None:
             checksum = _read_buffered(fd, tagged, where)
+            COUNTS.add(buffered_reads=1, buffered_bytes=nbytes)
+        else:
+            COUNTS.add(direct_reads=1, direct_bytes=nbytes)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
     finally:
@@ -230,6 +238,12 @@ def _cached(fd: int, start: int, stop: int) -> bool:
     the same bytes again then finds it cached and reads them buffered). Not the first or last page alone: the
     reads next to these bytes may have cached them (a chunk's checksum and the next chunk's first bytes share a
     page). Where the kernel cannot say, True: read through the page cache."""
+    cached = _probe(fd, start, stop)
+    COUNTS.add(cache_probes=1, cached_probes=int(cached))
+    return cached
+
+
+def _probe(fd: int, start: int, stop: int) -> bool:
     pages = cached_pages(fd, start, stop)
     if pages is not None:
         return 2 * pages * mmap.PAGESIZE >= stop - start

@@ -33,7 +33,7 @@ from ..options import SaveOptions
 from ..records import OPAQUE_DCP_BYTES, ArrayMetadata, ArrayStore, ItemManifest
 from ..save_plan import ArrayPlan, ChunkWrite
 from ..save_plan import SavePlan as ItemPlan
-from ..tensor_layout import cpu_layout
+from ..targets import cpu
 from ..writing import ChunkWriter, prepare_directory
 from .plans import ArrayWrite, GlobalPlan, RankPlan, plan_global
 
@@ -192,8 +192,8 @@ def _write(target: storage.Location, mine: RankPlan, items: dict[str, list[Write
 
 
 def _array_plan(fqn: str, meta: ArrayMetadata, regions: Sequence[grid.Index], writes_metadata: bool) -> ArrayPlan:
-    source = cpu_layout(meta.shape).shards[0]  # unused by the writer: the data comes with each batch
-    return ArrayPlan((fqn,), meta, None, cpu_layout(meta.shape),  # type: ignore[arg-type]
+    source = cpu.layout(meta.shape).shards[0]  # unused by the writer: the data comes with each batch
+    return ArrayPlan((fqn,), meta, None, cpu.layout(meta.shape),  # type: ignore[arg-type]
                      tuple(ChunkWrite(region, source) for region in regions), single_file=False,
                      writes_metadata=writes_metadata)
 

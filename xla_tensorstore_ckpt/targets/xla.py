@@ -1,10 +1,11 @@
-"""The only module that touches torch_xla internals: local shard layouts, fetching shards to the host, and
-building sharded tensors from host shards.
+"""The XLA target, and the only module that touches torch_xla: local shard layouts from a tensor's HLO sharding,
+fetching shards to the host, building sharded tensors from host shards, and swapping a tensor's device data.
 
 Everything works on lists of tensors so that torch_xla is called once per batch, not once per tensor. None of
 these functions compiles or executes an XLA computation (checked by the tests with torch_xla's metrics),
-except `materialize`, which runs pending lazy computations the caller already queued.
-Imported lazily by the checkpointer only when XLA tensors are present.
+except `materialize`, which runs pending lazy computations the caller already queued. torch_xla (the `[xla]`
+extra) is imported on first use (`load`): claiming a value needs only its device type. XLA's sharding kinds
+(unsharded, replicated, tiled) are this module's own: a layout tells them by its saved sharding (`_kind`).
 """
 
 from __future__ import annotations
@@ -15,36 +16,139 @@ import re
 import threading
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
+from ..records import SavedSharding
+from ..tensor_layout import LocalShard, TensorLayout, full_index
+from .base import host_tensor, whole_size
 
-try:
-    import torch_xla
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
-except ImportError as error:  # the newest stack: torch_xla is an extra
-    raise UsageError("XLA tensors, meshes and partition specs need torch_xla, which is not installed: "
-                     "pip install 'xla_tensorstore_ckpt[xla]' (torch 2.9 + torch_xla 2.9)") from error
+if TYPE_CHECKING:
+    from ..read_jobs import ReadJob
 
-from .records import SavedSharding
-from .tensor_layout import LocalShard, Placement, TensorLayout, full_index
+NAME = "xla"
+DEVICE_BOUND = True
+SHARDS_ARE_CHUNKS = True
+ASSIGNS_IN_PLACE = True
+WHOLE_ON_EVERY_PROCESS = False
 
-_X = torch_xla._XLAC
+_X: Any = None  # torch_xla._XLAC, and torch_xla's SPMD and runtime modules, once `load` imported them
+xs: Any = None
+xr: Any = None
 _DEVICES_RE = re.compile(r"devices=\[([0-9,]+)\]([^ }]*)")
 _IOTA_RE = re.compile(r"<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 
 
+def load() -> None:
+    """Import torch_xla, once. Raises `UsageError` (naming the extra to install) where it is not installed."""
+    global _X, xs, xr
+    if xr is not None:
+        return
+    try:
+        import torch_xla
+        import torch_xla.distributed.spmd as spmd
+        import torch_xla.runtime as runtime
+    except ImportError as error:  # the newest stack: torch_xla is an extra
+        raise UsageError("XLA tensors, meshes and partition specs need torch_xla, which is not installed: "
+                         "pip install 'xla_tensorstore_ckpt[xla]' (torch 2.9 + torch_xla 2.9)") from error
+    _X = _X if _X is not None else torch_xla._XLAC
+    xs, xr = spmd, runtime
+
+
+def claims(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "xla"
+
+
+def unsaveable(value: torch.Tensor) -> str | None:
+    if value.layout != torch.strided:
+        return f"{value.layout} tensors are not supported; convert to dense first"
+    return None
+
+
+def signatures(values: Sequence[torch.Tensor]) -> list[tuple]:
+    """Runs the pending computations of `values` first (`materialize`), so that their shardings and data exist."""
+    materialize(values)
+    mesh = mesh_key()  # once: it is the same for every tensor
+    return [(NAME, tuple(v.shape), v.dtype, spec, v.device, mesh) for v, spec in zip(values, specs(values))]
+
+
+def _kind(layout: TensorLayout) -> str:
+    """XLA's sharding kind of a layout: "unsharded" (no annotation), "replicated" on every device, or "tiled"
+    (split into tiles, possibly partially replicated)."""
+    if layout.sharding is None:
+        return "unsharded"
+    return "tiled" if _is_tiled(layout.sharding.hlo) else "replicated"
+
+
+def fetched_elements(layout: TensorLayout, wanted: Sequence[LocalShard]) -> int:
+    """torch_xla fetches every local shard of a tiled tensor, padded."""
+    if _kind(layout) == "tiled":
+        return math.prod(layout.shard_shape) * len(layout.shards)
+    return whole_size(wanted)
+
+
+def placing_elements(layout: TensorLayout) -> int:
+    """A padded shard per local device (a replicated tensor's data once per device), or the whole tensor for an
+    unsharded one."""
+    if _kind(layout) == "unsharded":
+        return math.prod(layout.shape)
+    return len(layout.shards) * math.prod(layout.shard_shape)
+
+
+def build(job: ReadJob, regions: dict, *, release: bool) -> torch.Tensor:
+    """`place`s the read regions of each local shard, padded to the shard shape (XLA wants padding)."""
+    lay = job.layout
+    if _kind(lay) == "unsharded":
+        return place(job.reference, lay, [host_tensor(job, lay.shards[0].index, regions)], release_target=release)
+    padded: dict[Any, torch.Tensor] = {}
+    shards = []
+    for shard in lay.shards:
+        if shard.index not in padded:
+            padded[shard.index] = _pad(job, shard, regions)
+        shards.append(padded[shard.index])
+    return place(job.reference, lay, shards, release_target=release)
+
+
+def _pad(job: ReadJob, shard: LocalShard, regions: dict) -> torch.Tensor:
+    """The shard's data in a buffer of the padded shard shape (its padding's value is irrelevant)."""
+    data = host_tensor(job, shard.index, regions)
+    shard_shape = job.layout.shard_shape
+    if tuple(data.shape) == shard_shape:
+        return data
+    out = torch.zeros(shard_shape, dtype=job.dtype)
+    out[tuple(slice(0, e) for e in shard.extent)] = data
+    return out
+
+
+def settle(value: torch.Tensor) -> None:
+    wait_transferred(value)
+
+
+def local_memory(value: Any) -> None:
+    return None  # device memory: read into host buffers, then placed
+
+
+def is_global(layout: TensorLayout) -> bool:
+    return layout.sharding is not None  # an unsharded tensor is this process's own
+
+
+def mesh_sharding(value: Any) -> tuple | None:
+    return None
+
+
 def unwrap(tensor: torch.Tensor) -> torch.Tensor:
     """The underlying XLA tensor of an `XLAShardedTensor` wrapper (others unchanged)."""
+    load()
     return tensor.global_tensor if isinstance(tensor, xs.XLAShardedTensor) else tensor
 
 
 def materialize(tensors: Sequence[torch.Tensor]) -> None:
     """Run the pending lazy computations of `tensors` (if any) and wait for executions still in flight (an
     asynchronous `torch_xla.sync()` returns before its results exist), so their device data exists. Blocks."""
+    load()
     tensors = [unwrap(t) for t in tensors]
     pending = [t for t, need in zip(tensors, _X._check_tensor_need_materialization(tensors)) if need]
     if pending:
@@ -54,12 +158,14 @@ def materialize(tensors: Sequence[torch.Tensor]) -> None:
 
 def specs(tensors: Sequence[torch.Tensor]) -> list[str]:
     """The HLO sharding string of each XLA tensor ("" for an unsharded one). No device work."""
+    load()
     tensors = [unwrap(t) for t in tensors]
     return list(_X._get_xla_sharding_specs(tensors)) if tensors else []
 
 
 def mesh_key() -> tuple | None:
     """The global mesh (device ids, shape, axis names), which the saved sharding records; None without one."""
+    load()
     mesh = xs.get_global_mesh()
     if mesh is None:
         return None
@@ -67,11 +173,12 @@ def mesh_key() -> tuple | None:
             tuple(mesh.axis_names) if mesh.axis_names else None)
 
 
-def layouts(tensors: Sequence[torch.Tensor], tensor_specs: Sequence[str] | None = None) -> list[TensorLayout]:
-    """The local shard layout of each XLA tensor (no device work, no data transfer); `tensor_specs` from
-    `specs` if the caller has them."""
+def layouts(tensors: Sequence[torch.Tensor], signatures: Sequence[tuple] | None = None) -> list[TensorLayout]:
+    """The local shard layout of each XLA tensor (no device work, no data transfer); `signatures` (which hold
+    their sharding specs) from `signatures` if the caller has them."""
+    load()
     tensors = [unwrap(t) for t in tensors]
-    hlo = list(tensor_specs) if tensor_specs is not None else _X._get_xla_sharding_specs(tensors) if tensors else []
+    hlo = [sig[3] for sig in signatures] if signatures is not None else specs(tensors)
     tiled = [i for i, spec in enumerate(hlo) if _is_tiled(spec)]
     replica_indices = _X._get_local_shard_replica_and_indices([tensors[i] for i in tiled]) if tiled else []
     by_tensor = dict(zip(tiled, replica_indices))
@@ -87,14 +194,14 @@ def layouts(tensors: Sequence[torch.Tensor], tensor_specs: Sequence[str] | None 
                 LocalShard(pos, devices[pos], tuple((s.start, s.stop) for s in index), replica)
                 for pos, (replica, index) in enumerate(by_tensor[i]))
             sharding = _saved_sharding(spec, tiles, order, replicas, num_devices, len(shape))
-            out.append(TensorLayout(shape, Placement.TILED, shard_shape, shards, sharding))
+            out.append(TensorLayout(shape, NAME, shard_shape, shards, sharding))
         elif spec:
             shards = tuple(LocalShard(pos, dev, full_index(shape), pos) for pos, dev in enumerate(devices))
             sharding = SavedSharding(spec, (1,) * len(shape), num_devices, num_devices)
-            out.append(TensorLayout(shape, Placement.REPLICATED, shape, shards, sharding))
+            out.append(TensorLayout(shape, NAME, shape, shards, sharding))
         else:
             shards = (LocalShard(0, str(tensor.device), full_index(shape), 0),)
-            out.append(TensorLayout(shape, Placement.UNSHARDED, shape, shards))
+            out.append(TensorLayout(shape, NAME, shape, shards))
     return out
 
 
@@ -103,13 +210,14 @@ def _is_tiled(spec: str) -> bool:
 
 
 def fetch(tensors: Sequence[torch.Tensor], tensor_layouts: Sequence[TensorLayout],
-          wanted: Sequence[Sequence[LocalShard]]) -> list[list[torch.Tensor]]:
-    """Copy the `wanted` shards of each tensor to host memory, without padding. One torch_xla call per kind
-    of placement for the whole batch. Blocks until the copies are done."""
+          wanted: Sequence[Sequence[LocalShard]], *, copy: bool = True) -> list[list[torch.Tensor]]:
+    """Copy the `wanted` shards of each tensor to host memory, without padding (always copies: `copy` is
+    moot). One torch_xla call per sharding kind for the whole batch. Blocks until the copies are done."""
+    load()
     tensors = [unwrap(t) for t in tensors]
     out: list[list[torch.Tensor]] = [[] for _ in tensors]
-    tiled = [i for i, lay in enumerate(tensor_layouts) if lay.placement is Placement.TILED and wanted[i]]
-    whole = [i for i, lay in enumerate(tensor_layouts) if lay.placement is not Placement.TILED and wanted[i]]
+    tiled = [i for i, lay in enumerate(tensor_layouts) if _kind(lay) == "tiled" and wanted[i]]
+    whole = [i for i, lay in enumerate(tensor_layouts) if _kind(lay) != "tiled" and wanted[i]]
     if tiled:
         for i, shard_list in zip(tiled, _X._get_local_shards([tensors[i] for i in tiled])):
             for shard in wanted[i]:
@@ -123,14 +231,14 @@ def fetch(tensors: Sequence[torch.Tensor], tensor_layouts: Sequence[TensorLayout
     return out
 
 
-def build(target: torch.Tensor, layout: TensorLayout, shards: Sequence[torch.Tensor], *,
+def place(target: torch.Tensor, layout: TensorLayout, shards: Sequence[torch.Tensor], *,
           release_target: bool = False) -> torch.Tensor:
     """A new XLA tensor with `target`'s sharding and device from host `shards` (one per local shard of
     `layout`, padded to `layout.shard_shape`). With `release_target`, `target`'s own device data is dropped
     first (it holds a lazy placeholder until the caller puts the new tensor in its place), so that its memory
     can hold the new one. Transfers data; runs no computation."""
     target = unwrap(target)
-    if layout.placement is Placement.UNSHARDED:
+    if _kind(layout) == "unsharded":
         if release_target:
             _release(target)
         placed = shards[0].to(target.device)
@@ -145,7 +253,7 @@ def build(target: torch.Tensor, layout: TensorLayout, shards: Sequence[torch.Ten
 
 
 def wait_transferred(tensor: torch.Tensor) -> None:
-    """Block until the host-to-device copy of `tensor` (made by `build`) has finished. torch_xla copies the
+    """Block until the host-to-device copy of `tensor` (made by `place`) has finished. torch_xla copies the
     host data before it hands it to PJRT, and that copy lives until PJRT's asynchronous transfer completes: a
     restore that keeps placing tensors meanwhile holds the copies of every transfer still queued (on CPU
     devices, 2.4 GiB onto 8 devices under a 256 MiB budget peaked at +290 to +404 MiB that way;
@@ -226,9 +334,10 @@ def _match_partition_spec(device_ids: tuple[int, ...], mesh_shape: tuple[int, ..
     return None
 
 
-def replace(targets: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
+def assign(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
     """Swap each target's device data for that of the matching new tensor (same shape, sharding and dtype),
     keeping the target's Python identity (parameters stay the optimizer's). Runs no computation."""
+    load()
     with torch.no_grad():
-        for target, value in zip(targets, new):
+        for target, value in zip(targets, values):
             _X._replace_xla_tensor(unwrap(target), unwrap(value))
