@@ -12,7 +12,7 @@ import sys
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
-from xla_tensorstore_ckpt import dtensors, replica_plans, wire
+from xla_tensorstore_ckpt import dtensors, grid, replica_plans, save_plan, wire, writer_plans
 from xla_tensorstore_ckpt.distributed import Coordinator
 from xla_tensorstore_ckpt.errors import CoordinationError, UsageError
 from xla_tensorstore_ckpt.peer_copies import Holdings
@@ -113,3 +113,33 @@ def test_the_simulated_transport_counts_log2_messages_per_agreement_at_a_thousan
     primary = SimulatedTransport(0, 1024)  # a broadcast's value is the primary's: the simulation runs it there
     assert Coordinator(index=0, count=1024, transport=primary).broadcast({"plan": 1}) == {"plan": 1}
     assert primary.tally.messages == 10  # the root of a binomial tree sends log2(P) times
+
+
+@pytest.mark.parametrize("mesh,placements", [((2, 4), (Replicate(), Shard(0))), ((2, 2), (Shard(0), Shard(1))),
+                                             ((3,), (Shard(0),))], ids=["dp-fsdp", "two-dims", "uneven"])
+def test_the_writers_derived_from_shardings_are_those_the_gathered_chunk_lists_give(mesh, placements):
+    shape, count = (10, 6), math.prod(mesh)
+    groups = replica_plans.dtensor_groups(shape, mesh, placements, tuple(range(count)), count)
+    chunk_shape = dtensors._geometry(shape, mesh, placements, (0,) * len(mesh))[0]
+    regions = dict(dtensors.rank_regions(shape, mesh, placements, tuple(range(count))))
+    own = {p: tuple(c for c in grid.regions(shape, chunk_shape) if grid.contains(regions[p], c)) for p in regions}
+    (gathered,) = save_plan._gathered_holders([[("w", shape, "float32", chunk_shape, own[p])] for p in range(count)])
+    derived = writer_plans.chunk_holders(shape, chunk_shape, groups)
+    assert derived == {chunk: tuple(procs) for chunk, procs in gathered.items()}
+    assert all(writer_plans.holds_own(derived, p, own[p]) for p in range(count))
+    assert not writer_plans.holds_own(derived, 0, own[count - 1])
+    entry = ("w", shape, "float32", chunk_shape)
+    assert writer_plans.digest([(*entry, groups)]) == writer_plans.digest([(*entry, tuple(groups))])
+    assert writer_plans.digest([(*entry, groups)]) != writer_plans.digest([(*entry, None)])
+
+
+def test_tiles_of_an_hlo_sharding_are_held_by_the_processes_of_their_devices():
+    # {devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}: rows split in two, each half on two devices
+    processes = (0, 0, 1, 1)  # devices 0, 1 on process 0; 2, 3 on process 1
+    halves = writer_plans.tiled_groups((8, 4), (2, 1), (0, 2, 1, 3), 2, processes)
+    assert halves == (((((0, 4), (0, 4)),), (0, 1)), ((((4, 8), (0, 4)),), (0, 1)))
+    quarters = writer_plans.tiled_groups((7, 4), (4, 1), (0, 1, 2, 3), 1, processes)
+    assert quarters == (((((0, 2), (0, 4)),), (0,)), ((((2, 4), (0, 4)),), (0,)), ((((4, 6), (0, 4)),), (1,)),
+                        ((((6, 7), (0, 4)),), (1,)))
+    assert writer_plans.chunk_holders((7, 4), (2, 4), quarters)[((6, 7), (0, 4))] == (1,)
+    assert writer_plans.chunk_holders((7, 4), (3, 4), quarters) is None  # a chunk inside no tile: gathered

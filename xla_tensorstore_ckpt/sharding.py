@@ -67,6 +67,16 @@ def mesh_key() -> tuple | None:
             tuple(mesh.axis_names) if mesh.axis_names else None)
 
 
+def device_processes() -> tuple[int, ...] | None:
+    """The process of each global device, by id: PJRT numbers a job's devices process by process, each process
+    holding as many (device d belongs to process d // addressable count). None if the counts do not divide. A
+    plan derived from it is checked against the shards each process holds (`writer_plans`)."""
+    total, local = xr.global_runtime_device_count(), xr.addressable_runtime_device_count()
+    if not local or total % local:
+        return None
+    return tuple(d // local for d in range(total))
+
+
 def layouts(tensors: Sequence[torch.Tensor], tensor_specs: Sequence[str] | None = None) -> list[TensorLayout]:
     """The local shard layout of each XLA tensor (no device work, no data transfer); `tensor_specs` from
     `specs` if the caller has them."""
