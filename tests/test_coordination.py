@@ -143,3 +143,27 @@ def test_tiles_of_an_hlo_sharding_are_held_by_the_processes_of_their_devices():
                         ((((6, 7), (0, 4)),), (1,)))
     assert writer_plans.chunk_holders((7, 4), (2, 4), quarters)[((6, 7), (0, 4))] == (1,)
     assert writer_plans.chunk_holders((7, 4), (3, 4), quarters) is None  # a chunk inside no tile: gathered
+
+
+def test_a_sharded_arrays_mesh_gives_every_process_its_shard():
+    # DP=2 x FSDP=2 over dimension 0 of 7 rows in shards of 4: processes 0 and 2 hold rows 0-4, 1 and 3 rows 4-7
+    assert replica_plans.mesh_groups((7, 3), (4, 3), (2, 2), (None, 0), 4) == \
+        (((((0, 4), (0, 3)),), (0, 2)), ((((4, 7), (0, 3)),), (1, 3)))
+    # two dimensions split by two axes; a fifth process beyond the mesh holds nothing
+    grid_2x2 = replica_plans.mesh_groups((4, 6), (2, 3), (2, 2), (1, 0), 5)
+    assert grid_2x2 == (((((0, 2), (0, 3)),), (0,)), ((((0, 2), (3, 6)),), (2,)), ((((2, 4), (0, 3)),), (1,)),
+                        ((((2, 4), (3, 6)),), (3,)))
+    # a mesh too small for the grid leaves chunks without a holder: those arrays are gathered instead
+    rows = replica_plans.mesh_groups((8, 2), (2, 2), (2,), (0,), 2)
+    assert writer_plans.chunk_holders((8, 2), (2, 2), rows) is None
+
+
+def test_the_tiles_of_an_xla_target_are_read_by_the_processes_of_their_devices_as_each_reads_them():
+    # rows in 4 tiles, devices 0-1 on process 0, 2-3 on process 1: each process reads its two tiles as one box
+    halves = replica_plans.tiled_groups((8, 4), (2, 4), "float32", (4, 1), (0, 1, 2, 3), 1, (0, 0, 1, 1), 2.0, 2)
+    top, bottom = ((0, 4), (0, 4)), ((4, 8), (0, 4))
+    assert halves == (((top,), (0,)), ((bottom,), (1,)))
+    # tiles on devices 0, 2, 1, 3: process 0 holds tiles 0 and 2, which tile no box, so it reads them one by one
+    strided = replica_plans.tiled_groups((8, 4), (2, 4), "float32", (4, 1), (0, 2, 1, 3), 1, (0, 0, 1, 1), 2.0, 2)
+    rows = [((a, a + 2), (0, 4)) for a in (0, 2, 4, 6)]
+    assert strided == (((rows[0], rows[2]), (0,)), ((rows[1], rows[3]), (1,)))

@@ -13,6 +13,7 @@ Pure functions; no collectives.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,10 +21,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import dtensors, dtypes, grid, layout
+from . import dtensors, dtypes, grid, layout, read_jobs
 from .distributed import balance
 from .read_jobs import ReadJob
-from .tensor_layout import Index
+from .records import ArrayMetadata
+from .sharded_array import ShardedArray
+from .tensor_layout import Index, Placement
 
 Position = tuple[int, ...]  # a chunk's position in its array's grid
 Group = tuple[tuple[Index, ...], tuple[int, ...]]  # (regions, in the order the processes read them; processes)
@@ -65,15 +68,24 @@ def geometry_of(job: ReadJob) -> Geometry:
 
 def derived_needs(jobs: Sequence[ReadJob], count: int, me: int) -> Needs | None:
     """Every process's regions of each of `jobs`, from the targets alone: a CPU target needs the whole array on
-    every process, a DTensor each rank's region of its mesh. None if a target's layout does not tell the other
-    processes' regions (a `ShardedArray`, an XLA tensor), or if the regions derived for this process are not
-    the ones it reads (then the plan is gathered)."""
+    every process, a DTensor each rank's region of its mesh, a `ShardedArray` with a `mesh` each process's
+    shard of it, an XLA tensor the tiles of its devices (`sharding.device_processes`). None if a target's layout
+    does not tell the other processes' regions (a `ShardedArray` without a mesh), or if the regions derived for
+    this process are not the ones it reads (then the plan is gathered)."""
     needs: Needs = {}
     for job in jobs:
         if job.reference is None:
             groups: tuple[Group, ...] = ((job.reads, tuple(range(count))),) if job.reads else ()
         elif dtensors.is_dtensor(job.reference):
             groups = dtensor_groups(*dtensors.mesh_sharding(job.reference), count)
+        elif isinstance(job.reference, ShardedArray) and job.reference.mesh is not None:
+            target = job.reference
+            groups = mesh_groups(target.shape, target.shard_shape, *target.mesh, count)
+        elif job.layout.placement in read_jobs.XLA_PLACEMENTS:
+            xla = _xla_groups(job, count)
+            if xla is None:
+                return None
+            groups = xla
         else:
             return None
         own = next((regions for regions, procs in groups if me in procs), ())
@@ -93,6 +105,67 @@ def dtensor_groups(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placemen
         if rank < count and math.prod(b - a for a, b in region):
             by_region.setdefault(region, []).append(rank)
     return tuple(sorted(((region,), tuple(sorted(procs))) for region, procs in by_region.items()))
+
+
+@lru_cache(maxsize=1024)
+def mesh_groups(shape: tuple[int, ...], shard_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                dims: tuple[int | None, ...], count: int) -> tuple[Group, ...]:
+    """The groups of a `ShardedArray`'s `mesh` (mesh shape, the array dimension each mesh axis splits) among
+    `count` processes: process r, at point r of the mesh in C order, holds along dimension d the grid's shard k,
+    k its coordinates on the axes splitting d (C order); the whole dimension where none does. Cached, as
+    `dtensor_groups`."""
+    by_region: dict[Index, list[int]] = {}
+    points = itertools.product(*(range(n) for n in mesh_shape))
+    for rank, point in zip(range(count), points):
+        region = []
+        for d, (n, s) in enumerate(zip(shape, shard_shape)):
+            axes = [i for i, dim in enumerate(dims) if dim == d]
+            k = 0
+            for i in axes:
+                k = k * mesh_shape[i] + point[i]
+            region.append((min(k * s, n), min((k + 1) * s, n)) if axes else (0, n))
+        if math.prod(b - a for a, b in region):
+            by_region.setdefault(tuple(region), []).append(rank)
+    return tuple(sorted(((region,), tuple(procs)) for region, procs in by_region.items()))
+
+
+def _xla_groups(job: ReadJob, count: int) -> tuple[Group, ...] | None:
+    """The groups of an XLA target: every process needs all of an unsharded or replicated one; each process
+    the tiles of a tiled one its devices hold (`sharding.device_processes`), read as `read_jobs.read_regions`
+    reads them."""
+    lay = job.layout
+    if lay.placement is not Placement.TILED:
+        return ((job.reads, tuple(range(count))),) if job.reads else ()
+    from . import sharding  # an XLA target: torch_xla is there
+
+    processes = sharding.device_processes()
+    if processes is None or lay.sharding is None or len(processes) != lay.sharding.num_devices:
+        return None
+    tiles, order, replicas = sharding.parse_hlo_sharding(lay.sharding.hlo, len(lay.shape))
+    meta = job.meta
+    return tiled_groups(meta.shape, meta.chunk_shape, meta.dtype, tiles, order, replicas, processes,
+                        job.max_amplification, count)
+
+
+@lru_cache(maxsize=1024)
+def tiled_groups(shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: str, tiles: tuple[int, ...],
+                 order: tuple[int, ...], replicas: int, processes: tuple[int, ...], amplification: float,
+                 count: int) -> tuple[Group, ...]:
+    """The groups of an HLO tiled sharding (`writer_plans.tiled_groups`: who holds each tile) as restore
+    needs: each process's tiles, sorted, read as `read_jobs.read_regions` reads them. Cached, as
+    `dtensor_groups`."""
+    from . import writer_plans
+
+    held: dict[int, set[Index]] = {}
+    for regions, procs in writer_plans.tiled_groups(shape, tiles, order, replicas, processes):
+        for process in procs:
+            held.setdefault(process, set()).update(regions)
+    meta = ArrayMetadata("", shape, dtype, chunk_shape)
+    by_reads: dict[tuple[Index, ...], list[int]] = {}
+    for process in sorted(p for p in held if p < count):
+        by_reads.setdefault(read_jobs.read_regions(tuple(sorted(held[process])), meta, amplification),
+                            []).append(process)
+    return tuple(sorted((reads, tuple(procs)) for reads, procs in by_reads.items()))
 
 
 def gathered_needs(entries: Sequence[Sequence[tuple[layout.KeyPath, Geometry, tuple[Index, ...]]]]) -> \

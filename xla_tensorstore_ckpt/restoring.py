@@ -457,7 +457,8 @@ def _build(job: ReadJob, regions: dict, *, release: bool = False) -> torch.Tenso
             data = dtypes.numpy_to_tensor(region) if region is not None else torch.empty(shard.extent,
                                                                                           dtype=saved_dtype)
             shards.append((shard.index, data.to(job.dtype).contiguous()))
-        return ShardedArray(lay.shape, job.dtype, lay.shard_shape, tuple(shards))
+        mesh = job.reference.mesh if isinstance(job.reference, ShardedArray) else None
+        return ShardedArray(lay.shape, job.dtype, lay.shard_shape, tuple(shards), mesh)
     if lay.placement is Placement.DTENSOR:
         extent = lay.shards[0].extent if lay.shards else (0,) * len(lay.shape)
         region = _region(lay.shards[0].index, regions) if lay.shards else None

@@ -254,7 +254,8 @@ def _signature(value: ArrayLike, spec: str | None, mesh: tuple | None) -> tuple:
     """What a value's plan depends on besides its key: kind, shape, dtype and how it is laid out (`mesh`: the
     global mesh, from `_mesh_key`)."""
     if isinstance(value, ShardedArray):
-        return ("host", value.shape, value.dtype, value.shard_shape, tuple(index for index, _ in value.shards))
+        return ("host", value.shape, value.dtype, value.shard_shape, tuple(index for index, _ in value.shards),
+                value.mesh)
     if dtensors.is_dtensor(value):
         return ("dtensor", tuple(value.shape), value.dtype, dtensors.signature(value))
     if value.device.type == "xla":

@@ -4,12 +4,12 @@ shards.
 
 A holding is a tuple of groups ``(regions, processes)``: the processes of a group hold exactly those regions of
 the global array (the format of `replica_plans.Group`). Derivable: a CPU tensor, an unsharded or replicated XLA
-tensor (every process holds it whole), a scalar leaf (the primary holds it), a DTensor (each rank's region of
-its mesh: `replica_plans.dtensor_groups`), a tiled XLA tensor (each device's tile, its process the device's
-over the addressable device count: `sharding.device_processes`). Not derivable: a `ShardedArray` (its holder
-tells only its own shards). A process checks that what it derives for itself is what it holds; the processes
-agree on a `digest` of what they derived; what is not derivable, or not agreed, is gathered. Pure functions; no
-collectives.
+tensor (every process holds it whole), a scalar leaf (the primary holds it), a DTensor (each rank's region of its
+mesh: `replica_plans.dtensor_groups`), a tiled XLA tensor (each device's tile, its process the device's over the
+addressable device count: `sharding.device_processes`), a `ShardedArray` with a `mesh`
+(`replica_plans.mesh_groups`). Not derivable: a `ShardedArray` without one (it tells only its own shards). A
+process checks that what it derives for itself is what it holds; the processes agree on a `digest` of what they
+derived; what is not derivable, or not agreed, is gathered. Pure functions; no collectives.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def holding(value: Any, lay: TensorLayout, count: int, *, scalar: bool = False) 
         return ((whole, tuple(range(count))),)
     if lay.placement is Placement.DTENSOR:
         return replica_plans.dtensor_groups(*dtensors.mesh_sharding(value), count)
+    if lay.placement is Placement.HOST and value.mesh is not None:
+        return replica_plans.mesh_groups(lay.shape, lay.shard_shape, *value.mesh, count)
     if lay.placement is Placement.TILED and lay.sharding is not None:
         from . import sharding  # an XLA tensor: torch_xla is there
 
