@@ -15,6 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 from xla_tensorstore_ckpt import dtensors, grid, replica_plans, save_plan, wire, writer_plans
 from xla_tensorstore_ckpt.distributed import Coordinator
 from xla_tensorstore_ckpt.errors import CoordinationError, UsageError
+from xla_tensorstore_ckpt.options import RestoreOptions, SaveOptions
 from xla_tensorstore_ckpt.peer_copies import Holdings
 from xla_tensorstore_ckpt.records import StepMetadata
 from xla_tensorstore_ckpt.transport import recursive_doubling
@@ -167,3 +168,23 @@ def test_the_tiles_of_an_xla_target_are_read_by_the_processes_of_their_devices_a
     strided = replica_plans.tiled_groups((8, 4), (2, 4), "float32", (4, 1), (0, 2, 1, 3), 1, (0, 0, 1, 1), 2.0, 2)
     rows = [((a, a + 2), (0, 4)) for a in (0, 2, 4, 6)]
     assert strided == (((rows[0], rows[2]), (0,)), ((rows[1], rows[3]), (1,)))
+
+
+def test_a_phase_deadline_from_the_options_bounds_each_collective_within_the_coordinators_own():
+    for options in (SaveOptions, RestoreOptions):
+        assert options(coordination_timeout_s=2.5).coordination_timeout_s == 2.5
+        for bad in (0, -1, True, "5"):
+            with pytest.raises(ValueError, match="coordination_timeout_s"):
+                options(coordination_timeout_s=bad)
+    transport = SimulatedTransport(0, 4)
+    transport.timeout_s = 600.0
+    coordinator = Coordinator(index=0, count=4, transport=transport, timeout_s=600.0)
+    with coordinator.deadline(5):
+        assert transport.timeout_s == 5
+        coordinator.any(False, "agreeing")
+    with coordinator.deadline(10 ** 6), coordinator.deadline(None):
+        assert transport.timeout_s == 600  # the coordinator's own (its process group's) bounds it
+    assert transport.timeout_s == 600
+    costs = coordinator.take_costs()
+    assert costs["agreeing"]["collectives"] == 1 and costs["agreeing"]["rounds"] == 2 * 3  # gloo's ring at 4
+    assert costs["agreeing"]["messages"] == 12 and coordinator.take_costs() == {}
