@@ -6,13 +6,14 @@ of Llama-3-70B's training state (80 layers, hidden 8192, FFN 28672, vocab 128256
 fp32 parameters and two AdamW moments: 2,169 arrays, 847 GB) on an FSDP x DP mesh (FSDP = min(32, P), DP =
 P / FSDP; placements [Replicate(), Shard(0)]), restored from a checkpoint saved with FSDP 32 (its chunk grid).
 
-Per P: messages and bytes per process per save (the first, which gathers the writers' chunk lists, and a later
-one, whose plan is cached) and per restore (its agreements, per batch, and the point-to-point data messages of
-the exchange); planning CPU seconds per process (`time.process_time`, median of --repeats, caches cleared; the
-first and the last process); the modelled seconds of a restore's agreements at `alpha` 0.1 ms and 0.25 ms per
-message hop (the second is this machine's measured cost of one point-to-point operation, Python included). For
-comparison, what the code before issue 66 did: `statuses` all-to-all, 2 (P - 1) messages per batch, and a
-gather of every process's needs.
+Per P: messages and bytes per process per save (the first, which chooses the writers of the chunks from the
+shardings with one reduction of a digest, and a later one, whose plan is cached) and per restore (its agreements,
+per batch, and the point-to-point data messages of the exchange); planning CPU seconds per process
+(`time.process_time`, median of --repeats, caches cleared; the first and the last process), of the restore's plan
+and of the first save's writers (`save_plan._assign_writers`); the modelled seconds of a restore's agreements at
+`alpha` 0.1 ms and 0.25 ms per message hop (the second is this machine's measured cost of one point-to-point
+operation, Python included). For comparison, what the code before issue 66 did: `statuses` all-to-all, 2 (P - 1)
+messages per batch, a gather of every process's needs, and on a first save a gather of every process's chunk list.
 
     python benchmarks/bench_coordination_sim.py [--processes 16,32,...,1024] [--repeats 7] [--output F.json]
 writes benchmarks/results/coordination-sim.{json,txt} and the plots coordination-sim-*.svg beside them.
@@ -35,8 +36,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import svg_plot  # noqa: E402
 from sim_transport import SimulatedTransport  # noqa: E402
 
-from xla_tensorstore_ckpt import dtensors, replica_plans, wire  # noqa: E402
+from xla_tensorstore_ckpt import dtensors, holdings, replica_plans, save_plan, wire, writer_plans  # noqa: E402
 from xla_tensorstore_ckpt.distributed import Coordinator  # noqa: E402
+from xla_tensorstore_ckpt.options import SaveOptions  # noqa: E402
+from xla_tensorstore_ckpt.records import ArrayMetadata  # noqa: E402
+from xla_tensorstore_ckpt.tensor_layout import LocalShard, TensorLayout  # noqa: E402
 from xla_tensorstore_ckpt.transport import RING_MAX  # noqa: E402
 
 SAVED_FSDP = 32
@@ -75,14 +79,14 @@ def fsdp_index(shape: tuple[int, ...], fsdp: int, f: int) -> tuple[tuple[int, in
 def plan(count: int, me: int) -> tuple[float, dict, tuple, int]:
     """One process's planning from the shardings, timed cold: (CPU seconds, plans, batches, digest)."""
     dtensors.rank_regions.cache_clear()
-    replica_plans.dtensor_groups.cache_clear()
+    holdings.dtensor_groups.cache_clear()
     fsdp = min(SAVED_FSDP, count)
     mesh = (count // fsdp, fsdp)
     start = time.process_time()
     needs, geometry = {}, {}
     ranks = tuple(range(count))
     for key, shape in state():  # what `replica_plans.derived_needs` does with each DTensor target
-        needs[key] = replica_plans.dtensor_groups(shape, mesh, PLACEMENTS, ranks, count)
+        needs[key] = holdings.dtensor_groups(shape, mesh, PLACEMENTS, ranks, count)
         geometry[key] = replica_plans.Geometry(shape, chunk_shape(shape), 4)
     digest = replica_plans.digest("gs://bucket/run/1000/model", geometry, needs, BATCH_BYTES)
     plans, batches = replica_plans.plan_arrays(me, count, geometry, needs, BATCH_BYTES)
@@ -101,20 +105,47 @@ def restore_agreements(count: int, me: int, batches: int, digest: int, alpha: fl
     return transport
 
 
+def save_layouts(count: int, me: int) -> list[tuple[ArrayMetadata, TensorLayout, tuple]]:
+    """Process `me`'s (metadata, layout, DTensor sharding) of every array of the state on the DP x FSDP mesh, as
+    `save_plan` builds them (`dtensors.layouts`)."""
+    fsdp = min(SAVED_FSDP, count)
+    mesh = (count // fsdp, fsdp)
+    point = (me // fsdp, me % fsdp)
+    out = []
+    for key, shape in state():
+        chunks, index, replica, sharding = dtensors._geometry(shape, mesh, PLACEMENTS, point)
+        lay = TensorLayout(shape, "dtensor", chunks, (LocalShard(0, "cpu", index, replica),), sharding)
+        out.append((ArrayMetadata("/".join(key), shape, "float32", lay.chunk_shape, sharding), lay,
+                    (shape, mesh, PLACEMENTS, tuple(range(count)))))
+    return out
+
+
+def first_save_plan(count: int, me: int, transport: SimulatedTransport) -> float:
+    """CPU seconds of process `me`'s writer assignment of a first save (`save_plan._assign_writers`, the
+    holdings derived from the DTensor shardings as `writer_plans.holding` derives them), caches cleared."""
+    dtensors.rank_regions.cache_clear()
+    holdings.dtensor_groups.cache_clear()
+    writer_plans.chunk_holders.cache_clear()
+    local = save_layouts(count, me)
+    c = Coordinator(index=me, count=count, transport=transport)
+    start = time.process_time()
+    holdings = [holdings.dtensor_groups(*sharding, count) for _, _, sharding in local]
+    save_plan._assign_writers([(meta, lay) for meta, lay, _ in local], holdings, SaveOptions(), c)
+    return time.process_time() - start
+
+
 def save_agreements(count: int, me: int, first: bool) -> SimulatedTransport:
     """The manager's agreements of a synchronous save to one tier, in the order of its call sites (manager.py,
-    step_save.py, save_plan.py, tier.py, commit.py); the first save gathers every process's chunk list. Run as
-    the primary (`me` 0): a broadcast's value is the primary's."""
+    step_save.py, save_plan.py, tier.py, commit.py); the first save chooses the writers of the chunks (one
+    reduction of the digest of what it derived from the shardings). Run as the primary (`me` 0): a broadcast's
+    value is the primary's."""
     transport = SimulatedTransport(me, count)
     c = Coordinator(index=me, count=count, transport=transport)
-    fsdp = min(SAVED_FSDP, count)
     c.everywhere("taking the roots", lambda: None)
     c.everywhere("staging", lambda: None)
     c.any(not first, "checking the cached save plan")
     if first:
-        record = [("/".join(key), shape, "float32", chunk_shape(shape), (fsdp_index(shape, fsdp, me % fsdp),))
-                  for key, shape in state()]
-        c.all_gather(record, "choosing the writers of the chunks")
+        first_save_plan(count, me, transport)
     c.on_primary("preparing the step", lambda: "tmp-name", share=True)
     c.everywhere("writing", lambda: None)
     c.on_primary("committing", lambda: None)
@@ -132,6 +163,16 @@ def data_messages(plans: dict, batches: tuple) -> int:
         peers |= {piece.source for key in batch for _, pieces in plans[key].assembled for piece in pieces}
         total += len(peers)
     return total
+
+
+def gathered_chunk_lists_bytes(count: int, me: int) -> int:
+    """Bytes per process of the first save's gather of every process's chunk list (before: every save's first)."""
+    transport = SimulatedTransport(me, count)
+    fsdp = min(SAVED_FSDP, count)
+    record = [("/".join(key), shape, "float32", chunk_shape(shape), (fsdp_index(shape, fsdp, me % fsdp),))
+              for key, shape in state()]
+    Coordinator(index=me, count=count, transport=transport).all_gather(record, "choosing the writers of the chunks")
+    return transport.tally.nbytes
 
 
 def gathered_needs_bytes(count: int, me: int) -> int:
@@ -174,6 +215,10 @@ def measure(count: int, repeats: int) -> dict:
         s = save_agreements(count, 0, first).tally  # the primary: it broadcasts (the others only receive)
         row[f"save_{'first' if first else 'later'}_messages"] = s.messages
         row[f"save_{'first' if first else 'later'}_bytes"] = s.nbytes
+    for me in (0, count - 1):
+        row[f"save_planning_cpu_s_p{'first' if me == 0 else 'last'}"] = statistics.median(
+            first_save_plan(count, me, SimulatedTransport(me, count)) for _ in range(repeats))
+    row["before_save_first_gather_bytes"] = gathered_chunk_lists_bytes(count, 0)
     return row
 
 
@@ -210,7 +255,8 @@ def text(rows: list[dict], args: argparse.Namespace, log_fit: tuple, linear_fit:
             "training state (2,169 fp32 arrays), mesh DP x FSDP, saved with FSDP 32; per process\n"
             f"python benchmarks/bench_coordination_sim.py --processes {args.processes} --repeats {args.repeats}\n\n"
             "    P  mesh     plan CPU s  batches  msgs/batch  (before)  restore msgs  restore B  data msgs  "
-            "agree s@0.1ms  @0.25ms  save1 msgs  save1 B     save msgs  plan gather B before\n")
+            "agree s@0.1ms  @0.25ms  save1 msgs  save1 B     save msgs  plan gather B before  "
+            "save1 plan CPU s  save1 gather B before\n")
     body = "".join(
         f"{r['processes']:5d}  {r['mesh'][0]:3d}x{r['mesh'][1]:<3d} "
         f"{max(r['planning_cpu_s_pfirst'], r['planning_cpu_s_plast']):10.3f}  {r['batches']:7d}  "
@@ -218,7 +264,9 @@ def text(rows: list[dict], args: argparse.Namespace, log_fit: tuple, linear_fit:
         f"{r['restore_messages']:12d}  {r['restore_bytes']:9d}  {r['restore_data_messages']:9d}  "
         f"{r['restore_agreement_s_alpha0.1ms']:13.3f}  {r['restore_agreement_s_alpha0.25ms']:7.3f}  "
         f"{r['save_first_messages']:10d}  {r['save_first_bytes']:10d}  {r['save_later_messages']:9d}  "
-        f"{r['before_plan_gather_bytes']:12d}\n" for r in rows)
+        f"{r['before_plan_gather_bytes']:20d}  "
+        f"{max(r['save_planning_cpu_s_pfirst'], r['save_planning_cpu_s_plast']):16.3f}  "
+        f"{r['before_save_first_gather_bytes']:21d}\n" for r in rows)
     a, b, r2 = log_fit
     la, lb, lr2 = linear_fit
     return head + body + (f"\nmessages per process per restore batch, P > {RING_MAX}: {a:.2f} + {b:.2f} log2(P) "
@@ -232,13 +280,16 @@ def plots(rows: list[dict], base: str) -> None:
                    {"reduction (now)": [r["restore_messages_per_batch"] for r in rows],
                     "all-to-all statuses (before)": [r["before_restore_messages_per_batch"] for r in rows]})
     svg_plot.write(base + "-planning.svg", "planning CPU seconds per process (70B state)", ps,
-                   {"derived from shardings": [max(r["planning_cpu_s_pfirst"], r["planning_cpu_s_plast"])
-                                               for r in rows]})
+                   {"restore plan, derived from shardings": [
+                       max(r["planning_cpu_s_pfirst"], r["planning_cpu_s_plast"]) for r in rows],
+                    "first save's writers, derived from shardings": [
+                        max(r["save_planning_cpu_s_pfirst"], r["save_planning_cpu_s_plast"]) for r in rows]})
     svg_plot.write(base + "-bytes.svg", "bytes per process", ps,
                    {"restore agreements": [r["restore_bytes"] for r in rows],
                     "first save agreements": [r["save_first_bytes"] for r in rows],
                     "later save agreements": [r["save_later_bytes"] for r in rows],
-                    "plan gather before": [r["before_plan_gather_bytes"] for r in rows]})
+                    "restore plan gather before": [r["before_plan_gather_bytes"] for r in rows],
+                    "first save gather before": [r["before_save_first_gather_bytes"] for r in rows]})
 
 
 if __name__ == "__main__":

@@ -67,15 +67,16 @@ def child(args) -> None:
     for scaling, shard_rows in rows_for.items():
         shape, shard_shape, index = layout(processes, replicas, rank, shard_rows)
         out[scaling] = _measure(f"{args.root}/{processes}-{replicas}-{scaling}", shape, shard_shape, index,
-                                args.repeats, cap, barrier, rank)
+                                args.repeats, cap, barrier, rank, ((replicas, fsdp), (None, 0)))
     if processes > 1:
         dist.destroy_process_group()
     print(json.dumps(out), flush=True)
 
 
-def _measure(base: str, shape, shard_shape, index, repeats: int, cap: int, barrier, rank: int) -> dict:
+def _measure(base: str, shape, shard_shape, index, repeats: int, cap: int, barrier, rank: int, mesh) -> dict:
     """Save this process's shards of the state `repeats` times under `base`, restore the last save 2 x `repeats`
-    times (single-replica reads ABBA), delete what was written."""
+    times (single-replica reads ABBA), delete what was written. `mesh`: the layout's process mesh
+    (`ShardedArray.mesh`), from which every process derives the others' shards instead of gathering them."""
     import memory
     import torch
 
@@ -85,8 +86,8 @@ def _measure(base: str, shape, shard_shape, index, repeats: int, cap: int, barri
     state = {}
     for a in range(ARRAYS):
         data = torch.randn(shard_shape, generator=torch.Generator().manual_seed(a * 1000 + index[0][0]))
-        state[f"layer{a}"] = xtc.ShardedArray(shape, torch.float32, shard_shape, ((index, data),))
-    target = {name: xtc.ShardedArray.target(shape, torch.float32, shard_shape, [index]) for name in state}
+        state[f"layer{a}"] = xtc.ShardedArray(shape, torch.float32, shard_shape, ((index, data),), mesh)
+    target = {name: xtc.ShardedArray.target(shape, torch.float32, shard_shape, [index], mesh) for name in state}
     state_bytes = ARRAYS * shard_shape[0] * ROW_BYTES
     written: list[int] = []
     save_options = xtc.SaveOptions(listeners=(lambda e: e.kind == events.SAVE_WRITTEN and written.append(e.nbytes),))

@@ -12,9 +12,10 @@ import sys
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
-from xla_tensorstore_ckpt import dtensors, replica_plans, wire
+from xla_tensorstore_ckpt import dtensors, grid, holdings, replica_plans, save_plan, wire, writer_plans
 from xla_tensorstore_ckpt.distributed import Coordinator
 from xla_tensorstore_ckpt.errors import CoordinationError, UsageError
+from xla_tensorstore_ckpt.options import RestoreOptions, SaveOptions
 from xla_tensorstore_ckpt.peer_copies import Holdings
 from xla_tensorstore_ckpt.records import StepMetadata
 from xla_tensorstore_ckpt.transport import recursive_doubling
@@ -75,7 +76,7 @@ SHAPES = {("w",): (24, 6), ("b",): (10,), ("e",): (5, 4)}
 
 def derived(count, mesh, chunk_rows):
     ranks = tuple(range(count))
-    needs = {key: replica_plans.dtensor_groups(shape, mesh, (Replicate(), Shard(0)), ranks, count)
+    needs = {key: holdings.dtensor_groups(shape, mesh, (Replicate(), Shard(0)), ranks, count)
              for key, shape in SHAPES.items()}
     geometry = {key: replica_plans.Geometry(shape, (chunk_rows, *shape[1:]), 4) for key, shape in SHAPES.items()}
     return geometry, needs
@@ -113,3 +114,81 @@ def test_the_simulated_transport_counts_log2_messages_per_agreement_at_a_thousan
     primary = SimulatedTransport(0, 1024)  # a broadcast's value is the primary's: the simulation runs it there
     assert Coordinator(index=0, count=1024, transport=primary).broadcast({"plan": 1}) == {"plan": 1}
     assert primary.tally.messages == 10  # the root of a binomial tree sends log2(P) times
+
+
+@pytest.mark.parametrize("mesh,placements", [((2, 4), (Replicate(), Shard(0))), ((2, 2), (Shard(0), Shard(1))),
+                                             ((3,), (Shard(0),))], ids=["dp-fsdp", "two-dims", "uneven"])
+def test_the_writers_derived_from_shardings_are_those_the_gathered_chunk_lists_give(mesh, placements):
+    shape, count = (10, 6), math.prod(mesh)
+    groups = holdings.dtensor_groups(shape, mesh, placements, tuple(range(count)), count)
+    chunk_shape = dtensors._geometry(shape, mesh, placements, (0,) * len(mesh))[0]
+    regions = dict(dtensors.rank_regions(shape, mesh, placements, tuple(range(count))))
+    own = {p: tuple(c for c in grid.regions(shape, chunk_shape) if grid.contains(regions[p], c)) for p in regions}
+    (gathered,) = save_plan._gathered_holders([[("w", shape, "float32", chunk_shape, own[p])] for p in range(count)])
+    derived = writer_plans.chunk_holders(shape, chunk_shape, groups)
+    assert derived == {chunk: tuple(procs) for chunk, procs in gathered.items()}
+    assert all(writer_plans.holds_own(derived, p, own[p]) for p in range(count))
+    assert not writer_plans.holds_own(derived, 0, own[count - 1])
+    entry = ("w", shape, "float32", chunk_shape)
+    assert writer_plans.digest([(*entry, groups)]) == writer_plans.digest([(*entry, tuple(groups))])
+    assert writer_plans.digest([(*entry, groups)]) != writer_plans.digest([(*entry, None)])
+
+
+def test_tiles_of_an_hlo_sharding_are_held_by_the_processes_of_their_devices():
+    # {devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}: rows split in two, each half on two devices
+    processes = (0, 0, 1, 1)  # devices 0, 1 on process 0; 2, 3 on process 1
+    halves = holdings.tiled_groups((8, 4), (2, 1), (0, 2, 1, 3), 2, processes)
+    assert halves == (((((0, 4), (0, 4)),), (0, 1)), ((((4, 8), (0, 4)),), (0, 1)))
+    quarters = holdings.tiled_groups((7, 4), (4, 1), (0, 1, 2, 3), 1, processes)
+    assert quarters == (((((0, 2), (0, 4)),), (0,)), ((((2, 4), (0, 4)),), (0,)), ((((4, 6), (0, 4)),), (1,)),
+                        ((((6, 7), (0, 4)),), (1,)))
+    assert writer_plans.chunk_holders((7, 4), (2, 4), quarters)[((6, 7), (0, 4))] == (1,)
+    assert writer_plans.chunk_holders((7, 4), (3, 4), quarters) is None  # a chunk inside no tile: gathered
+
+
+def test_a_sharded_arrays_mesh_gives_every_process_its_shard():
+    # DP=2 x FSDP=2 over dimension 0 of 7 rows in shards of 4: processes 0 and 2 hold rows 0-4, 1 and 3 rows 4-7
+    assert holdings.mesh_groups((7, 3), (4, 3), (2, 2), (None, 0), 4) == \
+        (((((0, 4), (0, 3)),), (0, 2)), ((((4, 7), (0, 3)),), (1, 3)))
+    # two dimensions split by two axes; a fifth process beyond the mesh holds nothing
+    grid_2x2 = holdings.mesh_groups((4, 6), (2, 3), (2, 2), (1, 0), 5)
+    assert grid_2x2 == (((((0, 2), (0, 3)),), (0,)), ((((0, 2), (3, 6)),), (2,)), ((((2, 4), (0, 3)),), (1,)),
+                        ((((2, 4), (3, 6)),), (3,)))
+    # a mesh too small for the grid leaves chunks without a holder: those arrays are gathered instead
+    rows = holdings.mesh_groups((8, 2), (2, 2), (2,), (0,), 2)
+    assert writer_plans.chunk_holders((8, 2), (2, 2), rows) is None
+
+
+def test_the_tiles_of_an_xla_target_are_read_by_the_processes_of_their_devices_as_each_reads_them():
+    # rows in 4 tiles, devices 0-1 on process 0, 2-3 on process 1: each process reads its two tiles as one box
+    def read_by(order):
+        held = holdings.by_process(holdings.tiled_groups((8, 4), (4, 1), order, 1, (0, 0, 1, 1)))
+        return replica_plans.read_groups(held, (8, 4), (2, 4), "float32", 2.0)
+
+    halves = read_by((0, 1, 2, 3))
+    top, bottom = ((0, 4), (0, 4)), ((4, 8), (0, 4))
+    assert halves == (((top,), (0,)), ((bottom,), (1,)))
+    # tiles on devices 0, 2, 1, 3: process 0 holds tiles 0 and 2, which tile no box, so it reads them one by one
+    strided = read_by((0, 2, 1, 3))
+    rows = [((a, a + 2), (0, 4)) for a in (0, 2, 4, 6)]
+    assert strided == (((rows[0], rows[2]), (0,)), ((rows[1], rows[3]), (1,)))
+
+
+def test_a_phase_deadline_from_the_options_bounds_each_collective_within_the_coordinators_own():
+    for options in (SaveOptions, RestoreOptions):
+        assert options(coordination_timeout_s=2.5).coordination_timeout_s == 2.5
+        for bad in (0, -1, True, "5"):
+            with pytest.raises(ValueError, match="coordination_timeout_s"):
+                options(coordination_timeout_s=bad)
+    transport = SimulatedTransport(0, 4)
+    transport.timeout_s = 600.0
+    coordinator = Coordinator(index=0, count=4, transport=transport, timeout_s=600.0)
+    with coordinator.deadline(5):
+        assert transport.timeout_s == 5
+        coordinator.any(False, "agreeing")
+    with coordinator.deadline(10 ** 6), coordinator.deadline(None):
+        assert transport.timeout_s == 600  # the coordinator's own (its process group's) bounds it
+    assert transport.timeout_s == 600
+    costs = coordinator.take_costs()
+    assert costs["agreeing"]["collectives"] == 1 and costs["agreeing"]["rounds"] == 2 * 3  # gloo's ring at 4
+    assert costs["agreeing"]["messages"] == 12 and coordinator.take_costs() == {}

@@ -48,7 +48,13 @@ def saved(tmp_path_factory):
 
 
 def test_four_processes_save_dtensors_as_one_global_array_each(saved, capsys):
-    root, _ = saved
+    root, lines = saved
+    for line in lines:  # the writers derived from the shardings (one reduction), no chunk lists gathered
+        phases = line["agreements"]
+        assert "agreeing on the writers of the chunks" in phases and "choosing the writers of the chunks" not in \
+            phases, phases
+        assert all(cost["collectives"] >= 1 and cost["rounds"] >= 1 and cost["bytes"] > 0 for cost in
+                   phases.values()), phases
     info = xtc.metadata(root / "item")
     restored = xtc.restore(root / "item")  # CPU tensors, no mesh at all
     for name in dtensor_job.ARRAYS:
@@ -106,6 +112,9 @@ def test_single_replica_reads_fetch_each_stored_chunk_once(saved, restored):
     assert once >= 2 << 20 and once <= stored_chunk_bytes(str(root / "item"))
     assert sum(line["storage_bytes"] for line in on) == once and sum(line["received"] for line in on) > 0
     assert all(line["plan"] == "derived" for line in on), on  # from the shardings: no gather of regions
+    phases = on[0]["agreements"]  # one reduction for the plan, one per batch and the last, each with its costs
+    assert phases["agreeing on the plan of the single-replica reads"]["collectives"] == 1, phases
+    assert phases["reading its chunks"]["collectives"] >= 1 and phases["placing the restored arrays"]["rounds"] >= 1
     assert sum(line["storage_bytes"] for line in off) > 1.5 * once  # each replica fetched its own
 
 

@@ -66,7 +66,7 @@ TOY = types.SimpleNamespace(
     layouts=_toy_layouts, fetch=_toy_fetch, build=_toy_build, assign=_toy_assign,
     fetched_elements=lambda layout, wanted: sum(s.size for s in wanted),
     placing_elements=lambda layout: 0, settle=lambda value: None, local_memory=lambda value: None,
-    is_global=lambda layout: False, mesh_sharding=lambda value: None)
+    is_global=lambda layout: False, holding=lambda value, layout, count: None)
 
 
 @pytest.fixture

@@ -36,12 +36,18 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     Raises `UnsupportedValueError` before writing anything if a leaf cannot be stored,
     `CheckpointExistsError` if `path` already holds data and `overwrite` is False, `StorageError` /
     `CorruptCheckpointError` if storage fails and `CoordinationError` if another process fails (then no
-    ``_METADATA`` is written). With `overwrite`, the new item is written beside the old one and replaces it
-    once committed: a failed save leaves the old item as it was.
+    ``_METADATA`` is written; `CoordinationTimeoutError`, naming the phase and the processes that did not
+    arrive, past `options.coordination_timeout_s`). With `overwrite`, the new item is written beside the old
+    one and replaces it once committed: a failed save leaves the old item as it was.
     """
     options = options or SaveOptions()
     coordinator = coordinator or default_coordinator()
-    loc = storage.location(path)
+    coordinator.take_costs()  # the committed event reports this save's agreements alone
+    with coordinator.deadline(options.coordination_timeout_s):
+        _save(storage.location(path), state, overwrite, options, coordinator)
+
+
+def _save(loc: storage.Location, state: Any, overwrite: bool, options: SaveOptions, coordinator: Coordinator) -> None:
     item_events = Emitter(options.listeners, path=str(loc), process=coordinator.index)
     begun = time.perf_counter()
     item_events.emit(events.SAVE_STARTED)
@@ -61,7 +67,8 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
                          files=len(writes.files) + len(writes.trees))
         commit.commit(coordinator, target, {"": plan}, [], fsync=options.fsync, what=str(loc), publish=publish)
         item_events.emit(events.SAVE_COMMITTED, seconds=time.perf_counter() - written,
-                         details={"total_seconds": time.perf_counter() - begun})
+                         details={"total_seconds": time.perf_counter() - begun,
+                                  "agreements": coordinator.take_costs()})
     except BaseException:
         if temporary is not None and coordinator.is_primary:
             target.delete_tree()  # the replacement that failed; the old item is untouched

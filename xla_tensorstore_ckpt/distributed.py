@@ -19,18 +19,19 @@ and the process aborts ("terminate called without an active exception"). Destroy
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
 from . import wire
 from .errors import CoordinationError
-from .transport import GlooTransport, Transport, create_store
+from .transport import GlooTransport, Transport, create_store, traffic
 
 DEFAULT_TIMEOUT_S = 600.0
 # Arrays of at least this size go between processes as messages of their own; smaller ones share one.
@@ -46,13 +47,14 @@ class Coordinator:
     integers (log2(P) messages per process), records one gather of fixed-size slots holding their `wire`
     encoding (a second only for records longer than a slot), the primary's decisions a broadcast. Each has a
     deadline (`timeout_s`) after which every live process raises `CoordinationTimeoutError` naming the phase and
-    the processes that did not arrive. `take_timings` gives the seconds spent per phase."""
+    the processes that did not arrive (at most `deadline`'s seconds within one). `take_costs` gives what each
+    phase cost this process: seconds, collectives, rounds, messages and bytes (`transport.traffic`)."""
 
     def __init__(self, group: Any = None, index: int = 0, count: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
                  transport: Transport | None = None):
         self._group, self.index, self.count, self.timeout_s = group, index, count, timeout_s
         self.transport = transport or (GlooTransport(group, index, count, timeout_s) if group is not None else None)
-        self._timings: dict[str, float] = {}
+        self._costs: dict[str, dict[str, float]] = {}
         if group is not None:
             _track(self)
 
@@ -91,6 +93,9 @@ class Coordinator:
         group, self._group = self._group, None
         if group is None:
             return
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
         with _state.lock:
             _state.open.discard(self)
         import torch.distributed as dist
@@ -102,17 +107,41 @@ class Coordinator:
     def distributed(self) -> bool:
         return self.count > 1
 
-    def take_timings(self) -> dict[str, float]:
-        """Seconds this process spent in each phase's collectives since the last call (for events). Local."""
-        timings, self._timings = self._timings, {}
-        return timings
+    def take_costs(self) -> dict[str, dict[str, float]]:
+        """What this process's collectives cost since the last call, per phase: ``seconds`` in them,
+        ``collectives``, ``rounds`` (message steps on its critical path), ``messages`` and ``bytes`` it sent and
+        received (modelled from the algorithm: `transport.traffic`). For events; local."""
+        costs, self._costs = self._costs, {}
+        return costs
 
-    def _timed(self, phase: str, run: Callable[[], T]) -> T:
+    @contextlib.contextmanager
+    def deadline(self, timeout_s: float | None) -> Iterator[None]:
+        """Within the block, each collective waits at most `timeout_s` (None: this coordinator's own
+        `timeout_s`, which also bounds it: its process group's timeout). Not thread-safe: one caller at a time
+        uses a coordinator."""
+        if timeout_s is None or self.transport is None or not hasattr(self.transport, "timeout_s"):
+            yield
+            return
+        before = self.transport.timeout_s
+        self.transport.timeout_s = min(float(timeout_s), self.timeout_s)
+        try:
+            yield
+        finally:
+            self.transport.timeout_s = before
+
+    def _timed(self, phase: str, kind: str, nbytes: int, run: Callable[[], T]) -> T:
         start = time.perf_counter()
         try:
             return run()
         finally:
-            self._timings[phase] = self._timings.get(phase, 0.0) + time.perf_counter() - start
+            messages, total, rounds = traffic(kind, self.index, self.count, nbytes)
+            cost = self._costs.setdefault(phase, dict.fromkeys(
+                ("seconds", "collectives", "rounds", "messages", "bytes"), 0))
+            cost["seconds"] += time.perf_counter() - start
+            cost["collectives"] += 1
+            cost["rounds"] += rounds
+            cost["messages"] += messages
+            cost["bytes"] += total
 
     def reduce_max(self, values: Sequence[int], phase: str = "agreeing") -> list[int]:
         """The elementwise maximum of every process's `values` (64-bit integers, as many everywhere): one
@@ -120,7 +149,8 @@ class Coordinator:
         if not self.distributed:
             return list(values)
         array = np.asarray(values, dtype=np.int64)
-        return [int(v) for v in self._timed(phase, lambda: self.transport.reduce_max(array, phase))]
+        return [int(v) for v in self._timed(phase, "reduce", array.nbytes,
+                                                              lambda: self.transport.reduce_max(array, phase))]
 
     def any(self, flag: bool, phase: str = "agreeing") -> bool:
         """Whether `flag` is true on any process: a one-element reduction. Collective."""
@@ -132,14 +162,14 @@ class Coordinator:
         if not self.distributed:
             return [value]
         data = wire.encode(value)
-        rows = self._timed(phase, lambda: self.transport.gather(_slot(data), phase))
+        rows = self._timed(phase, "gather", SLOT_BYTES, lambda: self.transport.gather(_slot(data), phase))
         lengths = [int(n) for n in rows[:, :8].copy().view(np.int64)[:, 0]]
         longest = max(lengths)
         rest = None
         if longest > SLOT_BYTES - 8:
             tail = np.zeros(longest - (SLOT_BYTES - 8), dtype=np.uint8)
             tail[:max(0, len(data) - (SLOT_BYTES - 8))] = np.frombuffer(data[SLOT_BYTES - 8:], dtype=np.uint8)
-            rest = self._timed(phase, lambda: self.transport.gather(tail, phase))
+            rest = self._timed(phase, "gather", tail.nbytes, lambda: self.transport.gather(tail, phase))
         return [wire.decode(_joined(row, None if rest is None else rest[p], lengths[p]))
                 for p, row in enumerate(rows)]
 
@@ -149,14 +179,14 @@ class Coordinator:
         if not self.distributed:
             return value
         data = wire.encode(value) if self.is_primary else b""
-        head = self._timed(phase, lambda: self.transport.broadcast(_slot(data), phase))
+        head = self._timed(phase, "broadcast", SLOT_BYTES, lambda: self.transport.broadcast(_slot(data), phase))
         length = int(head[:8].copy().view(np.int64)[0])
         rest = None
         if length > SLOT_BYTES - 8:
             tail = np.zeros(length - (SLOT_BYTES - 8), dtype=np.uint8)
             if self.is_primary:
                 tail[:] = np.frombuffer(data[SLOT_BYTES - 8:], dtype=np.uint8)
-            rest = self._timed(phase, lambda: self.transport.broadcast(tail, phase))
+            rest = self._timed(phase, "broadcast", tail.nbytes, lambda: self.transport.broadcast(tail, phase))
         return wire.decode(_joined(head, rest, length))
 
     def statuses(self, status: Any, phase: str = "agreeing on the outcome") -> list[Any]:

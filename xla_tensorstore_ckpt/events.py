@@ -11,7 +11,9 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
 * ``save_written`` (per tier): this process's writes are durable (`seconds` since staging; `nbytes` written
   by this process, as chunk bytes before any compression; `files`: files it created, or OCDBT stores).
 * ``save_committed`` (per tier): the step is committed (`seconds`: the commit itself; `details["total_seconds"]`
-  from the start of the save).
+  from the start of the save; `details["agreements"]`: what each collective phase of the save cost this process,
+  by phase name: ``seconds``, ``collectives``, ``rounds``, ``messages`` and ``bytes`` sent and received,
+  `Coordinator.take_costs`; empty with one process).
 * ``retention_removed`` (per tier): steps retention deleted after a commit (`details["steps"]`).
 * ``peer_copies_committed`` (local tier, with `local_replication`; on the replication thread): the copies of a
   local step are committed on the peers that got them (`nbytes`: bytes this process received;
@@ -28,7 +30,7 @@ read straight into their target's memory), ``restore_built`` as each array's val
 ``buffered_reads``/``buffered_bytes``; `details["storage_bytes"]`: what the reader fetched from storage for
 them, None where it cannot tell; with
 single-replica reads also `details["plan"]`, ``"derived"`` from the shardings or ``"gathered"``, and
-`details["agreement_seconds"]`: seconds spent in each collective phase); with
+`details["agreements"]`: each collective phase's cost, as for ``save_committed``); with
 `local_replication`, ``peer_fetched`` when a local step (or its damaged files) came from a peer before the
 restore (`nbytes` received, `details["source"]`: the process it came from, `details["repair"]`).
 

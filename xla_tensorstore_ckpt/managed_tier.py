@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import events, layout, policies, save_plan, storage, writing
 from .async_save import BackgroundCommitter
@@ -68,17 +70,18 @@ class ManagedTier:
                 f"this one can only restore. If that process is gone, delete "
                 f"{lock.root.child(layout.MANAGER_LOCK)} (or wait lock_timeout_s).")
 
-    def submit(self, save: PendingSave, *, fsync: bool, started: float) -> None:
+    def submit(self, save: PendingSave, *, fsync: bool, started: float, agreements: Mapping[str, Any]) -> None:
         """Hand `save` to its background thread (`finish`); its error is re-raised later, naming the
         step and this tier. Uses the slot `committer.reserve` took. Does not block."""
         self.committer.submit(f"asynchronous save of step {save.step} to {self.describe()}", save.step,
-                              lambda: self.finish(save, fsync=fsync, started=started))
+                              lambda: self.finish(save, fsync=fsync, started=started, agreements=agreements))
 
-    def finish(self, save: PendingSave, *, fsync: bool, started: float) -> None:
+    def finish(self, save: PendingSave, *, fsync: bool, started: float, agreements: Mapping[str, Any]) -> None:
         """Commit `save` in the tier (on every process of the job for the persistent tier), then retention (its
         deletes deferred to its background thread, off the critical path), telling the listeners as each
-        phase ends (`events`; `started`: when the save began, `time.perf_counter`). Collective for the
-        persistent tier. Blocks."""
+        phase ends (`events`; `started`: when the save began, `time.perf_counter`; `agreements`: the costs of
+        the collectives that staged it, `Coordinator.take_costs`, reported with the commit's). Collective for
+        the persistent tier. Blocks."""
         step_events = self.events.bound(step=save.step, path=str(save.final))
         begun = time.perf_counter()
         phases = {}
@@ -100,7 +103,8 @@ class ManagedTier:
                                       item_keys(save.plans, per_process=(RNG_ITEM,)))
         done = time.perf_counter()
         step_events.emit(events.SAVE_COMMITTED, seconds=done - phases.get("written", begun),
-                         details={"total_seconds": done - started})
+                         details={"total_seconds": done - started,
+                                  "agreements": {**agreements, **self.coordinator.take_costs()}})
         if doomed and self.coordinator.is_primary:
             # Behind the step's replication, which may still be reading a step retention lets go.
             queue = self.committer if self.replicator is None else self.replicator

@@ -231,6 +231,7 @@ class CheckpointManager:
         started = time.perf_counter()
         step_events = self._persistent.events.bound(tier=None, step=step, path=str(self.step_path(step)))
         step_events.emit(events.SAVE_STARTED, details={"tiers": [managed.name for managed in tiers]})
+        self._coordinator.take_costs()  # the committed events report this save's agreements alone
         self._coordinator.everywhere(f"taking the roots for step {step}",
                                      lambda: [managed.take_root(step) for managed in tiers])
         states = {name: training_state.state_of(obj) for name, obj in objects.items()}
@@ -252,20 +253,21 @@ class CheckpointManager:
                 managed.committer.release()
             raise
         fsync = self._options.save_options.fsync
+        agreements = self._coordinator.take_costs()
         if self._options.async_save:
             step_events.emit(events.SAVE_STAGED, seconds=time.perf_counter() - started,
                              nbytes=max(sum(plan.staged_bytes for plan in p.plans.values()) for p in pendings))
         for managed, pending in zip(tiers, pendings):
             managed.in_flight = step
             if self._options.async_save:
-                managed.submit(pending, fsync=fsync, started=started)
+                managed.submit(pending, fsync=fsync, started=started, agreements=agreements)
         if not self._options.async_save:
             errors: list[Exception] = []
             try:
                 with paused_gc():  # staging happens here in sync mode (never on the background thread: gc is global)
                     for managed, pending in zip(tiers, pendings):
                         try:  # a local tier failing on one process must not keep it from the collective commit
-                            managed.finish(pending, fsync=fsync, started=started)
+                            managed.finish(pending, fsync=fsync, started=started, agreements=agreements)
                         except Exception as exc:  # noqa: BLE001 - raised below, on every process
                             errors.append(exc)
             finally:

@@ -51,6 +51,12 @@ class SaveOptions:
         CPU time and up to 4.6x a warm restore's (docs/compression.md).
     compression_level: zstd's level, 1-22 (3, tensorstore's default, is what Orbax writes); only with
         compression="zstd".
+    coordination_timeout_s: in a job of several processes (`xtc.save`), the deadline of each collective phase
+        of the save (choosing the writers, finishing the writes, the commit): past it every live process raises
+        `CoordinationTimeoutError` naming the phase and the processes that did not arrive (a dead process is
+        usually named at once, through its closed connection). None: the coordinator's own (600 s for the one
+        `xtc.save` creates), which also bounds it. A manager's saves take its
+        `CheckpointManagerOptions.coordination_timeout_s`.
     """
 
     use_ocdbt: bool = True
@@ -63,6 +69,7 @@ class SaveOptions:
     format: str = formats.WRITE_FORMAT
     compression: str | None = None
     compression_level: int = zstd.DEFAULT_LEVEL
+    coordination_timeout_s: float | None = None
 
     @property
     def zstd_level(self) -> int | None:
@@ -86,6 +93,7 @@ class SaveOptions:
         _check_int("host_batch_bytes", self.host_batch_bytes)
         _check_int("single_file_max_bytes", self.single_file_max_bytes, minimum=0)
         _check_int("split_bytes", self.split_bytes)
+        _check_timeout(self.coordination_timeout_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +123,11 @@ class RestoreOptions:
     broadcast_max_bytes: with single-replica reads, the most bytes of data a batch holds on a process while its
         parts travel (batches are at most this and `read_batch_bytes`).
     listeners: told of each restore's plan and end (`events`).
+    coordination_timeout_s: with single-replica reads in a job of several processes, the deadline of each
+        collective phase of the restore (the plan's agreement, each batch's, the last): past it every live
+        process raises `CoordinationTimeoutError` naming the phase and the processes that did not arrive (a
+        dead process is usually named at once). None: the coordinator's own (600 s by default; a manager's
+        `coordination_timeout_s`), which also bounds it.
     """
 
     read_batch_bytes: int = 64 * _MiB
@@ -122,14 +135,21 @@ class RestoreOptions:
     single_replica_reads: bool = False
     broadcast_max_bytes: int = 256 * _MiB
     listeners: tuple[Listener, ...] = ()
+    coordination_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners, "RestoreOptions.listeners")
+        _check_timeout(self.coordination_timeout_s)
         _check_int("read_batch_bytes", self.read_batch_bytes)
         _optional_int("max_host_bytes", self.max_host_bytes, 1)
         _check_int("broadcast_max_bytes", self.broadcast_max_bytes)
         if not isinstance(self.single_replica_reads, bool):
             raise TypeError(f"single_replica_reads must be a bool, got {self.single_replica_reads!r}")
+
+
+def _check_timeout(value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ValueError(f"coordination_timeout_s must be None or a positive number of seconds, got {value!r}")
 
 
 def _optional_int(name: str, value: object, minimum: int) -> None:
@@ -156,9 +176,11 @@ class CheckpointManagerOptions:
     save_on_preemption: install a SIGTERM handler (the manager must be created on the main thread); after a
         SIGTERM the next `save` call saves whatever the interval says and waits for the commit, and
         `reached_preemption(step)` tells the training loop to exit.
-    coordination_timeout_s: in a job of several processes, how long a process waits for the others at a
-        synchronization point before failing the save with `CoordinationError` (a dead process is usually
-        detected at once, through its closed connection).
+    coordination_timeout_s: in a job of several processes, the deadline of each collective phase of a save or
+        restore (the timeout of the manager's process groups): past it every live process raises
+        `CoordinationTimeoutError` naming the phase and the processes that did not arrive (a dead process is
+        usually named at once, through its closed connection). `restore_options.coordination_timeout_s`, if
+        set, shortens it for the reads of a restore.
     lock_timeout_s: a manager owns its root through ``<root>/_MANAGER_LOCK`` (refreshed at every commit). Another
         manager finding a live owner's lock only reads (restores, lists) and refuses to save. A lock is stale —
         taken over — when its process is gone (same host) or it has not been refreshed for this long (other hosts).

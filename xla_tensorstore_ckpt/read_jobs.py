@@ -50,32 +50,8 @@ class ReadJob:
 
     @cached_property
     def reads(self) -> tuple[Index, ...]:
-        """The regions to read. Each local shard is read on its own, into its own buffer that goes to the device
-        as it is, unless the shards tile a box (always on a single host) and the box is small (one read beats
-        many) or reading shard by shard would fetch more than `max_amplification` times the stored bytes
-        (a chunk feeding several shards is fetched once per shard): then the box is read once and the shards
-        are cut from it."""
-        shards = self.layout.distinct_shards()
-        if len(shards) <= 1:
-            return tuple(s.index for s in shards)
-        indices = tuple(s.index for s in shards)
-        box = tuple((min(s.index[d][0] for s in shards), max(s.index[d][1] for s in shards))
-                    for d in range(len(self.meta.shape)))
-        box_elements = math.prod(b - a for a, b in box)
-        tiled = sum(s.size for s in shards) == box_elements
-        small = box_elements * dtypes.by_name(self.meta.dtype).itemsize <= SMALL_READ_BYTES
-        if tiled and (small or sum(map(self._fetched, indices)) > self.max_amplification * self._fetched(box)):
-            return (box,)
-        return indices
-
-    def _fetched(self, region: Index) -> int:
-        """Elements of the stored chunks a read of `region` fetches (whole chunks: checksums cover a chunk)."""
-        total = 1
-        for (a, b), chunk, n in zip(region, self.meta.chunk_shape, self.meta.shape):
-            if b <= a:
-                return 0
-            total *= min(n, -(-b // chunk) * chunk) - (a // chunk) * chunk
-        return total
+        """The regions to read (`read_regions` of the distinct local shards)."""
+        return read_regions(tuple(s.index for s in self.layout.distinct_shards()), self.meta, self.max_amplification)
 
     @cached_property
     def chunks_touched(self) -> int:
@@ -104,6 +80,34 @@ class ReadJob:
     def target(self) -> targets.Target:
         """The target (tensor kind) that builds this array's value."""
         return targets.of_layout(self.layout)
+
+
+def read_regions(indices: tuple[Index, ...], meta: ArrayMetadata, amplification: float) -> tuple[Index, ...]:
+    """The regions a process whose distinct shards are `indices` (sorted) reads of the array `meta`. Each
+    shard is read on its own, into its own buffer that goes to the device as it is, unless the shards tile a
+    box (always on a single host) and the box is small (one read beats many) or reading shard by shard would
+    fetch more than `amplification` times the stored bytes (a chunk feeding several shards is fetched once per
+    shard): then the box is read once and the shards are cut from it. Pure: single-replica reads compute it for
+    every process (`replica_plans`)."""
+    if len(indices) <= 1:
+        return indices
+    box = tuple((min(i[d][0] for i in indices), max(i[d][1] for i in indices)) for d in range(len(meta.shape)))
+    box_elements = math.prod(b - a for a, b in box)
+    tiled = sum(math.prod(b - a for a, b in i) for i in indices) == box_elements
+    small = box_elements * dtypes.by_name(meta.dtype).itemsize <= SMALL_READ_BYTES
+    if tiled and (small or sum(_fetched(meta, i) for i in indices) > amplification * _fetched(meta, box)):
+        return (box,)
+    return indices
+
+
+def _fetched(meta: ArrayMetadata, region: Index) -> int:
+    """Elements of the stored chunks a read of `region` fetches (whole chunks: checksums cover a chunk)."""
+    total = 1
+    for (a, b), chunk, n in zip(region, meta.chunk_shape, meta.shape):
+        if b <= a:
+            return 0
+        total *= min(n, -(-b // chunk) * chunk) - (a // chunk) * chunk
+    return total
 
 
 def max_amplification(fetches_once: bool, cheap_refetch: bool) -> float:

@@ -13,6 +13,7 @@ Pure functions; no collectives.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,13 +21,14 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import dtensors, dtypes, grid, layout
+from . import dtypes, grid, holdings, layout, read_jobs
 from .distributed import balance
 from .read_jobs import ReadJob
+from .records import ArrayMetadata
 from .tensor_layout import Index
 
 Position = tuple[int, ...]  # a chunk's position in its array's grid
-Group = tuple[tuple[Index, ...], tuple[int, ...]]  # (regions, in the order the processes read them; processes)
+Group = holdings.Group  # (regions, in the order the processes read them; processes)
 Needs = dict[layout.KeyPath, tuple[Group, ...]]  # per array (in job order), its groups sorted by regions
 
 
@@ -64,18 +66,20 @@ def geometry_of(job: ReadJob) -> Geometry:
 
 
 def derived_needs(jobs: Sequence[ReadJob], count: int, me: int) -> Needs | None:
-    """Every process's regions of each of `jobs`, from the targets alone: a CPU target needs the whole array on
-    every process, a DTensor each rank's region of its mesh. None if a target's layout does not tell the other
-    processes' regions (a `ShardedArray`, an XLA tensor), or if the regions derived for this process are not
-    the ones it reads (then the plan is gathered)."""
+    """Every process's regions of each of `jobs`, from the targets alone (`Target.holding`, read as
+    `read_jobs.read_regions` reads them). None if a target's layout does not tell the other processes' regions
+    (a `ShardedArray` without a mesh), or if the regions derived for this process are not the ones it reads
+    (then the plan is gathered)."""
     needs: Needs = {}
     for job in jobs:
         if job.reference is None or job.target.WHOLE_ON_EVERY_PROCESS:
             groups: tuple[Group, ...] = ((job.reads, tuple(range(count))),) if job.reads else ()
-        elif (mesh := job.target.mesh_sharding(job.reference)) is not None:
-            groups = dtensor_groups(*mesh, count)
         else:
-            return None
+            held = job.target.holding(job.reference, job.layout, count)
+            if held is None:
+                return None
+            groups = read_groups(holdings.by_process(held), job.meta.shape, job.meta.chunk_shape, job.meta.dtype,
+                                 job.max_amplification)
         own = next((regions for regions, procs in groups if me in procs), ())
         if own != job.reads:
             return None
@@ -84,15 +88,17 @@ def derived_needs(jobs: Sequence[ReadJob], count: int, me: int) -> Needs | None:
 
 
 @lru_cache(maxsize=1024)
-def dtensor_groups(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, ranks: tuple[int, ...],
-                   count: int) -> tuple[Group, ...]:
-    """The groups of a DTensor sharding (`Target.mesh_sharding`) among `count` processes. Cached: the arrays
-    of a model share a few shardings, and the same object stands for each (`digest` relies on it)."""
-    by_region: dict[Index, list[int]] = {}
-    for rank, region in dtensors.rank_regions(shape, mesh_shape, placements, ranks):
-        if rank < count and math.prod(b - a for a, b in region):
-            by_region.setdefault(region, []).append(rank)
-    return tuple(sorted(((region,), tuple(sorted(procs))) for region, procs in by_region.items()))
+def read_groups(held: holdings.Holding, shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: str,
+                amplification: float) -> tuple[Group, ...]:
+    """A holding (`holdings.by_process`: one group per process's regions) as restore needs: each process's
+    regions read as `read_jobs.read_regions` reads them. Cached, as the holdings are."""
+    if all(len(regions) == 1 for regions, _ in held):  # one region is read as it is
+        return held
+    meta = ArrayMetadata("", shape, dtype, chunk_shape)
+    by_reads: dict[tuple[Index, ...], list[int]] = {}
+    for regions, procs in held:
+        by_reads.setdefault(read_jobs.read_regions(regions, meta, amplification), []).extend(procs)
+    return tuple(sorted((reads, tuple(sorted(procs))) for reads, procs in by_reads.items()))
 
 
 def gathered_needs(entries: Sequence[Sequence[tuple[layout.KeyPath, Geometry, tuple[Index, ...]]]]) -> \

@@ -7,6 +7,7 @@ Restoring needs no coordination between processes: each reads its own regions. E
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -78,17 +79,23 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
     `events` (by default `options.listeners` with the item's path) is told when the reads are planned and when
     they are done (`events.RESTORE_PLANNED`, `RESTORE_FINISHED`: the bytes this process reads, and in its
     details ``storage_bytes``, what its reader fetched from storage for them, `ArrayReader.fetched_bytes`;
-    with single-replica reads also ``peer_bytes_sent`` and ``peer_bytes_received``).
+    with single-replica reads also ``peer_bytes_sent`` and ``peer_bytes_received``, and ``agreements``: what
+    each collective phase of the restore cost this process, `Coordinator.take_costs`).
 
     With `options.single_replica_reads` in a job of several processes (`coordinator`, by default the
     torch.distributed world), the restore is collective: every process must call it, and a failure on any
-    process raises on every one (`replica_reads`)."""
+    process raises on every one (`replica_reads`); each collective phase waits at most
+    `options.coordination_timeout_s`, then raises `CoordinationTimeoutError` naming the phase and the processes
+    that did not arrive."""
     options = options or RestoreOptions()
     if release_targets and take is None:
         raise TypeError("release_targets needs take: the caller must put the new values in place")
     loc = storage.location(path)
     shared = _shared(options, coordinator)
-    with paused_gc():  # many small records (layouts, read plans) live until the item is read
+    if shared is not None:
+        shared.take_costs()  # the event reports this restore's agreements alone
+    # Many small records (layouts, read plans) live until the item is read.
+    with paused_gc(), contextlib.nullcontext() if shared is None else shared.deadline(options.coordination_timeout_s):
         try:
             if target is not None and not tree.is_container(target):
                 raise UnsupportedValueError("the restore target must be a tree (dict, list or tuple), not a "
@@ -129,7 +136,7 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
         if exchange is not None:
             details.update(peer_bytes_sent=exchange.sent_bytes, peer_bytes_received=exchange.received_bytes,
                            plan="derived" if exchange.derived else "gathered",
-                           agreement_seconds=shared.take_timings() if shared is not None else {})
+                           agreements=shared.take_costs() if shared is not None else {})
         events.emit(RESTORE_FINISHED, seconds=time.perf_counter() - begun, nbytes=planned_bytes, details=details)
     values.update((p, saved[p]) for p in wanted if not isinstance(saved[p], ArrayMetadata))
     return values

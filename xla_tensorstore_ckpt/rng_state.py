@@ -90,7 +90,7 @@ def _row(value: torch.Tensor, index: int, count: int) -> ShardedArray:
     row = value.reshape(1, -1).contiguous()
     width = row.shape[1]
     shard_index = ((index, index + 1), (0, width))
-    return ShardedArray((count, width), row.dtype, (1, width), ((shard_index, row),))
+    return ShardedArray((count, width), row.dtype, (1, width), ((shard_index, row),), mesh=((count,), (0,)))
 
 
 def _optional_float(value: float | None) -> torch.Tensor:

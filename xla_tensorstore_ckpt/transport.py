@@ -11,15 +11,18 @@ gather a ring (P-1: it carries every process's slot, so it is used only where ev
 Deadlines: every collective waits at most `timeout_s`, in slices of `SLICE_S`; between slices a process looks
 at the job's side channel (a `torch.distributed.TCPStore` hosted by process 0) for another process's alarm.
 When the deadline passes, or gloo reports a peer gone, the process raises the alarm, marks itself arrived and
-waits (at most `GRACE_S`) for the others to do the same: every live process of the collective notices the
-alarm within a slice, so those that never mark themselves are the silent ones (stopped, dead, or elsewhere),
-and every live process raises `CoordinationTimeoutError` naming them.
+wakes every process's watcher thread (`_AlarmWatch`, blocked on the store), which answers for its process at
+once, whatever the process's main thread is doing; it then waits (at most `GRACE_S`) for every answer. Those
+that never answer are dead or stopped (SIGSTOP stops the watcher too), and every live process raises
+`CoordinationTimeoutError` naming them; a process that runs but is slow to reach the collective (under load) is
+not named, unless every process answered: then those that had not arrived (stuck elsewhere) are.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import threading
 import time
 from typing import Any, Protocol
 
@@ -44,17 +47,36 @@ class Transport(Protocol):
     def reduce_max(self, values: np.ndarray, phase: str) -> np.ndarray:
         """The elementwise maximum of every process's int64 `values` (same length everywhere)."""
 
-    def _round(self, tensor: Any, sends: list[int], incoming: list, receives: list[int]) -> list:
-        import torch.distributed as dist
-
-        return [*(dist.isend(tensor, p, group=self.group, tag=_REDUCE_TAG) for p in sends),
-                *(dist.irecv(t, p, group=self.group, tag=_REDUCE_TAG) for t, p in zip(incoming, receives))]
-
     def gather(self, slot: np.ndarray, phase: str) -> np.ndarray:
         """Every process's uint8 `slot` (same length everywhere), stacked in process order."""
 
     def broadcast(self, buffer: np.ndarray, phase: str) -> np.ndarray:
         """Process 0's uint8 `buffer` (same length everywhere)."""
+
+
+def traffic(kind: str, index: int, count: int, nbytes: int) -> tuple[int, int, int]:
+    """(messages, bytes, rounds) of one collective on process `index` of `count`, by the algorithm the gloo
+    transport runs (a model of gloo's own ring algorithms where it calls them): `kind` "reduce" (`nbytes` per
+    process), "gather" (a slot of `nbytes`) or "broadcast" (`nbytes`). Messages and bytes are those this process
+    sends and receives; rounds, the message steps on its critical path. Events report them per phase
+    (`Coordinator.take_costs`); benchmarks/sim_transport.py counts with them."""
+    if count <= 1:
+        return 0, 0, 0
+    if kind == "reduce":
+        if count <= RING_MAX:  # ring: reduce-scatter then all-gather, 2 (P - 1) steps of a piece each
+            steps = 2 * (count - 1)
+            return 2 * steps, 2 * steps * -(-nbytes // count), steps
+        rounds = recursive_doubling(index, count)
+        messages = sum(len(sends) + len(receives) for sends, receives in rounds)
+        return messages, messages * nbytes, len(rounds)
+    if kind == "gather":  # ring: each step passes one process's slot on
+        return 2 * (count - 1), 2 * (count - 1) * nbytes, count - 1
+    lowest = index & -index if index else 1 << (count - 1).bit_length()  # binomial tree from process 0
+    children, step = 0, 1
+    while step < lowest and index + step < count:
+        children, step = children + 1, step << 1
+    messages = children + (1 if index else 0)
+    return messages, messages * nbytes, (count - 1).bit_length()
 
 
 def create_store(group: Any, index: int, timeout_s: float, host: str) -> Any:
@@ -80,6 +102,12 @@ class GlooTransport:
         self.group, self.index, self.count, self.timeout_s, self._store = group, index, count, timeout_s, store
         self._sequence = 0  # collectives so far: the same on every process, it keys the side channel
         self.broken: CoordinationError | None = None  # after a missed deadline the group is unusable
+        self._watch = _AlarmWatch(store, index) if store is not None else None
+
+    def close(self) -> None:
+        """Stop answering alarms (the group is being destroyed). Local; idempotent."""
+        if self._watch is not None:
+            self._watch.close()
 
     def reduce_max(self, values: np.ndarray, phase: str) -> np.ndarray:
         import torch
@@ -149,39 +177,85 @@ class GlooTransport:
         if self._store is None:
             return False
         try:
-            return bool(self._store.check([f"alarm/{sequence}"]))
+            return bool(self._store.check(["alarm"]))  # any collective's: a process is gone from the group
         except RuntimeError:  # the store's host is gone: so is the collective
             return True
 
     def _named(self, phase: str, sequence: int, cause: Exception) -> CoordinationTimeoutError:
         """Raise the alarm of collective `sequence`, wait for the live processes to answer it, and the error
         naming those that did not."""
-        silent = self._silent(sequence)
+        silent, how = self._silent(sequence)
         names = ", ".join(map(str, silent)) if silent else "unknown"
         error = CoordinationTimeoutError(
-            f"process {self.index}: {phase}: process{'es' if len(silent) != 1 else ''} {names} died or did not "
-            f"answer within {self.timeout_s:g} s (coordination_timeout_s): {cause}",
+            f"process {self.index}: {phase}: process{'es' if len(silent) != 1 else ''} {names} {how} within "
+            f"{self.timeout_s:g} s (coordination_timeout_s): {cause}",
             phase=phase, missing=tuple(silent))
         self.broken = error
         return error
 
-    def _silent(self, sequence: int) -> list[int]:
+    def _silent(self, sequence: int) -> tuple[list[int], str]:
+        """The processes to name for the alarm of collective `sequence`, and how they failed: those whose
+        watcher did not answer (dead or stopped), else, if every process runs, those that had not arrived."""
+        dead, late = "died or did not answer", "ran but had not arrived"
         if self._store is None:
-            return []
+            return [], dead
         others = [p for p in range(self.count) if p != self.index]
-        keys = {p: f"arrived/{sequence}/{p}" for p in others}
+        answers = [f"answered/{p}" for p in others]
         try:
+            first = self._store.add("alarm", 1) == 1
             self._store.set(f"arrived/{sequence}/{self.index}", b"1")
-            self._store.set(f"alarm/{sequence}", b"1")
+            self._store.set(f"answered/{self.index}", b"1")
+            if first:  # wake every process's watcher, whatever it is doing (the failure path only)
+                self._store.multi_set([f"wake/{p}" for p in others], [str(sequence).encode()] * len(others))
             # Looked at, not waited for: a store wait that outlasts the store's own timeout breaks its connection.
             until = time.monotonic() + min(self.timeout_s, GRACE_S)
-            while not self._store.check(list(keys.values())):
-                if time.monotonic() > until:  # someone did not arrive: ask key by key (the failure path only)
-                    return [p for p in others if not self._store.check([keys[p]])]
+            while not self._store.check(answers):
+                if time.monotonic() > until:  # someone did not answer: ask key by key
+                    return [p for p in others if not self._store.check([f"answered/{p}"])], dead
                 time.sleep(0.05)
-            return []
+            return [p for p in others if not self._store.check([f"arrived/{sequence}/{p}"])], late
         except RuntimeError:  # the store itself does not answer: its host, process 0, is the silent one
-            return [0]
+            return [0], dead
+
+
+class _AlarmWatch:
+    """Answers the alarm for this process from a thread of its own, on a store connection of its own, whatever
+    its main thread is doing: a process that runs is not named silent because it was slow to reach the
+    collective (under load, reading its chunks); one that is dead or stopped (SIGSTOP) does not answer. The
+    thread blocks on the store until its wake key is set: by the process raising the alarm, or by `close`."""
+
+    def __init__(self, store: Any, index: int):
+        self._store, self._host, self._port, self._index = store, store.host, store.port, index
+        self._thread = threading.Thread(target=self._run, name=f"xtc-alarm-watch-{index}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+
+        wake = f"wake/{self._index}"
+        try:
+            store = dist.TCPStore(self._host, self._port, None, False, datetime.timedelta(hours=1))
+            while True:
+                try:
+                    store.wait([wake], datetime.timedelta(hours=1))
+                    break
+                except dist.DistStoreError as exc:  # an hour without news; anything else: the store is gone
+                    if "timeout" not in str(exc).lower():
+                        return
+            if store.get(wake) != b"closed":
+                store.set(f"answered/{self._index}", b"1")
+        except RuntimeError:  # the store's host is gone: there is nobody left to answer
+            return
+
+    def close(self) -> None:
+        """Wake the thread and let it end (it answers nothing then). Idempotent; never raises."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._store.set(f"wake/{self._index}", b"closed")
+        except RuntimeError:  # the store's host is gone: the thread ends on its own
+            return
+        self._thread.join(GRACE_S)
 
 
 def recursive_doubling(index: int, count: int) -> list[tuple[list[int], list[int]]]:

@@ -78,7 +78,8 @@ def stored_once(rank: int, restored: dict, events_seen: list) -> dict:
     details = next(e for e in events_seen if e.kind == "restore_finished").details
     equal = all(torch.equal(restored[name].full_tensor(), global_value(name)) for name in ARRAYS)
     return {"equal": equal, "storage_bytes": details["storage_bytes"],
-            "received": details.get("peer_bytes_received", 0), "plan": details.get("plan")}
+            "received": details.get("peer_bytes_received", 0), "plan": details.get("plan"),
+            "agreements": details.get("agreements")}
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -290,8 +291,10 @@ def main() -> None:
         tree = {name: distribute_tensor(global_value(name), mesh[kind], placements(saved))
                 for name, (_, _, kind, saved, _) in ARRAYS.items()}
         tree["meta"] = {"step": 3}
-        xtc.save(f"{root}/item", tree, options=xtc.SaveOptions(split_bytes=1 << 20))
-        emit(rank, bytes=written["bytes"])
+        seen: list = []
+        xtc.save(f"{root}/item", tree, options=xtc.SaveOptions(split_bytes=1 << 20, listeners=(seen.append,)))
+        committed = next(e for e in seen if e.kind == "save_committed")
+        emit(rank, bytes=written["bytes"], agreements=committed.details["agreements"])
     elif mode == "restore":
         mesh = meshes(world)
         target = {name: distribute_tensor(torch.zeros(shape, dtype=dtype), mesh["1d"], placements(other))

@@ -58,6 +58,12 @@ def layouts(rank: int) -> dict:
     }
 
 
+# The meshes of the DP x FSDP layouts (save, restore), from which every process derives the others' shards;
+# the strided layouts have none: their chunk lists are gathered.
+MESHES = {"dp2": (((2, 2), (None, 0)),) * 2, "replicated": (((4, 1), (None, 0)),) * 2,
+          "gathered": (((1, 4), (None, 0)), ((4, 1), (None, 0))), "reshard": (((1, 4), (None, 0)), ((2, 2), (None, 0)))}
+
+
 def global_value(name: str, shape, dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     if dtype == torch.int32:
@@ -68,12 +74,13 @@ def global_value(name: str, shape, dtype) -> torch.Tensor:
 def state(rank: int) -> dict:
     out = {}
     for name, (shape, dtype, (shard_shape, indices), _) in layouts(rank).items():
-        out[name] = xtc.ShardedArray.from_tensor(global_value(name, shape, dtype), shard_shape, indices)
+        out[name] = xtc.ShardedArray.from_tensor(global_value(name, shape, dtype), shard_shape, indices,
+                                                 MESHES.get(name, (None,))[0])
     return out
 
 
 def target(rank: int) -> dict:
-    return {name: xtc.ShardedArray.target(shape, dtype, shard_shape, indices)
+    return {name: xtc.ShardedArray.target(shape, dtype, shard_shape, indices, MESHES.get(name, (None, None))[1])
             for name, (shape, dtype, _, (shard_shape, indices)) in layouts(rank).items()}
 
 

@@ -30,12 +30,14 @@ def encode(entries: Mapping[str, bytes], coordinator: Coordinator) -> dict:
         data[0, :len(row)] = torch.frombuffer(bytearray(row), dtype=torch.uint8)
     index, count = coordinator.index, coordinator.count
     return {"layout": LAYOUT, "lengths": _lengths(len(row), index, count),
-            "rows": ShardedArray((count, width), torch.uint8, (1, width), ((((index, index + 1), (0, width)), data),))}
+            "rows": ShardedArray((count, width), torch.uint8, (1, width), ((((index, index + 1), (0, width)), data),),
+                                 mesh=((count,), (0,)))}
 
 
 def _lengths(length: int, index: int, count: int) -> ShardedArray:
     value = torch.tensor([[length]], dtype=torch.int64)
-    return ShardedArray((count, 1), torch.int64, (1, 1), ((((index, index + 1), (0, 1)), value),))
+    return ShardedArray((count, 1), torch.int64, (1, 1), ((((index, index + 1), (0, 1)), value),),
+                        mesh=((count,), (0,)))
 
 
 def decode(saved: object, *, where: str) -> dict[str, bytes]:

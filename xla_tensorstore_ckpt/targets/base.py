@@ -17,6 +17,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .. import dtypes
+from ..holdings import Holding
 from ..tensor_layout import Index, LocalShard, TensorLayout
 
 if TYPE_CHECKING:
@@ -92,9 +93,10 @@ class Target(Protocol):
         """Whether the array is one global array of which processes hold parts (what one process wrote of it,
         another holding the same regions wrote alike), not a value of this process alone."""
 
-    def mesh_sharding(self, value: Any) -> tuple | None:
-        """What every process's region of `value` is computed from, without asking the others
-        (`dtensors.rank_regions`'s arguments), or None where it cannot be."""
+    def holding(self, value: Any, layout: TensorLayout, count: int) -> Holding | None:
+        """Every process's regions of `value` (laid out as `layout` here) among `count` processes, computed from
+        its sharding without asking the others (`holdings`), or None where its layout does not tell them. The
+        writers of a save and the single-replica reads of a restore are planned from it."""
 
 
 def region(index: Index, reads: dict) -> Any:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import holdings
+from ..holdings import Holding
 from ..tensor_layout import LocalShard, TensorLayout, full_index
 from .base import copy_host, host_tensor, whole_size
 
@@ -84,5 +86,5 @@ def is_global(layout: TensorLayout) -> bool:
     return False
 
 
-def mesh_sharding(value: Any) -> tuple | None:
-    return None
+def holding(value: Any, layout: TensorLayout, count: int) -> Holding:
+    return holdings.everywhere(layout.shape, count)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import dtensors
+from .. import dtensors, holdings
+from ..holdings import Holding
 from ..records import SavedSharding
 from ..tensor_layout import LocalShard, TensorLayout
 from .base import copy_host, host_tensor, whole_size
@@ -160,6 +161,10 @@ def mesh_sharding(value: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple, 
     mesh = value.device_mesh
     return (tuple(value.shape), tuple(mesh.shape), tuple(value.placements),
             tuple(int(r) for r in mesh.mesh.flatten().tolist()))
+
+
+def holding(value: Any, layout: TensorLayout, count: int) -> Holding:
+    return holdings.dtensor_groups(*mesh_sharding(value), count)
 
 
 def _pins(device: torch.device) -> bool:

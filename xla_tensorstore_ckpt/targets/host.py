@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import holdings
 from ..errors import UsageError
+from ..holdings import Holding
 from ..sharded_array import ShardedArray
 from ..tensor_layout import LocalShard, TensorLayout
 from .base import host_tensor, whole_size
@@ -81,5 +83,8 @@ def is_global(layout: TensorLayout) -> bool:
     return True
 
 
-def mesh_sharding(value: Any) -> tuple | None:
-    return None
+def holding(value: ShardedArray, layout: TensorLayout, count: int) -> Holding | None:
+    """From the array's `mesh`; None without one (a ShardedArray tells only its own shards then)."""
+    if value.mesh is None:
+        return None
+    return holdings.mesh_groups(layout.shape, layout.shard_shape, *value.mesh, count)

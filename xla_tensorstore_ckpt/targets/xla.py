@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .. import holdings
 from ..errors import UsageError
+from ..holdings import Holding
 from ..records import SavedSharding
 from ..tensor_layout import LocalShard, TensorLayout, full_index
 from .base import host_tensor, whole_size
@@ -135,8 +137,16 @@ def is_global(layout: TensorLayout) -> bool:
     return layout.sharding is not None  # an unsharded tensor is this process's own
 
 
-def mesh_sharding(value: Any) -> tuple | None:
-    return None
+def holding(value: Any, layout: TensorLayout, count: int) -> Holding | None:
+    """An unsharded or replicated tensor is whole on every process; a tiled one's tiles are held by their
+    devices' processes (`device_processes`). None where the device counts do not tell them."""
+    if _kind(layout) != "tiled":
+        return holdings.everywhere(layout.shape, count)
+    processes = device_processes()
+    if processes is None or len(processes) != layout.sharding.num_devices:
+        return None
+    tiles, order, replicas = parse_hlo_sharding(layout.sharding.hlo, len(layout.shape))
+    return holdings.tiled_groups(layout.shape, tiles, order, replicas, processes)
 
 
 def unwrap(tensor: torch.Tensor) -> torch.Tensor:
@@ -171,6 +181,17 @@ def mesh_key() -> tuple | None:
         return None
     return (tuple(int(d) for d in np.asarray(mesh.device_ids).reshape(-1)), tuple(mesh.mesh_shape),
             tuple(mesh.axis_names) if mesh.axis_names else None)
+
+
+def device_processes() -> tuple[int, ...] | None:
+    """The process of each global device, by id: PJRT numbers a job's devices process by process, each process
+    holding as many (device d belongs to process d // addressable count). None if the counts do not divide. A
+    plan derived from it is checked against the shards each process holds (`writer_plans`)."""
+    load()
+    total, local = xr.global_runtime_device_count(), xr.addressable_runtime_device_count()
+    if not local or total % local:
+        return None
+    return tuple(d // local for d in range(total))
 
 
 def layouts(tensors: Sequence[torch.Tensor], signatures: Sequence[tuple] | None = None) -> list[TensorLayout]:
