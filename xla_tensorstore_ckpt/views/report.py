@@ -4,7 +4,7 @@ steps per layer. One file: the data as JSON in the page (every ``<``, ``>`` and 
 end the script), drawn by inline JavaScript into SVG with ``textContent`` only (a key named ``<script>`` stays
 text); nothing is fetched when it is viewed. Written under a temporary name and swapped in (`outputs`).
 
-Reads each array once for the statistics (`histogram.array_summary`) and, with a diff, both steps once more
+Reads each array once for the statistics (`histogram.summaries`) and, with a diff, both steps once more
 (`scans.diff`). Used by ``xtckpt report`` and `views.report_html`; blocks; no torch_xla.
 """
 
@@ -65,12 +65,12 @@ def report_data(path: str, options: ReportOptions | None = None, progress: Progr
     }
     if not options.stats:
         return data
-    chosen = largest[:max(0, options.max_stat_arrays)]
-    for done, r in enumerate(chosen, 1):
-        item = inspection.split_key(r.key, checkpoint)[0]
-        data["stats"].append(histogram.summary_of(checkpoint, item, r.meta, r.key, bins=options.bins).to_json())
+    chosen = [(inspection.split_key(r.key, checkpoint)[0], r.meta, r.key)
+              for r in largest[:max(0, options.max_stat_arrays)]]
+    for summary in histogram.summaries(checkpoint, chosen, bins=options.bins):
+        data["stats"].append(summary.to_json())
         if progress:
-            progress(done, len(chosen))
+            progress(len(data["stats"]), len(chosen))
     pair = _diff_pair(steps, options.diff_steps)
     if pair is not None and root is not None:
         a, b = (inspection.open_checkpoint(root.child(s.name)) for s in pair)
