@@ -261,9 +261,23 @@ def test_report_escapes_and_keeps_an_existing_file(root, tmp_path, capsys):
         report.report_data(str(root), report.ReportOptions(step="9"))
 
 
+def upload(local: str, remote: storage.Location) -> str:
+    for top, _, names in os.walk(local):
+        for name in names:
+            relative = os.path.relpath(os.path.join(top, name), local).replace(os.sep, "/")
+            with open(os.path.join(top, name), "rb") as f:
+                remote.write(relative, f.read(), fsync=False)
+    return str(remote)
+
+
 @pytest.mark.parametrize("scheme", ["gcs", "s3"])
-def test_views_on_object_stores(scheme, request, tmp_path, capsys):
+def test_views_on_object_stores(scheme, request, dcp_dir, tmp_path, capsys):
     remote, _, _ = object_store(request, scheme, "views")
+    hf = str(tmp_path / "hf")
+    write_hf_dir(hf)
+    for local in (GOLDEN_ORBAX, dcp_dir, hf):  # every foreign format, read remotely as locally
+        there = upload(local, storage.location(f"{remote}-{os.path.basename(local)}"))
+        assert [s.to_json() for s in views.stats_view(there)] == [s.to_json() for s in views.stats_view(local)]
     options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None, async_save=False, save_rng=False)
     with xtc.CheckpointManager(remote, options) as manager:
         for step in (1, 2):

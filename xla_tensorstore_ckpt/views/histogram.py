@@ -173,7 +173,7 @@ def summarize(key: str, dtype: str, shape: tuple[int, ...], sketch: ValueSketch,
     """The `ArraySummary` of a filled sketch."""
     exact = dtype in _EXACT_IN_BF16
     integer = dtypes.by_name(dtype).numpy.kind in "iub"
-    quantiles = tuple((q, sketch.quantile(q, exact_bins=exact, integer=integer)) for q in QUANTILES)
+    quantiles = tuple(zip(QUANTILES, sketch.quantiles(QUANTILES, exact_bins=exact, integer=integer)))
     if not sketch.count:
         return ArraySummary(key, dtype, shape, 0, None, None, None, None, sketch.nan, sketch.inf, 0, quantiles,
                             0.0, sketch.histogram(bins, scale))

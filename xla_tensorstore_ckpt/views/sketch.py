@@ -31,7 +31,7 @@ from ..errors import UsageError
 
 BINS = 1 << 16
 SLAB = 1 << 20  # values per slab: the reused buffers are 12 MiB per thread
-SMALL = 1 << 14  # fewer values are binned by sorting (a bincount zeroes and adds 65,536 bins each time)
+SMALL = 1 << 15  # fewer values are binned by sorting
 _F32_MAX = float(np.finfo(np.float32).max)
 _BFLOAT16 = dtypes.by_name("bfloat16").numpy
 _LITTLE = sys.byteorder == "little"
@@ -147,18 +147,21 @@ class ValueSketch:
             self.zeros += part.zeros
             self.low, self.high = min(self.low, part.low), max(self.high, part.high)
 
-    def quantile(self, q: float, *, exact_bins: bool = False, integer: bool = False) -> float | None:
-        """The value at rank ceil(q * count) of the finite values (within the bin's relative width);
-        `exact_bins`: every value is its bin's lower edge; `integer`: the values are integers."""
+    def quantiles(self, qs: tuple[float, ...], *, exact_bins: bool = False, integer: bool = False
+                  ) -> tuple[float | None, ...]:
+        """The value at rank ceil(q * count) of the finite values for each q of `qs` (within the bin's relative
+        width); `exact_bins`: every value is its bin's lower edge; `integer`: the values are integers."""
         if not self.count:
-            return None
-        ordered = self.counts[ORDER]
-        rank = max(1, math.ceil(q * self.count))
-        position = int(np.searchsorted(np.cumsum(ordered), rank))
-        code = ORDER[min(position, len(ORDER) - 1)]
-        value = float(LOW[code] if exact_bins else MIDDLE[code])
-        value = float(round(value)) if integer else value
-        return min(max(value, self.low), self.high)
+            return (None,) * len(qs)
+        ranks = np.cumsum(self.counts[ORDER])
+        out = []
+        for q in qs:
+            position = int(np.searchsorted(ranks, max(1, math.ceil(q * self.count))))
+            code = ORDER[min(position, len(ORDER) - 1)]
+            value = float(LOW[code] if exact_bins else MIDDLE[code])
+            value = float(round(value)) if integer else value
+            out.append(min(max(value, self.low), self.high))
+        return tuple(out)
 
     def histogram(self, bins: int = 40, scale: str = "linear") -> Histogram:
         """Counts of the finite values in `bins` equal bins: of the value between min and max (``linear``), or
@@ -236,10 +239,11 @@ def _slab_part(values: np.ndarray) -> _Part:
 
 def _bins(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(the bins present, their counts) of uint16 bin numbers: a bincount of them widened into this thread's
-    int64 buffer, or, for few, a sort."""
+    int64 buffer; for fewer than `SMALL`, a radix sort (a bincount zeroes and scans 65,536 bins each time)."""
     if codes.size < SMALL:
-        present, counts = np.unique(codes, return_counts=True)
-        return present.astype(np.intp), counts
+        ordered = np.sort(codes, kind="stable")  # radix sort for 16-bit integers
+        starts = np.flatnonzero(np.diff(ordered)) + 1
+        return ordered[np.r_[0, starts]].astype(np.intp), np.diff(np.r_[0, starts, codes.size])
     wide, low16, _ = _SCRATCH.buffers()
     low16[:codes.size] = codes
     dense = np.bincount(wide[:codes.size], minlength=BINS)
