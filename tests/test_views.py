@@ -270,6 +270,24 @@ def upload(local: str, remote: storage.Location) -> str:
     return str(remote)
 
 
+def test_report_reads_each_array_of_the_shown_step_once(root, monkeypatch):
+    from xla_tensorstore_ckpt import scans
+
+    walks: list[tuple[str, str]] = []
+    walk = scans.iter_chunks
+
+    def counted(checkpoint, item, meta, **kwargs):
+        walks.append((os.path.basename(str(checkpoint.location)), f"{item}/{meta.path}"))
+        return walk(checkpoint, item, meta, **kwargs)
+
+    expected = [s.to_json() for s in views.stats_view(str(root / "2"), bins=report.ReportOptions().bins)]
+    monkeypatch.setattr(scans, "iter_chunks", counted)
+    data = report.report_data(str(root))
+    assert data["diff"]["b"] == 2 and sorted(walks) == sorted(set(walks))  # no array walked twice
+    assert {key for step, key in walks if step == "2"} == {e["key"] for e in expected}
+    assert sorted(data["stats"], key=lambda s: s["key"]) == sorted(expected, key=lambda s: s["key"])
+
+
 @pytest.mark.parametrize("scheme", ["gcs", "s3"])
 def test_views_on_object_stores(scheme, request, dcp_dir, tmp_path, capsys):
     remote, _, _ = object_store(request, scheme, "views")
