@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import math
+import queue
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from .. import dtypes, layout, scans
 from ..errors import CorruptCheckpointError, UsageError
 from ..inspection import Checkpoint, array_metadata
 from ..records import ArrayMetadata
-from .sketch import Histogram, ValueSketch
+from .sketch import Histogram, Scratch, ValueSketch
 
 QUANTILES = (0.01, 0.10, 0.25, 0.50, 0.75, 0.90, 0.99)
 DEFAULT_MAX_BYTES = 64 << 20
@@ -39,7 +40,7 @@ READ_AHEAD = 8  # chunks of one array read ahead, at most
 RELATIVE_ERROR = 2.0 ** -8
 _EXACT_IN_BF16 = {"bfloat16", "bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                   "float8_e5m2fnuz"}
-_POOL = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="xtckpt-stats")  # threads keep buffers
+_POOL = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="xtckpt-stats")
 
 Array = tuple[str, ArrayMetadata, str]  # (item, metadata, key)
 
@@ -126,6 +127,9 @@ class _Binning:
 
     def __init__(self, budget: int, bins: int, scale: str):
         self.budget, self.bins, self.scale = budget, bins, scale
+        self.scratches: queue.SimpleQueue[Scratch] = queue.SimpleQueue()  # one per thread binning at a time
+        for _ in range(THREADS + 1):
+            self.scratches.put(Scratch())
         self.entries: collections.deque[_Entry] = collections.deque()
         self.jobs: collections.deque[tuple[_Entry, concurrent.futures.Future, int]] = collections.deque()
         self.held = 0
@@ -138,13 +142,20 @@ class _Binning:
     def put(self, entry: _Entry, data: np.ndarray) -> None:
         """Bin `data` into `entry`'s sketch: at once if small, else on the pool once there is room."""
         if data.nbytes < INLINE_BYTES:
-            entry.sketch.add(data)
+            self._add(entry.sketch, data)
             return
         while self.jobs and (self.held + data.nbytes > self.budget or len(self.jobs) >= MAX_JOBS):
             self._retire()
         entry.pending += 1
-        self.jobs.append((entry, _POOL.submit(entry.sketch.add, data), data.nbytes))
+        self.jobs.append((entry, _POOL.submit(self._add, entry.sketch, data), data.nbytes))
         self.held += data.nbytes
+
+    def _add(self, sketch: ValueSketch, data: np.ndarray) -> None:
+        scratch = self.scratches.get()
+        try:
+            sketch.add(data, scratch)
+        finally:
+            self.scratches.put(scratch)
 
     def _retire(self) -> None:
         """Wait for the oldest job; raises what it raised."""

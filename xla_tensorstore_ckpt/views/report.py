@@ -29,7 +29,7 @@ from ..records import ArrayMetadata
 from ..storage.local import fsync_path
 from . import diff as diff_view
 from . import histogram, layout
-from .sketch import ValueSketch
+from .sketch import Scratch, ValueSketch
 
 DEFAULT_MAX_STAT_ARRAYS = 100_000
 MAX_LAYOUTS = 64  # the largest arrays get a drawn layout
@@ -100,6 +100,7 @@ class _Observer:
         self.arrays, self.bins = arrays, bins
         self.key: str | None = None
         self.sketch: ValueSketch | None = None
+        self.scratch = Scratch()
         self.done: dict[str, dict] = {}
 
     def __call__(self, key: str, data: np.ndarray) -> None:
@@ -107,7 +108,7 @@ class _Observer:
             self._close()
             self.key, self.sketch = key, ValueSketch() if key in self.arrays else None
         if self.sketch is not None:
-            self.sketch.add(data)
+            self.sketch.add(data, self.scratch)
 
     def _close(self) -> None:
         if self.sketch is not None and self.key is not None:

@@ -14,7 +14,7 @@ Sums are of ``value - shift`` (the middle of the first values seen; merged sketc
 far from zero with a narrow spread (a norm's weights near 1) keeps its digits: float32 sums per slab (numpy's
 pairwise summation: relative error near 1e-7 of the sum of magnitudes), accumulated in float64; spreads beyond
 float32's safe range are summed in float64. Used by `views.histogram`; no I/O; `add` may be called from several
-threads at once (the merge into the sketch takes its lock).
+threads at once (the merge into the sketch takes its lock), each with a `Scratch` of its own.
 """
 
 from __future__ import annotations
@@ -75,11 +75,12 @@ def _byte_codes() -> dict[np.dtype, np.ndarray]:
 _BYTE_CODES = _byte_codes()
 
 
-class _Scratch(threading.local):
-    """A thread's reused buffers: int64 bin numbers (their upper bytes stay zero: only the low 16 bits are ever
-    written) and float32 deviations. Allocated on first use."""
+class Scratch:
+    """Reused buffers for one thread at a time: int64 bin numbers (their upper bytes stay zero: only the low 16
+    bits are ever written) and float32 deviations, 12 MiB, allocated on first use and freed with the object."""
 
-    codes: np.ndarray | None = None
+    def __init__(self) -> None:
+        self.codes: np.ndarray | None = None
 
     def buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self.codes is None:
@@ -87,9 +88,6 @@ class _Scratch(threading.local):
             self.low16 = self.codes.view(np.uint16)[0 if _LITTLE else 3::4]
             self.floats = np.empty(SLAB, dtype=np.float32)
         return self.codes, self.low16, self.floats
-
-
-_SCRATCH = _Scratch()
 
 
 class ValueSketch:
@@ -115,11 +113,13 @@ class ValueSketch:
         centred = self.total / self.count
         return math.sqrt(max(0.0, self.total_sq / self.count - centred * centred))
 
-    def add(self, data: np.ndarray) -> None:
-        """Add every value of `data` (any numeric dtype; complex: magnitudes)."""
+    def add(self, data: np.ndarray, scratch: Scratch | None = None) -> None:
+        """Add every value of `data` (any numeric dtype; complex: magnitudes), using `scratch`'s buffers (which no
+        other thread uses meanwhile) or buffers of its own."""
         flat = data.reshape(-1)
+        scratch = scratch or Scratch()
         for start in range(0, flat.size, SLAB):
-            self._take(_slab_part(flat[start:start + SLAB]))
+            self._take(_slab_part(flat[start:start + SLAB], scratch))
 
     def merge(self, other: ValueSketch) -> None:
         """Add `other`'s values (its counts and sums)."""
@@ -222,38 +222,38 @@ class _Part:
         self.low, self.high, self.shift, self.total, self.total_sq = low, high, shift, total, total_sq
 
 
-def _slab_part(values: np.ndarray) -> _Part:
+def _slab_part(values: np.ndarray, scratch: Scratch) -> _Part:
     """The `_Part` of at most `SLAB` values, by their dtype's fastest exact route."""
     dtype = values.dtype
     if dtype == _BFLOAT16:
-        return _exact_part(values.view(np.uint16))
+        return _exact_part(values.view(np.uint16), scratch)
     codes = _BYTE_CODES.get(dtype)
     if codes is not None:
-        return _exact_part(codes[values.view(np.uint8)])
+        return _exact_part(codes[values.view(np.uint8)], scratch)
     if dtype == np.float16 or (dtype.kind in "iu" and dtype.itemsize <= 2):
         values = values.astype(np.float32)  # exact
     if values.dtype == np.float32:
-        return _float32_part(values)
-    return _general_part(values)
+        return _float32_part(values, scratch)
+    return _general_part(values, scratch)
 
 
-def _bins(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _bins(codes: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray]:
     """(the bins present, their counts) of uint16 bin numbers: a bincount of them widened into this thread's
     int64 buffer; for fewer than `SMALL`, a radix sort (a bincount zeroes and scans 65,536 bins each time)."""
     if codes.size < SMALL:
         ordered = np.sort(codes, kind="stable")  # radix sort for 16-bit integers
         starts = np.flatnonzero(np.diff(ordered)) + 1
         return ordered[np.r_[0, starts]].astype(np.intp), np.diff(np.r_[0, starts, codes.size])
-    wide, low16, _ = _SCRATCH.buffers()
+    wide, low16, _ = scratch.buffers()
     low16[:codes.size] = codes
     dense = np.bincount(wide[:codes.size], minlength=BINS)
     present = np.flatnonzero(dense)
     return present, dense[present]
 
 
-def _exact_part(codes: np.ndarray) -> _Part:
+def _exact_part(codes: np.ndarray, scratch: Scratch) -> _Part:
     """Values that are exactly their bins' lower edges (bfloat16, 8-bit types): every statistic from the bins."""
-    present, counts = _bins(codes)
+    present, counts = _bins(codes, scratch)
     values = LOW[present]
     finite = np.isfinite(values)
     nan = inf = 0
@@ -270,10 +270,10 @@ def _exact_part(codes: np.ndarray) -> _Part:
                  float(weighted.sum()), float(weighted @ deviation), present)
 
 
-def _float32_part(values: np.ndarray) -> _Part:
+def _float32_part(values: np.ndarray, scratch: Scratch) -> _Part:
     """float32 values: bins first; NaN/Inf (exponent all ones) and zeros (the two bins around zero) looked for
     in the values only where the bins show them."""
-    present, counts = _bins(values.view(np.uint16)[_HIGH_HALF::2])
+    present, counts = _bins(values.view(np.uint16)[_HIGH_HALF::2], scratch)
     special = (present & 0x7F80) == 0x7F80
     nan = inf = 0
     if special.any():
@@ -291,7 +291,7 @@ def _float32_part(values: np.ndarray) -> _Part:
     if spread == 0:
         total = total_sq = 0.0
     elif _SPREAD[0] <= spread <= _SPREAD[1]:
-        deviation = np.subtract(values, np.float32(shift), out=_SCRATCH.buffers()[2][:values.size])
+        deviation = np.subtract(values, np.float32(shift), out=scratch.buffers()[2][:values.size])
         total = float(deviation.sum())
         total_sq = float(np.square(deviation, out=deviation).sum())
     else:
@@ -299,7 +299,7 @@ def _float32_part(values: np.ndarray) -> _Part:
     return _Part(counts, values.size, nan, inf, zeros, low, high, shift, total, total_sq, present)
 
 
-def _general_part(values: np.ndarray) -> _Part:
+def _general_part(values: np.ndarray, scratch: Scratch) -> _Part:
     """Any other dtype (float64, wide integers, complex magnitudes), in float64."""
     if values.dtype.kind == "c":
         values = np.abs(values)
@@ -312,7 +312,7 @@ def _general_part(values: np.ndarray) -> _Part:
     if not values.size:
         return _Part(np.zeros(0, np.int64), nan=nan, inf=inf, present=np.zeros(0, np.intp))
     narrow = np.clip(values, -_F32_MAX, _F32_MAX).astype(np.float32)  # beyond float32: its extreme bins
-    present, counts = _bins(narrow.view(np.uint16)[_HIGH_HALF::2])
+    present, counts = _bins(narrow.view(np.uint16)[_HIGH_HALF::2], scratch)
     low, high = float(values.min()), float(values.max())
     shift = (low + high) / 2
     total, total_sq = _sums64(values, shift)
