@@ -29,7 +29,7 @@ from .. import dtypes, layout, scans
 from ..errors import CorruptCheckpointError, UsageError
 from ..inspection import Checkpoint, array_metadata
 from ..records import ArrayMetadata
-from .sketch import Histogram, Scratch, ValueSketch
+from .sketch import EXACT_DTYPES, Histogram, Scratch, ValueSketch
 
 QUANTILES = (0.01, 0.10, 0.25, 0.50, 0.75, 0.90, 0.99)
 DEFAULT_MAX_BYTES = 64 << 20
@@ -38,8 +38,6 @@ INLINE_BYTES = 64 << 10
 MAX_JOBS = 4 * THREADS  # chunks waiting to be binned, at most
 READ_AHEAD = 8  # chunks of one array read ahead, at most
 RELATIVE_ERROR = 2.0 ** -8
-_EXACT_IN_BF16 = {"bfloat16", "bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                  "float8_e5m2fnuz"}
 _POOL = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="xtckpt-stats")
 
 Array = tuple[str, ArrayMetadata, str]  # (item, metadata, key)
@@ -182,7 +180,7 @@ class _Binning:
 def summarize(key: str, dtype: str, shape: tuple[int, ...], sketch: ValueSketch, *, bins: int = 40,
               scale: str = "linear") -> ArraySummary:
     """The `ArraySummary` of a filled sketch."""
-    exact = dtype in _EXACT_IN_BF16
+    exact = dtype in EXACT_DTYPES
     integer = dtypes.by_name(dtype).numpy.kind in "iub"
     quantiles = tuple(zip(QUANTILES, sketch.quantiles(QUANTILES, exact_bins=exact, integer=integer)))
     if not sketch.count:

@@ -37,6 +37,9 @@ _BFLOAT16 = dtypes.by_name("bfloat16").numpy
 _LITTLE = sys.byteorder == "little"
 _HIGH_HALF = 1 if _LITTLE else 0  # the top 16 bits of a float32, as the uint16 at this index of its pair
 _SPREAD = (1e-15, 1e15)  # |value - shift| whose float32 squares, summed over a slab, neither underflow nor overflow
+# the types every value of which bfloat16 holds exactly (bfloat16 first, then the 8-bit ones)
+EXACT_DTYPES = ("bfloat16", "bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                "float8_e5m2fnuz")
 
 
 def _bin_values() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -57,12 +60,8 @@ LOW, MIDDLE, ORDER = _bin_values()
 def _byte_codes() -> dict[np.dtype, np.ndarray]:
     """The bin of each of the 256 values of every 8-bit type (all exact in bfloat16)."""
     out = {}
-    names = ["bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
-    for name in names:
-        try:
-            numpy_dtype = dtypes.by_name(name).numpy
-        except Exception:  # noqa: BLE001 - a float8 type this ml_dtypes lacks is never read
-            continue
+    for name in EXACT_DTYPES[1:]:
+        numpy_dtype = dtypes.by_name(name).numpy
         raw = np.arange(256, dtype=np.uint8)
         if numpy_dtype == np.bool_:
             raw = (raw != 0).astype(np.uint8)  # any nonzero byte reads as True
