@@ -214,7 +214,8 @@ def ops_for(seed: Seed, out: str) -> list[list]:
     if seed.kind == "xla-root":  # a torch_xla CheckpointManager root: its steps are DCP directories
         step = os.path.join(path, "2")
         return [["cli", "steps", path], ["cli", "tree", step], ["metadata", step], ["restore", step],
-                ["cli", "verify", step], ["cli", "convert", step, os.path.join(out, "item")]]
+                ["cli", "verify", step], ["cli", "convert", step, os.path.join(out, "item")],
+                ["cli", "report", path, "-o", os.path.join(out, "report.html")]]
     ops = [["cli", "tree", path], ["cli", "verify", path], ["cli", "stats", path, "--histogram", "log"],
            ["metadata", path], ["restore", path],
            ["cli", "convert", path, os.path.join(out, "item"), "--max-host-bytes", "64MiB"],
@@ -224,7 +225,8 @@ def ops_for(seed: Seed, out: str) -> list[list]:
     ops += [["cli", "diff", path, path], ["cli", "report", path, "-o", os.path.join(out, "report.html")]]
     if seed.array_key:
         ops += [["cli", "show", path, f"{seed.array_key}[0:1]"], ["cli", "show", path, seed.array_key, "--layout"],
-                ["cli", "show", path, seed.array_key, "--layout", "--mesh", "2x2", "--processes", "2"]]
+                ["cli", "show", path, seed.array_key, "--layout", "--mesh", "2x2", "--spec", "1,0", "--processes",
+                 "2"]]
     return ops
 
 

@@ -55,12 +55,13 @@ def nearest_rank(values: np.ndarray, q: float) -> float:
     return float(ordered[max(1, math.ceil(q * ordered.size)) - 1])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int8", "uint8", "bool",
+                                   "float8_e4m3fn"])
 def test_sketch_quantiles_are_within_the_bound_and_counts_exact(dtype):
     rng = np.random.default_rng(1)
     values = (rng.standard_normal(50_001) * 30).astype(np.float64)
     values[:5000] = 0
-    values = values.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
+    values = values.astype(getattr(ml_dtypes, dtype, None) or np.dtype(dtype))
     as_float = values.astype(np.float64)
     if dtype.startswith("float"):
         values[7], values[8] = np.nan, np.inf
@@ -78,7 +79,7 @@ def test_sketch_quantiles_are_within_the_bound_and_counts_exact(dtype):
     assert summary.min == finite.min() and summary.max == finite.max()
     assert summary.mean == pytest.approx(finite.mean()) and summary.std == pytest.approx(finite.std())
     assert summary.sparsity == int((finite == 0).sum()) / finite.size
-    exact = dtype in ("bfloat16", "int8")
+    exact = dtype in ("bfloat16", "int8", "uint8", "bool", "float8_e4m3fn")
     assert summary.quantile_error == (0.0 if exact else 2.0 ** -8)
     for q, value in summary.quantiles:
         expected = nearest_rank(as_float, q)
@@ -89,6 +90,19 @@ def test_sketch_quantiles_are_within_the_bound_and_counts_exact(dtype):
     assert sum(summary.histogram.counts) == finite.size
     log = halves[0].histogram(10, "log")
     assert sum(log.counts) + log.zeros == finite.size and log.zeros == int((finite == 0).sum())
+
+
+def test_sketch_sums_keep_the_digits_of_a_narrow_spread_far_from_zero():
+    ones, offset = histogram.ValueSketch(), histogram.ValueSketch()
+    ones.add(np.ones(40_000, np.float32))  # a norm's weights: std exactly 0, not the rounding of 1 - 1
+    assert (ones.mean, ones.std) == (1.0, 0.0)
+    values = (1000 + np.random.default_rng(2).standard_normal(40_000) * 1e-3).astype(np.float32)
+    offset.add(values[:100])  # the first slab's middle is the shift; the next ones are re-centred onto it
+    offset.add(values[100:] + np.float32(1))
+    offset.add(np.array([np.inf, np.nan], np.float32))
+    expected = np.concatenate([values[:100], values[100:] + np.float32(1)]).astype(np.float64)
+    assert offset.mean == pytest.approx(expected.mean(), rel=1e-12)
+    assert offset.std == pytest.approx(expected.std(), rel=1e-5) and (offset.nan, offset.inf) == (1, 1)
 
 
 def test_stats_command_quantiles_and_histograms(root, capsys):
@@ -176,6 +190,28 @@ def test_restore_layout_uses_the_restore_plan(root, capsys):
     assert status == 0 and "host" in out and "8.0 KiB" in out and "saved without a recorded sharding" in out
 
 
+def test_restore_layout_with_a_partition_spec_and_another_target(root, tmp_path, capsys):
+    # mesh 2x2, dimension 0 cut by mesh dimension 1, mesh dimension 0 unused: each half replicated on a
+    # device of each process, so both processes read both halves
+    argv = ("--layout", "--mesh", "2x2", "--spec", "1,None", "--processes", "2", "--json")
+    status, out, _ = run("show", root / "2", "model/layers.0.w", *argv, capsys=capsys)
+    view = json.loads(out)
+    assert status == 0 and view["grid"] == [2, 1] and "spec (1, None)" in view["sharding"]
+    assert sorted((b["rows"], b["holders"], b["bytes"]) for b in view["boxes"]) == [
+        ([0, 32], [0, 1], 2 * 32 * 32 * 4), ([32, 64], [0, 1], 2 * 32 * 32 * 4)]
+    status, out, _ = run("plan", root / "2", "model", *argv[1:], capsys=capsys)
+    planned = [next(k for k in p["keys"] if k["key"] == "layers/0/w")["read_bytes"] for p in json.loads(out)]
+    assert [p["read_bytes"] for p in view["plans"]] == planned == [64 * 32 * 4] * 2
+    xtc.save(tmp_path / "other", {"layers": [{"w": torch.zeros(64, 16)}]})
+    status, out, _ = run("show", root / "2", "model/layers.0.w", "--layout", "--target", tmp_path / "other",
+                         capsys=capsys)
+    assert status == 0 and "does not match target shape (64, 16)" in out
+    for bad in (("--spec", "0,None"), ("--mesh", "3", "--spec", "0", "--processes", "2"),
+                ("--mesh", "2x2", "--spec", "(0,0)")):
+        status, _, err = run("show", root / "2", "model/layers.0.w", "--layout", *bad, capsys=capsys)
+        assert status == cli.EXIT_USAGE and len(err.splitlines()) == 1, err
+
+
 @pytest.fixture(scope="module")
 def dcp_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("views-dcp") / "dcp")
@@ -225,9 +261,41 @@ def test_report_escapes_and_keeps_an_existing_file(root, tmp_path, capsys):
         report.report_data(str(root), report.ReportOptions(step="9"))
 
 
+def upload(local: str, remote: storage.Location) -> str:
+    for top, _, names in os.walk(local):
+        for name in names:
+            relative = os.path.relpath(os.path.join(top, name), local).replace(os.sep, "/")
+            with open(os.path.join(top, name), "rb") as f:
+                remote.write(relative, f.read(), fsync=False)
+    return str(remote)
+
+
+def test_report_reads_each_array_of_the_shown_step_once(root, monkeypatch):
+    from xla_tensorstore_ckpt import scans
+
+    walks: list[tuple[str, str]] = []
+    walk = scans.iter_chunks
+
+    def counted(checkpoint, item, meta, **kwargs):
+        walks.append((os.path.basename(str(checkpoint.location)), f"{item}/{meta.path}"))
+        return walk(checkpoint, item, meta, **kwargs)
+
+    expected = [s.to_json() for s in views.stats_view(str(root / "2"), bins=report.ReportOptions().bins)]
+    monkeypatch.setattr(scans, "iter_chunks", counted)
+    data = report.report_data(str(root))
+    assert data["diff"]["b"] == 2 and sorted(walks) == sorted(set(walks))  # no array walked twice
+    assert {key for step, key in walks if step == "2"} == {e["key"] for e in expected}
+    assert sorted(data["stats"], key=lambda s: s["key"]) == sorted(expected, key=lambda s: s["key"])
+
+
 @pytest.mark.parametrize("scheme", ["gcs", "s3"])
-def test_views_on_object_stores(scheme, request, tmp_path, capsys):
+def test_views_on_object_stores(scheme, request, dcp_dir, tmp_path, capsys):
     remote, _, _ = object_store(request, scheme, "views")
+    hf = str(tmp_path / "hf")
+    write_hf_dir(hf)
+    for local in (GOLDEN_ORBAX, dcp_dir, hf):  # every foreign format, read remotely as locally
+        there = upload(local, storage.location(f"{remote}-{os.path.basename(local)}"))
+        assert [s.to_json() for s in views.stats_view(there)] == [s.to_json() for s in views.stats_view(local)]
     options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None, async_save=False, save_rng=False)
     with xtc.CheckpointManager(remote, options) as manager:
         for step in (1, 2):
@@ -264,8 +332,8 @@ def test_chunks_added_on_threads_give_the_same_summary(tmp_path, monkeypatch):
     xtc.save(tmp_path / "item", {"w": xtc.ShardedArray.from_tensor(full, (16, 24), xtc.ShardedArray.grid((64, 48),
                                                                                                         (16, 24)))})
     checkpoint = inspection.open_checkpoint(str(tmp_path / "item"))
-    serial = histogram.array_summary(checkpoint, "w")
-    monkeypatch.setattr(histogram, "PARALLEL_BYTES", 0)
+    serial = histogram.array_summary(checkpoint, "w")  # 3 KiB chunks: binned on the reading thread
+    monkeypatch.setattr(histogram, "INLINE_BYTES", 0)
     parallel = histogram.array_summary(checkpoint, "w")
     whole = histogram.ValueSketch()
     whole.add(full.numpy())

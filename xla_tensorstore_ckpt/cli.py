@@ -19,6 +19,7 @@ import numpy as np
 
 from . import convert, export, host_memory, inspection, restore_plan, scans, storage
 from .cli_text import (
+    add_target_arguments,
     human_bytes,
     metrics_text,
     parse_shape,
@@ -132,16 +133,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     checkpoint = inspection.open_checkpoint(args.path)
     items = (args.item,) if args.item else checkpoint.items
-    target_of = inspection.target_checkpoint(args.target) if args.target else None
+    target = inspection.RestoreTarget.of(args)
     plans = []
     for item in items:
         if item not in checkpoint.items:
             raise UsageError(f"unknown item {item!r}; {checkpoint.location} has {', '.join(checkpoint.items)}")
-        for process in range(args.processes):
-            target = inspection.plan_target(checkpoint, item, target_of, mesh=args.mesh, process=process,
-                                            processes=args.processes)
-            plans.append(restore_plan.plan_restore(checkpoint.item_location(item), target, process=process,
-                                                   processes=args.processes))
+        plans.extend(plan for _, plan in inspection.plan_item(checkpoint, item, target))
     if args.json:
         print_json([p.to_json() for p in plans])
     else:
@@ -268,12 +265,7 @@ def _inspection_commands(command: Callable[..., argparse.ArgumentParser]) -> Non
                 "and what a strict restore would refuse (exit 1)", cmd_plan)
     p.add_argument("path", help="ROOT/STEP or an item directory (or a Hugging Face file or directory)")
     p.add_argument("item", nargs="?", help="one item of a step (default: every item)")
-    p.add_argument("--mesh", type=parse_shape, help="restore onto the shards of this mesh, e.g. 4x2 (dimension i "
-                   "cut into mesh[i] shards; default: whole CPU tensors)")
-    p.add_argument("--processes", type=int, default=1, help="with --mesh: the shards split over this many "
-                   "processes, contiguously in C order (a plan per process)")
-    p.add_argument("--target", metavar="PATH", help="a checkpoint whose keys, shapes and dtypes stand for the "
-                   "restore target (e.g. the new model's weights); default: the checkpoint's own")
+    add_target_arguments(p)
 
 
 def _conversion_commands(command: Callable[..., argparse.ArgumentParser]) -> None:

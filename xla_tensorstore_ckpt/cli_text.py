@@ -95,3 +95,30 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"invalid shape {text!r} (positive integers, e.g. 1024,1024 or 4x2)")
     return values
+
+
+_SPEC_ENTRY = re.compile(r"\s*(?:\(([0-9,\s]*)\)|(None|none|-)|([0-9]+))\s*(?:,|$)")
+
+
+def parse_spec(text: str) -> tuple:
+    """A partition spec by mesh dimension, one entry per tensor dimension: ``0,None``, ``(0,1),None``, ``1,0``."""
+    matches = list(_SPEC_ENTRY.finditer(text))
+    if not matches or "".join(m.group(0) for m in matches) != text:
+        raise argparse.ArgumentTypeError(f"invalid partition spec {text!r} (per tensor dimension a mesh dimension, "
+                                         "None or a tuple of them, e.g. 0,None or (0,1),None)")
+    return tuple(None if none else int(number) if number else tuple(int(v) for v in group.split(",") if v.strip())
+                 for group, none, number in (m.groups() for m in matches))
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """The restore target of ``xtckpt plan`` and ``xtckpt show --layout`` (`inspection.RestoreTarget.of`)."""
+    p.add_argument("--mesh", type=parse_shape, help="restore onto the shards of this mesh, e.g. 4x2 (dimension i "
+                   "cut into mesh[i] shards; default: whole CPU tensors)")
+    p.add_argument("--spec", type=parse_spec, help="with --mesh: the partition spec, per tensor dimension the mesh "
+                   "dimensions cutting it, e.g. 0,None or (0,1),None (missing entries: None); the mesh's devices, "
+                   "numbered in C order and split evenly over the processes, hold the shards their coordinates "
+                   "pick, replicated over unused mesh dimensions")
+    p.add_argument("--processes", type=int, default=1, help="with --mesh: the shards (with --spec: the devices) "
+                   "split over this many processes, contiguously in C order (a plan per process)")
+    p.add_argument("--target", metavar="PATH", help="a checkpoint whose keys, shapes and dtypes stand for the "
+                   "restore target (e.g. the new model's weights); default: the checkpoint's own")

@@ -10,6 +10,7 @@ Everything streams chunk by chunk: memory stays near one chunk. Used by the comm
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import arrays, foreign_runs, formats, layout, local_tier, storage, tree
+from . import arrays, foreign_runs, formats, layout, local_tier, restore_plan, storage, tree
 from .errors import CheckpointError, CheckpointNotFoundError, UsageError
 from .records import ArrayMetadata, ItemManifest, StepMetadata
 from .sharded_array import ShardedArray
@@ -277,19 +278,53 @@ def _normalize(index: slice | int, size: int) -> slice | int:
 # -------------------------------------------------------------------------------------------- restore plans
 
 
-def target_checkpoint(path: str) -> Checkpoint:
-    """A checkpoint standing for a restore target in `xtckpt plan --target` (its metadata only)."""
-    return open_checkpoint(path)
+@dataclass(frozen=True)
+class RestoreTarget:
+    """What ``xtckpt plan`` and ``xtckpt show --layout`` plan a restore onto (their shared ``--mesh``,
+    ``--spec``, ``--processes`` and ``--target`` arguments): the shards of `mesh` (None: whole arrays), tensor
+    dimensions cut by the mesh dimensions `spec` names (None: dimension i by mesh dimension i), split over
+    `processes`, for the keys, shapes and dtypes of the checkpoint at `target` (None: the checkpoint's own)."""
+
+    mesh: tuple[int, ...] | None = None
+    spec: tuple | None = None
+    processes: int = 1
+    target: str | None = None
+
+    @classmethod
+    def of(cls, args: Any) -> RestoreTarget:
+        """The target the parsed arguments of `cli_text.add_target_arguments` describe."""
+        return cls(args.mesh, args.spec, args.processes, args.target)
+
+
+def plan_item(checkpoint: Checkpoint, item: str, target: RestoreTarget) -> list[tuple[Any, restore_plan.RestorePlan]]:
+    """(the target tree, its `restore_plan.RestorePlan`) of each process restoring `item` onto `target`, from
+    metadata alone. Blocks. Raises `UsageError` for an impossible target (see `plan_target`)."""
+    if target.processes < 1:
+        raise UsageError(f"--processes {target.processes}: there must be at least one process")
+    target_of = open_checkpoint(target.target) if target.target else None
+    out = []
+    for process in range(target.processes):
+        tree_ = plan_target(checkpoint, item, target_of, mesh=target.mesh, spec=target.spec, process=process,
+                            processes=target.processes)
+        out.append((tree_, restore_plan.plan_restore(checkpoint.item_location(item), tree_, process=process,
+                                                     processes=target.processes)))
+    return out
 
 
 def plan_target(checkpoint: Checkpoint, item: str, target_of: Checkpoint | None, *, mesh: tuple[int, ...] | None,
-                process: int, processes: int) -> Any:
+                process: int, processes: int, spec: tuple | None = None) -> Any:
     """A restore target for planning, without data: the tree of `item` (or of the same item of `target_of`, or
     its only item), each array a `ShardedArray` target holding the shards of `mesh` (dimension i cut into
     ``mesh[i]``; None: the whole array) that process `process` of `processes` would hold, the grid's shards
-    split contiguously in C order."""
+    split contiguously in C order. With a partition `spec` (per tensor dimension: None, a mesh dimension or a
+    tuple of them, outermost first; missing trailing entries None), the mesh's devices (numbered in C order,
+    split contiguously over the processes) hold the shards their coordinates pick, replicated over the mesh
+    dimensions no tensor dimension uses. Raises `UsageError` for a spec naming a mesh dimension it lacks or
+    twice, or devices that do not split evenly."""
     if processes < 1 or not 0 <= process < processes:
         raise UsageError(f"process {process} of {processes}: there must be at least one process")
+    if spec is not None:
+        _check_spec(mesh, spec, processes)
     source = checkpoint if target_of is None else target_of
     name = item if item in source.items else source.items[0] if len(source.items) == 1 else None
     if name is None:
@@ -300,6 +335,9 @@ def plan_target(checkpoint: Checkpoint, item: str, target_of: Checkpoint | None,
         if not isinstance(value, ArrayMetadata):
             return value
         shape = value.shape
+        if spec is not None:
+            shard, mine = _spec_shards(shape, mesh, spec, process, processes)
+            return ShardedArray.target(shape, value.torch_dtype, shard, mine)
         parts = tuple(mesh[d] if mesh is not None and d < len(mesh) else 1 for d in range(len(shape)))
         shard = tuple(max(1, -(-n // p)) for n, p in zip(shape, parts))
         indices = ShardedArray.grid(shape, shard) if 0 not in shape else []
@@ -308,3 +346,42 @@ def plan_target(checkpoint: Checkpoint, item: str, target_of: Checkpoint | None,
         return ShardedArray.target(shape, value.torch_dtype, shard, mine)
 
     return tree.rebuild(source.manifest(name).tree, leaf)
+
+
+def _spec_axes(spec: tuple, rank: int) -> list[tuple[int, ...]]:
+    """The mesh dimensions cutting each of `rank` tensor dimensions (entries beyond the spec: none)."""
+    padded = tuple(spec[:rank]) + (None,) * max(0, rank - len(spec))
+    return [() if s is None else (s,) if isinstance(s, int) else tuple(s) for s in padded]
+
+
+def _check_spec(mesh: tuple[int, ...] | None, spec: tuple, processes: int) -> None:
+    if mesh is None:
+        raise UsageError("a partition spec (--spec) needs a mesh (--mesh)")
+    used = [a for axes in _spec_axes(spec, len(spec)) for a in axes]
+    bad = [a for a in used if not 0 <= a < len(mesh)]
+    if bad or len(set(used)) != len(used):
+        raise UsageError(f"partition spec {spec}: each entry names mesh dimensions 0..{len(mesh) - 1} of mesh "
+                         f"{'x'.join(map(str, mesh))}, each at most once")
+    if math.prod(mesh) % processes:
+        raise UsageError(f"the {math.prod(mesh)} devices of mesh {'x'.join(map(str, mesh))} do not split evenly "
+                         f"over {processes} processes")
+
+
+def _spec_shards(shape: tuple[int, ...], mesh: tuple[int, ...], spec: tuple, process: int,
+                 processes: int) -> tuple[tuple[int, ...], list]:
+    """(shard shape, the distinct shards the devices of `process` hold) of an array under a partition spec."""
+    axes = _spec_axes(spec, len(shape))
+    shard = tuple(max(1, -(-n // math.prod(mesh[a] for a in dims))) for n, dims in zip(shape, axes))
+    per = math.prod(mesh) // processes
+    mine: list = []
+    for device in range(process * per, (process + 1) * per):
+        coordinate = np.unravel_index(device, mesh)
+        index = []
+        for n, s, dims in zip(shape, shard, axes):
+            k = 0
+            for a in dims:
+                k = k * mesh[a] + int(coordinate[a])
+            index.append((min(k * s, n), min((k + 1) * s, n)))
+        if all(b > a for a, b in index) and tuple(index) not in mine:
+            mine.append(tuple(index))
+    return shard, mine

@@ -83,13 +83,16 @@ class DiffEntry:
 
 
 def diff(a: Checkpoint, b: Checkpoint, progress: Progress | None = None, *,
-         key_map: Callable[[str], str | None] | None = None, include_equal: bool = False) -> list[DiffEntry]:
+         key_map: Callable[[str], str | None] | None = None, include_equal: bool = False,
+         observe_b: Callable[[str, np.ndarray], None] | None = None) -> list[DiffEntry]:
     """Differences from `a` to `b`: keys added and removed, shape and dtype changes, and for arrays whose
     values differ ("values"): the 2-norm of the difference ``|b - a|`` (``delta_l2``), of `a` (``a_l2``), their
     ratio (``relative_l2``), the elements that differ (``differing``, NaN equal to NaN, of ``elements``) and
     the max absolute difference. Streams chunk by chunk, each chunk of both read once. Equal arrays and values
     are listed (change "equal") only with `include_equal`. `key_map` renames `a`'s keys (None drops one) to
-    compare checkpoints whose formats name keys otherwise; `UsageError` if two keys get the same name."""
+    compare checkpoints whose formats name keys otherwise; `UsageError` if two keys get the same name.
+    `observe_b` is handed each region of `b` read (its key in `b`, the data), array after array, so that a
+    caller may take statistics of `b` without reading it again."""
     rows_a = _renamed({r.key: r for r in tree_rows(a)}, key_map)
     rows_b = {r.key: r for r in tree_rows(b)}
     out = [DiffEntry(k, "removed", {}) for k in rows_a if k not in rows_b]
@@ -107,7 +110,7 @@ def diff(a: Checkpoint, b: Checkpoint, progress: Progress | None = None, *,
         elif ra.meta.dtype != rb.meta.dtype:
             out.append(DiffEntry(key, "dtype", {"a": ra.meta.dtype, "b": rb.meta.dtype}))
         else:
-            entry = _array_diff(a, b, key, (ra.key, ra.meta), (rb.key, rb.meta))
+            entry = _array_diff(a, b, key, (ra.key, ra.meta), (rb.key, rb.meta), observe_b)
             if entry.change != "equal" or include_equal:
                 out.append(entry)
         if progress:
@@ -134,7 +137,8 @@ def _describe(row: TreeRow) -> Any:
 
 
 def _array_diff(a: Checkpoint, b: Checkpoint, key: str, side_a: tuple[str, ArrayMetadata],
-                side_b: tuple[str, ArrayMetadata]) -> DiffEntry:
+                side_b: tuple[str, ArrayMetadata],
+                observe_b: Callable[[str, np.ndarray], None] | None = None) -> DiffEntry:
     (key_a, ma), (key_b, mb) = side_a, side_b
     # b may be chunked otherwise: it is read by a's chunks (each side walks a's grid lazily, on its own)
     chunks_a = iter_chunks(a, split_key(key_a, a)[0], ma, regions=chunk_regions(ma))
@@ -146,6 +150,8 @@ def _array_diff(a: Checkpoint, b: Checkpoint, key: str, side_a: tuple[str, Array
         for data in (data_a, data_b):
             if isinstance(data, Exception):
                 raise CorruptCheckpointError(f"{key} chunk {layout.chunk_key(cell)}: {data}") from data
+        if observe_b is not None:
+            observe_b(key_b, data_b)
         if data_a.dtype == data_b.dtype and np.array_equal(data_a.view(raw), data_b.view(raw)):
             ref_sq += _sum_of_squares(data_a)  # the same bytes: no float copies of either side
             continue

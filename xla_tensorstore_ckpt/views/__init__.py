@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from .. import inspection
-from ..inspection import Checkpoint
+from ..inspection import Checkpoint, RestoreTarget
 from .diff import KeyMap, LayerDiff, TensorDiff, by_layer, diff_tensors, layer_of
-from .histogram import ArraySummary, Histogram, ValueSketch, array_summary, summary_of
+from .histogram import ArraySummary, Histogram, ValueSketch, array_summary, summaries
 from .layout import Box, Layout, restore_layout, saved_layout
 from .report import ReportOptions, report_data, tree_entry, write_report
 from .report import report_html as _page
@@ -29,12 +29,13 @@ def _open(path: str | Checkpoint) -> Checkpoint:
     return path if isinstance(path, Checkpoint) else inspection.open_checkpoint(path)
 
 
-def layout_view(path: str | Checkpoint, key: str, *, mesh: tuple[int, ...] | None = None, processes: int = 1) -> Layout:
-    """The saved layout of `key` (no `mesh`), or the shards a restore onto `mesh` over `processes` reads."""
+def layout_view(path: str | Checkpoint, key: str, target: RestoreTarget | None = None) -> Layout:
+    """The saved layout of `key` (no `target`), or the shards each process reads on a restore onto `target` (a
+    mesh, partition spec and process count, as ``xtckpt plan`` takes them)."""
     checkpoint = _open(path)
-    if mesh is None and processes == 1:
+    if target is None or target == RestoreTarget():
         return saved_layout(checkpoint, key)
-    return restore_layout(checkpoint, key, mesh=mesh, processes=processes)[0]
+    return restore_layout(checkpoint, key, target)[0]
 
 
 def stats_view(path: str | Checkpoint, key: str | None = None, *, bins: int = 40, scale: str = "linear"
@@ -43,8 +44,9 @@ def stats_view(path: str | Checkpoint, key: str | None = None, *, bins: int = 40
     checkpoint = _open(path)
     if key is not None:
         return array_summary(checkpoint, key, bins=bins, scale=scale)
-    return [summary_of(checkpoint, inspection.split_key(r.key, checkpoint)[0], r.meta, r.key, bins=bins, scale=scale)
-            for r in inspection.tree_rows(checkpoint) if r.meta is not None]
+    arrays = [(inspection.split_key(r.key, checkpoint)[0], r.meta, r.key) for r in inspection.tree_rows(checkpoint)
+              if r.meta is not None]
+    return list(summaries(checkpoint, arrays, bins=bins, scale=scale))
 
 
 def diff_view(a: str | Checkpoint, b: str | Checkpoint, *, key_map: KeyMap | str | None = None, sort: str = "key",
@@ -63,6 +65,6 @@ def tree_view(path: str | Checkpoint) -> list[dict[str, Any]]:
     return [tree_entry(r) for r in inspection.tree_rows(_open(path))]
 
 
-__all__ = ["ArraySummary", "Box", "Histogram", "KeyMap", "LayerDiff", "Layout", "ReportOptions", "TensorDiff",
-           "ValueSketch", "by_layer", "diff_view", "layer_of", "layout_view", "report_data", "report_html",
-           "stats_view", "tree_view", "write_report"]
+__all__ = ["ArraySummary", "Box", "Histogram", "KeyMap", "LayerDiff", "Layout", "ReportOptions", "RestoreTarget",
+           "TensorDiff", "ValueSketch", "array_summary", "by_layer", "diff_view", "layer_of", "layout_view",
+           "report_data", "report_html", "stats_view", "summaries", "tree_view", "write_report"]

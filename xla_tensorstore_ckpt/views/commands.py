@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from .. import inspection
-from ..cli_text import human_bytes, parse_shape, parse_size, print_json, progress_bar
+from ..cli_text import add_target_arguments, human_bytes, parse_size, print_json, progress_bar
 from ..errors import UsageError
 from . import diff as diff_view
 from . import histogram, layout, report, text
@@ -15,22 +15,20 @@ from . import histogram, layout, report, text
 
 def add_show_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", action="store_true", help="draw the stored chunk grid (two largest dimensions) with "
-                   "the devices that held each chunk and its bytes, from metadata alone; with --mesh, the shards "
-                   "each process would read on a restore (as `xtckpt plan` plans it)")
-    p.add_argument("--mesh", type=parse_shape, help="with --layout: restore onto the shards of this mesh, e.g. 4x2")
-    p.add_argument("--processes", type=int, default=1, help="with --layout --mesh: the shards split over this many "
-                   "processes, contiguously in C order")
+                   "the devices that held each chunk and its bytes, from metadata alone; with the restore target "
+                   "arguments of `xtckpt plan` (--mesh, --spec, --processes, --target), the shards each process "
+                   "would read on that restore, as `xtckpt plan` plans it")
+    add_target_arguments(p)
 
 
 def show_layout(args: argparse.Namespace) -> int:
-    if args.processes < 1:
-        raise UsageError(f"--processes {args.processes}: there must be at least one process")
     checkpoint = inspection.open_checkpoint(args.path)
-    if args.mesh is None and args.processes == 1:
+    target = inspection.RestoreTarget.of(args)
+    if target == inspection.RestoreTarget():
         view = layout.saved_layout(checkpoint, args.key)
         plans = ()
     else:
-        view, plans = layout.restore_layout(checkpoint, args.key, mesh=args.mesh, processes=args.processes)
+        view, plans = layout.restore_layout(checkpoint, args.key, target)
     if args.json:
         print_json({**view.to_json(), "plans": [{"process": i, **p.to_json()} for i, p in enumerate(plans)]})
         return 0
@@ -59,11 +57,11 @@ def stats(args: argparse.Namespace) -> int:
                if r.meta is not None])
     draw = progress_bar("stats")
     summaries = []
-    for done, (item, meta, key) in enumerate(arrays, 1):
-        summaries.append(histogram.summary_of(checkpoint, item, meta, key, bins=args.bins,
-                                              scale=args.histogram or "linear", max_bytes=budget))
+    for summary in histogram.summaries(checkpoint, arrays, bins=args.bins, scale=args.histogram or "linear",
+                                       max_bytes=budget):
+        summaries.append(summary)
         if draw:
-            draw(done, len(arrays))
+            draw(len(summaries), len(arrays))
     if args.json:
         print_json([s.to_json() for s in summaries])
         return 0

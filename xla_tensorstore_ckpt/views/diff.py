@@ -14,6 +14,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import scans
 from ..errors import UsageError
 from ..inspection import Checkpoint, Progress
@@ -138,14 +140,15 @@ def key_map_from(spec: str | Mapping[str, str | None] | None) -> Callable[[str],
 
 
 def diff_tensors(a: Checkpoint, b: Checkpoint, *, key_map: KeyMap | str | None = None, sort: str = "key",
-                 include_equal: bool = False, progress: Progress | None = None) -> list[TensorDiff]:
+                 include_equal: bool = False, progress: Progress | None = None,
+                 observe_b: Callable[[str, np.ndarray], None] | None = None) -> list[TensorDiff]:
     """Every key that differs from `a` to `b` (every common key with `include_equal`), sorted by key, by
-    relative change (largest first), or by layer then key. Blocks; raises `UsageError` for a bad sort or key
-    map, `CorruptCheckpointError` for damaged data."""
+    relative change (largest first), or by layer then key; `observe_b` as `scans.diff` takes it. Blocks;
+    raises `UsageError` for a bad sort or key map, `CorruptCheckpointError` for damaged data."""
     if sort not in SORTS:
         raise UsageError(f"unknown sort {sort!r}: one of {', '.join(SORTS)}")
     rename = key_map_from(dict(key_map) if isinstance(key_map, Mapping) else key_map)
-    entries = scans.diff(a, b, progress, key_map=rename, include_equal=include_equal)
+    entries = scans.diff(a, b, progress, key_map=rename, include_equal=include_equal, observe_b=observe_b)
     out = []
     for e in entries:
         d = e.detail

@@ -206,35 +206,43 @@ def _device_processes(checkpoint: Checkpoint, sharding: SavedSharding | None) ->
     return tuple(d // per for d in range(sharding.num_devices))
 
 
-def restore_layout(checkpoint: Checkpoint, key: str, *, mesh: tuple[int, ...] | None,
-                   processes: int = 1) -> tuple[Layout, tuple[restore_plan.KeyPlan, ...]]:
-    """The shards of a restore of `key` onto `mesh` split over `processes` (as ``xtckpt plan --mesh`` splits
-    them): one box per target shard, with the process reading it, its bytes and the stored chunks it touches;
-    and the plan of the key for each process (`restore_plan.plan_restore`). Blocks (reads metadata only)."""
+def restore_layout(checkpoint: Checkpoint, key: str, target: inspection.RestoreTarget
+                   ) -> tuple[Layout, tuple[restore_plan.KeyPlan, ...]]:
+    """The shards of a restore of `key` onto `target` (as ``xtckpt plan`` plans it, `inspection.plan_item`):
+    one box per target shard, with the processes reading it, its bytes and the stored chunks it touches; and
+    the plan of the key for each process. Blocks (reads metadata only). Raises `UsageError` for an unknown
+    key, an impossible target, or too many shards to draw."""
     item, meta = inspection.array_metadata(checkpoint, key)
     key_path = next(p for p, m in checkpoint.manifest(item).arrays() if m.path == meta.path)
     itemsize = dtypes.by_name(meta.dtype).itemsize
     boxes, plans = [], []
     dims = drawn_dims(meta.shape)
-    for process in range(processes):
-        target = inspection.plan_target(checkpoint, item, None, mesh=mesh, process=process, processes=processes)
-        plan = restore_plan.plan_restore(checkpoint.item_location(item), target, process=process,
-                                         processes=processes)
-        plans.append(next(k for k in plan.keys if k.key == tree.format_key_path(key_path)))
-        leaf = dict(tree.flatten(target))[key_path]
-        for index, _ in leaf.shards:
+    name = tree.format_key_path(key_path)
+    for process, (target_tree, plan) in enumerate(inspection.plan_item(checkpoint, item, target)):
+        key_plan = next((k for k in plan.keys if k.key == name), None)
+        leaf = dict(tree.flatten(target_tree)).get(key_path)
+        if key_plan is None or leaf is None:
+            raise UsageError(f"the restore target {target.target} has no key {name!r} like {key}")
+        plans.append(key_plan)
+        for index, _ in getattr(leaf, "shards", ()):
             touched = sum(1 for _ in grid.chunks_in(index, meta.chunk_shape, meta.shape)) if meta.shape else 1
             nbytes = math.prod(b - a for a, b in index) * itemsize
             rows = index[dims[0]] if dims else (0, 1)
             cols = index[dims[1]] if len(dims) > 1 else (0, 1)
             boxes.append(Box(rows, cols, (process,), nbytes, touched))
         if len(boxes) > MAX_CHUNKS:
-            raise UsageError(f"a restore of {key} onto mesh {mesh} has too many shards to draw")
+            raise UsageError(f"a restore of {key} onto {_target_text(target)} has too many shards to draw")
     merged = _merge_other_dims(boxes)
-    mesh_text = "whole arrays" if mesh is None else f"mesh {'x'.join(map(str, mesh))}"
-    layout = Layout(key, "restore", meta.shape, meta.dtype, dims, _grid_of(merged), merged,
-                    f"restore onto {mesh_text}, {processes} process{'es' if processes > 1 else ''}")
+    layout = Layout(key, "restore", meta.shape, meta.dtype, dims, _grid_of(merged), merged, _target_text(target))
     return layout, tuple(plans)
+
+
+def _target_text(target: inspection.RestoreTarget) -> str:
+    mesh = "whole arrays" if target.mesh is None else f"mesh {'x'.join(map(str, target.mesh))}"
+    spec = "" if target.spec is None else f" spec {target.spec}"
+    processes = f"{target.processes} process{'es' if target.processes > 1 else ''}"
+    other = f" as in {target.target}" if target.target else ""
+    return f"restore onto {mesh}{spec}, {processes}{other}"
 
 
 def _merge_other_dims(boxes: list[Box]) -> tuple[Box, ...]:

@@ -4,8 +4,9 @@ steps per layer. One file: the data as JSON in the page (every ``<``, ``>`` and 
 end the script), drawn by inline JavaScript into SVG with ``textContent`` only (a key named ``<script>`` stays
 text); nothing is fetched when it is viewed. Written under a temporary name and swapped in (`outputs`).
 
-Reads each array once for the statistics (`histogram.array_summary`) and, with a diff, both steps once more
-(`scans.diff`). Used by ``xtckpt report`` and `views.report_html`; blocks; no torch_xla.
+Reads each byte once: with a diff, both steps by `scans.diff`, the shown step's statistics taken from the same
+reads (when it is one of the two); then the arrays left by `histogram.summaries`. Used by ``xtckpt report`` and
+`views.report_html`; blocks; no torch_xla.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import numpy as np
+
 from .. import inspection, outputs, storage
 from ..errors import CheckpointNotFoundError, UsageError
 from ..inspection import Checkpoint, Progress
+from ..records import ArrayMetadata
 from ..storage.local import fsync_path
 from . import diff as diff_view
 from . import histogram, layout
+from .sketch import Scratch, ValueSketch
 
 DEFAULT_MAX_STAT_ARRAYS = 100_000
 MAX_LAYOUTS = 64  # the largest arrays get a drawn layout
@@ -65,20 +70,57 @@ def report_data(path: str, options: ReportOptions | None = None, progress: Progr
     }
     if not options.stats:
         return data
-    chosen = largest[:max(0, options.max_stat_arrays)]
-    for done, r in enumerate(chosen, 1):
-        item = inspection.split_key(r.key, checkpoint)[0]
-        data["stats"].append(histogram.summary_of(checkpoint, item, r.meta, r.key, bins=options.bins).to_json())
-        if progress:
-            progress(done, len(chosen))
+    chosen = [(inspection.split_key(r.key, checkpoint)[0], r.meta, r.key)
+              for r in largest[:max(0, options.max_stat_arrays)]]
+    found: dict[str, dict] = {}
     pair = _diff_pair(steps, options.diff_steps)
     if pair is not None and root is not None:
         a, b = (inspection.open_checkpoint(root.child(s.name)) for s in pair)
-        diffs = diff_view.diff_tensors(a, b, include_equal=True)
+        shown = str(b.location) == str(checkpoint.location)  # its arrays' statistics from the diff's reads of them
+        observer = _Observer({key: meta for _, meta, key in chosen}, options.bins) if shown else None
+        diffs = diff_view.diff_tensors(a, b, include_equal=True, observe_b=observer)
+        found = observer.finish() if observer is not None else {}
         data["diff"] = {"a": pair[0].step, "b": pair[1].step,
                         "layers": [g.to_json() for g in diff_view.by_layer(diffs)],
                         "tensors": [d.to_json() for d in diffs]}
+    rest = [array for array in chosen if array[2] not in found]
+    for done, summary in enumerate(histogram.summaries(checkpoint, rest, bins=options.bins), 1):
+        found[summary.key] = summary.to_json()
+        if progress:
+            progress(done, len(rest))
+    data["stats"] = [found[key] for _, _, key in chosen]
     return data
+
+
+class _Observer:
+    """Statistics of the shown step's arrays taken from the regions a diff reads of them, array after array
+    (`scans.diff`'s `observe_b`), so that each of their bytes is read once."""
+
+    def __init__(self, arrays: dict[str, ArrayMetadata], bins: int):
+        self.arrays, self.bins = arrays, bins
+        self.key: str | None = None
+        self.sketch: ValueSketch | None = None
+        self.scratch = Scratch()
+        self.done: dict[str, dict] = {}
+
+    def __call__(self, key: str, data: np.ndarray) -> None:
+        if key != self.key:
+            self._close()
+            self.key, self.sketch = key, ValueSketch() if key in self.arrays else None
+        if self.sketch is not None:
+            self.sketch.add(data, self.scratch)
+
+    def _close(self) -> None:
+        if self.sketch is not None and self.key is not None:
+            meta = self.arrays[self.key]
+            self.done[self.key] = histogram.summarize(self.key, meta.dtype, meta.shape, self.sketch,
+                                                      bins=self.bins).to_json()
+        self.sketch = None
+
+    def finish(self) -> dict[str, dict]:
+        """The summaries (as JSON) of the arrays the diff read whole, by key."""
+        self._close()
+        return self.done
 
 
 def _resolve(path: str, step: str | None) -> tuple[list, Checkpoint, storage.Location | None]:

@@ -1,0 +1,324 @@
+"""`ValueSketch`: a fixed-size mergeable sketch of an array's values, filled chunk by chunk: a count per bfloat16
+value (65,536 bins, 512 KiB), the exact count, NaN/Inf and zero counts, min and max, and the sums that give the
+mean and standard deviation.
+
+A value's bin is the top 16 bits of its float32 form (sign, exponent and the top 7 mantissa bits: one view of the
+bits, no arithmetic), so a bin spans a relative width of 2^-7; values that bfloat16 holds exactly (bfloat16,
+float8, int8, uint8, bool) each have a bin of their own. Each slab of `SLAB` values costs one pass for the bins
+(their bit patterns widened into a reused buffer, one ``np.bincount``) and, for float32, one each for min, max,
+the sum and the sum of squares; the NaN/Inf and zero counts come from the bins (the exponent-all-ones bins, the
+two bins around zero), so finite data takes no extra pass. For bfloat16 and the 8-bit types every statistic
+comes from the bins, exactly: a slab costs the bincount alone.
+
+Sums are of ``value - shift`` (the middle of the first values seen; merged sketches re-centred), so that data
+far from zero with a narrow spread (a norm's weights near 1) keeps its digits: float32 sums per slab (numpy's
+pairwise summation: relative error near 1e-7 of the sum of magnitudes), accumulated in float64; spreads beyond
+float32's safe range are summed in float64. Used by `views.histogram`; no I/O; `add` may be called from several
+threads at once (the merge into the sketch takes its lock), each with a `Scratch` of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import UsageError
+
+BINS = 1 << 16
+SLAB = 1 << 20  # values per slab: the reused buffers are 12 MiB per thread
+SMALL = 1 << 15  # fewer values are binned by sorting
+_F32_MAX = float(np.finfo(np.float32).max)
+_BFLOAT16 = dtypes.by_name("bfloat16").numpy
+_LITTLE = sys.byteorder == "little"
+_HIGH_HALF = 1 if _LITTLE else 0  # the top 16 bits of a float32, as the uint16 at this index of its pair
+_SPREAD = (1e-15, 1e15)  # |value - shift| whose float32 squares, summed over a slab, neither underflow nor overflow
+# the types every value of which bfloat16 holds exactly (bfloat16 first, then the 8-bit ones)
+EXACT_DTYPES = ("bfloat16", "bool", "int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                "float8_e5m2fnuz")
+
+
+def _bin_values() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lower edge, midpoint, order) of the 65,536 bins; `order` lists the finite bins by increasing value."""
+    codes = np.arange(BINS, dtype=np.uint32)
+    with np.errstate(invalid="ignore"):  # the NaN bins' values
+        low = (codes << 16).view(np.float32).astype(np.float64)
+        high = ((codes << 16) | 0xFFFF).view(np.float32).astype(np.float64)
+    middle = np.where(np.isfinite(high), (low + high) / 2, low)
+    middle[[0, 0x8000]] = 0.0  # zero's bin: zeros, and denormals below 2^-133
+    order = np.concatenate([np.arange(0xFF7F, 0x7FFF, -1), np.arange(0, 0x7F80)])
+    return low, middle, order
+
+
+LOW, MIDDLE, ORDER = _bin_values()
+
+
+def _byte_codes() -> dict[np.dtype, np.ndarray]:
+    """The bin of each of the 256 values of every 8-bit type (all exact in bfloat16)."""
+    out = {}
+    for name in EXACT_DTYPES[1:]:
+        numpy_dtype = dtypes.by_name(name).numpy
+        raw = np.arange(256, dtype=np.uint8)
+        if numpy_dtype == np.bool_:
+            raw = (raw != 0).astype(np.uint8)  # any nonzero byte reads as True
+        with np.errstate(invalid="ignore", over="ignore"):
+            as_float = raw.view(numpy_dtype).astype(np.float32)
+        out[np.dtype(numpy_dtype)] = (as_float.view(np.uint32) >> 16).astype(np.uint16)
+    return out
+
+
+_BYTE_CODES = _byte_codes()
+
+
+class Scratch:
+    """Reused buffers for one thread at a time: int64 bin numbers (their upper bytes stay zero: only the low 16
+    bits are ever written) and float32 deviations, 12 MiB, allocated on first use and freed with the object."""
+
+    def __init__(self) -> None:
+        self.codes: np.ndarray | None = None
+
+    def buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.codes is None:
+            self.codes = np.zeros(SLAB, dtype=np.int64)
+            self.low16 = self.codes.view(np.uint16)[0 if _LITTLE else 3::4]
+            self.floats = np.empty(SLAB, dtype=np.float32)
+        return self.codes, self.low16, self.floats
+
+
+class ValueSketch:
+    """Accumulates values chunk by chunk (`add`); `merge` adds another sketch's counts. Fixed size. `counts`
+    counts the finite values per bin; `total` and `total_sq` are Σ (v - shift) and Σ (v - shift)² over them."""
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(BINS, dtype=np.int64)
+        self.count = self.nan = self.inf = self.zeros = 0
+        self.shift = 0.0
+        self.total = self.total_sq = 0.0
+        self.low, self.high = math.inf, -math.inf
+        self._lock = threading.Lock()
+
+    @property
+    def mean(self) -> float | None:
+        return self.shift + self.total / self.count if self.count else None
+
+    @property
+    def std(self) -> float | None:
+        if not self.count:
+            return None
+        centred = self.total / self.count
+        return math.sqrt(max(0.0, self.total_sq / self.count - centred * centred))
+
+    def add(self, data: np.ndarray, scratch: Scratch | None = None) -> None:
+        """Add every value of `data` (any numeric dtype; complex: magnitudes), using `scratch`'s buffers (which no
+        other thread uses meanwhile) or buffers of its own."""
+        flat = data.reshape(-1)
+        scratch = scratch or Scratch()
+        for start in range(0, flat.size, SLAB):
+            self._take(_slab_part(flat[start:start + SLAB], scratch))
+
+    def merge(self, other: ValueSketch) -> None:
+        """Add `other`'s values (its counts and sums)."""
+        with other._lock:
+            part = _Part(other.counts.copy(), other.count, other.nan, other.inf, other.zeros, other.low,
+                         other.high, other.shift, other.total, other.total_sq)
+        self._take(part)
+
+    def _take(self, part: _Part) -> None:
+        with self._lock:
+            if part.present is None:
+                self.counts += part.counts
+            else:
+                self.counts[part.present] += part.counts
+            self.nan += part.nan
+            self.inf += part.inf
+            if not part.count:
+                return
+            if not self.count:
+                self.shift = part.shift
+            delta = part.shift - self.shift  # the part's sums re-centred on this sketch's shift
+            self.total += part.total + part.count * delta
+            self.total_sq += part.total_sq + 2 * delta * part.total + part.count * delta * delta
+            self.count += part.count
+            self.zeros += part.zeros
+            self.low, self.high = min(self.low, part.low), max(self.high, part.high)
+
+    def quantiles(self, qs: tuple[float, ...], *, exact_bins: bool = False, integer: bool = False
+                  ) -> tuple[float | None, ...]:
+        """The value at rank ceil(q * count) of the finite values for each q of `qs` (within the bin's relative
+        width); `exact_bins`: every value is its bin's lower edge; `integer`: the values are integers."""
+        if not self.count:
+            return (None,) * len(qs)
+        ranks = np.cumsum(self.counts[ORDER])
+        out = []
+        for q in qs:
+            position = int(np.searchsorted(ranks, max(1, math.ceil(q * self.count))))
+            code = ORDER[min(position, len(ORDER) - 1)]
+            value = float(LOW[code] if exact_bins else MIDDLE[code])
+            value = float(round(value)) if integer else value
+            out.append(min(max(value, self.low), self.high))
+        return tuple(out)
+
+    def histogram(self, bins: int = 40, scale: str = "linear") -> Histogram:
+        """Counts of the finite values in `bins` equal bins: of the value between min and max (``linear``), or
+        of log10 |value| between the smallest and largest nonzero magnitudes (``log``; zeros counted apart).
+        Each sketch bin falls whole into the bin holding its midpoint. Raises `UsageError` for another scale."""
+        if scale not in ("linear", "log"):
+            raise UsageError(f"unknown histogram scale {scale!r}: linear or log")
+        present = np.flatnonzero(self.counts[ORDER])
+        codes = ORDER[present]
+        weights = self.counts[codes].astype(np.float64)
+        middle = np.clip(MIDDLE[codes], self.low, self.high) if self.count else MIDDLE[codes]
+        if scale == "log":
+            nonzero = middle != 0
+            magnitudes = np.log10(np.abs(middle[nonzero]))
+            edges = _edges(magnitudes, bins)
+            counts = np.histogram(magnitudes, edges, weights=weights[nonzero])[0] if magnitudes.size else []
+            return Histogram("log", tuple(float(e) for e in edges), tuple(int(c) for c in counts),
+                             int(weights[~nonzero].sum()))
+        edges = _edges(middle, bins)
+        counts = np.histogram(middle, edges, weights=weights)[0] if middle.size else []
+        return Histogram("linear", tuple(float(e) for e in edges), tuple(int(c) for c in counts), 0)
+
+
+def _edges(values: np.ndarray, bins: int) -> np.ndarray:
+    if not values.size:
+        return np.zeros(0)
+    low, high = float(values.min()), float(values.max())
+    if high <= low:  # one value: one bin around it
+        spread = (abs(low) or 1.0) * 1e-6
+        return np.array([low - spread, low + spread])
+    return np.linspace(low, high, max(1, bins) + 1)
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Bin counts; `edges` has one more entry than `counts` (for ``log``, in log10 |value|); `zeros`: the zeros
+    a ``log`` histogram leaves out."""
+
+    scale: str
+    edges: tuple[float, ...]
+    counts: tuple[int, ...]
+    zeros: int = 0
+
+    def to_json(self) -> dict:
+        return {"scale": self.scale, "edges": list(self.edges), "counts": list(self.counts), "zeros": self.zeros}
+
+
+class _Part:
+    """What one slab adds to a sketch: its bin counts (dense, or `counts` of the bins `present`) and scalars."""
+
+    __slots__ = ("counts", "present", "count", "nan", "inf", "zeros", "low", "high", "shift", "total", "total_sq")
+
+    def __init__(self, counts: np.ndarray, count: int = 0, nan: int = 0, inf: int = 0, zeros: int = 0,
+                 low: float = math.inf, high: float = -math.inf, shift: float = 0.0, total: float = 0.0,
+                 total_sq: float = 0.0, present: np.ndarray | None = None):
+        self.counts, self.present = counts, present
+        self.count, self.nan, self.inf, self.zeros = count, nan, inf, zeros
+        self.low, self.high, self.shift, self.total, self.total_sq = low, high, shift, total, total_sq
+
+
+def _slab_part(values: np.ndarray, scratch: Scratch) -> _Part:
+    """The `_Part` of at most `SLAB` values, by their dtype's fastest exact route."""
+    dtype = values.dtype
+    if dtype == _BFLOAT16:
+        return _exact_part(values.view(np.uint16), scratch)
+    codes = _BYTE_CODES.get(dtype)
+    if codes is not None:
+        return _exact_part(codes[values.view(np.uint8)], scratch)
+    if dtype == np.float16 or (dtype.kind in "iu" and dtype.itemsize <= 2):
+        values = values.astype(np.float32)  # exact
+    if values.dtype == np.float32:
+        return _float32_part(values, scratch)
+    return _general_part(values, scratch)
+
+
+def _bins(codes: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray]:
+    """(the bins present, their counts) of uint16 bin numbers: a bincount of them widened into this thread's
+    int64 buffer; for fewer than `SMALL`, a radix sort (a bincount zeroes and scans 65,536 bins each time)."""
+    if codes.size < SMALL:
+        ordered = np.sort(codes, kind="stable")  # radix sort for 16-bit integers
+        starts = np.flatnonzero(np.diff(ordered)) + 1
+        return ordered[np.r_[0, starts]].astype(np.intp), np.diff(np.r_[0, starts, codes.size])
+    wide, low16, _ = scratch.buffers()
+    low16[:codes.size] = codes
+    dense = np.bincount(wide[:codes.size], minlength=BINS)
+    present = np.flatnonzero(dense)
+    return present, dense[present]
+
+
+def _exact_part(codes: np.ndarray, scratch: Scratch) -> _Part:
+    """Values that are exactly their bins' lower edges (bfloat16, 8-bit types): every statistic from the bins."""
+    present, counts = _bins(codes, scratch)
+    values = LOW[present]
+    finite = np.isfinite(values)
+    nan = inf = 0
+    if not finite.all():
+        nan, inf = int(counts[np.isnan(values)].sum()), int(counts[np.isinf(values)].sum())
+        present, counts, values = present[finite], counts[finite], values[finite]
+    if not present.size:
+        return _Part(counts, nan=nan, inf=inf, present=present)
+    low, high = float(values.min()), float(values.max())
+    shift = (low + high) / 2
+    deviation = values - shift
+    weighted = counts * deviation
+    return _Part(counts, int(counts.sum()), nan, inf, int(counts[values == 0].sum()), low, high, shift,
+                 float(weighted.sum()), float(weighted @ deviation), present)
+
+
+def _float32_part(values: np.ndarray, scratch: Scratch) -> _Part:
+    """float32 values: bins first; NaN/Inf (exponent all ones) and zeros (the two bins around zero) looked for
+    in the values only where the bins show them."""
+    present, counts = _bins(values.view(np.uint16)[_HIGH_HALF::2], scratch)
+    special = (present & 0x7F80) == 0x7F80
+    nan = inf = 0
+    if special.any():
+        nan, inf = int(np.isnan(values).sum()), int(np.isinf(values).sum())
+        values = values[np.isfinite(values)]
+        present, counts = present[~special], counts[~special]
+    if not values.size:
+        return _Part(counts, nan=nan, inf=inf, present=present)
+    low, high = float(values.min()), float(values.max())
+    negative_zero = int(np.searchsorted(present, 0x8000))
+    near_zero = present[0] == 0 or (negative_zero < present.size and present[negative_zero] == 0x8000)
+    zeros = values.size - int(np.count_nonzero(values)) if near_zero else 0
+    shift = float(np.float32((low + high) / 2))
+    spread = max(high - shift, shift - low)
+    if spread == 0:
+        total = total_sq = 0.0
+    elif _SPREAD[0] <= spread <= _SPREAD[1]:
+        deviation = np.subtract(values, np.float32(shift), out=scratch.buffers()[2][:values.size])
+        total = float(deviation.sum())
+        total_sq = float(np.square(deviation, out=deviation).sum())
+    else:
+        total, total_sq = _sums64(values, shift)
+    return _Part(counts, values.size, nan, inf, zeros, low, high, shift, total, total_sq, present)
+
+
+def _general_part(values: np.ndarray, scratch: Scratch) -> _Part:
+    """Any other dtype (float64, wide integers, complex magnitudes), in float64."""
+    if values.dtype.kind == "c":
+        values = np.abs(values)
+    values = values.astype(np.float64, copy=False)
+    finite = np.isfinite(values)
+    nan = inf = 0
+    if not finite.all():
+        nan, inf = int(np.isnan(values).sum()), int(np.isinf(values).sum())
+        values = values[finite]
+    if not values.size:
+        return _Part(np.zeros(0, np.int64), nan=nan, inf=inf, present=np.zeros(0, np.intp))
+    narrow = np.clip(values, -_F32_MAX, _F32_MAX).astype(np.float32)  # beyond float32: its extreme bins
+    present, counts = _bins(narrow.view(np.uint16)[_HIGH_HALF::2], scratch)
+    low, high = float(values.min()), float(values.max())
+    shift = (low + high) / 2
+    total, total_sq = _sums64(values, shift)
+    return _Part(counts, values.size, nan, inf, values.size - int(np.count_nonzero(values)), low, high, shift,
+                 total, total_sq, present)
+
+
+def _sums64(values: np.ndarray, shift: float) -> tuple[float, float]:
+    deviation = values.astype(np.float64) - shift
+    return float(deviation.sum()), float(deviation @ deviation)
