@@ -113,7 +113,7 @@ def save_layouts(count: int, me: int) -> list[tuple[ArrayMetadata, TensorLayout,
     point = (me // fsdp, me % fsdp)
     out = []
     for key, shape in state():
-        chunks, index, replica, sharding = dtensors._geometry(shape, mesh, PLACEMENTS, point)
+        chunks, index, replica, sharding = dtensors.geometry(shape, mesh, PLACEMENTS, point)
         lay = TensorLayout(shape, "dtensor", chunks, (LocalShard(0, "cpu", index, replica),), sharding)
         out.append((ArrayMetadata("/".join(key), shape, "float32", lay.chunk_shape, sharding), lay,
                     (shape, mesh, PLACEMENTS, tuple(range(count)))))
@@ -129,8 +129,8 @@ def first_save_plan(count: int, me: int, transport: SimulatedTransport) -> float
     local = save_layouts(count, me)
     c = Coordinator(index=me, count=count, transport=transport)
     start = time.process_time()
-    holdings = [holdings.dtensor_groups(*sharding, count) for _, _, sharding in local]
-    save_plan._assign_writers([(meta, lay) for meta, lay, _ in local], holdings, SaveOptions(), c)
+    held = [holdings.dtensor_groups(*sharding, count) for _, _, sharding in local]
+    save_plan._assign_writers([(meta, lay) for meta, lay, _ in local], held, SaveOptions(), c)
     return time.process_time() - start
 
 

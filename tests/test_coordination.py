@@ -121,7 +121,7 @@ def test_the_simulated_transport_counts_log2_messages_per_agreement_at_a_thousan
 def test_the_writers_derived_from_shardings_are_those_the_gathered_chunk_lists_give(mesh, placements):
     shape, count = (10, 6), math.prod(mesh)
     groups = holdings.dtensor_groups(shape, mesh, placements, tuple(range(count)), count)
-    chunk_shape = dtensors._geometry(shape, mesh, placements, (0,) * len(mesh))[0]
+    chunk_shape = dtensors.geometry(shape, mesh, placements, (0,) * len(mesh))[0]
     regions = dict(dtensors.rank_regions(shape, mesh, placements, tuple(range(count))))
     own = {p: tuple(c for c in grid.regions(shape, chunk_shape) if grid.contains(regions[p], c)) for p in regions}
     (gathered,) = save_plan._gathered_holders([[("w", shape, "float32", chunk_shape, own[p])] for p in range(count)])

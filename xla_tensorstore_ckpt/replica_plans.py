@@ -13,7 +13,6 @@ Pure functions; no collectives.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass

@@ -11,7 +11,6 @@ agreed, is gathered. Pure functions; no collectives.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
