@@ -40,6 +40,10 @@ from chaos_faults import BucketProxy, Model  # noqa: E402
 from chaos_jobs import BUCKET, Job, Reference, Store, XlaJob, Zygote  # noqa: E402
 
 
+def shown_set(steps: set) -> str:
+    return " or ".join(str(s) for s in sorted(steps, key=lambda s: -1 if s is None else s))
+
+
 def retained_away(missing: set[int], committed: set[int], keep: int = 2) -> set[int]:
     """The `missing` steps retention does not explain: those with fewer than `keep` newer `committed` steps (a
     process that died, or exited on an error, in the middle of retention's deletes deleted them without telling)."""
@@ -112,7 +116,7 @@ class Run:
                 plan["fsize"] = {"rank": d["rank"], "bytes": d["bytes"]}
         self._refresh_copies()
         expected = self.model.predict()
-        self.reference.cover((expected or 0) + self.steps)
+        self.reference.cover(max(s or 0 for s in expected) + self.steps)
         with open(os.path.join(directory, "plan.json"), "w") as f:
             json.dump(plan, f)
         job = self.launch(["run", os.path.join(directory, "plan.json")], directory)
@@ -123,10 +127,10 @@ class Run:
         problems += self._learn(lines)
         shown = "; ".join(f.describe() for f in faults) + "".join(f"; {n}" for n in notes)
         errors = sorted({f"{x['type']}: {x['error'][:300]}" for rank in lines for x in rank if "error" in x})
-        self.history.append(f"cycle {number}: {shown}; resume {expected}; exit codes {codes}"
+        self.history.append(f"cycle {number}: {shown}; resume {shown_set(expected)}; exit codes {codes}"
                             + "".join(f"; {e}" for e in errors[:2]))
         if problems:
-            problems = [f"cycle {number} ({shown}, expected resume {expected}): {p}" for p in problems]
+            problems = [f"cycle {number} ({shown}, expected resume {shown_set(expected)}): {p}" for p in problems]
         else:
             shutil.rmtree(directory)
         return problems
@@ -141,8 +145,9 @@ class Run:
         for rank, (code, rank_lines) in enumerate(zip(codes, lines)):
             for x in rank_lines:
                 if "resumed" in x:
-                    if x["resumed"] != expected:
-                        problems.append(f"process {rank} resumed from step {x['resumed']}, the model says {expected}")
+                    if x["resumed"] not in expected:
+                        problems.append(f"process {rank} resumed from step {x['resumed']}, the model says "
+                                        f"{shown_set(expected)}")
                     elif x["digest"] != self.reference[rank][x["resumed"] or 0]:
                         problems.append(f"process {rank}'s state restored at step {x['resumed']} differs from the "
                                         f"reference run's")
@@ -156,11 +161,17 @@ class Run:
                     if not x["library"] and not died:
                         problems.append(f"process {rank} failed outside the library with no process dead: "
                                         f"{x['type']}: {x['error']}")
+                    if x["type"] == "CoordinationTimeoutError" and not died:
+                        problems.append(f"process {rank} waited out the coordination timeout with every process "
+                                        f"alive (a peer failed without telling): {x['error']}")
             if code not in (0, 2, 3, -signal.SIGKILL, None):
                 with open(outs[rank] + ".err") as f:
                     problems.append(f"process {rank} ended with status {code}: {f.read()[-1500:]}")
             if code == -signal.SIGKILL and not died:
                 problems.append(f"process {rank} was killed with no kill planned")
+        resumed = {x["resumed"] for rank_lines in lines for x in rank_lines if "resumed" in x}
+        if len(resumed) > 1:
+            problems.append(f"the processes resumed from different steps: {shown_set(resumed)}")
         ended = [c for c in codes if c is not None]
         if not died and any(c != 0 for c in ended) and any(c == 0 for c in ended):
             problems.append(f"a failure was raised on some processes only (exit codes {codes})")

@@ -173,23 +173,36 @@ class Model:
         self.own, self.copies = [set() for _ in range(self.world)], [set() for _ in range(self.world)]
         self.damaged_own, self.damaged_copies = [set() for _ in range(self.world)], [set() for _ in range(self.world)]
 
-    def intact_for(self, host: int, step: int) -> bool:
-        """Host `host` can restore its part of local `step`: its own copy is intact, or its peer holds an
-        intact copy (fetched for a missing step, files replaced for a damaged one)."""
-        if step in self.own[host] and step not in self.damaged_own[host]:
-            return True
-        holder = (host + self.world // 2) % self.world
-        return (host, step) in self.copies[holder] and (host, step) not in self.damaged_copies[holder]
+    def predict(self) -> set[int | None]:
+        """The steps every process may resume from: the newest local step, at least as new as the newest persistent
+        one, that every host can restore; else the newest persistent step; None if nothing is committed. More than
+        one where the harness damaged files: a damaged byte a restore never reads (an OCDBT data file holds
+        superseded nodes too) harms nothing, so each damaged step or copy may count as whole or not."""
+        damaged = [("own", h, s) for h, steps in enumerate(self.damaged_own) for s in steps]
+        damaged += [("copy", h, k) for h, keys in enumerate(self.damaged_copies) for k in keys]
+        if len(damaged) > 6:  # too many to enumerate: the two extremes
+            choices = [damaged, []]
+        else:
+            choices = [[d for i, d in enumerate(damaged) if mask >> i & 1] for mask in range(1 << len(damaged))]
+        out = set()
+        for harmful in choices:
+            out.add(self._predict({(h, s) for kind, h, s in harmful if kind == "own"},
+                                  {(h, k) for kind, h, k in harmful if kind == "copy"}))
+        return out
 
-    def predict(self) -> int | None:
-        """The step every process resumes from: the newest local step, at least as new as the newest persistent
-        one, that every host can restore; else the newest persistent step; None if nothing is committed."""
+    def _predict(self, damaged_own: set[tuple[int, int]], damaged_copies: set[tuple[int, tuple[int, int]]]):
+        def intact_for(host: int, step: int) -> bool:
+            if step in self.own[host] and (host, step) not in damaged_own:
+                return True
+            holder = (host + self.world // 2) % self.world
+            return (host, step) in self.copies[holder] and (holder, (host, step)) not in damaged_copies
+
         newest = max(self.persistent, default=None)
         listed = set().union(*self.own)  # a step no process lists is no candidate, whoever holds copies
         for step in sorted(listed, reverse=True):
             if newest is not None and step < newest:
                 break
-            if all(self.intact_for(h, step) for h in range(self.world)):
+            if all(intact_for(h, step) for h in range(self.world)):
                 return step
         return newest
 
