@@ -224,6 +224,9 @@ class Run:
         objects = self.store.objects()
         on_store = {int(n.split("/", 1)[0]) for n in objects if n.endswith("/_CHECKPOINT_METADATA")
                     and n.split("/", 1)[0].isdigit()}
+        uncommitted = sorted({n.split("/", 1)[0] for n in objects if "/" in n} - {str(s) for s in on_store})
+        if len(uncommitted) > 2:
+            problems.append(f"partial steps pile up in the persistent tier: {uncommitted}")
         lost = retained_away(self.model.persistent - on_store, self.model.persistent | on_store)
         if lost:
             problems.append(f"the persistent tier lost its committed steps {sorted(lost)}")
