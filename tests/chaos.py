@@ -82,6 +82,7 @@ class Run:
         self.faults: collections.Counter = collections.Counter()
         self.outcomes: collections.Counter = collections.Counter()
         self.errors: collections.Counter = collections.Counter()
+        self.latencies: list[float] = []  # per failed cycle: seconds from the first failure to the last process's error
         self.history: list[str] = []  # one line per cycle
 
     def repro(self, cycle: int) -> str:
@@ -113,7 +114,7 @@ class Run:
             elif fault.kind == "bucket":
                 self.proxy.arm({"how": d["how"], "start": d["start"], "length": d["length"]})
             elif fault.kind == "disk_full":
-                plan["fsize"] = {"rank": d["rank"], "bytes": d["bytes"]}
+                plan["fsize"] = {"rank": d["rank"], "bytes": d["bytes"], "at": d["at"], "nth": d["nth"]}
         self._refresh_copies()
         expected = self.model.predict()
         self.reference.cover(max(s or 0 for s in expected) + self.steps)
@@ -138,7 +139,7 @@ class Run:
     def _check_run(self, faults, process_fault, expected, codes, lines, outs) -> list[str]:
         problems = []
         fired = [x["fault"] for rank_lines in lines for x in rank_lines if "fault" in x]
-        died = bool(fired) and fired[0] in ("kill", "kill_job", "stop")
+        died = any(f in chaos_faults.PROCESS_FAULTS for f in fired)
         if None in codes:
             problems.append(f"hang: processes {[r for r, c in enumerate(codes) if c is None]} had not ended "
                             f"{8 * self.timeout + 240:g} s after the start")
@@ -169,6 +170,7 @@ class Run:
                     problems.append(f"process {rank} ended with status {code}: {f.read()[-1500:]}")
             if code == -signal.SIGKILL and not died:
                 problems.append(f"process {rank} was killed with no kill planned")
+        problems += self._check_latency(process_fault, lines)
         resumed = {x["resumed"] for rank_lines in lines for x in rank_lines if "resumed" in x}
         if len(resumed) > 1:
             problems.append(f"the processes resumed from different steps: {shown_set(resumed)}")
@@ -178,9 +180,26 @@ class Run:
         outcome = "hang" if None in codes else "clean" if all(c == 0 for c in codes) else \
             "killed" if died else "failed with clear errors"
         self.outcomes[outcome if not problems else "problem"] += 1
-        if process_fault is not None and not fired:
+        if process_fault is not None and not died:
             self.outcomes["planned moment not reached"] += 1
         return problems
+
+    def _check_latency(self, process_fault, lines: list[list[dict]]) -> list[str]:
+        """Every process must raise soon after the first failure (a process killed or stopped, or the first error
+        raised): within two coordination timeouts and 30 s (one wait for a dead peer in a background thread, one
+        in the caller's), the stopped process aside (it raises once continued)."""
+        raised = {rank: x["t"] for rank, rank_lines in enumerate(lines) for x in rank_lines if "error" in x}
+        if not raised:
+            return []
+        stalled = process_fault.details["rank"] if process_fault and process_fault.kind == "stop" else None
+        origin = min([x["t"] for rank_lines in lines for x in rank_lines
+                      if x.get("fault") in chaos_faults.PROCESS_FAULTS] + list(raised.values()))
+        late = {rank: t - origin for rank, t in raised.items() if rank != stalled}
+        if not late:
+            return []
+        self.latencies.append(max(late.values()))
+        return [f"process {rank} raised its error {seconds:.1f} s after the first failure (the coordination timeout "
+                f"is {self.timeout:g} s)" for rank, seconds in late.items() if seconds > 2 * self.timeout + 30]
 
     def _learn(self, lines: list[list[dict]]) -> list[str]:
         """Update the model from what the processes reported, then compare it with what is on disk: a step the
@@ -254,10 +273,11 @@ def run_seeds(seeds: list[int], cycles: int, stores: list[str], ports: dict[str,
               timeout: float, log, steps: int = 3, xla: bool = False) -> dict:
     """Run every seed (seed i on store i mod len(stores)), each cycle training `steps` steps; return the
     summary: cycles run, faults and outcomes by kind, errors by type, problems (each with its reproduction
-    command). `log(line, verbose=False)` is told of every cycle (verbose) and every problem. With `xla`, the job
-    is the torch_xla SPMD one of a single process (no peers: no stops, job kills, full disks or peer copies)."""
+    command), and per failed cycle the seconds from its first failure to the last process's error. `log(line,
+    verbose=False)` is told of every cycle (verbose) and every problem. With `xla`, the job is the torch_xla SPMD
+    one of a single process (no peers: no stops, job kills, full disks or peer copies)."""
     summary = {"cycles": 0, "faults": collections.Counter(), "outcomes": collections.Counter(),
-               "errors": collections.Counter(), "problems": []}
+               "errors": collections.Counter(), "problems": [], "latencies": []}
     proxies = {kind: BucketProxy(ports[kind]) for kind in stores}
     try:
         for i, seed in enumerate(seeds):
@@ -289,6 +309,7 @@ def run_seeds(seeds: list[int], cycles: int, stores: list[str], ports: dict[str,
                         break  # the model no longer matches the system: later cycles would only echo this
                 for name in ("faults", "outcomes", "errors"):
                     summary[name].update(getattr(run, name))
+                summary["latencies"] += run.latencies
             finally:
                 if zygote is not None:
                     zygote.close()
@@ -327,6 +348,11 @@ def main() -> None:
     finally:
         for server in servers:
             server.stop()
+    latencies = sorted(summary.pop("latencies"))
+    summary["raised_after_first_failure_s"] = {
+        "cycles": len(latencies), "median": round(latencies[len(latencies) // 2], 1) if latencies else None,
+        "max": round(latencies[-1], 1) if latencies else None,
+        "over_one_timeout": sum(1 for x in latencies if x > args.timeout)}
     print(json.dumps({k: dict(v) if isinstance(v, collections.Counter) else v for k, v in summary.items()},
                      indent=1), flush=True)
     sys.exit(1 if summary["problems"] else 0)

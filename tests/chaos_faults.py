@@ -76,7 +76,11 @@ def draw(rng: random.Random, store: str, world: int = WORLD) -> list[Fault]:
             faults.append(Fault(kind, {"how": rng.choice(("503", "reset", "truncate", "slow")),
                                        "start": rng.randrange(0, 120), "length": rng.randint(1, 12), "store": store}))
         elif kind == "disk_full":
-            faults.append(Fault(kind, {"rank": rng.randrange(world), "bytes": rng.choice((512, 4096, 16384))}))
+            # From the start, or from the moment the host's own local step is written (its marker and the copy
+            # of its peer's step it then receives meet the full disk: a peer transfer failing on one process).
+            at = rng.choice((None, "save_written", "save_committed"))
+            faults.append(Fault(kind, {"rank": rng.randrange(world), "bytes": rng.choice((512, 4096, 16384)),
+                                       "at": at, "nth": rng.randint(1, 3) if at else None}))
         else:
             faults.append(Fault("none"))
     return faults

@@ -238,7 +238,12 @@ class Coordinator:
         return result  # type: ignore[return-value]
 
     def _raise_unless_ok(self, error: BaseException | None, what: str) -> None:
-        statuses = self.statuses(None if error is None else f"{type(error).__name__}: {error}", what)
+        try:
+            statuses = self.statuses(None if error is None else f"{type(error).__name__}: {error}", what)
+        except CoordinationError:
+            if error is not None:  # this process's own failure says more than a peer's silence about it
+                raise error from None
+            raise
         if error is not None:
             raise error
         for process, status in enumerate(statuses):

@@ -13,7 +13,8 @@ h this rank (its host) updates each step, dropout drawing from the RNG the manag
 configuration: asynchronous saves, a persistent tier (PLAN["root"], behind the harness's fault proxy), a local tier
 per host replicated to one peer. Every event the manager reports is printed as a JSON line, and PLAN["trigger"]
 turns one of them into the fault: SIGKILL of this process or of the whole job, or SIGSTOP. Prints JSON lines:
-{"event"}, {"resumed", "digest"}, {"step", "digest"}, {"fault"}, then {"done"} or {"error", "type", "library"}.
+{"event"}, {"resumed", "digest"}, {"step", "digest"}, {"fault"}, then {"done"} or {"error", "type", "library"}
+(faults and errors with "t", the wall clock: how long after a process died the others raised).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import resource
 import select
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -100,7 +102,7 @@ class Trigger:
         self.seen += 1
         if self.seen != spec["nth"]:
             return
-        emit(fault=spec["action"], at=event.kind, tier=event.tier, step=event.step)
+        emit(fault=spec["action"], at=event.kind, tier=event.tier, step=event.step, t=time.time())
         if spec["action"] == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
             return
@@ -112,6 +114,28 @@ class Trigger:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def fill_disk(budget: int) -> None:
+    """This host's disk full, as far as its writes go: no file grows past `budget` bytes (EFBIG). Any thread."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (budget, resource.RLIM_INFINITY))
+
+
+class DiskFiller:
+    """A full disk from a moment on: the `nth` local-tier event of `at` this rank sees (its step's files written,
+    or its step committed: the step's marker, then the copies it receives from its peer, meet the full disk)."""
+
+    def __init__(self, spec: dict | None):
+        self.spec = spec if spec is not None and spec.get("at") else None
+        self.seen = 0
+
+    def __call__(self, event) -> None:
+        if self.spec is None or event.kind != self.spec["at"] or event.tier != "local":
+            return
+        self.seen += 1
+        if self.seen == self.spec["nth"]:
+            emit(fault="disk_full", at=event.kind, tier=event.tier, step=event.step)
+            fill_disk(self.spec["bytes"])
+
+
 def report(event) -> None:
     emit(event=event.kind, tier=event.tier, step=event.step, details=event.details)
 
@@ -120,16 +144,19 @@ def run(plan: dict) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with open(os.path.join(plan["pids"], str(rank)), "w") as f:
         f.write(str(os.getpid()))
-    if plan.get("fsize") and plan["fsize"]["rank"] == rank:  # this host's disk full, as far as its writes go
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (plan["fsize"]["bytes"], resource.RLIM_INFINITY))
+    full = plan.get("fsize") if plan.get("fsize") and plan["fsize"]["rank"] == rank else None
+    if full is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # here: the main thread (writes past the budget: EFBIG)
+        if full.get("at") is None:
+            fill_disk(full["bytes"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=plan["timeout"]))
     model, optimizer, scheduler = fsdp_model(world, "fsdp")
     data = {"position": 0, "table": table(rank, world, empty=False)}
     options = xtc.CheckpointManagerOptions(
         save_interval_steps=2, max_to_keep=2, local_directory=os.path.join(plan["local_base"], f"host{rank}"),
         local_save_interval_steps=1, local_max_to_keep=2, local_replication=2, async_save=True,
-        coordination_timeout_s=plan["timeout"], listeners=(report, Trigger(plan.get("trigger"), rank, plan["pids"])))
+        coordination_timeout_s=plan["timeout"],
+        listeners=(report, Trigger(plan.get("trigger"), rank, plan["pids"]), DiskFiller(full)))
     try:
         manager = xtc.CheckpointManager(plan["root"], options)
         restored = {"position": 0, "table": table(rank, world, empty=True)}
@@ -143,10 +170,10 @@ def run(plan: dict) -> None:
             manager.save(step, model=model, optimizer=optimizer, lr_scheduler=scheduler, extra=data)
         manager.close()
     except xtc.CheckpointError as exc:
-        emit(error=str(exc), type=type(exc).__name__, library=True)
+        emit(error=str(exc), type=type(exc).__name__, library=True, t=time.time())
         os._exit(2)  # no clean-up that could wait for a dead peer
     except Exception as exc:  # noqa: BLE001 - a peer's death seen by the training's own collectives
-        emit(error=str(exc), type=type(exc).__name__, library=False)
+        emit(error=str(exc), type=type(exc).__name__, library=False, t=time.time())
         os._exit(3)
     emit(done=True)
     os._exit(0)
