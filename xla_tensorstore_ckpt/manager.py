@@ -426,18 +426,35 @@ class CheckpointManager:
         every process (the others' `CoordinationError` names the process and what failed: a local tier's
         failure is otherwise known to its own process only)."""
         if not self._closed:  # a closed manager has nothing pending
-            self._coordinator.everywhere("finishing the saves", self._wait_here)
+            self._finish("finishing the saves", everywhere=True)
 
     def _wait_here(self) -> None:
         """`wait_until_finished` for this process alone. Blocks."""
         for managed in self._tiers:
             managed.wait()
 
+    def _finish(self, what: str, *, everywhere: bool) -> None:
+        """Wait for this process's pending saves; with `everywhere`, share the outcome with every process
+        (collective), unless a collective of this manager already found a peer dead or silent: that failure was
+        raised here already, and the peer is not waited for again. Raises the first error."""
+        error = None
+        try:
+            self._wait_here()
+        except Exception as exc:  # noqa: BLE001 - shared with every process below, then raised
+            error = exc
+        coordinators = [self._coordinator, *(managed.coordinator for managed in self._tiers),
+                        *(managed.replicator.coordinator for managed in self._tiers if managed.replicator)]
+        if everywhere and not any(c.peer_failure for c in coordinators):
+            self._coordinator.share_outcome(error, what)
+        elif error is not None:
+            raise error
+
     def close(self) -> None:
         """Wait for pending saves (raising their errors), release the background threads, the roots and the
         process groups. Idempotent. With several processes, call it on every process: as in
         `wait_until_finished`, a failure on any process is raised on every process (leaving a ``with`` block on
-        an exception closes this process alone: its peers may not be closing)."""
+        an exception closes this process alone: its peers may not be closing; and a peer that a collective
+        already found dead or silent is not waited for)."""
         self._close(everywhere=True)
 
     def _close(self, *, everywhere: bool) -> None:
@@ -446,8 +463,7 @@ class CheckpointManager:
         self._closed = True
         self._preemption.close()
         try:
-            if everywhere:
-                self._coordinator.everywhere("finishing the saves before closing", self._wait_here)
+            self._finish("finishing the saves before closing", everywhere=everywhere)
         finally:
             try:
                 close_all(list(self._tiers))

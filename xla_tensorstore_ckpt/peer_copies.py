@@ -557,6 +557,11 @@ class PeerReplicator:
         deletes: never under a replication still reading the step). Does not block."""
         self._committer.defer(what, step, work)
 
+    @property
+    def coordinator(self) -> Coordinator:
+        """The group the copies travel on."""
+        return self._coordinator
+
     def check(self) -> None:
         self._committer.check()
 
