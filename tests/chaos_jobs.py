@@ -98,6 +98,15 @@ class Job:
                 os.kill(pid, signal.SIGCONT)
         return [codes.get(pid) for pid in self.pids]
 
+    def kill(self) -> None:
+        """SIGKILL every process of the job (a stopped one continued, so that it dies)."""
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def lines(self) -> list[list[dict]]:
         out = []
         for path in self.outs:
@@ -114,6 +123,10 @@ class XlaJob:
         with open(self.outs[0], "w") as out, open(self.outs[0] + ".err", "w") as err:
             self.process = subprocess.Popen([sys.executable, XLA_JOB, *argv], stdout=out, stderr=err,
                                             env={**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"})
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
     def wait(self, deadline_s: float, stop_rank: int | None = None) -> list[int | None]:
         try:
