@@ -11,7 +11,7 @@ changes; partial directories do not pile up; a failure ends every process with a
 naming the step or process, or, where a process died, the training's own collective failing) before the cycle's
 deadline, a hang otherwise.
 
-usage: python tests/chaos.py [--seeds 3 | --seed S] [--cycles 100] [--store gcs|s3|both] [--timeout 20]
+usage: python tests/chaos.py [--seeds 3 | --seed S[,S...]] [--cycles 100] [--store gcs|s3|both] [--timeout 20]
 A failing cycle prints one line with the command that replays its seed up to it. Prints a histogram of the
 faults drawn and of the outcomes; exits 1 if any cycle failed.
 """
@@ -338,7 +338,7 @@ def run_seeds(seeds: list[int], cycles: int, stores: list[str], ports: dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3, help="run seeds 0 .. N-1")
-    parser.add_argument("--seed", type=int, help="run this seed only")
+    parser.add_argument("--seed", help="run these seeds only (comma-separated: 7 or 2,3,4)")
     parser.add_argument("--cycles", type=int, default=100)
     parser.add_argument("--store", choices=("gcs", "s3", "both"), default="both")
     parser.add_argument("--timeout", type=float, default=20.0, help="the job's coordination timeout, seconds")
@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--xla", action="store_true", help="the torch_xla SPMD job of one process")
     parser.add_argument("--workdir", help="where the local tiers and each failing cycle's output stay")
     args = parser.parse_args()
-    seeds = [args.seed] if args.seed is not None else list(range(args.seeds))
+    seeds = [int(s) for s in args.seed.split(",")] if args.seed is not None else list(range(args.seeds))
     stores = ["gcs", "s3"] if args.store == "both" else [args.store]
     servers, ports = [], {}
     if "gcs" in stores:
