@@ -13,7 +13,7 @@ NEWEST_TORCH ?= 2.14.1
 # The HTML report's browser test drives Debian's chromium (tests/browser.py); installed only where it is missing.
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test test-xla test-newest stacks lint bench clean
+.PHONY: demo test test-xla test-newest stacks lint bench chaos clean
 
 # The package's requirements with the extras named as arguments, one per line, read from pyproject.toml: the two
 # environments install them at the same time; the editable installs of the one checkout (which write its
@@ -75,6 +75,9 @@ test-newest: lint $(NEWEST_STAMP) $(CHROMIUM)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[xla,test,bench]'
 	$(PY) benchmarks/run.py
+
+chaos: $(STAMP)  # the long chaos run (docs/reliability.md); CHAOS_ARGS="--seed 7 --cycles 42" replays a seed
+	$(PY) tests/chaos.py $(or $(CHAOS_ARGS),--seeds 3 --cycles 100)
 
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) build *.egg-info .test-*.log .test-*.rc .install.lock

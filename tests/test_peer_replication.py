@@ -20,7 +20,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "peer_replication.py
 
 def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_ok: bool = True,
         layout: str = "fsdp", piece_bytes: int | None = None, unreadable: str | None = None,
-        fsize: str | None = None, unlistable: int | None = None) -> list[dict]:
+        fsize: str | None = None, fsize_from: int | None = None, unlistable: int | None = None) -> list[dict]:
     env = {"XTC_HOSTS": hosts, "XTC_LAYOUT": layout}
     if piece_bytes is not None:
         env["XTC_PIECE_BYTES"] = str(piece_bytes)
@@ -28,6 +28,8 @@ def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_
         env["XTC_UNREADABLE"] = unreadable
     if fsize is not None:
         env["XTC_FSIZE"] = fsize
+    if fsize_from is not None:
+        env["XTC_FSIZE_FROM"] = str(fsize_from)
     if unlistable is not None:
         env["XTC_UNLISTABLE"] = str(unlistable)
     results = launch_job(SCRIPT, 4, mode, str(root), str(local_base), *args, env=env)
@@ -208,6 +210,25 @@ def test_a_process_killed_while_replicating_leaves_that_step_unreplicated(tmp_pa
         if r["host"] == 3:
             assert any("step 2 of the local tier came from process 1" in line for line in r["logs"]), r["logs"]
     assert not [n for n in os.listdir(local_base / "host1" / "peer_copies") if "partial" in n]
+    assert not [n for n in os.listdir(local_base / "host1" / "peer_copies" / "3") if "partial" in n]
+
+
+def test_a_disk_full_while_receiving_a_copy_is_raised_on_every_process(tmp_path):
+    """Host 1's disk fills once its own step 3 is committed, as that step's replication starts: the copy of
+    host 3's step 3 it receives cannot be written. Every process raises it (host 1 its own error, the others
+    naming host 1 and the phase) instead of host 1 alone while the others carry on unaware; host 1 commits no
+    part of that copy."""
+    root, local_base = tmp_path / "persistent", tmp_path / "local"
+    results = run("save", root, local_base, fsize="1:1024", fsize_from=3, expect_ok=False)
+    for rank, r in enumerate(lines(results)):
+        assert r["local"] == [2, 3], r
+        error = r["error"] or ""
+        assert "replicating step 3" in error, r
+        if rank == 1:
+            assert "could not write" in error and "received from process 3" in error and "File too large" in error
+        else:
+            assert "failed on process 1: StorageError: could not write" in error, error
+    assert "3" not in os.listdir(local_base / "host1" / "peer_copies" / "3")
     assert not [n for n in os.listdir(local_base / "host1" / "peer_copies" / "3") if "partial" in n]
 
 

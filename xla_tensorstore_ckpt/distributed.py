@@ -55,6 +55,9 @@ class Coordinator:
         self._group, self.index, self.count, self.timeout_s = group, index, count, timeout_s
         self.transport = transport or (GlooTransport(group, index, count, timeout_s) if group is not None else None)
         self._costs: dict[str, dict[str, float]] = {}
+        # The first collective of this coordinator that failed because a peer died or did not answer: a peer known
+        # to have failed is not waited for again (`CheckpointManager.close`).
+        self.peer_failure: CoordinationError | None = None
         if group is not None:
             _track(self)
 
@@ -133,6 +136,9 @@ class Coordinator:
         start = time.perf_counter()
         try:
             return run()
+        except CoordinationError as exc:
+            self.peer_failure = self.peer_failure or exc
+            raise
         finally:
             messages, total, rounds = traffic(kind, self.index, self.count, nbytes)
             cost = self._costs.setdefault(phase, dict.fromkeys(
@@ -240,8 +246,10 @@ class Coordinator:
     def _transfer_error(self, peer: int | None, receives: Mapping[int, Sequence[np.ndarray]],
                         what: Callable[[int], str], exc: Exception) -> CoordinationError:
         receiving = f" while receiving {what(peer)}" if peer in receives and what(peer) else ""
-        return CoordinationError(f"process {self.index}: transfer with process {peer} failed (it died or timed "
-                                 f"out after {self.timeout_s:g} s){receiving}: {exc}", process=peer)
+        error = CoordinationError(f"process {self.index}: transfer with process {peer} failed (it died or timed "
+                                  f"out after {self.timeout_s:g} s){receiving}: {exc}", process=peer)
+        self.peer_failure = self.peer_failure or error
+        return error
 
     def on_primary(self, what: str, action: Callable[[], T], *, share: bool = False) -> T | None:
         """The primary runs `action`; then every process learns whether it succeeded and raises if not (the
@@ -267,8 +275,18 @@ class Coordinator:
         self._raise_unless_ok(error, what)
         return result  # type: ignore[return-value]
 
+    def share_outcome(self, error: BaseException | None, what: str) -> None:
+        """Tell every process whether this one failed at `what` (`error`), and raise if any did: this process its
+        own `error`, the others `CoordinationError` naming `what` and the failed process. Collective."""
+        self._raise_unless_ok(error, what)
+
     def _raise_unless_ok(self, error: BaseException | None, what: str) -> None:
-        statuses = self.statuses(None if error is None else f"{type(error).__name__}: {error}", what)
+        try:
+            statuses = self.statuses(None if error is None else f"{type(error).__name__}: {error}", what)
+        except CoordinationError:
+            if error is not None:  # this process's own failure says more than a peer's silence about it
+                raise error from None
+            raise
         if error is not None:
             raise error
         for process, status in enumerate(statuses):

@@ -219,7 +219,8 @@ class CheckpointManager:
                               persistent_root=self.directory)
         self._save(step, tiers, objects, marker)
         if self._preemption.pending:
-            self.wait_until_finished()  # the process is about to be killed: the commits must land first
+            self._wait_here()  # the process is about to be killed: the commits must land first (a notice
+            # may reach some processes only: nothing collective here)
             self._preemption.saved_on_notice(step)
             warnings.warn(f"SIGTERM received: step {step} is committed at {self.step_path(step)}; the trainer "
                           "should exit", stacklevel=2)
@@ -285,7 +286,7 @@ class CheckpointManager:
         `StepNotFoundError` if not committed. With several processes, call it on every process: the primary
         deletes the persistent step, every process its local one."""
         self._check_open()
-        self.wait_until_finished()
+        self.wait_until_finished()  # collective, as delete is
         self.metadata(step)  # raises StepNotFoundError if not committed
         for managed in self._tiers:
             if step in managed.tier.committed():
@@ -346,7 +347,7 @@ class CheckpointManager:
         requested = {name: obj for name, obj in zip(
             _OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra, data_loader)) if obj is not None}
         training_state.check_items(items, requested)
-        self._coordinator.everywhere("finishing earlier saves", self.wait_until_finished)
+        self._coordinator.everywhere("finishing earlier saves", self._wait_here)
         if resume_from is None:
             return None
         rng = restore_rng and self._options.save_rng
@@ -422,27 +423,60 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------------- lifecycle
 
     def wait_until_finished(self) -> None:
-        """Block until every pending save of every tier is committed; raise the error of a failed one."""
+        """Block until every pending save of every tier is committed; raise the error of a failed one. With
+        several processes, call it on every process: a save or replication that failed on any process raises on
+        every process (the others' `CoordinationError` names the process and what failed: a local tier's
+        failure is otherwise known to its own process only)."""
+        if not self._closed:  # a closed manager has nothing pending
+            self._finish("finishing the saves", everywhere=True)
+
+    def _wait_here(self) -> None:
+        """`wait_until_finished` for this process alone. Blocks."""
         for managed in self._tiers:
             managed.wait()
 
+    def _finish(self, what: str, *, everywhere: bool) -> None:
+        """Wait for this process's pending saves; with `everywhere`, share the outcome with every process
+        (collective), unless a collective of this manager already found a peer dead or silent: that failure was
+        raised here already, and the peer is not waited for again. Raises the first error."""
+        error = None
+        try:
+            self._wait_here()
+        except Exception as exc:  # noqa: BLE001 - shared with every process below, then raised
+            error = exc
+        coordinators = [self._coordinator, *(managed.coordinator for managed in self._tiers),
+                        *(managed.replicator.coordinator for managed in self._tiers if managed.replicator)]
+        if everywhere and not any(c.peer_failure for c in coordinators):
+            self._coordinator.share_outcome(error, what)
+        elif error is not None:
+            raise error
+
     def close(self) -> None:
         """Wait for pending saves (raising their errors), release the background threads, the roots and the
-        process groups. Idempotent."""
+        process groups. Idempotent. With several processes, call it on every process: as in
+        `wait_until_finished`, a failure on any process is raised on every process (leaving a ``with`` block on
+        an exception closes this process alone: its peers may not be closing; and a peer that a collective
+        already found dead or silent is not waited for)."""
+        self._close(everywhere=True)
+
+    def _close(self, *, everywhere: bool) -> None:
         if self._closed:
             return
         self._closed = True
         self._preemption.close()
         try:
-            close_all(list(self._tiers))
+            self._finish("finishing the saves before closing", everywhere=everywhere)
         finally:
-            self._coordinator.close()
+            try:
+                close_all(list(self._tiers))
+            finally:
+                self._coordinator.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        self._close(everywhere=exc_type is None)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -514,9 +514,12 @@ class PeerReplicator:
                                                       f"{t.source} in {partials[i]}: {exc}")
                 continue
             committed.append(t.source)
-        holders = c.all_gather(committed, f"committing the copies of step {step}")
+        # The copies each process committed, and why it could not write one (a full disk): a failure on one
+        # process is raised on every process, not only where it happened (the others would carry on unaware).
+        failure = None if unwritten is None else f"{type(unwritten).__name__}: {unwritten}"
+        holders = c.all_gather((committed, failure), f"committing the copies of step {step}")
         held_by: dict[int, list[int]] = {}
-        for holder, writers in enumerate(holders):
+        for holder, (writers, _) in enumerate(holders):
             for writer in writers:
                 held_by.setdefault(writer, []).append(holder)
         self._retain()
@@ -524,6 +527,10 @@ class PeerReplicator:
                            sum(transfers[i].files.nbytes for i in partials))
         if unwritten is not None:  # raised once every collective of this step is behind us
             raise unwritten
+        for process, (_, status) in enumerate(holders):
+            if status is not None:
+                raise CoordinationError(f"replicating step {step} to peers failed on process {process}: {status}",
+                                        process=process)
 
     def _retain(self) -> None:
         """Keep the newest `keep` copies of each writer (the local tier's count)."""
@@ -545,6 +552,11 @@ class PeerReplicator:
         """Run `work` on the replication thread after the replications queued so far (the local tier's retention
         deletes: never under a replication still reading the step). Does not block."""
         self._committer.defer(what, step, work)
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The group the copies travel on."""
+        return self._coordinator
 
     def check(self) -> None:
         self._committer.check()

@@ -13,8 +13,10 @@ Rank r runs on host XTC_HOSTS[r] (a comma-separated list; default 0,1,2,3), whos
 LOCAL_BASE/host<HOST>. With XTC_PIECE_BYTES=n, files travel between peers in pieces of n bytes, two per round
 (many rounds, two in flight). With XTC_UNREADABLE=s, a sender cannot read the files it sends whose path contains
 s (as if they vanished after they were listed). With XTC_FSIZE=h:n, host h cannot write files past n bytes (its
-disk full, as far as its writes go). With XTC_UNLISTABLE=h, host h cannot list the files of its local steps when
-it is to send them (as if they vanished after the holdings were gathered). Prints one JSON line: {"rank", "host",
+disk full, as far as its writes go), from the start or, with XTC_FSIZE_FROM=s, from the moment the replication
+of step s starts moving files (its own step s is committed: the copy of its peer's step s cannot be written). With
+XTC_UNLISTABLE=h, host h cannot list the files of its local steps when it is to send them (as if they vanished
+after the holdings were gathered). Prints one JSON line: {"rank", "host",
 ...}.
 """
 
@@ -82,9 +84,24 @@ def main() -> None:
             raise PermissionError(13, "Permission denied", directory)
 
         peer_copies.list_files = unlistable
+    def fill_disk() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ["XTC_FSIZE"].split(":")[1]), resource.RLIM_INFINITY))
+
+    full_from = int(os.environ["XTC_FSIZE_FROM"]) if os.environ.get("XTC_FSIZE_FROM") else None
     if os.environ.get("XTC_FSIZE", "").startswith(f"{host}:"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ["XTC_FSIZE"].split(":")[1]), resource.RLIM_INFINITY))
+        if full_from is None:
+            fill_disk()
+
+    if os.environ.get("XTC_FSIZE", "").startswith(f"{host}:") and full_from is not None:
+        moving = peer_copies.transfer
+
+        def filling(coordinator, transfers, source_dirs, target_dirs, what):
+            if what == f"step {full_from}":  # the replication of that step starts moving files
+                fill_disk()
+            return moving(coordinator, transfers, source_dirs, target_dirs, what)
+
+        peer_copies.transfer = filling
 
     def listen(event) -> None:
         events.append({"kind": event.kind, "tier": event.tier, "step": event.step, "nbytes": event.nbytes,
