@@ -1,6 +1,7 @@
 """`XtcCheckpointManager` in one process, with torchtitan's real optimizer and LR-scheduler containers around a small
 module: its Config's checks, its errors (one line, naming the step or path), the last step saved model-only in
-the export dtype, a Hugging Face export on the last step, and states that are plain tensors."""
+the export dtype, a Hugging Face export of the last step to gs:// (the GCS emulator), and states that are plain
+tensors."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import xla_tensorstore_ckpt as xtc
 pytestmark = pytest.mark.trainers
 
 
-def _build(folder, **config):
+def _build(folder, sd_adapter=None, **config):
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
@@ -32,7 +33,7 @@ def _build(folder, **config):
     states = {"trainer": torch.tensor([1.25])}
     manager = XtcCheckpointManager.Config(enable=True, folder="ckpt", interval=2, **config).build(
         dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states=states,
-        sd_adapter=None, base_folder=str(folder))
+        sd_adapter=sd_adapter, base_folder=str(folder))
     return manager, model, states
 
 
@@ -45,8 +46,9 @@ def test_config_keeps_torchtitans_checks_and_reads_remote_hf():
         XtcCheckpointManager.Config(async_mode="async_with_pinned_mem")
     with pytest.raises(ValueError, match="local_interval needs local_directory"):
         XtcCheckpointManager.Config(local_interval=5)
-    with pytest.raises(ValueError, match="last_save_in_hf needs a local checkpoint.folder, got gs://bucket/run"):
-        XtcCheckpointManager.Config(folder="gs://bucket/run", last_save_in_hf=True)
+    with pytest.raises(ValueError, match="last_save_in_hf requires last_save_model_only"):
+        XtcCheckpointManager.Config(folder="gs://bucket/run", last_save_in_hf=True, last_save_model_only=False)
+    assert XtcCheckpointManager.Config(folder="gs://bucket/run", last_save_in_hf=True).last_save_in_hf
     config = XtcCheckpointManager.Config(folder="gs://bucket/run", initial_load_path="gs://bucket/hf",
                                          initial_load_in_hf=True, async_mode="ASYNC")
     assert config.initial_load_in_hf and config.async_mode == "async"
@@ -95,3 +97,31 @@ def test_interval_last_step_model_only_in_export_dtype_and_plain_tensor_states(t
     assert included.load(step=2) is True
     assert torch.equal(included_states["trainer"], saved_trainer)  # a plain tensor state, restored in place
     included.close()
+
+
+class _HFNames:
+    """A model's state-dict adapter to Hugging Face names, as torchtitan's models give their manager."""
+
+    def to_hf(self, state: dict) -> dict:
+        return {f"model.layers.{key}": value for key, value in state.items()}
+
+    def from_hf(self, state: dict) -> dict:
+        return {key.removeprefix("model.layers."): value for key, value in state.items()}
+
+
+def test_last_step_exported_as_hugging_face_safetensors_to_gcs(request):
+    from conftest import object_store
+
+    from xla_tensorstore_ckpt import storage
+
+    root, _, _ = object_store(request, "gcs", "titan-hf")
+    manager, model, _ = _build(root, sd_adapter=_HFNames(), last_save_model_only=True, last_save_in_hf=True,
+                               async_mode="disabled")
+    assert manager.save(3, last_step=True) is True
+    manager.close()
+    exported = f"{root}/ckpt/step_3-hf"
+    assert storage.location(exported).list() == ["model.safetensors"]
+    restored = xtc.restore(exported)
+    assert sorted(restored) == sorted(f"model.layers.{key}" for key in model.state_dict())
+    for key, value in model.state_dict().items():
+        assert torch.equal(restored[f"model.layers.{key}"], value), key

@@ -182,12 +182,18 @@ def _names(placements: Sequence[Any]) -> tuple[str, ...]:
     return tuple(repr(p) for p in placements)
 
 
-def signature(value: Any) -> tuple:
+def signature(value: Any, meshes: dict[int, tuple] | None = None) -> tuple:
     """What a DTensor's layout depends on besides its shape and dtype (mesh, coordinate, placements, device):
-    a save plan made for one DTensor serves another of the same signature."""
+    a save plan made for one DTensor serves another of the same signature. `meshes` (by ``id``, for a caller
+    keeping the meshes alive meanwhile) describes each mesh once: building ``mesh.mesh`` costs ~0.2 ms."""
     mesh = value.device_mesh
-    return (tuple(value.placements), tuple(mesh.shape), tuple(mesh.mesh.reshape(-1).tolist()),
-            mesh.mesh_dim_names, mesh.get_coordinate(), value._local_tensor.device)
+    described = None if meshes is None else meshes.get(id(mesh))
+    if described is None:
+        described = (tuple(mesh.shape), tuple(mesh.mesh.reshape(-1).tolist()), mesh.mesh_dim_names,
+                     mesh.get_coordinate())
+        if meshes is not None:
+            meshes[id(mesh)] = described
+    return (tuple(value.placements), *described, value._local_tensor.device)
 
 
 def host_copies(values: Sequence[Any], *, copy: bool) -> list[torch.Tensor]:

@@ -231,16 +231,21 @@ class CheckpointManager:
         started = time.perf_counter()
         step_events = self._persistent.events.bound(tier=None, step=step, path=str(self.step_path(step)))
         step_events.emit(events.SAVE_STARTED, details={"tiers": [managed.name for managed in tiers]})
-        self._coordinator.everywhere(f"taking the roots for step {step}",
-                                     lambda: [managed.take_root(step) for managed in tiers])
         states = {name: training_state.state_of(obj) for name, obj in objects.items()}
         reserved: list[ManagedTier] = []
-        try:
+
+        def take_and_check() -> None:
+            for managed in tiers:
+                managed.take_root(step)
             for managed in tiers:
                 managed.committer.reserve()
                 reserved.append(managed)
-            # The saves these waited for may have failed meanwhile (on any process).
-            self._coordinator.everywhere(f"checking the saves before step {step}", self._check_background)
+            self._check_background()  # the saves these waited for may have failed meanwhile (on any process)
+
+        try:
+            # One agreement for both: every save waits for the slowest process at each.
+            self._coordinator.everywhere(f"taking the roots and checking the saves before step {step}",
+                                         take_and_check)
             destinations = [step_save.Destination(managed.tier, self._caller_side(managed), own_copy=managed.is_local,
                                                   plan_caches=managed.plan_caches) for managed in tiers]
             pendings = step_save.stage(

@@ -130,8 +130,45 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     scalar, an unsupported dtype, or processes that disagree on the arrays; warns (`UserWarning`, when planning
     anew) what the format warns of (v2: the keys Orbax cannot restore). Materializes pending XLA computations;
     runs no other device work."""
+    return plan_saves({"": state}, options, coordinator, own_copy=own_copy,
+                      caches=None if cache is None else {"": cache})[""]
+
+
+def plan_saves(states: dict[str, Any], options: SaveOptions | None = None, coordinator: Coordinator | None = None,
+               *, own_copy: bool = False, caches: dict[str, PlanCache] | None = None) -> dict[str, SavePlan]:
+    """`plan_save` of several items (name -> state; `caches`: name -> its `PlanCache`) with one agreement on
+    which cached plans every process can reuse, instead of one per item: what a manager's step saves (called by
+    `step_save.stage`). Collective and raising as `plan_save`; items are planned in `states`' order."""
     options = options or SaveOptions()
     coordinator = coordinator or Coordinator.single()
+    meshes: dict[int, tuple] = {}  # each DTensor mesh described once
+    drafts = {name: _draft(state, options, coordinator, own_copy, (caches or {}).get(name), meshes)
+              for name, state in states.items()}
+    misses = [int(not draft.hit) for draft in drafts.values()]
+    if coordinator.distributed and not own_copy and misses:
+        # Collective planning: every process takes the same path for each item.
+        misses = coordinator.reduce_max(misses, "checking the cached save plans")
+    return {name: _complete(draft, not miss, options, coordinator, own_copy)
+            for (name, draft), miss in zip(drafts.items(), misses)}
+
+
+@dataclass
+class _Draft:
+    """An item's leaves sorted for planning, the key of its cached plan and whether this process can reuse it."""
+
+    state: Any
+    leaves: list[tuple[layout.KeyPath, Any]]
+    values: list[tuple[layout.KeyPath, ArrayLike]]
+    scalars: list[tuple[layout.KeyPath, torch.Tensor]]
+    strings: list[tuple[layout.KeyPath, str]]
+    specs: list[str | None]
+    key: tuple | None
+    cache: PlanCache | None
+    hit: bool
+
+
+def _draft(state: Any, options: SaveOptions, coordinator: Coordinator, own_copy: bool, cache: PlanCache | None,
+           meshes: dict[int, tuple]) -> _Draft:
     fmt = formats.writer(options.format)
     leaves = tree.flatten(state)
     values: list[tuple[layout.KeyPath, ArrayLike]] = []
@@ -159,29 +196,34 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     key = None
     if cache is not None:
         mesh = _mesh_key(specs)  # once: it is the same for every tensor
-        key = (tuple(p for p, _ in leaves), tuple((p, *_signature(v, spec, mesh)) for (p, v), spec in
+        key = (tuple(p for p, _ in leaves), tuple((p, *_signature(v, spec, mesh, meshes)) for (p, v), spec in
                                                   zip(values, specs)),
                tuple((p, t.dtype) for p, t in scalars), options, coordinator.index, coordinator.count, own_copy)
     hit = key is not None and cache is not None and cache.key == key
-    if coordinator.distributed and not own_copy:
-        # Collective planning: every process takes the same path.
-        hit = not coordinator.any(not hit, "checking the cached save plan")
+    return _Draft(state, leaves, values, scalars, string_leaves, specs, key, cache, hit)
+
+
+def _complete(draft: _Draft, hit: bool, options: SaveOptions, coordinator: Coordinator, own_copy: bool) -> SavePlan:
+    """The item's plan: the cached arrays bound to this call's values when every process can reuse them (`hit`),
+    else planned anew (collective) and cached."""
+    fmt = formats.writer(options.format)
+    values, scalars, cache = draft.values, draft.scalars, draft.cache
     if hit:
         names = cache.names  # type: ignore[union-attr]
         plans = [dataclasses.replace(template, value=value)
-                 for template, value in zip(cache.arrays, [v for _, v in values] + [t for _, t in scalars])]
+                 for template, value in zip(cache.arrays, [v for _, v in values] + [t for _, t in scalars])]  # type: ignore[union-attr]
     else:
-        names = dict(zip((p for p, _ in leaves), fmt.array_names([p for p, _ in leaves])))
-        warning = fmt.save_warning(leaves, list(names.values()))
+        names = dict(zip((p for p, _ in draft.leaves), fmt.array_names([p for p, _ in draft.leaves])))
+        warning = fmt.save_warning(draft.leaves, list(names.values()))
         if warning:
-            warnings.warn(warning, UserWarning, stacklevel=2)
-        plans = _plan_arrays(values, scalars, specs, names, options, coordinator, own_copy)
+            warnings.warn(warning, UserWarning, stacklevel=4)
+        plans = _plan_arrays(values, scalars, draft.specs, names, options, coordinator, own_copy)
         if cache is not None:
-            cache.key, cache.names, cache.arrays = key, names, tuple(plans)
-    strings = {names[path]: leaf for path, leaf in string_leaves}
+            cache.key, cache.names, cache.arrays = draft.key, names, tuple(plans)
+    strings = {names[path]: leaf for path, leaf in draft.strings}
     tensors = {p.key_path: p.meta for p in plans[:len(values)]}
     store = ArrayStore(kind="ocdbt" if options.use_ocdbt else "directories")
-    manifest = ItemManifest(tree.rebuild(state, lambda p, v: tensors.get(p, v)), fmt.NAME, store)
+    manifest = ItemManifest(tree.rebuild(draft.state, lambda p, v: tensors.get(p, v)), fmt.NAME, store)
     return SavePlan(manifest, tuple(plans), strings)
 
 
@@ -247,13 +289,13 @@ def _mesh_key(specs: Sequence[str | None]) -> tuple | None:
     return sharding.mesh_key()
 
 
-def _signature(value: ArrayLike, spec: str | None, mesh: tuple | None) -> tuple:
+def _signature(value: ArrayLike, spec: str | None, mesh: tuple | None, meshes: dict[int, tuple]) -> tuple:
     """What a value's plan depends on besides its key: kind, shape, dtype and how it is laid out (`mesh`: the
-    global mesh, from `_mesh_key`)."""
+    global mesh, from `_mesh_key`; `meshes`: DTensor meshes described so far, `dtensors.signature`)."""
     if isinstance(value, ShardedArray):
         return ("host", value.shape, value.dtype, value.shard_shape, tuple(index for index, _ in value.shards))
     if dtensors.is_dtensor(value):
-        return ("dtensor", tuple(value.shape), value.dtype, dtensors.signature(value))
+        return ("dtensor", tuple(value.shape), value.dtype, dtensors.signature(value, meshes))
     if value.device.type == "xla":
         return ("xla", tuple(value.shape), value.dtype, spec, value.device, mesh)
     return ("cpu", tuple(value.shape), value.dtype)

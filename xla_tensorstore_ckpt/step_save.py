@@ -53,9 +53,8 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
                 items[RNG_ITEM] = rng_state.capture(0, 1) if own else rng_state.capture(coordinator.index,
                                                                                          coordinator.count)
             caches = destination.plan_caches
-            plans.append({name: save_plan.plan_save(state, options, coordinator, own_copy=own,
-                                                 cache=caches.setdefault(name, save_plan.PlanCache()))
-                          for name, state in items.items()})
+            plans.append(save_plan.plan_saves(items, options, coordinator, own_copy=own, caches={
+                name: caches.setdefault(name, save_plan.PlanCache()) for name in items}))
             places.append(destination.tier.prepare(destination.coordinator, step))
             markers.append(dataclasses.replace(marker, items=tuple(plans[-1]), persistent_copy=own and shared,
                                                writer=coordinator.index if own else None,
