@@ -216,15 +216,24 @@ class Coordinator:
     def on_primary(self, what: str, action: Callable[[], T], *, share: bool = False) -> T | None:
         """The primary runs `action`; then every process learns whether it succeeded and raises if not (the
         primary its own error, the others `CoordinationError` naming `what`). Returns the action's result on the
-        primary, and with `share` on every process; otherwise None elsewhere. Collective."""
+        primary, and with `share` on every process (one broadcast carrying the result or the error); otherwise
+        None elsewhere. Collective."""
         result, error = None, None
         if self.is_primary:
             try:
                 result = action()
             except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
                 error = exc
-        self._raise_unless_ok(error, what)
-        return self.broadcast(result, what) if share else result
+        if not share or not self.distributed:
+            self._raise_unless_ok(error, what)
+            return result
+        ok, shared = self.broadcast((True, result) if error is None else (False, f"{type(error).__name__}: {error}"),
+                                    what)
+        if error is not None:
+            raise error
+        if not ok:
+            raise CoordinationError(f"{what} failed on process 0: {shared}", process=0)
+        return shared
 
     def everywhere(self, what: str, action: Callable[[], T]) -> T:
         """Every process runs `action`; if any failed, every process raises (a failed one its own error, the
