@@ -1,7 +1,8 @@
 """`XtcCheckpointManager` in one process, with torchtitan's real optimizer and LR-scheduler containers around a small
 module: its Config's checks, its errors (one line, naming the step or path), the last step saved model-only in
-the export dtype, a Hugging Face export of the last step to gs:// (the GCS emulator), and states that are plain
-tensors."""
+the export dtype, a Hugging Face export of the last step to gs:// (the GCS emulator), states that are plain
+tensors, and a job started (``initial_load_path``) from an Orbax root written by JAX and from a root torch_xla's
+own CheckpointManager wrote (tests/golden/torch_xla-2.9, made by tests/golden/make_torch_xla_manager.sh)."""
 
 from __future__ import annotations
 
@@ -15,21 +16,27 @@ import xla_tensorstore_ckpt as xtc
 pytestmark = pytest.mark.trainers
 
 
-def _build(folder, sd_adapter=None, **config):
+GOLDEN_TORCH_XLA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "torch_xla-2.9")
+
+
+def _build(folder, sd_adapter=None, model=None, **config):
+    """The manager built from its Config over `model` (else a small one, after one training step)."""
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
     from xla_tensorstore_ckpt.integrations.torchtitan import XtcCheckpointManager
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    trained = model is None
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)) if trained else model
     optimizers = OptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 0.1})],
         implementation="for-loop").build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
-    model(torch.ones(3, 4)).sum().backward()
-    optimizers.step()
-    schedulers.step()
+    if trained:
+        model(torch.ones(3, 4)).sum().backward()
+        optimizers.step()
+        schedulers.step()
     states = {"trainer": torch.tensor([1.25])}
     manager = XtcCheckpointManager.Config(enable=True, folder="ckpt", interval=2, **config).build(
         dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states=states,
@@ -125,3 +132,60 @@ def test_last_step_exported_as_hugging_face_safetensors_to_gcs(request):
     assert sorted(restored) == sorted(f"model.layers.{key}" for key in model.state_dict())
     for key, value in model.state_dict().items():
         assert torch.equal(restored[f"model.layers.{key}"], value), key
+
+
+class _TorchXlaNet(torch.nn.Module):
+    """tests/scripts/torch_xla_manager.py's model, on the newest stack (no torch_xla here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 8)
+
+
+def test_initial_load_from_a_torch_xla_manager_root(tmp_path):
+    root = os.path.join(GOLDEN_TORCH_XLA, "root")
+    expected = xtc.restore(os.path.join(GOLDEN_TORCH_XLA, "expected"))["model"]
+    model = _TorchXlaNet()
+    manager, _, _ = _build(tmp_path / "ours", model=model, initial_load_path=root)
+    try:
+        assert manager.load() is True  # torchtitan's default: initial_load_model_only
+    finally:
+        manager.close()
+    assert sorted(model.state_dict()) == sorted(expected)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    full, _, _ = _build(tmp_path / "full", model=_TorchXlaNet(), initial_load_path=root,
+                        initial_load_model_only=False)
+    try:
+        with pytest.raises(xtc.UsageError, match=r"initial_load_path .*torch_xla-2.9/root/6 holds its model under "
+                                                 r"a \"model\" entry.*initial_load_model_only=True"):
+            full.load()
+    finally:
+        full.close()
+
+
+class _OrbaxShaped(torch.nn.Module):
+    """A model whose state dict is tests/orbax_trees.py's model: ``embed`` (float32) and ``head`` (bfloat16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.zeros(32, 16))
+        self.head = torch.nn.Parameter(torch.zeros(16, 4, dtype=torch.bfloat16))
+
+
+def test_initial_load_from_an_orbax_root_written_by_jax(tmp_path):
+    import orbax_trees
+    from orbax_process import orbax
+
+    from xla_tensorstore_ckpt import dtypes
+
+    orbax("manager", tmp_path / "orbax")  # steps 1 and 2, items "model" and "extra"
+    model = _OrbaxShaped()
+    manager, _, _ = _build(tmp_path / "ours", model=model, initial_load_path=str(tmp_path / "orbax"))
+    try:
+        assert manager.load() is True
+    finally:
+        manager.close()
+    for key, value in orbax_trees.model(2).items():  # its newest step
+        assert torch.equal(model.state_dict()[key], dtypes.numpy_to_tensor(value.copy())), key

@@ -315,8 +315,21 @@ class XtcCheckpointManager(BaseCheckpointManager):
     def _restore_dcp(self, loc: storage.Location, model_only: bool) -> None:
         """A DCP directory holding torchtitan's flattened state dict: the model's keys at the top, the other states
         under their names (``optimizer``, ``lr_scheduler``, ``train_state``, ...). Its data loader entry is pickled
-        by DCP, which we never unpickle: the data position starts fresh (logged)."""
+        by DCP, which we never unpickle: the data position starts fresh (logged). A torch_xla manager's step keeps
+        the model under ``model``: the model alone loads from it (`UsageError` unless ``initial_load_model_only``)."""
         targets = self._targets(model_only)
+        if self._under_model_entry(loc, targets["model"]):
+            if not model_only:
+                raise UsageError(f"checkpoint.initial_load_path {loc} holds its model under a \"model\" entry (a "
+                                 "torch_xla CheckpointManager step or a dcp.save of {\"model\": ...}): its other "
+                                 "states are not torchtitan's, so only the model loads; set "
+                                 "checkpoint.initial_load_model_only=True")
+            wanted = set(targets["model"])
+            restored = checkpointer.restore_item(
+                loc, targets["model"], options=self._restore_options,
+                key_map=lambda name: name[6:] if name.startswith("model.") and name[6:] in wanted else None)
+            self.states[MODEL].load_state_dict(restored)
+            return
         loader = targets.pop("loader", None)
         if loader is not None:
             log.warning("%s: the data loader position of a DCP checkpoint is not restored (DCP pickles it)", loc)
@@ -333,6 +346,13 @@ class XtcCheckpointManager(BaseCheckpointManager):
             elif name != "model":
                 targets[name] = restored[self._dcp_name(name)]
         self._apply(targets)
+
+    @staticmethod
+    def _under_model_entry(loc: storage.Location, model: dict[str, Any]) -> bool:
+        """Whether the DCP directory at `loc` keeps the model's keys under a top-level ``model`` entry (torch_xla's
+        manager saves ``{"model": ..., "optim": ...}``) rather than at the top, as torchtitan flattens them."""
+        saved = {".".join(str(k) for k in path) for path, _ in tree.flatten(checkpointer.read_manifest(loc).tree)}
+        return not set(model) <= saved and {f"model.{key}" for key in model} <= saved
 
     @staticmethod
     def _dcp_name(name: str) -> str:
