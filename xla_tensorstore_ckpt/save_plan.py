@@ -55,6 +55,8 @@ class ArrayPlan:
     writes: tuple[ChunkWrite, ...]
     single_file: bool
     writes_metadata: bool
+    # A tensor planning made (a JSON scalar leaf's 0-d array): nothing else holds it, so staging need not copy it.
+    owned: bool = False
 
     @cached_property
     def itemsize(self) -> int:
@@ -210,7 +212,7 @@ def _complete(draft: _Draft, hit: bool, options: SaveOptions, coordinator: Coord
     values, scalars, cache = draft.values, draft.scalars, draft.cache
     if hit:
         names = cache.names  # type: ignore[union-attr]
-        plans = [dataclasses.replace(template, value=value)
+        plans = [_bound(template, value)
                  for template, value in zip(cache.arrays, [v for _, v in values] + [t for _, t in scalars])]  # type: ignore[union-attr]
     else:
         names = dict(zip((p for p, _ in draft.leaves), fmt.array_names([p for p, _ in draft.leaves])))
@@ -219,12 +221,24 @@ def _complete(draft: _Draft, hit: bool, options: SaveOptions, coordinator: Coord
             warnings.warn(warning, UserWarning, stacklevel=4)
         plans = _plan_arrays(values, scalars, draft.specs, names, options, coordinator, own_copy)
         if cache is not None:
+            for plan in plans:  # computed once, carried by every plan bound from these (`_bound`)
+                plan.sources, plan.staged_bytes, plan.write_bytes, plan.host_bytes  # noqa: B018
             cache.key, cache.names, cache.arrays = draft.key, names, tuple(plans)
     strings = {names[path]: leaf for path, leaf in draft.strings}
     tensors = {p.key_path: p.meta for p in plans[:len(values)]}
     store = ArrayStore(kind="ocdbt" if options.use_ocdbt else "directories")
     manifest = ItemManifest(tree.rebuild(draft.state, lambda p, v: tensors.get(p, v)), fmt.NAME, store)
     return SavePlan(manifest, tuple(plans), strings)
+
+
+def _bound(template: ArrayPlan, value: ArrayLike) -> ArrayPlan:
+    """A cached plan bound to this save's value: a copy of `template` keeping its computed properties (they
+    depend on its layout and writes alone). `dataclasses.replace` would run ``__init__`` and drop them, at
+    thousands of leaves per step (an optimizer's hyperparameters) a cost every asynchronous save blocks on."""
+    plan = object.__new__(ArrayPlan)
+    plan.__dict__.update(template.__dict__)
+    plan.__dict__["value"] = value
+    return plan
 
 
 def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], scalars: list[tuple[layout.KeyPath, torch.Tensor]],
@@ -258,7 +272,8 @@ def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], scalars: list[t
             metadata_writer = coordinator.index
         else:
             metadata_writer = next(iter(sole)) if single_file or not meta.shape else position % coordinator.count
-        plans.append(ArrayPlan(path, meta, value, lay, writes, single_file, metadata_writer == coordinator.index))
+        plans.append(ArrayPlan(path, meta, value, lay, writes, single_file, metadata_writer == coordinator.index,
+                               owned=position >= len(values)))
     return plans
 
 

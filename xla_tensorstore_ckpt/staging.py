@@ -34,7 +34,7 @@ def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[Lo
     for i, p in enumerate(batch):
         if p.layout.placement is Placement.CPU and p.writes:
             data = p.value.detach().resolve_conj().resolve_neg()
-            sources[i] = {p.layout.shards[0]: data.clone() if copy_cpu else data}
+            sources[i] = {p.layout.shards[0]: data.clone() if copy_cpu and not p.owned else data}
         elif p.layout.placement is Placement.HOST and p.writes:
             held = dict(zip(p.layout.shards, (d for _, d in p.value.shards)))
             sources[i] = {s: held[s].clone() if copy_cpu else held[s] for s in p.sources}
