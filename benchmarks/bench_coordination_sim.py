@@ -108,9 +108,8 @@ def save_agreements(count: int, me: int, first: bool) -> SimulatedTransport:
     transport = SimulatedTransport(me, count)
     c = Coordinator(index=me, count=count, transport=transport)
     fsdp = min(SAVED_FSDP, count)
-    c.everywhere("taking the roots", lambda: None)
+    c.any(not first, "taking the roots; checking the cached save plans")  # one agreement (save_plan.Precondition)
     c.everywhere("staging", lambda: None)
-    c.any(not first, "checking the cached save plan")
     if first:
         record = [("/".join(key), shape, "float32", chunk_shape(shape), (fsdp_index(shape, fsdp, me % fsdp),))
                   for key, shape in state()]

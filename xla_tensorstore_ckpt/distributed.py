@@ -225,7 +225,7 @@ class Coordinator:
             except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
                 error = exc
         if not share or not self.distributed:
-            self._raise_unless_ok(error, what)
+            self.raise_unless_ok(error, what)
             return result
         ok, shared = self.broadcast((True, result) if error is None else (False, f"{type(error).__name__}: {error}"),
                                     what)
@@ -243,10 +243,13 @@ class Coordinator:
             result = action()
         except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
             error = exc
-        self._raise_unless_ok(error, what)
+        self.raise_unless_ok(error, what)
         return result  # type: ignore[return-value]
 
-    def _raise_unless_ok(self, error: BaseException | None, what: str) -> None:
+    def raise_unless_ok(self, error: BaseException | None, what: str) -> None:
+        """Raise on every process if `error` is set on any: this process its own error, the others
+        `CoordinationError` naming `what` and the failed process (`everywhere` for an action already run, e.g.
+        by a caller that learnt from another agreement that one failed). Collective."""
         statuses = self.statuses(None if error is None else f"{type(error).__name__}: {error}", what)
         if error is not None:
             raise error

@@ -27,7 +27,18 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import events, foreign_runs, formats, local_tier, policies, resume, step_save, storage, training_state
+from . import (
+    events,
+    foreign_runs,
+    formats,
+    local_tier,
+    policies,
+    resume,
+    save_plan,
+    step_save,
+    storage,
+    training_state,
+)
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointExistsError, StepNotFoundError, UsageError
 from .gc_pause import paused_gc
@@ -243,15 +254,21 @@ class CheckpointManager:
             self._check_background()  # the saves these waited for may have failed meanwhile (on any process)
 
         try:
-            # One agreement for both: every save waits for the slowest process at each.
-            self._coordinator.everywhere(f"taking the roots and checking the saves before step {step}",
-                                         take_and_check)
+            # Checked in the planning's agreement (one for both: every save waits for the slowest process at each).
+            failure = None
+            try:
+                take_and_check()
+            except Exception as exc:  # noqa: BLE001 - raised on every process by the planning's agreement
+                failure = exc
+            precondition = save_plan.Precondition(
+                f"taking the roots and checking the saves before step {step}", failure)
             destinations = [step_save.Destination(managed.tier, self._caller_side(managed), own_copy=managed.is_local,
                                                   plan_caches=managed.plan_caches) for managed in tiers]
             pendings = step_save.stage(
                 step, destinations, states, marker, coordinator=self._coordinator,
                 options=self._options.save_options, save_rng=self._options.save_rng,
-                async_save=self._options.async_save, max_host_bytes=self._options.max_host_bytes)
+                async_save=self._options.async_save, max_host_bytes=self._options.max_host_bytes,
+                precondition=precondition)
         except BaseException:
             for managed in reserved:
                 managed.committer.release()

@@ -136,18 +136,40 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
                       caches=None if cache is None else {"": cache})[""]
 
 
+@dataclass(frozen=True)
+class Precondition:
+    """What the caller did before planning, checked in the planning's own agreement rather than one of its own:
+    `error` (None: it succeeded here) is raised on every process if it is set on any (`Coordinator.everywhere`
+    semantics, naming `what`)."""
+
+    what: str
+    error: BaseException | None
+
+
 def plan_saves(states: dict[str, Any], options: SaveOptions | None = None, coordinator: Coordinator | None = None,
-               *, own_copy: bool = False, caches: dict[str, PlanCache] | None = None) -> dict[str, SavePlan]:
+               *, own_copy: bool = False, caches: dict[str, PlanCache] | None = None,
+               precondition: Precondition | None = None) -> dict[str, SavePlan]:
     """`plan_save` of several items (name -> state; `caches`: name -> its `PlanCache`) with one agreement on
     which cached plans every process can reuse, instead of one per item: what a manager's step saves (called by
-    `step_save.stage`). Collective and raising as `plan_save`; items are planned in `states`' order."""
+    `step_save.stage`). The same agreement carries `precondition` (with several processes and not `own_copy`;
+    else it is checked on its own), so a training step's save agrees once before it stages. Collective and
+    raising as `plan_save`, and the precondition's error on every process; items are planned in `states`'
+    order."""
     options = options or SaveOptions()
     coordinator = coordinator or Coordinator.single()
+    agreeing = coordinator.distributed and not own_copy
+    if precondition is not None and not agreeing:
+        coordinator.raise_unless_ok(precondition.error, precondition.what)
     meshes: dict[int, tuple] = {}  # each DTensor mesh described once
     drafts = {name: _draft(state, options, coordinator, own_copy, (caches or {}).get(name), meshes)
               for name, state in states.items()}
     misses = [int(not draft.hit) for draft in drafts.values()]
-    if coordinator.distributed and not own_copy and misses:
+    if agreeing and precondition is not None:
+        failed, *misses = coordinator.reduce_max([int(precondition.error is not None), *misses],
+                                                 f"{precondition.what}; checking the cached save plans")
+        if failed:  # every process learns which failed and raises (statuses travel only now)
+            coordinator.raise_unless_ok(precondition.error, precondition.what)
+    elif agreeing and misses:
         # Collective planning: every process takes the same path for each item.
         misses = coordinator.reduce_max(misses, "checking the cached save plans")
     return {name: _complete(draft, not miss, options, coordinator, own_copy)
