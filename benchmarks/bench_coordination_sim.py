@@ -107,7 +107,7 @@ def restore_agreements(count: int, me: int, batches: int, digest: int, alpha: fl
 
 def save_layouts(count: int, me: int) -> list[tuple[ArrayMetadata, TensorLayout, tuple]]:
     """Process `me`'s (metadata, layout, DTensor sharding) of every array of the state on the DP x FSDP mesh, as
-    `save_plan` builds them (`dtensors.layouts`)."""
+    `save_plan` builds them (`targets.dtensor.layouts`)."""
     fsdp = min(SAVED_FSDP, count)
     mesh = (count // fsdp, fsdp)
     point = (me // fsdp, me % fsdp)
@@ -141,9 +141,8 @@ def save_agreements(count: int, me: int, first: bool) -> SimulatedTransport:
     value is the primary's."""
     transport = SimulatedTransport(me, count)
     c = Coordinator(index=me, count=count, transport=transport)
-    c.everywhere("taking the roots", lambda: None)
+    c.any(not first, "taking the roots; checking the cached save plans")  # one agreement (save_plan.Precondition)
     c.everywhere("staging", lambda: None)
-    c.any(not first, "checking the cached save plan")
     if first:
         first_save_plan(count, me, transport)
     c.on_primary("preparing the step", lambda: "tmp-name", share=True)

@@ -18,6 +18,9 @@ training run keeps its manager: plans and process groups are reused). Contenders
   (benchmarks/fresh_process.py), ``load()``;
 - fresh memory: in a fresh job of its own per contender, the growth of the processes' peak RSS over ``load()``.
 
+Then the newest step ``xtc-async`` wrote is opened by ``xtckpt`` (steps, verify) and restored by Orbax in a JAX
+process of its own (benchmarks/orbax_open.py), its arrays compared with ``xtc.restore``'s byte for byte.
+
 A round's time is the slowest process's; the table gives medians over rounds.
 
 usage: python benchmarks/bench_torchtitan.py [--repeats 7] [--layers 6] [--processes 4] [--dir DIR]
@@ -229,13 +232,55 @@ def driver(args: argparse.Namespace) -> None:
                 continue
             fresh = run_job([__file__, "--mode", "fresh", "--contender", contender, *common], args.processes)
             memory[contender] = max(a["peak_rss_growth_kib"] for a in fresh) / 1024
+        opened = opened_elsewhere(os.path.join(args.dir, "xtc-async"))
     finally:
         if own:
             shutil.rmtree(args.dir, ignore_errors=True)
-    report(args, answers, memory)
+    report(args, answers, memory, opened)
 
 
-def report(args: argparse.Namespace, answers: list[dict], memory: dict) -> None:
+def opened_elsewhere(root: str) -> list[str]:
+    """The newest step of our contender's root opened by `xtckpt` (steps, verify: every chunk's checksum) and
+    restored by Orbax in a JAX process of its own (benchmarks/orbax_open.py), its arrays compared with
+    `xtc.restore`'s byte for byte. Returns the table's lines."""
+    import hashlib
+    import subprocess
+
+    import torch
+
+    import xla_tensorstore_ckpt as xtc
+    from xla_tensorstore_ckpt import tree
+
+    xtckpt = os.path.join(os.path.dirname(sys.executable), "xtckpt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(HERE),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    steps = json.loads(subprocess.run([xtckpt, "steps", "--json", root], capture_output=True, text=True, check=True,
+                                      env=env).stdout)
+    step = max(s["step"] for s in steps if s["status"] == "committed")
+    verify = subprocess.run([xtckpt, "verify", os.path.join(root, f"step_{step}")], capture_output=True, text=True,
+                            env=env)
+    lines = [f"xtckpt: {len(steps)} steps listed; verify step {step}: {verify.stdout.strip().splitlines()[-1]}"]
+    items = ("model", "optimizer")
+    answer = subprocess.run([sys.executable, os.path.join(HERE, "orbax_open.py"), root, *items, "--prefix", "step"],
+                            capture_output=True, text=True, env=env)
+    if answer.returncode != 0:
+        return [*lines, f"Orbax: failed: {answer.stderr.strip().splitlines()[-1]}"]
+    orbax = json.loads(answer.stdout.strip().splitlines()[-1])
+    for item in items:
+        got = orbax["items"][item]
+        if "error" in got:
+            lines.append(f"Orbax: step {orbax['step']} item {item}: {got['error']}")
+            continue
+        ours = {".".join(map(str, path)): hashlib.sha256(value.contiguous().reshape(-1).view(torch.uint8)
+                                                         .numpy().tobytes()).hexdigest()
+                for path, value in tree.flatten(xtc.restore(os.path.join(root, f"step_{orbax['step']}", item)))
+                if hasattr(value, "dtype")}
+        lines.append(f"Orbax (JAX, own process): step {orbax['step']} item {item}: {got['arrays']} arrays, "
+                     f"{got['bytes'] / 2**20:.1f} MiB restored; identical to xtc.restore: {got['digests'] == ours}")
+    return lines
+
+
+def report(args: argparse.Namespace, answers: list[dict], memory: dict, opened: list[str]) -> None:
     rows, table = {}, []
     for contender in CONTENDERS:
         if contender in answers[0]["errors"]:
@@ -258,14 +303,14 @@ def report(args: argparse.Namespace, answers: list[dict], memory: dict) -> None:
                      "DCP's")
     text = (f"torchtitan job state: llama3 debug model, {args.layers} layers, FSDP2 over {args.processes} processes, "
             f"{answers[0]['state_bytes'] / 2**20:.1f} MiB of parameters and AdamW moments per process; medians of "
-            f"{args.repeats} rounds\n" + "\n".join(table))
+            f"{args.repeats} rounds\n" + "\n".join(table + opened))
     print(text)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".txt", "w") as f:
         f.write(text + "\n")
     with open(args.out + ".json", "w") as f:
         json.dump({"rows": rows, "errors": answers[0]["errors"], "processes": args.processes, "layers": args.layers,
-                   "repeats": args.repeats}, f, indent=2)
+                   "repeats": args.repeats, "opened": opened}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,11 @@ def saved(tmp_path_factory):
 
 def test_records_gathered_from_every_process_arrive_whole_small_or_large(tmp_path):
     """The coordinator's all_gather: small records, large ones from every process, and one large among small;
-    and its `any`: true on every process when one process's flag is."""
+    its `any`: true on every process when one process's flag is; `on_primary(share=True)`: the primary's result
+    on every process, or its error (its own on the primary, a `CoordinationError` naming it elsewhere); a save's
+    precondition failing on one process raised on every process by the planning's one agreement."""
     world = 3
-    for r in launch(world, "gather", str(tmp_path)):
+    for rank, r in enumerate(launch(world, "gather", str(tmp_path))):
         assert r["returncode"] == 0, r["stderr"][-3000:]
         got = r["lines"][0]
         assert got["small"] == [{"rank": p, "name": f"p{p}"} for p in range(world)]
@@ -47,6 +49,16 @@ def test_records_gathered_from_every_process_arrive_whole_small_or_large(tmp_pat
         assert got["any"] == [True, False, True]
         assert got["max"] == [world - 1, 0, 7]
         assert got["told"] == [{"from": 0}, ["y" * 5000, 0]]  # (JSON lists: the line's encoding)
+        assert got["shared"] == ["tmp", 0]  # the primary's result, on every process
+        # the primary raises its own error; the others learn it from the same broadcast that carries a result
+        name = "KeyError" if rank == 0 else "CoordinationError"
+        assert got["failed"][0] == name, got["failed"]
+        if name == "CoordinationError":
+            assert got["failed"][1] == "preparing step 9 failed on process 0: KeyError: 'step 9'"
+        assert got["planned"] == ["item"]
+        # a save's precondition, checked in its planning's agreement: process 1's error, raised everywhere
+        assert got["unmet"] == (["KeyError", "'root'"] if rank == 1 else [
+            "CoordinationError", "taking the roots before step 3 failed on process 1: KeyError: 'root'"]), got["unmet"]
 
 
 @pytest.mark.parametrize("when", ["save", "restore"])

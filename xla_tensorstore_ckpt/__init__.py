@@ -48,6 +48,7 @@ __all__ = [
     "CoordinationTimeoutError",
     "Coordinator",
     "CorruptCheckpointError",
+    "DCPLoadPlanner",
     "DCPStorageReader",
     "DCPStorageWriter",
     "FormatVersionError",
@@ -76,7 +77,7 @@ __all__ = [
 
 def __getattr__(name: str):
     # torch.distributed.checkpoint is imported only by those who use DCP's storage classes (`dcp_storage`).
-    if name in ("DCPStorageReader", "DCPStorageWriter"):
+    if name in ("DCPLoadPlanner", "DCPStorageReader", "DCPStorageWriter"):
         from . import dcp_storage
 
         return getattr(dcp_storage, name)

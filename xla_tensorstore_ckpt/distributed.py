@@ -254,15 +254,24 @@ class Coordinator:
     def on_primary(self, what: str, action: Callable[[], T], *, share: bool = False) -> T | None:
         """The primary runs `action`; then every process learns whether it succeeded and raises if not (the
         primary its own error, the others `CoordinationError` naming `what`). Returns the action's result on the
-        primary, and with `share` on every process; otherwise None elsewhere. Collective."""
+        primary, and with `share` on every process (one broadcast carrying the result or the error); otherwise
+        None elsewhere. Collective."""
         result, error = None, None
         if self.is_primary:
             try:
                 result = action()
             except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
                 error = exc
-        self._raise_unless_ok(error, what)
-        return self.broadcast(result, what) if share else result
+        if not share or not self.distributed:
+            self.raise_unless_ok(error, what)
+            return result
+        ok, shared = self.broadcast((True, result) if error is None else (False, f"{type(error).__name__}: {error}"),
+                                    what)
+        if error is not None:
+            raise error
+        if not ok:
+            raise CoordinationError(f"{what} failed on process 0: {shared}", process=0)
+        return shared
 
     def everywhere(self, what: str, action: Callable[[], T]) -> T:
         """Every process runs `action`; if any failed, every process raises (a failed one its own error, the
@@ -272,15 +281,13 @@ class Coordinator:
             result = action()
         except Exception as exc:  # noqa: BLE001 - shared with every process, then raised
             error = exc
-        self._raise_unless_ok(error, what)
+        self.raise_unless_ok(error, what)
         return result  # type: ignore[return-value]
 
-    def share_outcome(self, error: BaseException | None, what: str) -> None:
-        """Tell every process whether this one failed at `what` (`error`), and raise if any did: this process its
-        own `error`, the others `CoordinationError` naming `what` and the failed process. Collective."""
-        self._raise_unless_ok(error, what)
-
-    def _raise_unless_ok(self, error: BaseException | None, what: str) -> None:
+    def raise_unless_ok(self, error: BaseException | None, what: str) -> None:
+        """Raise on every process if `error` is set on any: this process its own error, the others
+        `CoordinationError` naming `what` and the failed process (`everywhere` for an action already run, e.g.
+        by a caller that learnt from another agreement that one failed). Collective."""
         try:
             statuses = self.statuses(None if error is None else f"{type(error).__name__}: {error}", what)
         except CoordinationError:

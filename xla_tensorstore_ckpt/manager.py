@@ -27,7 +27,18 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import events, foreign_runs, formats, local_tier, policies, resume, step_save, storage, training_state
+from . import (
+    events,
+    foreign_runs,
+    formats,
+    local_tier,
+    policies,
+    resume,
+    save_plan,
+    step_save,
+    storage,
+    training_state,
+)
 from .distributed import Coordinator
 from .errors import CheckpointError, CheckpointExistsError, StepNotFoundError, UsageError
 from .gc_pause import paused_gc
@@ -233,22 +244,33 @@ class CheckpointManager:
         step_events = self._persistent.events.bound(tier=None, step=step, path=str(self.step_path(step)))
         step_events.emit(events.SAVE_STARTED, details={"tiers": [managed.name for managed in tiers]})
         self._coordinator.take_costs()  # the committed events report this save's agreements alone
-        self._coordinator.everywhere(f"taking the roots for step {step}",
-                                     lambda: [managed.take_root(step) for managed in tiers])
         states = {name: training_state.state_of(obj) for name, obj in objects.items()}
         reserved: list[ManagedTier] = []
-        try:
+
+        def take_and_check() -> None:
+            for managed in tiers:
+                managed.take_root(step)
             for managed in tiers:
                 managed.committer.reserve()
                 reserved.append(managed)
-            # The saves these waited for may have failed meanwhile (on any process).
-            self._coordinator.everywhere(f"checking the saves before step {step}", self._check_background)
+            self._check_background()  # the saves these waited for may have failed meanwhile (on any process)
+
+        try:
+            # Checked in the planning's agreement (one for both: every save waits for the slowest process at each).
+            failure = None
+            try:
+                take_and_check()
+            except Exception as exc:  # noqa: BLE001 - raised on every process by the planning's agreement
+                failure = exc
+            precondition = save_plan.Precondition(
+                f"taking the roots and checking the saves before step {step}", failure)
             destinations = [step_save.Destination(managed.tier, self._caller_side(managed), own_copy=managed.is_local,
                                                   plan_caches=managed.plan_caches) for managed in tiers]
             pendings = step_save.stage(
                 step, destinations, states, marker, coordinator=self._coordinator,
                 options=self._options.save_options, save_rng=self._options.save_rng,
-                async_save=self._options.async_save, max_host_bytes=self._options.max_host_bytes)
+                async_save=self._options.async_save, max_host_bytes=self._options.max_host_bytes,
+                precondition=precondition)
         except BaseException:
             for managed in reserved:
                 managed.committer.release()
@@ -447,7 +469,7 @@ class CheckpointManager:
         coordinators = [self._coordinator, *(managed.coordinator for managed in self._tiers),
                         *(managed.replicator.coordinator for managed in self._tiers if managed.replicator)]
         if everywhere and not any(c.peer_failure for c in coordinators):
-            self._coordinator.share_outcome(error, what)
+            self._coordinator.raise_unless_ok(error, what)
         elif error is not None:
             raise error
 

@@ -55,6 +55,8 @@ class ArrayPlan:
     writes: tuple[ChunkWrite, ...]
     single_file: bool
     writes_metadata: bool
+    # A tensor planning made (a JSON scalar leaf's 0-d array): nothing else holds it, so staging need not copy it.
+    owned: bool = False
 
     @cached_property
     def itemsize(self) -> int:
@@ -128,8 +130,67 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
     scalar, an unsupported dtype, or processes that disagree on the arrays; warns (`UserWarning`, when planning
     anew) what the format warns of (v2: the keys Orbax cannot restore). Materializes pending XLA computations;
     runs no other device work."""
+    return plan_saves({"": state}, options, coordinator, own_copy=own_copy,
+                      caches=None if cache is None else {"": cache})[""]
+
+
+@dataclass(frozen=True)
+class Precondition:
+    """What the caller did before planning, checked in the planning's own agreement rather than one of its own:
+    `error` (None: it succeeded here) is raised on every process if it is set on any (`Coordinator.everywhere`
+    semantics, naming `what`)."""
+
+    what: str
+    error: BaseException | None
+
+
+def plan_saves(states: dict[str, Any], options: SaveOptions | None = None, coordinator: Coordinator | None = None,
+               *, own_copy: bool = False, caches: dict[str, PlanCache] | None = None,
+               precondition: Precondition | None = None) -> dict[str, SavePlan]:
+    """`plan_save` of several items (name -> state; `caches`: name -> its `PlanCache`) with one agreement on
+    which cached plans every process can reuse, instead of one per item: what a manager's step saves (called by
+    `step_save.stage`). The same agreement carries `precondition` (with several processes and not `own_copy`;
+    else it is checked on its own), so a training step's save agrees once before it stages. Collective and
+    raising as `plan_save`, and the precondition's error on every process; items are planned in `states`'
+    order."""
     options = options or SaveOptions()
     coordinator = coordinator or Coordinator.single()
+    agreeing = coordinator.distributed and not own_copy
+    if precondition is not None and not agreeing:
+        coordinator.raise_unless_ok(precondition.error, precondition.what)
+    drafts = {name: _draft(state, options, coordinator, own_copy, (caches or {}).get(name))
+              for name, state in states.items()}
+    misses = [int(not draft.hit) for draft in drafts.values()]
+    if agreeing and precondition is not None:
+        failed, *misses = coordinator.reduce_max([int(precondition.error is not None), *misses],
+                                                 f"{precondition.what}; checking the cached save plans")
+        if failed:  # every process learns which failed and raises (statuses travel only now)
+            coordinator.raise_unless_ok(precondition.error, precondition.what)
+    elif agreeing and misses:
+        # Collective planning: every process takes the same path for each item.
+        misses = coordinator.reduce_max(misses, "checking the cached save plans")
+    return {name: _complete(draft, not miss, options, coordinator, own_copy)
+            for (name, draft), miss in zip(drafts.items(), misses)}
+
+
+@dataclass
+class _Draft:
+    """An item's leaves sorted for planning, the key of its cached plan and whether this process can reuse it."""
+
+    state: Any
+    leaves: list[tuple[layout.KeyPath, Any]]
+    values: list[tuple[layout.KeyPath, ArrayLike]]
+    scalars: list[tuple[layout.KeyPath, torch.Tensor]]
+    strings: list[tuple[layout.KeyPath, str]]
+    owners: list[targets.Target]  # the target of each value
+    signatures: list[tuple]  # each value's (`Target.signatures`)
+    key: tuple | None
+    cache: PlanCache | None
+    hit: bool
+
+
+def _draft(state: Any, options: SaveOptions, coordinator: Coordinator, own_copy: bool,
+           cache: PlanCache | None) -> _Draft:
     fmt = formats.writer(options.format)
     leaves = tree.flatten(state)
     values: list[tuple[layout.KeyPath, ArrayLike]] = []
@@ -156,27 +217,44 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
         key = (tuple(p for p, _ in leaves), tuple((p, *sig) for (p, _), sig in zip(values, signatures)),
                tuple((p, t.dtype) for p, t in scalars), options, coordinator.index, coordinator.count, own_copy)
     hit = key is not None and cache is not None and cache.key == key
-    if coordinator.distributed and not own_copy:
-        # Collective planning: every process takes the same path.
-        hit = not coordinator.any(not hit, "checking the cached save plan")
+    return _Draft(state, leaves, values, scalars, string_leaves, owners, signatures, key, cache, hit)
+
+
+def _complete(draft: _Draft, hit: bool, options: SaveOptions, coordinator: Coordinator, own_copy: bool) -> SavePlan:
+    """The item's plan: the cached arrays bound to this call's values when every process can reuse them (`hit`),
+    else planned anew (collective) and cached."""
+    fmt = formats.writer(options.format)
+    values, scalars, cache = draft.values, draft.scalars, draft.cache
     if hit:
         names = cache.names  # type: ignore[union-attr]
-        plans = [dataclasses.replace(template, value=value)
-                 for template, value in zip(cache.arrays, [v for _, v in values] + [t for _, t in scalars])]
+        plans = [_bound(template, value)
+                 for template, value in zip(cache.arrays, [v for _, v in values] + [t for _, t in scalars])]  # type: ignore[union-attr]
     else:
-        names = dict(zip((p for p, _ in leaves), fmt.array_names([p for p, _ in leaves])))
-        warning = fmt.save_warning(leaves, list(names.values()))
+        names = dict(zip((p for p, _ in draft.leaves), fmt.array_names([p for p, _ in draft.leaves])))
+        warning = fmt.save_warning(draft.leaves, list(names.values()))
         if warning:
-            warnings.warn(warning, UserWarning, stacklevel=2)
-        lays = targets.layouts([v for _, v in values], owners, signatures)
+            warnings.warn(warning, UserWarning, stacklevel=4)
+        lays = targets.layouts([v for _, v in values], draft.owners, draft.signatures)
         plans = _plan_arrays(values, lays, scalars, names, options, coordinator, own_copy)
         if cache is not None:
-            cache.key, cache.names, cache.arrays = key, names, tuple(plans)
-    strings = {names[path]: leaf for path, leaf in string_leaves}
+            for plan in plans:  # computed once, carried by every plan bound from these (`_bound`)
+                plan.sources, plan.staged_bytes, plan.write_bytes, plan.host_bytes  # noqa: B018
+            cache.key, cache.names, cache.arrays = draft.key, names, tuple(plans)
+    strings = {names[path]: leaf for path, leaf in draft.strings}
     tensors = {p.key_path: p.meta for p in plans[:len(values)]}
     store = ArrayStore(kind="ocdbt" if options.use_ocdbt else "directories")
-    manifest = ItemManifest(tree.rebuild(state, lambda p, v: tensors.get(p, v)), fmt.NAME, store)
+    manifest = ItemManifest(tree.rebuild(draft.state, lambda p, v: tensors.get(p, v)), fmt.NAME, store)
     return SavePlan(manifest, tuple(plans), strings)
+
+
+def _bound(template: ArrayPlan, value: ArrayLike) -> ArrayPlan:
+    """A cached plan bound to this save's value: a copy of `template` keeping its computed properties (they
+    depend on its layout and writes alone). `dataclasses.replace` would run ``__init__`` and drop them, at
+    thousands of leaves per step (an optimizer's hyperparameters) a cost every asynchronous save blocks on."""
+    plan = object.__new__(ArrayPlan)
+    plan.__dict__.update(template.__dict__)
+    plan.__dict__["value"] = value
+    return plan
 
 
 def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], lays: list[TensorLayout],
@@ -215,7 +293,8 @@ def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], lays: list[Tens
             metadata_writer = coordinator.index
         else:
             metadata_writer = next(iter(sole)) if single_file or not meta.shape else position % coordinator.count
-        plans.append(ArrayPlan(path, meta, value, lay, writes, single_file, metadata_writer == coordinator.index))
+        plans.append(ArrayPlan(path, meta, value, lay, writes, single_file, metadata_writer == coordinator.index,
+                               owned=position >= len(values)))
     return plans
 
 

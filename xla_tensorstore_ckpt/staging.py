@@ -24,10 +24,18 @@ def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tens
 
 
 def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[LocalShard, torch.Tensor]]:
-    """The host data of the local shards each plan's writes read from (`stage`): one call per target."""
-    fetched = targets.fetch([p.value for p in batch], [p.layout for p in batch], [p.sources for p in batch],
-                            copy=copy_cpu)
-    return [dict(zip(p.sources, shards)) for p, shards in zip(batch, fetched)]
+    """The host data of the local shards each plan's writes read from (`stage`): one call per target and copy
+    mode (a tensor the plan owns, a scalar leaf's, is never copied)."""
+    out: list[dict[LocalShard, torch.Tensor]] = [{} for _ in batch]
+    for copy in (True, False):
+        where = [i for i, p in enumerate(batch) if (copy_cpu and not p.owned) == copy]
+        if not where:
+            continue
+        fetched = targets.fetch([batch[i].value for i in where], [batch[i].layout for i in where],
+                                [batch[i].sources for i in where], copy=copy)
+        for i, shards in zip(where, fetched):
+            out[i] = dict(zip(batch[i].sources, shards))
+    return out
 
 
 def _cut(data: torch.Tensor, write: ChunkWrite) -> torch.Tensor:

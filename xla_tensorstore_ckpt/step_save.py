@@ -36,13 +36,15 @@ class Destination:
 
 def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, Any], marker: StepMetadata, *,
           coordinator: Coordinator, options: SaveOptions, save_rng: bool, async_save: bool,
-          max_host_bytes: int | None) -> list[PendingSave]:
+          max_host_bytes: int | None, precondition: save_plan.Precondition | None = None) -> list[PendingSave]:
     """Plan `states` (item name -> state tree) for every destination, clear their step directories, and begin
     the writes: in async mode without `max_host_bytes` every shard is on the host when this returns, copied off
     the devices once for all destinations (`staging.stage_shared`); otherwise each destination begins as
     `writing.begin_writes` does. `marker` is completed per destination (items; for an own copy its writer, whether
     the step also goes to a shared tier, and the shared tier's root as `marker.persistent_root` names it).
-    Raises what planning and staging raise, on every process."""
+    `precondition` (what the caller did before; `save_plan.Precondition`) is checked in the first
+    destination's planning agreement. Raises what planning and staging raise, and the precondition's error, on
+    every process."""
     shared = any(not d.own_copy for d in destinations)
     with paused_gc():  # many small records live until the save is planned and staged
         plans, places, markers = [], [], []
@@ -53,9 +55,9 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
                 items[RNG_ITEM] = rng_state.capture(0, 1) if own else rng_state.capture(coordinator.index,
                                                                                          coordinator.count)
             caches = destination.plan_caches
-            plans.append({name: save_plan.plan_save(state, options, coordinator, own_copy=own,
-                                                 cache=caches.setdefault(name, save_plan.PlanCache()))
-                          for name, state in items.items()})
+            plans.append(save_plan.plan_saves(items, options, coordinator, own_copy=own, caches={
+                name: caches.setdefault(name, save_plan.PlanCache()) for name in items},
+                precondition=precondition if not plans else None))
             places.append(destination.tier.prepare(destination.coordinator, step))
             markers.append(dataclasses.replace(marker, items=tuple(plans[-1]), persistent_copy=own and shared,
                                                writer=coordinator.index if own else None,

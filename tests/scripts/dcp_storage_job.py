@@ -4,7 +4,8 @@ imports torch_xla.
 
 usage: dcp_storage_job.py save ROOT        -> an FSDP2 model + AdamW trained two steps, its state (get_state_dict)
                                               saved with dcp.save through DCPStorageWriter to ROOT/ours, with
-                                              dcp.async_save to ROOT/async, with FileSystemWriter to ROOT/fs
+                                              dcp.async_save to ROOT/async, with FileSystemWriter to ROOT/fs;
+                                              then an overwrite of ROOT/ours that fails on the last rank
        dcp_storage_job.py load ROOT ORBAX  -> a fresh FSDP2 model + AdamW loads ROOT/ours, ROOT/async and
                                               ROOT/converted through DCPStorageReader (set_state_dict); plain
                                               tensors load ROOT/ours with single-replica reads; DTensors sharded
@@ -61,7 +62,26 @@ def save(root: str, rank: int, world: int) -> None:
     dcp.save(tree, storage_writer=xtc.DCPStorageWriter(f"{root}/ours"))
     dcp.async_save(tree, storage_writer=xtc.DCPStorageWriter(f"{root}/async")).result()
     dcp.save(tree, storage_writer=dcp.FileSystemWriter(f"{root}/fs"))
-    report(rank, tree)
+    try:
+        dcp.save(tree, storage_writer=xtc.DCPStorageWriter(f"{root}/ours", overwrite=True),
+                 planner=FailingPlanner(world - 1))
+        failed = None
+    except dcp.api.CheckpointException as exc:
+        failed = sorted(exc.failures)
+    report(rank, tree, failed=failed)
+
+
+class FailingPlanner(dcp.DefaultSavePlanner):
+    """DCP's default planner, except that rank `rank` fails resolving its data (a write that fails)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.failing = rank
+
+    def resolve_data(self, write_item):
+        if dist.get_rank() == self.failing:
+            raise OSError(f"injected failure writing {write_item.index.fqn}")
+        return super().resolve_data(write_item)
 
 
 def load(root: str, orbax_item: str, rank: int, world: int) -> None:

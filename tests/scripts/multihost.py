@@ -7,7 +7,9 @@ usage: multihost.py save ROOT            -> saves the item ROOT/item from this p
        multihost.py rng_save ROOT        -> seeds its generators by rank, saves step 1, prints the next draws
        multihost.py rng_restore ROOT     -> restores step 1 (RNG states included), prints the next draws
        multihost.py gather ROOT          -> all_gathers records small and large (one process's only large),
-                                            flags (`any`), maxima (`reduce_max`), broadcasts; prints them
+                                            flags (`any`), maxima (`reduce_max`), broadcasts, a result the
+                                            primary shares and its error, a save planned after a
+                                            precondition that failed on process 1; prints them
        multihost.py stall ROOT WHEN P    -> the manager saves step 1; then the process of rank P stops itself
                                             (SIGSTOP) before the save of step 2 (WHEN=save) or the restore of
                                             step 1 (WHEN=restore); the others print the error naming it, then
@@ -32,7 +34,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fault_backends import count_bytes, hooked, kill_at  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
-from xla_tensorstore_ckpt.distributed import Coordinator
+from xla_tensorstore_ckpt import save_plan  # noqa: E402
+from xla_tensorstore_ckpt.distributed import Coordinator  # noqa: E402
+from xla_tensorstore_ckpt.errors import CoordinationError  # noqa: E402
 
 # name -> (shape, dtype, save shard shape, restore shard shape)
 ARRAYS = {
@@ -122,9 +126,25 @@ def main() -> None:
         flags = [coordinator.any(rank == world - 1), coordinator.any(False), coordinator.any(True)]
         maxima = coordinator.reduce_max([rank, -rank, 7])
         told = [coordinator.broadcast({"from": rank}), coordinator.broadcast(("y" * 5000, rank))]
+        shared = coordinator.on_primary("naming the step", lambda: ("tmp", rank), share=True)
+        try:
+            coordinator.on_primary("preparing step 9", lambda: {}["step 9"], share=True)
+            failed = None
+        except (KeyError, CoordinationError) as exc:
+            failed = [type(exc).__name__, str(exc)]
+        small_state = {"w": torch.arange(4.0)}
+        planned = sorted(save_plan.plan_saves({"item": small_state}, coordinator=coordinator, precondition=(
+            save_plan.Precondition("taking the roots before step 3", None))))
+        try:  # a precondition that failed on process 1 alone, raised by the planning's agreement everywhere
+            save_plan.plan_saves({"item": small_state}, coordinator=coordinator, precondition=save_plan.Precondition(
+                "taking the roots before step 3", KeyError("root") if rank == 1 else None))
+            unmet = None
+        except (KeyError, CoordinationError) as exc:
+            unmet = [type(exc).__name__, str(exc)]
         coordinator.close()
         print(json.dumps({"rank": rank, "small": small, "large": large, "mixed": mixed, "any": flags,
-                          "max": maxima, "told": told}), flush=True)
+                          "max": maxima, "told": told, "shared": shared, "failed": failed, "planned": planned,
+                          "unmet": unmet}), flush=True)
     elif mode == "stall":
         stall(root, sys.argv[3], int(sys.argv[4]), rank, world)
     elif mode in ("rng_save", "rng_restore"):

@@ -1,8 +1,9 @@
-"""A training run checkpointed by torch_xla's own CheckpointManager (one process, gloo, 8 CPU devices, a 4x2 mesh):
+"""A training run checkpointed by torch_xla's own CheckpointManager (one process, gloo, CPU devices in a 2D mesh):
 the source the migration tests resume from through this library.
 
-usage: torch_xla_manager.py ROOT EXPECTED [--fqn]
-Trains 8 steps of a 2D-sharded model with AdamW and a StepLR schedule; torch_xla's manager saves step 2 with
+usage: torch_xla_manager.py ROOT EXPECTED [--fqn] [--devices N]
+Trains 8 steps of a 2D-sharded model (a (N/2)x2 mesh of the N CPU devices, 8 unless given: a mesh of 2 keeps
+the golden root small) with AdamW and a StepLR schedule; torch_xla's manager saves step 2 with
 `save` and steps 4 and 6 with `save_async`. The state saved is ``{"model", "optim", "scheduler", "step"}``; with
 --fqn, ``{"model", "optimizer", "lr_scheduler"}`` with the optimizer state keyed by parameter name, as
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keys it. Writes the model and optimizer state
@@ -79,9 +80,10 @@ def fqn_keyed(net, optimizer_state: dict) -> dict:
 def main() -> None:
     root, expected_path = sys.argv[1:3]
     fqn = "--fqn" in sys.argv[3:]
+    devices = int(sys.argv[sys.argv.index("--devices") + 1]) if "--devices" in sys.argv else 8
     xr.use_spmd()
     dist.init_process_group("gloo")
-    mesh = xs.Mesh(np.arange(8), (4, 2), ("x", "y"))
+    mesh = xs.Mesh(np.arange(devices), (devices // 2, 2), ("x", "y"))
     net, opt, sched = build(mesh)
     manager = CheckpointManager(root, save_interval=2, chkpt_on_preemption=False)  # no coordinator on CPU
     losses = {}

@@ -5,7 +5,8 @@ plan of a save (`plans`), the writer (`writer`), DCP's metadata of an item (`met
 Imports torch.distributed.checkpoint (public names only); the package imports this module only when asked for
 these classes."""
 
+from .load_planner import DCPLoadPlanner
 from .reader import DCPStorageReader
 from .writer import DCPStorageWriter
 
-__all__ = ["DCPStorageReader", "DCPStorageWriter"]
+__all__ = ["DCPLoadPlanner", "DCPStorageReader", "DCPStorageWriter"]

@@ -49,11 +49,13 @@ class ArrayWrite:
 @dataclass(frozen=True)
 class RankPlan:
     """What one rank writes (`SavePlan.storage_data`): the item directory's temporary name (None: the item
-    directory itself), its tensors' arrays, and its byte-IO items by key, each with its array name."""
+    directory itself), its tensors' arrays, its byte-IO items by key, each with its array name, and how many
+    processes the save has."""
 
     temporary: str | None
     arrays: tuple[ArrayWrite, ...]
     byte_items: tuple[tuple[str, str], ...]
+    processes: int = 1
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ def plan_global(plans: Sequence[Any], temporary: str | None, where: str) -> tupl
     bytes_by_rank: list[list[tuple[str, str]]] = [[] for _ in plans]
     for fqn, holders in sorted(byte_holders.items()):
         bytes_by_rank[min(holders)].append((fqn, names[fqn]))
-    rank_plans = [RankPlan(temporary, tuple(w), tuple(b)) for w, b in zip(writes, bytes_by_rank)]
+    rank_plans = [RankPlan(temporary, tuple(w), tuple(b), len(plans)) for w, b in zip(writes, bytes_by_rank)]
     return rank_plans, GlobalPlan(paths, metas, {f: names[f] for f in byte_holders}, temporary)
 
 

@@ -54,6 +54,7 @@ class DCPStorageReader(StorageReader):
         self.key_map = key_map
         self.options = options or RestoreOptions()
         self._index: ReadIndex | None = None
+        self._failure: Exception | None = None
         self._rank = 0
         self.read_bytes = 0
 
@@ -66,21 +67,47 @@ class DCPStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
         return storage.is_location(checkpoint_id)
 
-    def read_metadata(self) -> Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's `Metadata` of the item (every rank calls it). Blocks on reading the item's metadata files.
-        Raises what `xtc.restore` raises for a missing or damaged item."""
+        Raises what `xtc.restore` raises for a missing or damaged item.
+
+        ``dcp.load`` swallows that error and asks again for "rank-local" metadata (``rank=``); that second call,
+        after a failure, returns metadata holding the error, which `set_up_storage_reader` raises as it is: DCP
+        hands it on intact (torch 2.9 would otherwise fail on a bare ``assert metadata is not None``)."""
+        if kwargs.get("rank") is not None and self._failure is not None:
+            return Metadata(state_dict_metadata={}, storage_data=_Failed(self._failure))
         loc = self._location()
-        metadata = dcp_metadata(read_manifest(loc), str(loc), self.key_map)
+        try:
+            metadata = dcp_metadata(read_manifest(loc), str(loc), self.key_map)
+        except Exception as exc:
+            self._failure = exc
+            raise
+        self._failure = None
         metadata.storage_meta = StorageMeta(checkpoint_id=str(loc))
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Every rank, before planning: keeps the metadata's read index. Raises the error `read_metadata` met."""
+        if isinstance(metadata.storage_data, _Failed):
+            raise metadata.storage_data.error
         if not isinstance(metadata.storage_data, ReadIndex):
             raise UsageError("DCPStorageReader got metadata its read_metadata did not make")
         self._index = metadata.storage_data
         self._rank = int(kwargs.get("rank", _world_rank()))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Every rank: checks each read item against the item's metadata before anything is read, raising
+        `KeyMismatchError` (a key the item lacks), `UnsupportedValueError` (a tensor read of a value or the
+        reverse) or `ShapeMismatchError` (a region outside the stored shape), each naming the key and path."""
+        if self._index is None:
+            raise UsageError("DCPStorageReader.prepare_local_plan called before set_up_storage_reader")
+        loc = self._location()
+        for item in plan.items:
+            entry = self._entry(item, loc)
+            if item.type == LoadItemType.BYTE_IO:
+                _check_bytes(item.storage_index.fqn, entry, loc)
+            else:
+                self._region(item, _check_array(item.storage_index.fqn, entry, loc), loc)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -156,10 +183,7 @@ class DCPStorageReader(StorageReader):
         wanted = []
         kept = {}
         for position, item in items:
-            meta = self._entry(item, loc)
-            if not isinstance(meta, ArrayMetadata) or meta.opaque is not None:
-                raise UnsupportedValueError(f"{loc}: the plan reads {item.storage_index.fqn!r} as a tensor; the "
-                                            "checkpoint holds it as a value")
+            meta = _check_array(item.storage_index.fqn, self._entry(item, loc), loc)
             wanted.append((position, item, meta, self._region(item, meta, loc)))
         opened = {meta.path: reader.open(meta) for _, _, meta, _ in wanted}
         pending = []
@@ -209,18 +233,34 @@ class DCPStorageReader(StorageReader):
             planner.commit_tensor(item, target)
 
     def _bytes(self, reader: arrays.ArrayReader, item: ReadItem, loc: storage.Location) -> bytes:
-        fqn = item.storage_index.fqn
-        entry = self._entry(item, loc)
+        entry = _check_bytes(item.storage_index.fqn, self._entry(item, loc), loc)
         if isinstance(entry, ArrayMetadata):
-            if entry.opaque != OPAQUE_DCP_BYTES:
-                raise UnsupportedValueError(f"{loc}: the plan reads {fqn!r} as a byte-IO value; the checkpoint holds "
-                                            f"it as an array of shape {entry.shape}")
             if entry.shape[0] == 0:
                 return b""
             return bytes(reader.open(entry).result().read([((0, entry.shape[0]),)])[((0, entry.shape[0]),)].result())
         buffer = io.BytesIO()  # a JSON value of ours or Orbax's, serialized for DCP's planner to load
         torch.save(entry, buffer)
         return buffer.getvalue()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """`Metadata.storage_data` after a failed `read_metadata`: the error, for `set_up_storage_reader` to raise."""
+
+    error: Exception
+
+
+def _check_array(fqn: str, entry: Any, loc: storage.Location) -> ArrayMetadata:
+    if not isinstance(entry, ArrayMetadata) or entry.opaque is not None:
+        raise UnsupportedValueError(f"{loc}: the plan reads {fqn!r} as a tensor; the checkpoint holds it as a value")
+    return entry
+
+
+def _check_bytes(fqn: str, entry: Any, loc: storage.Location) -> Any:
+    if isinstance(entry, ArrayMetadata) and entry.opaque != OPAQUE_DCP_BYTES:
+        raise UnsupportedValueError(f"{loc}: the plan reads {fqn!r} as a byte-IO value; the checkpoint holds it as "
+                                    f"an array of shape {entry.shape}")
+    return entry
 
 
 def _into(destination: np.ndarray) -> arrays.Empty:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .. import arrays, commit, grid, storage
+from ..distributed import Coordinator, default_coordinator
 from ..errors import UsageError
 from ..formats import v2
 from ..formats.dcp import nest
@@ -95,7 +96,9 @@ class DCPStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         """Every rank: writes the chunks and byte-IO items its plan assigns it and makes them durable (with
-        `options.fsync`); the returned future is already done. Blocks."""
+        `options.fsync`); the returned future is already done. Blocks. When the save replaces an item, the
+        processes then agree whether every one wrote its part (one flag reduction) and, if not, the first deletes
+        the temporary directory: DCP never calls `finish` after a failed write."""
         mine = plan.storage_data
         if not isinstance(mine, RankPlan):
             raise UsageError("DCPStorageWriter.write_data got a plan its prepare_global_plan did not make")
@@ -103,7 +106,14 @@ class DCPStorageWriter(StorageWriter):
         items = {}
         for item in plan.items:
             items.setdefault(item.index.fqn, []).append(item)
-        byte_sizes = _write(target, mine, items, planner, self.options, self.rank)
+        try:
+            byte_sizes = _write(target, mine, items, planner, self.options, self.rank)
+        except Exception:
+            if mine.temporary is not None:
+                _discard_with_peers(mine.processes, target, failed=True)
+            raise
+        if mine.temporary is not None:
+            _discard_with_peers(mine.processes, target, failed=False)
         results = [WriteResult(index=item.index, size_in_bytes=_item_bytes(item, byte_sizes),
                                storage_data=byte_sizes.get(item.index.fqn)) for item in plan.items]
         done: torch.futures.Future = torch.futures.Future()
@@ -142,6 +152,19 @@ class DCPStorageWriter(StorageWriter):
     def _target(self, temporary: str | None) -> storage.Location:
         loc = self._location()
         return loc if temporary is None else loc.resolved().parent.child(temporary)
+
+
+def _discard_with_peers(processes: int, target: storage.Location, *, failed: bool) -> None:
+    """Delete `target` (the replacement being written) if this process or, once all have written, any of the
+    save's `processes` failed. Collective when the save's processes are torch.distributed's world; a save over
+    a smaller group (DCP's ``process_group=``) cannot agree, and leaves a failed replacement in place."""
+    coordinator = Coordinator.single()
+    if processes > 1 and torch.distributed.is_initialized() and torch.distributed.get_world_size() == processes:
+        coordinator = default_coordinator()
+    elif processes > 1:
+        return  # the others may still be writing into target: deleting it now would race them
+    if coordinator.any(failed, f"writing {target}") and coordinator.is_primary:
+        target.delete_tree()
 
 
 def _store(options: SaveOptions) -> ArrayStore:

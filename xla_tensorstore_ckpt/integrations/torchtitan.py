@@ -33,13 +33,13 @@ from torchtitan.components.checkpointer.base import (
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
-from .. import checkpointer, export, foreign_runs, formats, inspection, storage, training_state, tree
+from .. import checkpointer, foreign_runs, formats, storage, training_state, tree
 from ..distributed import Coordinator
 from ..errors import CheckpointNotFoundError, StepNotFoundError, UsageError
 from ..formats import safetensors
 from ..manager import CheckpointManager
 from ..options import CheckpointManagerOptions, RestoreOptions
-from . import opaque_rows
+from . import hf_export, opaque_rows
 
 log = logging.getLogger("xla_tensorstore_ckpt")
 
@@ -56,7 +56,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
     class Config(BaseCheckpointManager.Config):
         """torchtitan's fields mean what torchtitan documents (``folder`` may be ``gs://`` or ``s3://``;
         ``keep_latest_k`` is the persistent tier's retention; an ``initial_load_path`` in Hugging Face
-        safetensors may be remote too), plus this library's own."""
+        safetensors and the ``last_save_in_hf`` export may be remote too), plus this library's own."""
 
         async_mode: Literal["disabled", "async"] = "async"
         """``async``: `save` returns once the state is copied off the devices; the writes and the commit run in
@@ -87,7 +87,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
         """Told of every phase of saves and restores (`events`)."""
 
         def __post_init__(self) -> None:
-            # torchtitan's checks, but HF safetensors at a remote initial path are allowed: we read them.
+            # torchtitan's checks, but HF safetensors at a remote path are allowed: we read and write them.
             hf = (self.last_save_in_hf, self.initial_load_in_hf)
             if self.last_save_in_hf and not self.last_save_model_only:
                 raise ValueError("last_save_in_hf requires last_save_model_only=True.")
@@ -102,9 +102,6 @@ class XtcCheckpointManager(BaseCheckpointManager):
             if self.async_mode not in ("disabled", "async"):
                 raise ValueError(f"Invalid async_mode: {self.async_mode!r} (this manager's are 'disabled' and "
                                  "'async')")
-            if self.last_save_in_hf and filesystem.is_remote(self.folder):
-                # Our safetensors export writes local directories only (export.py).
-                raise ValueError(f"last_save_in_hf needs a local checkpoint.folder, got {self.folder}")
             if self.local_directory is None and self.local_interval is not None:
                 raise ValueError("local_interval needs local_directory")
 
@@ -177,9 +174,8 @@ class XtcCheckpointManager(BaseCheckpointManager):
         self._manager.wait_until_finished()
         if self.config.last_save_in_hf:
             out = f"{self._manager.step_path(step)}{HF_SUFFIX}"
-            self._coordinator.on_primary(f"exporting step {step} to {out}", lambda: export.export_safetensors(
-                inspection.open_checkpoint(self._manager.step_path(step)), ("model",), out,
-                max_file_bytes=5 << 30, overwrite=True))
+            self._coordinator.on_primary(f"exporting step {step} to {out}", lambda: hf_export.export_model(
+                self._manager.step_path(step), out))
 
     def _maybe_wait_for_staging(self) -> None:
         """Nothing to wait for: `save` returns once the device-to-host copy is done."""
@@ -319,8 +315,21 @@ class XtcCheckpointManager(BaseCheckpointManager):
     def _restore_dcp(self, loc: storage.Location, model_only: bool) -> None:
         """A DCP directory holding torchtitan's flattened state dict: the model's keys at the top, the other states
         under their names (``optimizer``, ``lr_scheduler``, ``train_state``, ...). Its data loader entry is pickled
-        by DCP, which we never unpickle: the data position starts fresh (logged)."""
+        by DCP, which we never unpickle: the data position starts fresh (logged). A torch_xla manager's step keeps
+        the model under ``model``: the model alone loads from it (`UsageError` unless ``initial_load_model_only``)."""
         targets = self._targets(model_only)
+        if self._under_model_entry(loc, targets["model"]):
+            if not model_only:
+                raise UsageError(f"checkpoint.initial_load_path {loc} holds its model under a \"model\" entry (a "
+                                 "torch_xla CheckpointManager step or a dcp.save of {\"model\": ...}): its other "
+                                 "states are not torchtitan's, so only the model loads; set "
+                                 "checkpoint.initial_load_model_only=True")
+            wanted = set(targets["model"])
+            restored = checkpointer.restore_item(
+                loc, targets["model"], options=self._restore_options,
+                key_map=lambda name: name[6:] if name.startswith("model.") and name[6:] in wanted else None)
+            self.states[MODEL].load_state_dict(restored)
+            return
         loader = targets.pop("loader", None)
         if loader is not None:
             log.warning("%s: the data loader position of a DCP checkpoint is not restored (DCP pickles it)", loc)
@@ -337,6 +346,13 @@ class XtcCheckpointManager(BaseCheckpointManager):
             elif name != "model":
                 targets[name] = restored[self._dcp_name(name)]
         self._apply(targets)
+
+    @staticmethod
+    def _under_model_entry(loc: storage.Location, model: dict[str, Any]) -> bool:
+        """Whether the DCP directory at `loc` keeps the model's keys under a top-level ``model`` entry (torch_xla's
+        manager saves ``{"model": ..., "optim": ...}``) rather than at the top, as torchtitan flattens them."""
+        saved = {".".join(str(k) for k in path) for path, _ in tree.flatten(checkpointer.read_manifest(loc).tree)}
+        return not set(model) <= saved and {f"model.{key}" for key in model} <= saved
 
     @staticmethod
     def _dcp_name(name: str) -> str:
