@@ -52,7 +52,7 @@ def cmd_steps(args: argparse.Namespace) -> int:
         print_json([s.to_json() for s in steps])
         return 0
     rows = [(s.step, "ignored" if s.ignored else s.status, time_text(s.committed_at), human_bytes(s.nbytes),
-             s.ignored if s.ignored else metrics_text(s.metrics) if s.status == "committed"
+             s.ignored if s.ignored else _bases_text(s) + metrics_text(s.metrics) if s.status == "committed"
              else (s.problem or "no commit marker")[:80])
             for s in steps]
     if args.local is None:
@@ -62,6 +62,12 @@ def cmd_steps(args: argparse.Namespace) -> int:
     print(table(("step", "tier", "status", "committed", "size", "metrics"),
                 [(row[0], tier, *row[1:]) for row, tier in zip(rows, tiers)], right=(0, 4)))
     return 0
+
+
+def _bases_text(step: inspection.StepInfo) -> str:
+    """An incremental step's bases (the steps holding chunks it references), before its metrics."""
+    bases = step.marker.bases if step.marker is not None else ()
+    return f"references steps {', '.join(map(str, bases))}  " if bases else ""
 
 
 def cmd_tree(args: argparse.Namespace) -> int:

@@ -128,7 +128,8 @@ class StepInfo:
     def to_json(self) -> dict:
         return {"step": self.step, "name": self.name, "status": self.status, "committed_at": self.committed_at,
                 "bytes": self.nbytes, "metrics": self.metrics, "problem": self.problem, "tier": self.tier,
-                "writer": self.writer, "process_count": self.process_count, "ignored": self.ignored}
+                "writer": self.writer, "process_count": self.process_count, "ignored": self.ignored,
+                "bases": list(self.marker.bases) if self.marker is not None else []}
 
 
 def list_steps(root: str, local: str | None = None, processes: int | None = None) -> list[StepInfo]:

@@ -242,7 +242,8 @@ class CheckpointManager:
             # The saves these waited for may have failed meanwhile (on any process).
             self._coordinator.everywhere(f"checking the saves before step {step}", self._check_background)
             destinations = [step_save.Destination(managed.tier, self._caller_side(managed), own_copy=managed.is_local,
-                                                  plan_caches=managed.plan_caches) for managed in tiers]
+                                                  plan_caches=managed.plan_caches,
+                                                  incremental=self._incremental(managed)) for managed in tiers]
             pendings = step_save.stage(
                 step, destinations, states, marker, coordinator=self._coordinator,
                 options=self._options.save_options, save_rng=self._options.save_rng,
@@ -272,6 +273,11 @@ class CheckpointManager:
                 for managed in tiers:
                     managed.committer.release()
             self._coordinator.everywhere(f"committing step {step}", lambda: _raise_first(errors))
+
+    def _incremental(self, managed: ManagedTier) -> bool:
+        """Whether the tier's steps are incremental: with the option, except a replicated local tier (its peers'
+        copies would lack the bases)."""
+        return self._options.incremental and not (managed.is_local and self._options.local_replication > 1)
 
     def _check_background(self) -> None:
         """Raise the error of a failed background save of any tier (once). Does not block."""

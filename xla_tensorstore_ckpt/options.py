@@ -51,6 +51,8 @@ class SaveOptions:
         CPU time and up to 4.6x a warm restore's (docs/compression.md).
     compression_level: zstd's level, 1-22 (3, tensorstore's default, is what Orbax writes); only with
         compression="zstd".
+    incremental: set per save by a manager with ``incremental`` on (`incremental.saving.BaseStep`): chunks
+        unchanged since that base step are referenced, not written. None (the default): a standalone item.
     """
 
     use_ocdbt: bool = True
@@ -63,6 +65,7 @@ class SaveOptions:
     format: str = formats.WRITE_FORMAT
     compression: str | None = None
     compression_level: int = zstd.DEFAULT_LEVEL
+    incremental: Any = None
 
     @property
     def zstd_level(self) -> int | None:
@@ -194,6 +197,10 @@ class CheckpointManagerOptions:
         `save_options` and `restore_options` are told too. `on_commit` and `on_local_commit` are two such
         listeners (`events.CommitCallback`).
     save_options, restore_options: item-level I/O options.
+    incremental: each step stores only the chunks that changed since the tier's newest committed step and
+        references the others (docs/incremental.md); retention keeps every step a kept step references. Off by
+        default: every step standalone, which Orbax reads whole (`xtckpt convert --to step` makes an
+        incremental step standalone). With ``local_replication > 1`` the local tier stays standalone.
     """
 
     save_interval_steps: int | None = 100
@@ -227,6 +234,7 @@ class CheckpointManagerOptions:
     local_save_decision: Any = None
     local_preservation: Any = None
     listeners: tuple[Listener, ...] = ()
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners, "CheckpointManagerOptions.listeners")
@@ -271,6 +279,7 @@ class CheckpointManagerOptions:
         if self.step_prefix is not None and not layout.is_safe_relative_path(self.step_prefix,
                                                                                        single=True):
             raise ValueError(f"step_prefix {self.step_prefix!r} is not a plain name")
-        for name in ("create", "async_save", "save_rng", "save_on_preemption", "keep_checkpoints_without_metrics"):
+        for name in ("create", "async_save", "save_rng", "save_on_preemption", "keep_checkpoints_without_metrics",
+                     "incremental"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")

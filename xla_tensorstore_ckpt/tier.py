@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from . import commit, formats, layout, policies, save_plan, writing
 from .distributed import Coordinator
 from .errors import StepNotFoundError
+from .incremental import saving as incremental_saving
 from .records import StepMetadata
 from .root_lock import RootLock
 from .steps import StepEntry, StepIndex
@@ -35,6 +36,7 @@ class PendingSave:
     plans: Mapping[str, save_plan.SavePlan]
     start: Callable[[], writing.Writes]
     marker: StepMetadata  # committed_at is set at commit time
+    base: int | None = None  # an incremental save (`incremental`): the step it references; -1 for none
 
     @property
     def write_bytes(self) -> int:
@@ -53,6 +55,7 @@ class Tier:
         self.lock = RootLock(root, lock_timeout_s)
         self._guard = threading.Lock()
         self._steps: dict[int, StepMetadata] = {}
+        self._pins: list[int] = []  # bases of incremental saves in flight: retention keeps them
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -79,6 +82,22 @@ class Tier:
         with self._guard:
             self._steps[step] = marker
         return marker
+
+    def base_for(self, step: int) -> incremental_saving.BaseStep:
+        """The base of an incremental save of `step`: the newest other committed step (pinned against retention
+        until `Tier.commit` of the save ends), or none (an anchor)."""
+        with self._guard:
+            others = [s for s in self._steps if s != step]
+            if not others:
+                return incremental_saving.BaseStep()
+            self._pins.append(max(others))
+        return incremental_saving.BaseStep(max(others), self.index.location(max(others)))
+
+    def unpin(self, base: int | None) -> None:
+        """The save whose base was `base` (`base_for`) committed or failed."""
+        with self._guard:
+            if base in self._pins:
+                self._pins.remove(base)
 
     def forget(self, step: int) -> None:
         with self._guard:
@@ -158,17 +177,26 @@ class Tier:
         """Finish the writes of `save` (then call `on_written` with them), write its manifests and marker, put it
         in place, refresh the lock; return the steps retention lets go (not deleted yet: see `delete`)."""
         what = f"step {save.step} at {save.final}"
-        writes = commit.finish_writes(coordinator, save.location, save.start, fsync=fsync, what=what)
-        if on_written is not None:
-            on_written(writes)
-        marker = dataclasses.replace(save.marker, committed_at=committed_at)
-        final = formats.step_files(marker)
-        publish = None if save.location == save.final else lambda: save.location.rename_to(save.final)
-        commit.commit(coordinator, save.location, save.plans, final, fsync=fsync, what=what, publish=publish)
+        try:
+            writes = commit.finish_writes(coordinator, save.location, save.start, fsync=fsync, what=what)
+            if on_written is not None:
+                on_written(writes)
+            marker = dataclasses.replace(save.marker, committed_at=committed_at)
+            plans = save.plans
+            if save.base is not None:  # incremental: the items' references and the step's bases, from its tables
+                plans, marker = incremental_saving.commit_refs(coordinator, save.location, dict(plans), marker,
+                                                               lambda s: self.index.location(s).name)
+            final = formats.step_files(marker)
+            publish = None if save.location == save.final else lambda: save.location.rename_to(save.final)
+            commit.commit(coordinator, save.location, plans, final, fsync=fsync, what=what, publish=publish)
+        finally:
+            self.unpin(save.base)
 
         def retain() -> list[int]:
             self.lock.heartbeat()
-            return policies.steps_to_delete(self.preservation, {**self.committed(), save.step: marker})
+            with self._guard:
+                pins = list(self._pins)
+            return policies.steps_to_delete(self.preservation, {**self.committed(), save.step: marker}, pins)
 
         doomed = coordinator.on_primary(f"retention after step {save.step}", retain, share=True)
         with self._guard:

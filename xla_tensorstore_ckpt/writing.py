@@ -16,6 +16,7 @@ import torch
 
 from . import arrays, dtypes, grid, layout, outputs, storage
 from .errors import CheckpointExistsError
+from .incremental.saving import BaseStep, Recorder
 from .options import SaveOptions
 from .save_plan import ArrayPlan, SavePlan
 from .staging import Staged, stage, stage_all
@@ -52,7 +53,7 @@ def write_staged(loc: storage.Location, plan: SavePlan, staged: Staged, options:
     """Create the arrays this process creates and start writing staged chunks (`writer`: this process's
     index)."""
     out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync, direct=options.direct_io,
-                      zstd_level=options.zstd_level)
+                      zstd_level=options.zstd_level, base=options.incremental)
     try:
         for group, data in staged:
             out.write(group, data)
@@ -70,7 +71,7 @@ def stage_and_write(loc: storage.Location, plan: SavePlan, options: SaveOptions,
     waits for earlier writes instead of fetching more. `copy_cpu` copies host tensors too (for callers that
     return before the writes finish). On error, every started operation is waited for first."""
     out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync, direct=options.direct_io,
-                      zstd_level=options.zstd_level)
+                      zstd_level=options.zstd_level, base=options.incremental)
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
     try:
@@ -127,8 +128,10 @@ class ChunkWriter:
     (`arrays.zstd`): by the direct lanes themselves, or by tensorstore's codec."""
 
     def __init__(self, loc: storage.Location, plan: SavePlan, *, writer: int, writeback: bool, direct: bool = True,
-                 zstd_level: int | None = None):
+                 zstd_level: int | None = None, base: BaseStep | None = None):
         self.item, self.writer, self.store = loc, writer, plan.store
+        # Incremental saves: unchanged chunks are referenced, not written (`incremental.saving`).
+        self.recorder = Recorder(loc, base) if base is not None else None
         self.zstd_level = zstd_level
         self.ocdbt = plan.store.kind == "ocdbt"
         self.writeback = writeback and not loc.capabilities.durable_writes
@@ -168,6 +171,8 @@ class ChunkWriter:
     def write(self, group: Sequence[ArrayPlan], data: Sequence[Sequence[torch.Tensor]]) -> list[arrays.Pending]:
         """Start writing one batch: `data` holds each plan's chunks, in the order of its `writes`. Returns the
         batch's futures; the data must stay unchanged until they are done."""
+        if self.recorder is not None:
+            group, data = self.recorder.select(group, data)
         if self.direct_root is not None:
             out = [self._write_direct(group, data)]
         else:
@@ -179,6 +184,8 @@ class ChunkWriter:
     def finish(self) -> None:
         """After the last batch: start finishing the stores written here (`writes.pending` includes it)."""
         self.writes.pending.extend(lane.finish() for lane in self.lanes.values())
+        if self.recorder is not None:
+            self.writes.files.append(self.recorder.finish(self.item, self.writer))
 
     def abandon(self) -> None:
         """After a failure: wait for the writes started (their errors no longer matter) and close every file."""

@@ -1,0 +1,136 @@
+"""Incremental steps (issue 65, docs/incremental.md): unchanged chunks referenced from the step that stores
+them, every reader following the references bit-exact, retention keeping referenced steps, clear errors when a
+base is gone, and a standalone copy for Orbax. CPU tensors, both stacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from helpers import assert_trees_equal
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import cli, policies
+from xla_tensorstore_ckpt.errors import CheckpointError
+from xla_tensorstore_ckpt.records import StepMetadata
+
+CHUNKS = 4  # chunks of the sharded array, 16 rows each
+
+
+def _options(**kw) -> xtc.CheckpointManagerOptions:
+    return xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False, incremental=True,
+                                        **kw)
+
+
+def _sharded(full: torch.Tensor) -> xtc.ShardedArray:
+    rows = full.shape[0] // CHUNKS
+    return xtc.ShardedArray(tuple(full.shape), full.dtype, (rows, full.shape[1]),
+                            tuple((((i * rows, (i + 1) * rows), (0, full.shape[1])), full[i * rows:(i + 1) * rows])
+                                  for i in range(CHUNKS)))
+
+
+def _state(step: int) -> tuple[dict, dict]:
+    """A frozen base (the same every step), an adapter that changes, and a sharded bf16 array whose first chunk of
+    four changes every step; the state to save and the tensors expected back."""
+    g = torch.Generator().manual_seed(0)
+    frozen = torch.randn(64, 32, generator=g)
+    big = torch.randn(64, 16, generator=g).to(torch.bfloat16)
+    big[3] += step  # the first chunk changes
+    adapter = torch.full((8, 4), float(step))
+    saved = {"frozen": frozen, "adapter": adapter, "big": _sharded(big), "step": step}
+    return saved, {"frozen": frozen, "adapter": adapter, "big": big, "step": step}
+
+
+def _step_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
+               if "_chunk_hashes" not in f and not f.startswith("_") and f != "manifest.ocdbt")
+
+
+def _metadata(path) -> dict:
+    with open(os.path.join(path, "_METADATA")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("incr")
+    with xtc.CheckpointManager(root, _options(max_to_keep=2)) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, extra=_state(step)[0])
+        steps = mgr.all_steps()
+    return root, steps
+
+
+def test_unchanged_chunks_are_referenced_and_every_step_restores_bit_exact(saved):
+    root, steps = saved
+    # retention keeps two steps and step 1, whose frozen base they reference
+    assert steps == [1, 3, 4]
+    with xtc.CheckpointManager(root, _options()) as mgr:
+        assert mgr.metadata(4).bases == (1,)
+    for step in steps:
+        assert_trees_equal(xtc.restore(root / str(step) / "extra"), _state(step)[1])
+    meta = _metadata(root / "4" / "extra")
+    ours = meta["xla_tensorstore_ckpt"]["incremental"]
+    assert ours["arrays"] == ["big", "frozen"] and ours["bases"] == [[1, "1"]]
+    # the referenced arrays are None to Orbax: it never reads a chunk stored elsewhere as a fill value
+    kinds = {k: v["value_metadata"]["value_type"] for k, v in meta["tree_metadata"].items()}
+    assert kinds == {"('frozen',)": "None", "('big',)": "None", "('adapter',)": "jax.Array", "('step',)": "scalar"}
+    # step 4 wrote the adapter, one chunk of `big` and the step scalar, not the frozen base
+    assert _step_bytes(root / "4") < _step_bytes(root / "1") / 3
+
+
+def test_chunks_read_across_steps_by_region(saved, capsys):
+    """A region that spans chunks of several steps is read piece by piece (`xtckpt show` reads a slice);
+    `xtckpt steps` names the bases, `xtckpt verify` checks the chunks of every step a step references."""
+    root, _ = saved
+    assert cli.main(["steps", str(root)]) == 0
+    assert "references steps 1" in capsys.readouterr().out
+    expected = _state(4)[1]["big"]
+    got = xtc.restore(root / "4" / "extra", target={"frozen": torch.zeros(64, 32), "adapter": torch.zeros(8, 4),
+                                                    "big": torch.zeros(64, 16, dtype=torch.bfloat16), "step": 0})
+    assert torch.equal(got["big"], expected)
+    assert cli.main(["show", str(root / "4"), "extra/big[10:40, 3:5]"]) == 0
+    assert cli.main(["verify", str(root / "4")]) == 0
+
+
+def test_materialized_step_is_standalone(saved, tmp_path):
+    root, _ = saved
+    out = tmp_path / "standalone" / "4"
+    assert cli.main(["convert", str(root / "4"), str(out), "--to", "step", "--item", "extra"]) == 0
+    assert "incremental" not in _metadata(out / "extra")["xla_tensorstore_ckpt"]
+    assert_trees_equal(xtc.restore(out / "extra"), _state(4)[1])
+
+
+def test_a_missing_base_is_an_error_naming_step_and_path(saved, tmp_path):
+    root, _ = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "4", copy / "4")
+    with pytest.raises(CheckpointError, match=r"frozen.*step 1 at .*copy/1.*missing"):
+        xtc.restore(copy / "4" / "extra")
+
+
+def test_resave_in_place_and_manager_restore(tmp_path):
+    """The manager's restore (in place) of an incremental step; a changed dtype is written whole."""
+    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1)) as mgr:
+        mgr.save(1, extra={"w": torch.arange(12.0).reshape(3, 4)})
+        mgr.save(2, extra={"w": torch.arange(12.0).reshape(3, 4).double()})  # dtype changed: whole
+        assert mgr.metadata(2).bases == ()
+        mgr.save(3, extra={"w": torch.arange(12.0).reshape(3, 4).double()})
+        assert mgr.metadata(3).bases == (2,) and mgr.all_steps() == [2, 3]
+        target = {"w": torch.zeros(3, 4, dtype=torch.float64)}
+        assert mgr.restore(3, extra=target) == 3
+    assert torch.equal(target["w"], torch.arange(12.0).reshape(3, 4).double())
+
+
+def test_retention_keeps_bases_of_kept_steps_and_of_saves_in_flight():
+    def marker(step, bases=()):
+        return StepMetadata(step=step, items=("model",), created_at=0.0, committed_at=0.0, bases=bases)
+
+    committed = {1: marker(1), 2: marker(2, (1,)), 3: marker(3), 4: marker(4, (1, 3))}
+    latest = policies.LatestN(1)
+    assert policies.steps_to_delete(latest, committed) == [2]
+    assert policies.steps_to_delete(latest, committed, pinned=[2]) == []
+    assert policies.steps_to_delete(latest, {**committed, 5: marker(5)}) == [1, 2, 3, 4]

@@ -1,0 +1,134 @@
+"""An incremental save, chunk by chunk: each chunk a process writes is hashed (`arrays.chunk_hashes`) and
+compared with the base step's chunk of the same array name, shape, dtype, chunk shape and grid position; an
+unchanged one is recorded as a reference to the step that stores its bytes instead of being written
+(`Recorder`). At the end each process writes its chunk table (`tables`). At the commit, the primary reads the
+item's tables and records the item's references and the step's bases (`commit_refs`).
+
+The hooks: `writing.ChunkWriter` (a `Recorder` when `SaveOptions.incremental` holds a `BaseStep`) and
+`tier.Tier.commit` (`commit_refs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .. import dtypes, formats
+from ..arrays.chunk_hashes import chunk_hash
+from ..distributed import Coordinator
+from ..errors import CheckpointError
+from ..records import StepMetadata
+from ..storage import Location
+from . import refs as refs_mod
+from . import tables
+
+logger = logging.getLogger("xla_tensorstore_ckpt")
+
+
+@dataclass(frozen=True)
+class BaseStep:
+    """What an incremental save compares with: the committed `step` at `location` (its step directory), or
+    nothing (`step` None: an anchor, every chunk written, the tables recorded for the next save)."""
+
+    step: int | None = None
+    location: Location | None = None
+
+
+class Recorder:
+    """Decides, chunk by chunk, what one process's save of one item writes, and keeps its chunk table. Reads
+    the base item's tables when created (blocks; a missing or non-incremental base item: everything is
+    written). Raises `CheckpointError` naming the base's file if a table is damaged."""
+
+    def __init__(self, item: Location, base: BaseStep):
+        self.base = _base_tables(base.location.child(item.name), base.step) if base.location is not None else {}
+        self.table: dict[str, tables.ArrayChunks] = {}
+        self.whole: dict[str, str] = {}  # arrays written whole although the base has them: why
+        self.referenced_bytes = 0
+
+    def select(self, group: Sequence, data: Sequence[Sequence]) -> tuple[list, list[list]]:
+        """The plans of `group` (`save_plan.ArrayPlan`) with only the chunks to write, and their data (as
+        `ChunkWriter.write` takes them); every chunk of `group` is recorded."""
+        plans, kept_data = [], []
+        for p, chunk_data in zip(group, data):
+            writes, kept = [], []
+            for w, d in zip(p.writes, chunk_data):
+                if any(b <= a for a, b in w.region) or not self._unchanged(p.meta, w.region, d):
+                    writes.append(w)
+                    kept.append(d)
+            if writes:
+                plans.append(p if len(writes) == len(p.writes) else dataclasses.replace(p, writes=tuple(writes)))
+                kept_data.append(kept)
+        return plans, kept_data
+
+    def _unchanged(self, meta, region, data) -> bool:
+        array = dtypes.tensor_to_numpy(data)
+        digest = chunk_hash(array)
+        entry = self.table.get(meta.path)
+        if entry is None:
+            entry = self.table[meta.path] = tables.ArrayChunks(tuple(meta.shape), meta.dtype,
+                                                               tuple(meta.chunk_shape), {})
+        index = tables.index_name(tuple(a // c for (a, _), c in zip(region, meta.chunk_shape)))
+        stored = None
+        base = self.base.get(meta.path)
+        if base is not None:
+            if (base.shape, base.dtype, base.chunk_shape) != (entry.shape, entry.dtype, entry.chunk_shape):
+                self.whole[meta.path] = (f"the base stored it as {base.dtype}{list(base.shape)} in chunks of "
+                                         f"{list(base.chunk_shape)}")
+            else:
+                hit = base.chunks.get(index)
+                if hit is not None and hit[0] == digest:
+                    stored = hit[1]
+                    self.referenced_bytes += array.nbytes
+        entry.chunks[index] = (digest, stored)
+        return stored is not None
+
+    def finish(self, item: Location, writer: int) -> str:
+        """Write this process's table into `item` (made durable by the commit with the stores); its name."""
+        name = tables.table_name(writer)
+        item.write(name, tables.encode(self.table), fsync=False)
+        for path, why in self.whole.items():
+            logger.info("incremental save of %s: %s written whole: %s", item, path, why)
+        return name
+
+
+def _base_tables(item: Location, step: int) -> dict[str, tables.ArrayChunks]:
+    """The base item's chunks, merged over its tables, each with the step that stores it."""
+    try:
+        manifest = formats.read_item(item)
+    except CheckpointError:
+        return {}  # an item the base step lacks (or never had): nothing to reference
+    refs = manifest.store.refs
+    merged: dict[str, tables.ArrayChunks] = {}
+    for name in (refs.tables if refs is not None else ()):
+        for array, entry in (tables.read(item, name) or {}).items():
+            chunks = {i: (h, step if s is None else s) for i, (h, s) in entry.chunks.items()}
+            if array in merged:
+                merged[array].chunks.update(chunks)
+            else:
+                merged[array] = dataclasses.replace(entry, chunks=chunks)
+    return merged
+
+
+def commit_refs(coordinator: Coordinator, location: Location, plans: dict, marker: StepMetadata,
+                step_dir: Callable[[int], str]) -> tuple[dict, StepMetadata]:
+    """`plans` (item name -> `save_plan.SavePlan`) with each item's references in its manifest, and `marker`
+    with the step's bases, read by the primary from the items' chunk tables under `location` once every
+    process's writes are durable. Collective; blocks. Called by `Tier.commit`."""
+    def collect() -> dict:
+        found = {}
+        for name in plans:
+            item = location.child(name)
+            names = sorted(n for n in item.list() if n.startswith(tables.PREFIX))
+            found[name] = refs_mod.summarize({n: tables.read(item, n) or {} for n in names}, step_dir).to_json()
+        return found
+
+    found = coordinator.on_primary(f"reading the chunk tables of step {marker.step}", collect, share=True)
+    out = {}
+    for name, plan in plans.items():
+        item_refs = refs_mod.decode(found[name], where=f"step {marker.step} item {name}")
+        store = dataclasses.replace(plan.manifest.store, refs=item_refs)
+        out[name] = dataclasses.replace(plan, manifest=dataclasses.replace(plan.manifest, store=store))
+    bases = sorted({s for value in found.values() for s, _ in value["bases"]})
+    return out, dataclasses.replace(marker, bases=tuple(bases))
