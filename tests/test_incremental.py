@@ -134,3 +134,46 @@ def test_retention_keeps_bases_of_kept_steps_and_of_saves_in_flight():
     assert policies.steps_to_delete(latest, committed) == [2]
     assert policies.steps_to_delete(latest, committed, pinned=[2]) == []
     assert policies.steps_to_delete(latest, {**committed, 5: marker(5)}) == [1, 2, 3, 4]
+
+
+def _rl_weights(step: int) -> torch.Tensor:
+    """bf16 weights of which a few elements move one bf16 step per training step, as small RL updates do."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    bits = w.view(torch.int16).clone()
+    for s in range(1, step + 1):
+        picked = torch.randperm(w.numel(), generator=torch.Generator().manual_seed(s))[:80]  # 2 % per step
+        bits.view(-1)[picked] += 1
+    return bits.view(torch.bfloat16)
+
+
+def test_delta_steps_restore_bit_exact_through_chains(tmp_path):
+    """Deltas (XOR against the base, zstd) chain up to `max_chain`, then the chunk is written whole; every step
+    restores bit-exact, in place and as new tensors, and retention keeps the chain's steps."""
+    options = _options(max_to_keep=1, delta=True, max_chain=2)
+    with xtc.CheckpointManager(tmp_path, options) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, extra={"w": _sharded(_rl_weights(step))})
+        # steps 2 and 3 are deltas (chains 1, 2), step 4 whole again, step 5 a delta on 4
+        assert mgr.all_steps() == [4, 5]  # step 4 kept as the base of 5
+        assert mgr.metadata(4).bases == () and mgr.metadata(5).bases == (4,)
+        target = {"w": torch.zeros(64, 64, dtype=torch.bfloat16)}
+        assert mgr.restore(5, extra=target) == 5
+    assert torch.equal(target["w"], _rl_weights(5))
+    assert os.path.getsize(tmp_path / "5" / "extra" / "_chunk_deltas.process_0") < 64 * 64 * 2 * 0.2
+
+
+def test_delta_chain_and_damaged_delta(tmp_path):
+    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1, delta=True)) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, extra={"w": _rl_weights(step)})
+        assert mgr.all_steps() == [1, 2, 3, 4] and mgr.metadata(4).bases == (3,)
+    for step in range(1, 5):
+        assert torch.equal(xtc.restore(tmp_path / str(step) / "extra")["w"], _rl_weights(step))
+    assert cli.main(["verify", str(tmp_path / "4")]) == 0
+    deltas = tmp_path / "3" / "extra" / "_chunk_deltas.process_0"
+    data = bytearray(deltas.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    deltas.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"_chunk_deltas.process_0.*array w.*damaged"):
+        xtc.restore(tmp_path / "4" / "extra")

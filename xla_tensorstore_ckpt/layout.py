@@ -18,6 +18,7 @@ ORBAX_JSON_ITEM = "metadata"  # the file of an item Orbax's JsonCheckpointHandle
 OCDBT_MANIFEST = "manifest.ocdbt"
 OCDBT_PROCESS_PREFIX = "ocdbt.process_"
 CHUNK_TABLE_PREFIX = "_chunk_hashes.process_"  # an incremental save's chunk tables (`incremental.tables`)
+CHUNK_DELTAS_PREFIX = "_chunk_deltas.process_"  # and its delta frames
 TMP_STEP_SUFFIX = ".orbax-checkpoint-tmp-"  # a step being written on a file system that renames
 _TMP_STEP = re.compile(r"(.+)\.orbax-checkpoint-tmp-[0-9]+")
 _STEP = re.compile(r"[0-9]+")  # zero-padded too: Orbax's step_format_fixed_length names step 23 "0023"

@@ -243,7 +243,9 @@ class CheckpointManager:
             self._coordinator.everywhere(f"checking the saves before step {step}", self._check_background)
             destinations = [step_save.Destination(managed.tier, self._caller_side(managed), own_copy=managed.is_local,
                                                   plan_caches=managed.plan_caches,
-                                                  incremental=self._incremental(managed)) for managed in tiers]
+                                                  incremental=self._incremental(managed),
+                                                  delta=self._options.delta, max_chain=self._options.max_chain)
+                            for managed in tiers]
             pendings = step_save.stage(
                 step, destinations, states, marker, coordinator=self._coordinator,
                 options=self._options.save_options, save_rng=self._options.save_rng,

@@ -201,6 +201,11 @@ class CheckpointManagerOptions:
         references the others (docs/incremental.md); retention keeps every step a kept step references. Off by
         default: every step standalone, which Orbax reads whole (`xtckpt convert --to step` makes an
         incremental step standalone). With ``local_replication > 1`` the local tier stays standalone.
+    delta: with ``incremental``, a changed chunk is stored as the zstd frame of its bitwise XOR with the base
+        step's chunk where that is at most half its size (lossless: RL-style steps that change a few percent of
+        bf16 weights); a restore applies the chain of deltas. Off by default.
+    max_chain: with ``delta``, a chunk whose base is already read through this many deltas is written whole (an
+        anchor for that chunk), which bounds what a restore applies.
     """
 
     save_interval_steps: int | None = 100
@@ -235,6 +240,8 @@ class CheckpointManagerOptions:
     local_preservation: Any = None
     listeners: tuple[Listener, ...] = ()
     incremental: bool = False
+    delta: bool = False
+    max_chain: int = 4
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners, "CheckpointManagerOptions.listeners")
@@ -258,6 +265,11 @@ class CheckpointManagerOptions:
         if self.local_replication is None:
             raise ValueError("local_replication must be an integer >= 1, got None")
         _optional_int("local_replication", self.local_replication, 1)
+        if self.max_chain is None:
+            raise ValueError("max_chain must be an integer >= 1, got None")
+        _optional_int("max_chain", self.max_chain, 1)
+        if self.delta is True and not self.incremental:
+            raise ValueError("delta needs incremental")
         if self.local_replication > 1 and self.local_directory is None:
             raise ValueError("local_replication needs local_directory")
         if self.local_failure_domain is not None and not callable(self.local_failure_domain):
@@ -280,6 +292,6 @@ class CheckpointManagerOptions:
                                                                                        single=True):
             raise ValueError(f"step_prefix {self.step_prefix!r} is not a plain name")
         for name in ("create", "async_save", "save_rng", "save_on_preemption", "keep_checkpoints_without_metrics",
-                     "incremental"):
+                     "incremental", "delta"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")

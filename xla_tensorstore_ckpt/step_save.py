@@ -34,6 +34,8 @@ class Destination:
     own_copy: bool
     plan_caches: dict[str, save_plan.PlanCache]
     incremental: bool = False
+    delta: bool = False
+    max_chain: int = 4
 
 
 def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, Any], marker: StepMetadata, *,
@@ -47,7 +49,8 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
     Raises what planning and staging raise, on every process."""
     shared = any(not d.own_copy for d in destinations)
     # Incremental saves: each tier's base, pinned against retention until the save commits or fails.
-    bases = [d.tier.base_for(step) if d.incremental else None for d in destinations]
+    bases = [dataclasses.replace(d.tier.base_for(step), delta=d.delta, max_chain=d.max_chain) if d.incremental
+             else None for d in destinations]
     opts = [options if b is None else dataclasses.replace(options, incremental=b) for b in bases]
     try:
         starts, places, plans, markers = _stage(step, destinations, states, marker, shared, coordinator, opts,

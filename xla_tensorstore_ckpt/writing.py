@@ -185,7 +185,7 @@ class ChunkWriter:
         """After the last batch: start finishing the stores written here (`writes.pending` includes it)."""
         self.writes.pending.extend(lane.finish() for lane in self.lanes.values())
         if self.recorder is not None:
-            self.writes.files.append(self.recorder.finish(self.item, self.writer))
+            self.writes.files.extend(self.recorder.finish(self.item, self.writer))
 
     def abandon(self) -> None:
         """After a failure: wait for the writes started (their errors no longer matter) and close every file."""

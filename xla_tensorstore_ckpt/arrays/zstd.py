@@ -35,3 +35,15 @@ def compress(raw: memoryview, level: int) -> bytes:
 @functools.lru_cache(maxsize=len(LEVELS))
 def _compressor(level: int) -> Zstd:
     return Zstd(level=level)
+
+
+def decompress(frame: bytes, size: int) -> bytes:
+    """The bytes of one zstd frame, which must be exactly `size` bytes long (incremental delta chunks). Raises
+    `ValueError` if the frame is damaged or of another size. Blocks while it decompresses."""
+    try:
+        raw = _compressor(DEFAULT_LEVEL).decode(frame)
+    except RuntimeError as exc:  # numcodecs' error for a broken frame
+        raise ValueError(f"broken zstd frame ({exc})") from None
+    if len(raw) != size:
+        raise ValueError(f"a zstd frame of {len(raw)} bytes where {size} were expected")
+    return bytes(raw)

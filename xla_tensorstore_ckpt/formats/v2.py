@@ -91,7 +91,7 @@ def array_names(paths: list[layout.KeyPath]) -> list[str]:
         name = ".".join(str(k) for k in path)
         if (not path or any(str(k) == "" for k in path) or _UNSAFE_IN_NAME.search(name) or name in _ITEM_FILES
                 or not layout.is_safe_relative_path(name, single=True)
-                or name.startswith((layout.OCDBT_PROCESS_PREFIX, layout.CHUNK_TABLE_PREFIX))
+                or name.startswith((layout.OCDBT_PROCESS_PREFIX, layout.CHUNK_TABLE_PREFIX, layout.CHUNK_DELTAS_PREFIX))
                 or len(name) > v1.MAX_COMPONENT_LENGTH
                 or name in taken):
             name = "%" + ".".join(v1.escape_component(k).replace(".", "%2E") for k in path)

@@ -3,7 +3,9 @@ own store, every referenced chunk from the step that stores it, through that ste
 reads, tensorstore, object stores alike). `arrays.reader` returns it for an item whose ``_METADATA`` records
 references (`refs`), so every reader of ours follows them: restore in every mode, ``xtckpt`` (show, stats,
 diff, verify, convert), `plan_restore`. A region that lies in one step is one read there; one spanning chunks of
-several steps is read piece by piece (each piece within one chunk) and assembled.
+several steps is read piece by piece (each piece within one chunk) and assembled. A delta chunk (`tables`) is
+read whole from the step it XORs with (itself perhaps a delta: the chain), its frame read from this item's delta
+file, checked (CRC32C), decompressed and XORed into it.
 
 A base step that is missing, or whose array differs from the one the tables describe, is a
 `CorruptCheckpointError` naming the item, the array, the step and its path.
@@ -16,15 +18,20 @@ import itertools
 import threading
 from collections.abc import Sequence
 
+import crc32c
 import numpy as np
 
 from .. import arrays, formats, storage
+from ..arrays import zstd
 from ..arrays.base import ArrayReader, Empty, Index, PendingRead, Picked, StoredArray, index_box
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..records import ArrayMetadata, ArrayStore
 from . import tables
 
 Own = None  # a chunk's source: the item's own store
+# Where a chunk is: (the step holding it, None: this item; and for a delta chunk of this item, its delta file
+# and the delta's entry `tables.Delta`).
+Where = tuple[int | None, tuple[str, tables.Delta] | None]
 
 
 class LayeredReader(ArrayReader):
@@ -36,7 +43,7 @@ class LayeredReader(ArrayReader):
         self.own = arrays.reader(item, dataclasses.replace(store, refs=None), context)
         self.fetches_once = self.own.fetches_once
         self._bases: dict[int, tuple[ArrayReader, dict[str, ArrayMetadata]]] = {}
-        self._where: dict[str, dict[tuple[int, ...], int | None]] | None = None
+        self._where: dict[str, dict[tuple[int, ...], Where]] | None = None
         self._lock = threading.Lock()
 
     def open(self, meta: ArrayMetadata) -> arrays.Opening:
@@ -56,22 +63,32 @@ class LayeredReader(ArrayReader):
 
     # ------------------------------------------------------------------------------------------ lookups
 
-    def chunk_steps(self, name: str) -> dict[tuple[int, ...], int | None]:
-        """Where each chunk of array `name` lives: grid position -> the step storing it (None: this item)."""
+    def chunk_steps(self, name: str) -> dict[tuple[int, ...], Where]:
+        """Where each chunk of array `name` lives (grid position -> `Where`); a chunk not listed is this item's."""
         with self._lock:
             if self._where is None:
-                where: dict[str, dict[tuple[int, ...], int | None]] = {}
+                where: dict[str, dict[tuple[int, ...], Where]] = {}
                 for table in self.refs.tables:
-                    found = tables.read(self.item, table)
+                    found = tables.read_with_deltas(self.item, table)
                     if found is None:
                         raise CorruptCheckpointError(f"{self.item}: its chunk table {table} is missing or of "
                                                      f"another hash; the item's references cannot be followed")
-                    for array, entry in found.items():
+                    for array, entry in found[0].items():
                         chunks = where.setdefault(array, {})
-                        for index, (_, step) in entry.chunks.items():
-                            chunks[tuple(int(i) for i in index.split("."))if index else ()] = step
+                        for index, (_, step, _, delta) in entry.chunks.items():
+                            position = tuple(int(i) for i in index.split(".")) if index else ()
+                            chunks[position] = (step, None if delta is None else (found[1], delta))
                 self._where = where
             return self._where.get(name, {})
+
+    def read_delta(self, file: str, delta: tables.Delta, meta: ArrayMetadata) -> bytes:
+        """The checked frame of a delta chunk. Blocks."""
+        _, at, length, crc = delta
+        frame = self.item.read_range(file, at, at + length).result()
+        if frame is None or len(frame) != length or crc32c.crc32c(frame) != crc:
+            raise CorruptCheckpointError(f"{self.item.child(file)}: the delta of a chunk of array {meta.path} "
+                                         f"(bytes {at}-{at + length}) is missing or damaged (CRC32C mismatch)")
+        return frame
 
     def base_array(self, step: int, meta: ArrayMetadata) -> arrays.Opening:
         """Start opening array `meta` in base `step`, checked against `meta`."""
@@ -84,9 +101,9 @@ class LayeredReader(ArrayReader):
                     raise CorruptCheckpointError(
                         f"{self.item}: array {meta.path} references chunks of step {step} at {loc}, which is "
                         f"missing or damaged ({exc}); that step was deleted or is incomplete") from exc
-                store = dataclasses.replace(manifest.store, refs=None)  # references are flattened: one level
                 metas = {m.path: m for _, m in manifest.arrays()}
-                self._bases[step] = (arrays.reader(loc, store, self.context), metas)
+                # The base's own reader: references are flattened, but a chunk held there may be a delta
+                self._bases[step] = (arrays.reader(loc, manifest.store, self.context), metas)
             reader, metas = self._bases[step]
         base = metas.get(meta.path)
         if base is None or (tuple(base.shape), base.dtype, tuple(base.chunk_shape)) != (
@@ -102,31 +119,38 @@ class _Opening:
 
     def result(self) -> StoredArray:
         where = self.reader.chunk_steps(self.meta.path)
-        steps = sorted({s for s in where.values() if s is not None})
+        steps = sorted({s for s, _ in where.values() if s is not None}
+                       | {d[1][0] for _, d in where.values() if d is not None})
         bases = {s: self.reader.base_array(s, self.meta) for s in steps}
-        return LayeredArray(self.own.result(), {s: o.result() for s, o in bases.items()}, where)
+        return LayeredArray(self.own.result(), {s: o.result() for s, o in bases.items()}, where,
+                            lambda file, delta: self.reader.read_delta(file, delta, self.meta))
 
 
 class LayeredArray:
     """An array whose chunks live in several steps (see the module)."""
 
-    def __init__(self, own: StoredArray, bases: dict[int, StoredArray], where: dict[tuple[int, ...], int | None]):
-        self.own, self.bases, self.where = own, bases, where
+    def __init__(self, own: StoredArray, bases: dict[int, StoredArray], where: dict[tuple[int, ...], Where],
+                 read_delta):
+        self.own, self.bases, self.where, self.read_delta = own, bases, where, read_delta
         self.location, self.shape, self.dtype_name = own.location, own.shape, own.dtype_name
         self.chunk_shape, self.reads_whole_chunks = own.chunk_shape, own.reads_whole_chunks
 
-    def _source(self, step: int | None) -> StoredArray:
+    def _source(self, step) -> StoredArray:
+        if isinstance(step, tuple):  # a delta chunk: ("delta", grid position)
+            return _DeltaChunk(self, step[1])
         return self.own if step is None else self.bases[step]
 
-    def _pieces(self, region: Index) -> list[tuple[int | None, Index]]:
-        """The parts of `region`, each within one chunk, with the step storing it."""
+    def _pieces(self, region: Index) -> list[tuple[object, Index]]:
+        """The parts of `region`, each within one chunk, with where it is read: a step (None: this item's
+        store) or ("delta", grid position)."""
         if any(b <= a for a, b in region):
             return [(Own, region)]
         ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(region, self.chunk_shape)]
         pieces = []
         for index in itertools.product(*ranges):
             sub = tuple((max(a, i * c), min(b, (i + 1) * c)) for (a, b), i, c in zip(region, index, self.chunk_shape))
-            pieces.append((self.where.get(tuple(index), Own), sub))
+            step, delta = self.where.get(tuple(index), (Own, None))
+            pieces.append((("delta", tuple(index)) if delta is not None else step, sub))
         return pieces
 
     def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, PendingRead]:
@@ -155,6 +179,55 @@ class LayeredArray:
     def read_index(self, index: tuple[slice | int, ...]) -> PendingRead:
         box, within = index_box(index, self.shape)
         return Picked(self.read([box])[box], within)
+
+
+class _DeltaChunk:
+    """The reads of one delta chunk, shaped as a `StoredArray`'s: the chunk is rebuilt whole (its base's chunk
+    XOR the delta), then each region is cut out of it."""
+
+    def __init__(self, array: LayeredArray, index: tuple[int, ...]):
+        self.array, self.index = array, index
+
+    def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, PendingRead]:
+        chunk = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(self.index, self.array.chunk_shape,
+                                                                    self.array.shape))
+        step, (file, delta) = self.array.where[self.index]
+        base = self.array.bases[delta[0]].read([chunk])[chunk]
+        whole = _Rebuilt(base, lambda: self.array.read_delta(file, delta),
+                         f"{self.array.location}: chunk {list(self.index)}")
+        return {r: _Cut(whole, tuple(slice(a - ca, b - ca) for (a, b), (ca, _) in zip(r, chunk)), empty)
+                for r in regions}
+
+
+class _Rebuilt:
+    """A delta chunk's values, rebuilt once however many regions cut from it."""
+
+    def __init__(self, base: PendingRead, frame, where: str):
+        self.base, self.frame, self.where = base, frame, where
+        self.value, self._lock = None, threading.Lock()
+
+    def result(self) -> np.ndarray:
+        with self._lock:
+            if self.value is None:
+                base = np.ascontiguousarray(self.base.result())
+                raw = base.reshape(-1).view(np.uint8)
+                try:
+                    xor = np.frombuffer(zstd.decompress(self.frame(), raw.nbytes), np.uint8)
+                except ValueError as exc:
+                    raise CorruptCheckpointError(f"{self.where}, a delta chunk: {exc}") from None
+                self.value = np.bitwise_xor(raw, xor).view(base.dtype).reshape(base.shape)
+            return self.value
+
+
+class _Cut:
+    def __init__(self, whole: _Rebuilt, within: tuple, empty: Empty):
+        self.whole, self.within, self.empty = whole, within, empty
+
+    def result(self) -> np.ndarray:
+        value = self.whole.result()[self.within]
+        out = self.empty(value.shape, value.dtype)
+        out[...] = value
+        return out
 
 
 class _Assembled:

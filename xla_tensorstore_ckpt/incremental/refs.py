@@ -67,7 +67,8 @@ def summarize(tables: dict[str, dict], step_dir) -> ItemRefs:
     bases, arrays = set(), set()
     for table in tables.values():
         for name, entry in table.items():
-            stored = {s for _, s in entry.chunks.values() if s is not None}
+            stored = {s for _, s, _, _ in entry.chunks.values() if s is not None}
+            stored |= {d[0] for _, _, _, d in entry.chunks.values() if d is not None}  # deltas XOR with a base
             if stored:
                 bases |= stored
                 arrays.add(name)

@@ -15,7 +15,11 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .. import dtypes, formats
+import crc32c
+import numpy as np
+
+from .. import arrays, dtypes, formats
+from ..arrays import zstd
 from ..arrays.chunk_hashes import chunk_hash
 from ..distributed import Coordinator
 from ..errors import CheckpointError
@@ -30,22 +34,32 @@ logger = logging.getLogger("xla_tensorstore_ckpt")
 @dataclass(frozen=True)
 class BaseStep:
     """What an incremental save compares with: the committed `step` at `location` (its step directory), or
-    nothing (`step` None: an anchor, every chunk written, the tables recorded for the next save)."""
+    nothing (`step` None: an anchor, every chunk written, the tables recorded for the next save). With `delta`, a
+    changed chunk is stored as the zstd frame of its XOR with the base's chunk where that frame is at most
+    `delta_max_ratio` of the chunk and the base's chunk is read through fewer than `max_chain` deltas."""
 
     step: int | None = None
     location: Location | None = None
+    delta: bool = False
+    max_chain: int = 4
+    delta_max_ratio: float = 0.5
 
 
 class Recorder:
     """Decides, chunk by chunk, what one process's save of one item writes, and keeps its chunk table. Reads
     the base item's tables when created (blocks; a missing or non-incremental base item: everything is
-    written). Raises `CheckpointError` naming the base's file if a table is damaged."""
+    written), and with deltas the base's changed chunks. Raises `CheckpointError` naming the base's file if a
+    table or a chunk of it is damaged."""
 
     def __init__(self, item: Location, base: BaseStep):
-        self.base = _base_tables(base.location.child(item.name), base.step) if base.location is not None else {}
+        self.options = base
+        self.base_item = base.location.child(item.name) if base.location is not None else None
+        self.base = _base_tables(self.base_item, base.step) if self.base_item is not None else {}
         self.table: dict[str, tables.ArrayChunks] = {}
         self.whole: dict[str, str] = {}  # arrays written whole although the base has them: why
-        self.referenced_bytes = 0
+        self.deltas: list[bytes] = []
+        self.delta_bytes = 0
+        self._reader = None  # of the base item, for deltas
 
     def select(self, group: Sequence, data: Sequence[Sequence]) -> tuple[list, list[list]]:
         """The plans of `group` (`save_plan.ArrayPlan`) with only the chunks to write, and their data (as
@@ -54,7 +68,7 @@ class Recorder:
         for p, chunk_data in zip(group, data):
             writes, kept = [], []
             for w, d in zip(p.writes, chunk_data):
-                if any(b <= a for a, b in w.region) or not self._unchanged(p.meta, w.region, d):
+                if any(b <= a for a, b in w.region) or not self._recorded(p.meta, w.region, d):
                     writes.append(w)
                     kept.append(d)
             if writes:
@@ -62,7 +76,8 @@ class Recorder:
                 kept_data.append(kept)
         return plans, kept_data
 
-    def _unchanged(self, meta, region, data) -> bool:
+    def _recorded(self, meta, region, data) -> bool:
+        """Record the chunk; True if it is referenced or stored as a delta (not written to the store)."""
         array = dtypes.tensor_to_numpy(data)
         digest = chunk_hash(array)
         entry = self.table.get(meta.path)
@@ -70,7 +85,7 @@ class Recorder:
             entry = self.table[meta.path] = tables.ArrayChunks(tuple(meta.shape), meta.dtype,
                                                                tuple(meta.chunk_shape), {})
         index = tables.index_name(tuple(a // c for (a, _), c in zip(region, meta.chunk_shape)))
-        stored = None
+        chunk: tables.Chunk = (digest, None, 0, None)
         base = self.base.get(meta.path)
         if base is not None:
             if (base.shape, base.dtype, base.chunk_shape) != (entry.shape, entry.dtype, entry.chunk_shape):
@@ -79,22 +94,43 @@ class Recorder:
             else:
                 hit = base.chunks.get(index)
                 if hit is not None and hit[0] == digest:
-                    stored = hit[1]
-                    self.referenced_bytes += array.nbytes
-        entry.chunks[index] = (digest, stored)
-        return stored is not None
+                    chunk = (digest, hit[1], hit[2], None)
+                elif hit is not None and self.options.delta and hit[2] < self.options.max_chain:
+                    chunk = self._delta(meta, region, array, digest, hit[2]) or chunk
+        entry.chunks[index] = chunk
+        return chunk[1] is not None or chunk[3] is not None
 
-    def finish(self, item: Location, writer: int) -> str:
-        """Write this process's table into `item` (made durable by the commit with the stores); its name."""
-        name = tables.table_name(writer)
-        item.write(name, tables.encode(self.table), fsync=False)
+    def _delta(self, meta, region, array, digest: str, chain: int) -> tables.Chunk | None:
+        """The chunk as a delta against the base's, if its frame is small enough."""
+        if self._reader is None:
+            self._reader = arrays.reader(self.base_item, formats.read_item(self.base_item).store)
+        base = self._reader.open(meta).result().read([region])[region].result()
+        new = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        xor = np.bitwise_xor(new, np.ascontiguousarray(base).reshape(-1).view(np.uint8))
+        frame = zstd.compress(memoryview(xor), zstd.DEFAULT_LEVEL)
+        if len(frame) > self.options.delta_max_ratio * new.nbytes:
+            return None
+        at = self.delta_bytes
+        self.deltas.append(frame)
+        self.delta_bytes += len(frame)
+        return (digest, None, chain + 1, (self.options.step, at, len(frame), crc32c.crc32c(frame)))
+
+    def finish(self, item: Location, writer: int) -> list[str]:
+        """Write this process's table (and delta file) into `item`, made durable by the commit with the
+        stores; their names."""
+        if self._reader is not None:
+            self._reader.close()
+        name, deltas = tables.table_name(writer), tables.delta_name(writer)
+        item.write(deltas, b"".join(self.deltas), fsync=False)
+        item.write(name, tables.encode(self.table, deltas), fsync=False)
         for path, why in self.whole.items():
             logger.info("incremental save of %s: %s written whole: %s", item, path, why)
-        return name
+        return [deltas, name]
 
 
 def _base_tables(item: Location, step: int) -> dict[str, tables.ArrayChunks]:
-    """The base item's chunks, merged over its tables, each with the step that stores it."""
+    """The base item's chunks, merged over its tables, each with the step that holds it (a delta chunk of the
+    base is held by the base)."""
     try:
         manifest = formats.read_item(item)
     except CheckpointError:
@@ -103,7 +139,7 @@ def _base_tables(item: Location, step: int) -> dict[str, tables.ArrayChunks]:
     merged: dict[str, tables.ArrayChunks] = {}
     for name in (refs.tables if refs is not None else ()):
         for array, entry in (tables.read(item, name) or {}).items():
-            chunks = {i: (h, step if s is None else s) for i, (h, s) in entry.chunks.items()}
+            chunks = {i: (h, step if s is None else s, c, None) for i, (h, s, c, _) in entry.chunks.items()}
             if array in merged:
                 merged[array].chunks.update(chunks)
             else:
