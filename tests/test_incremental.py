@@ -177,3 +177,17 @@ def test_delta_chain_and_damaged_delta(tmp_path):
     deltas.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"_chunk_deltas.process_0.*array w.*damaged"):
         xtc.restore(tmp_path / "4" / "extra")
+
+
+@pytest.mark.parametrize("changed", [3, 40, 4096])  # sparse, sparse, dense
+def test_delta_encodings_round_trip_and_refuse_damage(changed):
+    from xla_tensorstore_ckpt.incremental import deltas
+
+    base = torch.randn(64, 64).to(torch.bfloat16).view(torch.int16).numpy()
+    new = base.copy()
+    new.reshape(-1)[torch.randperm(base.size)[:changed].numpy()] += 1
+    frame = deltas.encode(new, base)
+    assert (frame[0] == 1) == (changed * deltas.SPARSE_EVERY <= base.size)
+    assert (deltas.apply(base, frame) == new).all()
+    with pytest.raises(ValueError):
+        deltas.apply(base, frame[:-3])

@@ -22,11 +22,10 @@ import crc32c
 import numpy as np
 
 from .. import arrays, formats, storage
-from ..arrays import zstd
 from ..arrays.base import ArrayReader, Empty, Index, PendingRead, Picked, StoredArray, index_box
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..records import ArrayMetadata, ArrayStore
-from . import tables
+from . import deltas, tables
 
 Own = None  # a chunk's source: the item's own store
 # Where a chunk is: (the step holding it, None: this item; and for a delta chunk of this item, its delta file
@@ -209,13 +208,10 @@ class _Rebuilt:
     def result(self) -> np.ndarray:
         with self._lock:
             if self.value is None:
-                base = np.ascontiguousarray(self.base.result())
-                raw = base.reshape(-1).view(np.uint8)
                 try:
-                    xor = np.frombuffer(zstd.decompress(self.frame(), raw.nbytes), np.uint8)
+                    self.value = deltas.apply(self.base.result(), self.frame())
                 except ValueError as exc:
                     raise CorruptCheckpointError(f"{self.where}, a delta chunk: {exc}") from None
-                self.value = np.bitwise_xor(raw, xor).view(base.dtype).reshape(base.shape)
             return self.value
 
 

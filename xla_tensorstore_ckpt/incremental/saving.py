@@ -16,17 +16,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import crc32c
-import numpy as np
 
 from .. import arrays, dtypes, formats
-from ..arrays import zstd
 from ..arrays.chunk_hashes import chunk_hash
 from ..distributed import Coordinator
 from ..errors import CheckpointError
 from ..records import StepMetadata
 from ..storage import Location
+from . import deltas, tables
 from . import refs as refs_mod
-from . import tables
 
 logger = logging.getLogger("xla_tensorstore_ckpt")
 
@@ -57,7 +55,7 @@ class Recorder:
         self.base = _base_tables(self.base_item, base.step) if self.base_item is not None else {}
         self.table: dict[str, tables.ArrayChunks] = {}
         self.whole: dict[str, str] = {}  # arrays written whole although the base has them: why
-        self.deltas: list[bytes] = []
+        self.frames: list[bytes] = []
         self.delta_bytes = 0
         self._reader = None  # of the base item, for deltas
 
@@ -105,13 +103,11 @@ class Recorder:
         if self._reader is None:
             self._reader = arrays.reader(self.base_item, formats.read_item(self.base_item).store)
         base = self._reader.open(meta).result().read([region])[region].result()
-        new = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        xor = np.bitwise_xor(new, np.ascontiguousarray(base).reshape(-1).view(np.uint8))
-        frame = zstd.compress(memoryview(xor), zstd.DEFAULT_LEVEL)
-        if len(frame) > self.options.delta_max_ratio * new.nbytes:
+        frame = deltas.encode(array, base)
+        if len(frame) > self.options.delta_max_ratio * array.nbytes:
             return None
         at = self.delta_bytes
-        self.deltas.append(frame)
+        self.frames.append(frame)
         self.delta_bytes += len(frame)
         return (digest, None, chain + 1, (self.options.step, at, len(frame), crc32c.crc32c(frame)))
 
@@ -120,12 +116,12 @@ class Recorder:
         stores; their names."""
         if self._reader is not None:
             self._reader.close()
-        name, deltas = tables.table_name(writer), tables.delta_name(writer)
-        item.write(deltas, b"".join(self.deltas), fsync=False)
-        item.write(name, tables.encode(self.table, deltas), fsync=False)
+        name, frames = tables.table_name(writer), tables.delta_name(writer)
+        item.write(frames, b"".join(self.frames), fsync=False)
+        item.write(name, tables.encode(self.table, frames), fsync=False)
         for path, why in self.whole.items():
             logger.info("incremental save of %s: %s written whole: %s", item, path, why)
-        return [deltas, name]
+        return [frames, name]
 
 
 def _base_tables(item: Location, step: int) -> dict[str, tables.ArrayChunks]:
