@@ -2,8 +2,8 @@
 and the step whose store holds the chunk's bytes. File ``<item>/_chunk_hashes.process_<i>.json`` (`table_name`),
 JSON, its CRC32C last in it (`formats.checksums`), durable with the process's stores before the commit:
 
-``{"format": 1, "hash": "xxh3_128+crc32c", "deltas": "_chunk_deltas.process_<i>", "arrays": {"<array name>":
-{"shape": [...], "dtype": "bfloat16", "chunk_shape": [...], "chunks": {"0.1": ["<40 hex digits>", null | <step>,
+``{"format": 1, "hash": "xxh3_128", "deltas": "_chunk_deltas.process_<i>", "arrays": {"<array name>":
+{"shape": [...], "dtype": "bfloat16", "chunk_shape": [...], "chunks": {"0.1": ["<32 hex digits>", null | <step>,
 <chain>, null | [<base step>, <offset>, <length>, <crc32c>]]}}}, "crc32c": "..."}``
 
 A chunk's step is null when this item holds it, else the step that holds it (never a step that itself
@@ -29,7 +29,7 @@ from ..storage import Location
 
 PREFIX = layout.CHUNK_TABLE_PREFIX
 FORMAT = 1
-_HASH = re.compile(r"[0-9a-f]{40}")
+_HASH = re.compile(r"[0-9a-f]{32}")
 _INDEX = re.compile(r"[0-9]+(\.[0-9]+)*|")
 
 Delta = tuple[int, int, int, int]  # (the base step it XORs with, offset, length, CRC32C of the frame)
