@@ -122,6 +122,8 @@ def test_resave_in_place_and_manager_restore(tmp_path):
         assert mgr.metadata(3).bases == (2,) and mgr.all_steps() == [2, 3]
         target = {"w": torch.zeros(3, 4, dtype=torch.float64)}
         assert mgr.restore(3, extra=target) == 3
+        with pytest.raises(xtc.UsageError, match=r"cannot delete step 2 .*steps \[3\] reference"):
+            mgr.delete(2)
     assert torch.equal(target["w"], torch.arange(12.0).reshape(3, 4).double())
 
 

@@ -293,6 +293,11 @@ class CheckpointManager:
         self._check_open()
         self.wait_until_finished()
         self.metadata(step)  # raises StepNotFoundError if not committed
+        for managed in self._tiers:  # an incremental step's base stays while a step references it
+            users = sorted(s for s, m in managed.tier.committed().items() if step in m.bases)
+            if users:
+                raise UsageError(f"cannot delete step {step} of {managed.tier.root}: steps {users} reference "
+                                 f"its chunks (delete them first, or make them standalone with xtckpt convert)")
         for managed in self._tiers:
             if step in managed.tier.committed():
                 managed.tier.forget(step)
