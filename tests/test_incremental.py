@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -215,3 +216,25 @@ def test_spmd_sharded_chunks_referenced_and_restored_resharded(tmp_path, mesh_4x
     chunks = table["arrays"]["w"]["chunks"]
     assert sorted(k for k, (_, step, _, delta) in chunks.items() if step is None) == ["0.0"]
     assert chunks["0.0"][3] is not None  # stored as a delta
+
+
+def test_two_processes_reference_and_delta_their_own_chunks(tmp_path):
+    """Each process of a job hashes, references and deltas the chunks it writes; the commit gathers their tables;
+    the local tier of each process is incremental too."""
+    from forked import launch_job
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "incremental_job.py")
+    sys.path.insert(0, os.path.dirname(script))
+    from incremental_job import global_value
+
+    results = launch_job(script, 2, str(tmp_path / "root"), str(tmp_path / "local"))
+    for rank, r in enumerate(results):
+        assert r["returncode"] == 0, r["stderr"][-3000:]
+        # step 3: process 0's chunk a delta on step 2 (itself a delta on 1), process 1's referenced from step 1
+        assert r["lines"][-1]["persistent"] == [1, 2, 3] and r["lines"][-1]["bases"] == [1, 2]
+        # each local tier keeps its newest step and that step's chain: process 1's references step 1 only
+        assert r["lines"][-1]["local"] == ([1, 2, 3] if rank == 0 else [1, 3])
+    assert sorted(n for n in os.listdir(tmp_path / "root" / "3" / "model") if n.startswith("_chunk_hashes")) == [
+        "_chunk_hashes.process_0.json", "_chunk_hashes.process_1.json"]
+    for step in (1, 2, 3):
+        assert torch.equal(xtc.restore(tmp_path / "root" / str(step) / "model")["w"], global_value(step))

@@ -39,10 +39,10 @@ def encode(new: np.ndarray, base: np.ndarray, level: int = zstd.DEFAULT_LEVEL) -
     return bytes([_DENSE]) + zstd.compress(memoryview(xor.view(np.uint8)), level)
 
 
-def apply(base: np.ndarray, delta: bytes) -> np.ndarray:
-    """`base` (not changed) with `delta` applied: a new array of its shape and dtype."""
-    base = np.ascontiguousarray(base)
-    out = base.copy()
+def apply(base: np.ndarray, delta: bytes, *, in_place: bool = False) -> np.ndarray:
+    """`base` with `delta` applied, an array of its shape and dtype: `base` itself, changed, with `in_place`
+    where it is writable and contiguous (a buffer the caller owns), else a new array."""
+    out = base if in_place and base.flags.writeable and base.flags.c_contiguous else np.array(base, order="C")
     elements = _elements(out)
     if delta[:1] == bytes([_DENSE]):
         xor = np.frombuffer(zstd.decompress(delta[1:], elements.nbytes), elements.dtype)

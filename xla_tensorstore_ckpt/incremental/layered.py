@@ -209,7 +209,8 @@ class _Rebuilt:
         with self._lock:
             if self.value is None:
                 try:
-                    self.value = deltas.apply(self.base.result(), self.frame())
+                    # the base chunk was read into a buffer of its own (`np.empty`): the delta goes in place
+                    self.value = deltas.apply(self.base.result(), self.frame(), in_place=True)
                 except ValueError as exc:
                     raise CorruptCheckpointError(f"{self.where}, a delta chunk: {exc}") from None
             return self.value
