@@ -170,7 +170,7 @@ def test_delta_chain_and_damaged_delta(tmp_path):
     with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1, delta=True)) as mgr:
         for step in range(1, 5):
             mgr.save(step, extra={"w": _rl_weights(step)})
-        assert mgr.all_steps() == [1, 2, 3, 4] and mgr.metadata(4).bases == (3,)
+        assert mgr.all_steps() == [1, 2, 3, 4] and mgr.metadata(4).bases == (1, 2, 3)  # anchor 1, frames of 2-4
     for step in range(1, 5):
         assert torch.equal(xtc.restore(tmp_path / str(step) / "extra")["w"], _rl_weights(step))
     assert cli.main(["verify", str(tmp_path / "4")]) == 0
@@ -214,8 +214,10 @@ def test_spmd_sharded_chunks_referenced_and_restored_resharded(tmp_path, mesh_4x
     assert torch.equal(target["w"].cpu(), changed)
     table = json.loads((tmp_path / "2" / "extra" / "_chunk_hashes.process_0.json").read_text())
     chunks = table["arrays"]["w"]["chunks"]
-    assert sorted(k for k, (_, step, _, delta) in chunks.items() if step is None) == ["0.0"]
-    assert chunks["0.0"][3] is not None  # stored as a delta
+    assert sorted(k for k, (_, step, delta) in chunks.items() if step is None and delta is None) == []
+    anchor, links = chunks["0.0"][2]  # stored as a delta on step 1's chunk
+    assert anchor == 1 and [link[0] for link in links] == [None]
+    assert all(chunks[k][1] == 1 for k in chunks if k != "0.0")
 
 
 def test_two_processes_reference_and_delta_their_own_chunks(tmp_path):

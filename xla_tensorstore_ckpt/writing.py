@@ -131,7 +131,7 @@ class ChunkWriter:
                  zstd_level: int | None = None, base: BaseStep | None = None):
         self.item, self.writer, self.store = loc, writer, plan.store
         # Incremental saves: unchanged chunks are referenced, not written (`incremental.saving`).
-        self.recorder = Recorder(loc, base) if base is not None else None
+        self.recorder = Recorder(loc, base, writer) if base is not None else None
         self.zstd_level = zstd_level
         self.ocdbt = plan.store.kind == "ocdbt"
         self.writeback = writeback and not loc.capabilities.durable_writes
@@ -185,7 +185,7 @@ class ChunkWriter:
         """After the last batch: start finishing the stores written here (`writes.pending` includes it)."""
         self.writes.pending.extend(lane.finish() for lane in self.lanes.values())
         if self.recorder is not None:
-            self.writes.files.extend(self.recorder.finish(self.item, self.writer))
+            self.writes.files.extend(self.recorder.finish(self.item))
 
     def abandon(self) -> None:
         """After a failure: wait for the writes started (their errors no longer matter) and close every file."""

@@ -4,8 +4,9 @@ reads, tensorstore, object stores alike). `arrays.reader` returns it for an item
 references (`refs`), so every reader of ours follows them: restore in every mode, ``xtckpt`` (show, stats,
 diff, verify, convert), `plan_restore`. A region that lies in one step is one read there; one spanning chunks of
 several steps is read piece by piece (each piece within one chunk) and assembled. A delta chunk (`tables`) is
-read whole from the step it XORs with (itself perhaps a delta: the chain), its frame read from this item's delta
-file, checked (CRC32C), decompressed and XORed into it.
+its anchor's chunk, read whole from the anchor step's own store, with the chain's frames applied in order, each
+read from the delta file of this item or of the step holding it, checked (CRC32C) and applied (`deltas`): chains
+are flattened, so no step between is opened.
 
 A base step that is missing, or whose array differs from the one the tables describe, is a
 `CorruptCheckpointError` naming the item, the array, the step and its path.
@@ -28,9 +29,8 @@ from ..records import ArrayMetadata, ArrayStore
 from . import deltas, tables
 
 Own = None  # a chunk's source: the item's own store
-# Where a chunk is: (the step holding it, None: this item; and for a delta chunk of this item, its delta file
-# and the delta's entry `tables.Delta`).
-Where = tuple[int | None, tuple[str, tables.Delta] | None]
+# Where a chunk is: (the step holding it whole, None: this item; or a delta chain `tables.Delta`)
+Where = tuple[int | None, tables.Delta | None]
 
 
 class LayeredReader(ArrayReader):
@@ -68,32 +68,37 @@ class LayeredReader(ArrayReader):
             if self._where is None:
                 where: dict[str, dict[tuple[int, ...], Where]] = {}
                 for table in self.refs.tables:
-                    found = tables.read_with_deltas(self.item, table)
+                    found = tables.read(self.item, table)
                     if found is None:
                         raise CorruptCheckpointError(f"{self.item}: its chunk table {table} is missing or of "
                                                      f"another hash; the item's references cannot be followed")
-                    for array, entry in found[0].items():
+                    for array, entry in found.items():
                         chunks = where.setdefault(array, {})
-                        for index, (_, step, _, delta) in entry.chunks.items():
+                        for index, (_, step, delta) in entry.chunks.items():
                             position = tuple(int(i) for i in index.split(".")) if index else ()
-                            chunks[position] = (step, None if delta is None else (found[1], delta))
+                            chunks[position] = (step, delta)
                 self._where = where
             return self._where.get(name, {})
 
-    def read_delta(self, file: str, delta: tables.Delta, meta: ArrayMetadata) -> bytes:
-        """The checked frame of a delta chunk. Blocks."""
-        _, at, length, crc = delta
-        frame = self.item.read_range(file, at, at + length).result()
+    def read_frame(self, link: tables.Link, meta: ArrayMetadata) -> bytes:
+        """The checked frame of one delta of a chain. Blocks."""
+        step, file, at, length, crc = link
+        item = self.item if step is None else self.step_item(step)
+        frame = item.read_range(file, at, at + length).result()
         if frame is None or len(frame) != length or crc32c.crc32c(frame) != crc:
-            raise CorruptCheckpointError(f"{self.item.child(file)}: the delta of a chunk of array {meta.path} "
+            raise CorruptCheckpointError(f"{item.child(file)}: the delta of a chunk of array {meta.path} "
                                          f"(bytes {at}-{at + length}) is missing or damaged (CRC32C mismatch)")
         return frame
+
+    def step_item(self, step: int) -> storage.Location:
+        """This item in base `step` (a sibling step directory)."""
+        return self.item.parent.parent.child(self.refs.base_dir(step), self.item.name)
 
     def base_array(self, step: int, meta: ArrayMetadata) -> arrays.Opening:
         """Start opening array `meta` in base `step`, checked against `meta`."""
         with self._lock:
             if step not in self._bases:
-                loc = self.item.parent.parent.child(self.refs.base_dir(step), self.item.name)
+                loc = self.step_item(step)
                 try:
                     manifest = formats.read_item(loc)
                 except CheckpointError as exc:
@@ -101,8 +106,9 @@ class LayeredReader(ArrayReader):
                         f"{self.item}: array {meta.path} references chunks of step {step} at {loc}, which is "
                         f"missing or damaged ({exc}); that step was deleted or is incomplete") from exc
                 metas = {m.path: m for _, m in manifest.arrays()}
-                # The base's own reader: references are flattened, but a chunk held there may be a delta
-                self._bases[step] = (arrays.reader(loc, manifest.store, self.context), metas)
+                # Its own store only: references and chains are flattened, what is read there is held there whole
+                self._bases[step] = (arrays.reader(loc, dataclasses.replace(manifest.store, refs=None),
+                                                   self.context), metas)
             reader, metas = self._bases[step]
         base = metas.get(meta.path)
         if base is None or (tuple(base.shape), base.dtype, tuple(base.chunk_shape)) != (
@@ -119,18 +125,18 @@ class _Opening:
     def result(self) -> StoredArray:
         where = self.reader.chunk_steps(self.meta.path)
         steps = sorted({s for s, _ in where.values() if s is not None}
-                       | {d[1][0] for _, d in where.values() if d is not None})
+                       | {d[0] for _, d in where.values() if d is not None})
         bases = {s: self.reader.base_array(s, self.meta) for s in steps}
         return LayeredArray(self.own.result(), {s: o.result() for s, o in bases.items()}, where,
-                            lambda file, delta: self.reader.read_delta(file, delta, self.meta))
+                            lambda link: self.reader.read_frame(link, self.meta))
 
 
 class LayeredArray:
     """An array whose chunks live in several steps (see the module)."""
 
     def __init__(self, own: StoredArray, bases: dict[int, StoredArray], where: dict[tuple[int, ...], Where],
-                 read_delta):
-        self.own, self.bases, self.where, self.read_delta = own, bases, where, read_delta
+                 read_frame):
+        self.own, self.bases, self.where, self.read_frame = own, bases, where, read_frame
         self.location, self.shape, self.dtype_name = own.location, own.shape, own.dtype_name
         self.chunk_shape, self.reads_whole_chunks = own.chunk_shape, own.reads_whole_chunks
 
@@ -190,27 +196,31 @@ class _DeltaChunk:
     def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, PendingRead]:
         chunk = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(self.index, self.array.chunk_shape,
                                                                     self.array.shape))
-        step, (file, delta) = self.array.where[self.index]
-        base = self.array.bases[delta[0]].read([chunk])[chunk]
-        whole = _Rebuilt(base, lambda: self.array.read_delta(file, delta),
+        anchor, links = self.array.where[self.index][1]
+        base = self.array.bases[anchor].read([chunk])[chunk]
+        whole = _Rebuilt(base, lambda: [self.array.read_frame(link) for link in links],
                          f"{self.array.location}: chunk {list(self.index)}")
         return {r: _Cut(whole, tuple(slice(a - ca, b - ca) for (a, b), (ca, _) in zip(r, chunk)), empty)
                 for r in regions}
 
 
 class _Rebuilt:
-    """A delta chunk's values, rebuilt once however many regions cut from it."""
+    """A delta chunk's values (its anchor's chunk, the chain applied), rebuilt once however many regions cut
+    from it."""
 
-    def __init__(self, base: PendingRead, frame, where: str):
-        self.base, self.frame, self.where = base, frame, where
+    def __init__(self, base: PendingRead, frames, where: str):
+        self.base, self.frames, self.where = base, frames, where
         self.value, self._lock = None, threading.Lock()
 
     def result(self) -> np.ndarray:
         with self._lock:
             if self.value is None:
                 try:
-                    # the base chunk was read into a buffer of its own (`np.empty`): the delta goes in place
-                    self.value = deltas.apply(self.base.result(), self.frame(), in_place=True)
+                    # the anchor's chunk was read into a buffer of its own (`np.empty`): deltas go in place
+                    value = self.base.result()
+                    for frame in self.frames():
+                        value = deltas.apply(value, frame, in_place=True)
+                    self.value = value
                 except ValueError as exc:
                     raise CorruptCheckpointError(f"{self.where}, a delta chunk: {exc}") from None
             return self.value

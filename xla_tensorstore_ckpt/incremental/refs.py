@@ -67,8 +67,11 @@ def summarize(tables: dict[str, dict], step_dir) -> ItemRefs:
     bases, arrays = set(), set()
     for table in tables.values():
         for name, entry in table.items():
-            stored = {s for _, s, _, _ in entry.chunks.values() if s is not None}
-            stored |= {d[0] for _, _, _, d in entry.chunks.values() if d is not None}  # deltas XOR with a base
+            stored = {s for _, s, _ in entry.chunks.values() if s is not None}
+            for _, _, delta in entry.chunks.values():  # a delta chain: its anchor and the steps of its frames
+                if delta is not None:
+                    stored |= {delta[0]} | {link[0] for link in delta[1] if link[0] is not None}
+                    arrays.add(name)
             if stored:
                 bases |= stored
                 arrays.add(name)

@@ -49,8 +49,8 @@ class Recorder:
     written), and with deltas the base's changed chunks. Raises `CheckpointError` naming the base's file if a
     table or a chunk of it is damaged."""
 
-    def __init__(self, item: Location, base: BaseStep):
-        self.options = base
+    def __init__(self, item: Location, base: BaseStep, writer: int):
+        self.options, self.writer = base, writer
         self.base_item = base.location.child(item.name) if base.location is not None else None
         self.base = _base_tables(self.base_item, base.step) if self.base_item is not None else {}
         self.table: dict[str, tables.ArrayChunks] = {}
@@ -83,7 +83,7 @@ class Recorder:
             entry = self.table[meta.path] = tables.ArrayChunks(tuple(meta.shape), meta.dtype,
                                                                tuple(meta.chunk_shape), {})
         index = tables.index_name(tuple(a // c for (a, _), c in zip(region, meta.chunk_shape)))
-        chunk: tables.Chunk = (digest, None, 0, None)
+        chunk: tables.Chunk = (digest, None, None)
         base = self.base.get(meta.path)
         if base is not None:
             if (base.shape, base.dtype, base.chunk_shape) != (entry.shape, entry.dtype, entry.chunk_shape):
@@ -92,41 +92,41 @@ class Recorder:
             else:
                 hit = base.chunks.get(index)
                 if hit is not None and hit[0] == digest:
-                    chunk = (digest, hit[1], hit[2], None)
-                elif hit is not None and self.options.delta and hit[2] < self.options.max_chain:
-                    chunk = self._delta(meta, region, array, digest, hit[2]) or chunk
+                    chunk = hit  # unchanged: where the base has it (whole in a step, or a chain)
+                elif hit is not None and self.options.delta and len((hit[2] or (0, ()))[1]) < self.options.max_chain:
+                    chunk = self._delta(meta, region, array, digest, hit) or chunk
         entry.chunks[index] = chunk
-        return chunk[1] is not None or chunk[3] is not None
+        return chunk[1] is not None or chunk[2] is not None
 
-    def _delta(self, meta, region, array, digest: str, chain: int) -> tables.Chunk | None:
-        """The chunk as a delta against the base's, if its frame is small enough."""
+    def _delta(self, meta, region, array, digest: str, hit: tables.Chunk) -> tables.Chunk | None:
+        """The chunk as the base's chunk's chain plus one delta, if its frame is small enough."""
         if self._reader is None:
             self._reader = arrays.reader(self.base_item, formats.read_item(self.base_item).store)
         base = self._reader.open(meta).result().read([region])[region].result()
         frame = deltas.encode(array, base)
         if len(frame) > self.options.delta_max_ratio * array.nbytes:
             return None
-        at = self.delta_bytes
+        link = (None, tables.delta_name(self.writer), self.delta_bytes, len(frame), crc32c.crc32c(frame))
         self.frames.append(frame)
         self.delta_bytes += len(frame)
-        return (digest, None, chain + 1, (self.options.step, at, len(frame), crc32c.crc32c(frame)))
+        anchor, links = hit[2] if hit[2] is not None else (hit[1], ())
+        return (digest, None, (anchor, (*links, link)))
 
-    def finish(self, item: Location, writer: int) -> list[str]:
+    def finish(self, item: Location) -> list[str]:
         """Write this process's table (and delta file) into `item`, made durable by the commit with the
         stores; their names."""
         if self._reader is not None:
             self._reader.close()
-        name, frames = tables.table_name(writer), tables.delta_name(writer)
+        name, frames = tables.table_name(self.writer), tables.delta_name(self.writer)
         item.write(frames, b"".join(self.frames), fsync=False)
-        item.write(name, tables.encode(self.table, frames), fsync=False)
+        item.write(name, tables.encode(self.table), fsync=False)
         for path, why in self.whole.items():
             logger.info("incremental save of %s: %s written whole: %s", item, path, why)
         return [frames, name]
 
 
 def _base_tables(item: Location, step: int) -> dict[str, tables.ArrayChunks]:
-    """The base item's chunks, merged over its tables, each with the step that holds it (a delta chunk of the
-    base is held by the base)."""
+    """The base item's chunks, merged over its tables, with every "this item" resolved to the base's step."""
     try:
         manifest = formats.read_item(item)
     except CheckpointError:
@@ -135,12 +135,20 @@ def _base_tables(item: Location, step: int) -> dict[str, tables.ArrayChunks]:
     merged: dict[str, tables.ArrayChunks] = {}
     for name in (refs.tables if refs is not None else ()):
         for array, entry in (tables.read(item, name) or {}).items():
-            chunks = {i: (h, step if s is None else s, c, None) for i, (h, s, c, _) in entry.chunks.items()}
+            chunks = {i: _resolved(chunk, step) for i, chunk in entry.chunks.items()}
             if array in merged:
                 merged[array].chunks.update(chunks)
             else:
                 merged[array] = dataclasses.replace(entry, chunks=chunks)
     return merged
+
+
+def _resolved(chunk: tables.Chunk, step: int) -> tables.Chunk:
+    digest, held, delta = chunk
+    if delta is not None:
+        anchor, links = delta
+        return (digest, None, (anchor, tuple((step if s is None else s, *rest) for s, *rest in links)))
+    return (digest, step if held is None else held, None)
 
 
 def commit_refs(coordinator: Coordinator, location: Location, plans: dict, marker: StepMetadata,

@@ -2,15 +2,16 @@
 and the step whose store holds the chunk's bytes. File ``<item>/_chunk_hashes.process_<i>.json`` (`table_name`),
 JSON, its CRC32C last in it (`formats.checksums`), durable with the process's stores before the commit:
 
-``{"format": 1, "hash": "xxh3_128", "deltas": "_chunk_deltas.process_<i>", "arrays": {"<array name>":
-{"shape": [...], "dtype": "bfloat16", "chunk_shape": [...], "chunks": {"0.1": ["<32 hex digits>", null | <step>,
-<chain>, null | [<base step>, <offset>, <length>, <crc32c>]]}}}, "crc32c": "..."}``
+``{"format": 1, "hash": "xxh3_128", "arrays": {"<array name>": {"shape": [...], "dtype": "bfloat16",
+"chunk_shape": [...], "chunks": {"0.1": ["<32 hex digits>", null | <step>, null | [<anchor step>, [[null |
+<step>, "<delta file>", <offset>, <length>, <crc32c>], ...]]]}}}, "crc32c": "..."}``
 
-A chunk's step is null when this item holds it, else the step that holds it (never a step that itself
-references it: references are flattened when recorded). An item holds a chunk in its own store, or as a *delta*:
-the zstd frame of its bytes XORed with the same chunk of the base step named, at `offset`, `length` bytes long,
-in the process's delta file (``"deltas"``), with the frame's CRC32C. `chain` counts the deltas a read of the chunk
-applies (0: stored whole; a referenced chunk has the chain it has where it is stored).
+A chunk is held whole in this item's store (step and delta null), or whole in another step's store (its step:
+a reference, flattened when recorded, so that step holds it itself), or as a *delta chain* (delta not null): the
+chunk of the anchor step (held whole there) with each delta of the list applied in order, each the frame of a
+bitwise XOR (`deltas`), `length` bytes at `offset` in a delta file of this item (step null) or of the step named,
+with its CRC32C. Chains are flattened too: a reader reads the anchor's chunk and the frames, never the steps in
+between through their own tables.
 
 The next incremental save reads every table of its base item; a reader of an item with references reads them to
 learn where each chunk lives (`refs`, `layered`).
@@ -32,8 +33,9 @@ FORMAT = 1
 _HASH = re.compile(r"[0-9a-f]{32}")
 _INDEX = re.compile(r"[0-9]+(\.[0-9]+)*|")
 
-Delta = tuple[int, int, int, int]  # (the base step it XORs with, offset, length, CRC32C of the frame)
-Chunk = tuple[str, int | None, int, Delta | None]  # (hash, the step holding it or None, chain, delta or None)
+Link = tuple[int | None, str, int, int, int]  # a delta frame: (its step or None: this item, file, offset, length, crc)
+Delta = tuple[int, tuple[Link, ...]]  # (the anchor step, the frames applied to its chunk, in order)
+Chunk = tuple[str, int | None, Delta | None]  # (hash, the step holding it whole or None, delta chain or None)
 DELTAS = layout.CHUNK_DELTAS_PREFIX
 
 
@@ -62,25 +64,19 @@ class ArrayChunks:
     chunks: dict[str, Chunk]
 
 
-def encode(arrays: dict[str, ArrayChunks], deltas: str) -> bytes:
-    """A table's bytes (`deltas`: the name of the process's delta file). Called once per item by each process at
-    the end of its writes."""
+def encode(arrays: dict[str, ArrayChunks]) -> bytes:
+    """A table's bytes. Called once per item by each process at the end of its writes."""
     body = {name: {"shape": list(a.shape), "dtype": a.dtype, "chunk_shape": list(a.chunk_shape),
-                   "chunks": {i: [h, s, c, None if d is None else list(d)] for i, (h, s, c, d) in a.chunks.items()}}
+                   "chunks": {i: [h, s, None if d is None else [d[0], [list(link) for link in d[1]]]]
+                              for i, (h, s, d) in a.chunks.items()}}
             for name, a in arrays.items()}
-    doc = {"format": FORMAT, "hash": ALGORITHM, "deltas": deltas, "arrays": body}
+    doc = {"format": FORMAT, "hash": ALGORITHM, "arrays": body}
     return checksums.seal(doc, doc, indent=None)
 
 
 def read(item: Location, name: str) -> dict[str, ArrayChunks] | None:
     """The table `name` of `item`, or None if the file is absent or hashed with another algorithm (nothing in
     it can match). Raises `CorruptCheckpointError` naming the file if it is damaged or malformed. Blocks."""
-    found = read_with_deltas(item, name)
-    return None if found is None else found[0]
-
-
-def read_with_deltas(item: Location, name: str) -> tuple[dict[str, ArrayChunks], str] | None:
-    """`read`, and the name of the table's delta file."""
     data = item.read(name)
     if data is None:
         return None
@@ -91,8 +87,7 @@ def read_with_deltas(item: Location, name: str) -> tuple[dict[str, ArrayChunks],
         raise CorruptCheckpointError(f"{where}: not a chunk table of format {FORMAT}")
     if doc.get("hash") != ALGORITHM:
         return None
-    deltas = layout.relative_path(doc.get("deltas"), where=where, what="delta file", single=True)
-    return {array: _array(entry, f"{where}: array {array!r}") for array, entry in doc["arrays"].items()}, deltas
+    return {array: _array(entry, f"{where}: array {array!r}") for array, entry in doc["arrays"].items()}
 
 
 def _array(entry: object, where: str) -> ArrayChunks:
@@ -101,20 +96,29 @@ def _array(entry: object, where: str) -> ArrayChunks:
         chunk_shape = tuple(_int(n) for n in entry["chunk_shape"])
         dtype = entry["dtype"]
         chunks = {}
-        for index, (digest, step, chain, delta) in entry["chunks"].items():
+        for index, (digest, step, delta) in entry["chunks"].items():
             if not (_INDEX.fullmatch(index) and isinstance(digest, str) and _HASH.fullmatch(digest)
-                    and (step is None or _int(step) >= 0) and _int(chain) >= 0):
+                    and (step is None or _int(step) >= 0)):
                 raise ValueError(index)
             if delta is not None:
-                delta = tuple(_int(v) for v in delta)
-                if len(delta) != 4 or step is not None:
+                if step is not None:
                     raise ValueError(index)
-            chunks[index] = (digest, step, chain, delta)
+                anchor, links = delta
+                delta = (_int(anchor), tuple(_link(link, where) for link in links))
+            chunks[index] = (digest, step, delta)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{where}: malformed chunk table entry ({exc!r})") from None
     if not isinstance(dtype, str) or len(shape) != len(chunk_shape):
         raise CorruptCheckpointError(f"{where}: malformed chunk table entry")
     return ArrayChunks(shape, dtype, chunk_shape, chunks)
+
+
+def _link(link: object, where: str) -> Link:
+    step, file, at, length, crc = link
+    layout.relative_path(file, where=where, what="delta file", single=True)
+    if not file.startswith(DELTAS):
+        raise ValueError(file)
+    return (None if step is None else _int(step), file, _int(at), _int(length), _int(crc))
 
 
 def _int(value: object) -> int:
