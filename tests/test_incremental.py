@@ -88,7 +88,8 @@ def test_chunks_read_across_steps_by_region(saved, capsys):
     `xtckpt steps` names the bases, `xtckpt verify` checks the chunks of every step a step references."""
     root, _ = saved
     assert cli.main(["steps", str(root)]) == 0
-    assert "references steps 1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "references steps 1" in out and "base of steps 3, 4" in out
     expected = _state(4)[1]["big"]
     got = xtc.restore(root / "4" / "extra", target={"frozen": torch.zeros(64, 32), "adapter": torch.zeros(8, 4),
                                                     "big": torch.zeros(64, 16, dtype=torch.bfloat16), "step": 0})
@@ -114,13 +115,21 @@ def test_a_missing_base_is_an_error_naming_step_and_path(saved, tmp_path):
 
 
 def test_resave_in_place_and_manager_restore(tmp_path):
-    """The manager's restore (in place) of an incremental step; a changed dtype is written whole."""
-    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1)) as mgr:
+    """The manager's restore (in place) of an incremental step; a changed dtype is written whole, and the
+    events say so, as they say which steps retention keeps only as bases."""
+    seen = []
+    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1, listeners=(seen.append,))) as mgr:
         mgr.save(1, extra={"w": torch.arange(12.0).reshape(3, 4)})
         mgr.save(2, extra={"w": torch.arange(12.0).reshape(3, 4).double()})  # dtype changed: whole
         assert mgr.metadata(2).bases == ()
         mgr.save(3, extra={"w": torch.arange(12.0).reshape(3, 4).double()})
         assert mgr.metadata(3).bases == (2,) and mgr.all_steps() == [2, 3]
+        written = {e.step: e.details for e in seen if e.kind == "save_written"}
+        assert list(written[2]["written_whole"]) == ["extra/w"] and "float32" in written[2]["written_whole"]["extra/w"]
+        assert "written_whole" not in written[3]
+        committed = {e.step: e.details for e in seen if e.kind == "save_committed"}
+        assert committed[3]["bases"] == [2] and committed[3]["kept_as_bases"] == {2: [3]}
+        assert "kept_as_bases" not in committed[2]
         target = {"w": torch.zeros(3, 4, dtype=torch.float64)}
         assert mgr.restore(3, extra=target) == 3
         with pytest.raises(xtc.UsageError, match=r"cannot delete step 2 .*steps \[3\] reference"):
@@ -171,6 +180,7 @@ def test_delta_chain_and_damaged_delta(tmp_path):
         for step in range(1, 5):
             mgr.save(step, extra={"w": _rl_weights(step)})
         assert mgr.all_steps() == [1, 2, 3, 4] and mgr.metadata(4).bases == (1, 2, 3)  # anchor 1, frames of 2-4
+        assert mgr.metadata(4).chain == 3
     for step in range(1, 5):
         assert torch.equal(xtc.restore(tmp_path / str(step) / "extra")["w"], _rl_weights(step))
     assert cli.main(["verify", str(tmp_path / "4")]) == 0

@@ -65,9 +65,13 @@ def cmd_steps(args: argparse.Namespace) -> int:
 
 
 def _bases_text(step: inspection.StepInfo) -> str:
-    """An incremental step's bases (the steps holding chunks it references), before its metrics."""
+    """An incremental step's bases (the steps holding chunks it references) and longest delta chain, and the
+    steps referencing this one (which keep it), before its metrics."""
     bases = step.marker.bases if step.marker is not None else ()
-    return f"references steps {', '.join(map(str, bases))}  " if bases else ""
+    chain = step.marker.chain if step.marker is not None else 0
+    text = f"references steps {', '.join(map(str, bases))}" + (f" (delta chain {chain})" if chain else "") + "  " \
+        if bases else ""
+    return text + (f"base of steps {', '.join(map(str, step.base_of))}  " if step.base_of else "")
 
 
 def cmd_tree(args: argparse.Namespace) -> int:

@@ -159,11 +159,19 @@ def steps_to_delete(policy: Preservation, committed: Committed, pinned: Iterable
     """The committed steps `policy` lets go, oldest first; the newest step is always kept, and so is every step
     a kept step references (its `StepMetadata.bases`: an incremental step's chunks stored there) and every step
     in `pinned` (the bases of saves in flight)."""
+    return retention(policy, committed, pinned)[0]
+
+
+def retention(policy: Preservation, committed: Committed,
+              pinned: Iterable[int] = ()) -> tuple[list[int], dict[int, list[int]]]:
+    """`steps_to_delete`, and the steps kept only as bases: each with the kept steps that reference it (the
+    manager tells this in ``save_committed``)."""
     if not committed:
-        return []
+        return [], {}
     keep = set(policy.keep(committed)) | {max(committed)} | (set(pinned) & set(committed))
     as_bases = kept_as_bases(keep, committed)
-    return [s for s in sorted(committed) if s not in keep and s not in as_bases]
+    held = {b: sorted(s for s in keep | as_bases if b in committed[s].bases) for b in sorted(as_bases)}
+    return [s for s in sorted(committed) if s not in keep and s not in as_bases], held
 
 
 def kept_as_bases(keep: set[int], committed: Committed) -> set[int]:

@@ -169,3 +169,5 @@ class StepMetadata:
     tiers: tuple[str, ...] = ()
     # An incremental step: the steps holding chunks it references (`incremental`); retention keeps them.
     bases: tuple[int, ...] = ()
+    # A delta step: the most deltas a restore of one of its chunks applies to the anchor's chunk (0: none).
+    chain: int = 0

@@ -9,6 +9,7 @@ process learns the outcome). `committed()` and friends are thread-safe: a backgr
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 import warnings
@@ -23,6 +24,8 @@ from .records import StepMetadata
 from .root_lock import RootLock
 from .steps import StepEntry, StepIndex
 from .storage import Location
+
+logger = logging.getLogger("xla_tensorstore_ckpt")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Tier:
         self._guard = threading.Lock()
         self._steps: dict[int, StepMetadata] = {}
         self._pins: list[int] = []  # bases of incremental saves in flight: retention keeps them
+        self._held: set[int] = set()  # steps retention keeps only as bases (logged when one joins)
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -175,7 +179,8 @@ class Tier:
     def commit(self, coordinator: Coordinator, save: PendingSave, *, fsync: bool, committed_at: float,
                on_written: Callable[[writing.Writes], None] | None = None) -> list[int]:
         """Finish the writes of `save` (then call `on_written` with them), write its manifests and marker, put it
-        in place, refresh the lock; return the steps retention lets go (not deleted yet: see `delete`)."""
+        in place, refresh the lock; return the steps retention lets go (not deleted yet: see `delete`) and the
+        steps it keeps only as bases of kept steps (`policies.retention`)."""
         what = f"step {save.step} at {save.final}"
         try:
             writes = commit.finish_writes(coordinator, save.location, save.start, fsync=fsync, what=what)
@@ -192,18 +197,23 @@ class Tier:
         finally:
             self.unpin(save.base)
 
-        def retain() -> list[int]:
+        def retain() -> tuple[list[int], dict[int, list[int]]]:
             self.lock.heartbeat()
             with self._guard:
                 pins = list(self._pins)
-            return policies.steps_to_delete(self.preservation, {**self.committed(), save.step: marker}, pins)
+            return policies.retention(self.preservation, {**self.committed(), save.step: marker}, pins)
 
-        doomed = coordinator.on_primary(f"retention after step {save.step}", retain, share=True)
+        doomed, held = coordinator.on_primary(f"retention after step {save.step}", retain, share=True)
         with self._guard:
             self._steps[save.step] = marker
             for old in doomed:
                 self._steps.pop(old, None)
-        return doomed
+            newly = sorted(set(held) - self._held)
+            self._held = set(held)
+        if newly and coordinator.is_primary:  # once per step, not at every commit that still keeps it
+            logger.info("retention of %s keeps steps %s only as bases of steps %s (their chunks are referenced)",
+                        self.root, newly, sorted({u for s in newly for u in held[s]}))
+        return doomed, held
 
     def delete(self, step: int) -> None:
         """Delete a step's files (marker first). Primary only; not collective."""

@@ -10,7 +10,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,18 +34,21 @@ def deferred_writes(loc: storage.Location, plans: Mapping[str, SavePlan], staged
 class Writes:
     """The writes a process started for one item: the futures to wait for, and what they create (relative to
     the item directory), which a save that syncs makes durable once they are done: `files`, and `trees`
-    (directories whose every file is this process's, such as its OCDBT store)."""
+    (directories whose every file is this process's, such as its OCDBT store). For an incremental save, also
+    `whole`: the arrays it wrote whole although the base has them, and why (told in ``save_written``)."""
 
     pending: list[arrays.Pending]
     files: list[str]
     trees: list[str]
+    whole: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
     def combined(by_item: Mapping[str, Writes]) -> Writes:
         """The writes of several items as one, names relative to their parent (``<item>/...``)."""
         return Writes([p for w in by_item.values() for p in w.pending],
                       [f"{item}/{f}" for item, w in by_item.items() for f in w.files],
-                      [f"{item}/{t}" for item, w in by_item.items() for t in w.trees])
+                      [f"{item}/{t}" for item, w in by_item.items() for t in w.trees],
+                      {f"{item}/{a}": why for item, w in by_item.items() for a, why in w.whole.items()})
 
 
 def write_staged(loc: storage.Location, plan: SavePlan, staged: Staged, options: SaveOptions, *,
@@ -186,6 +189,7 @@ class ChunkWriter:
         self.writes.pending.extend(lane.finish() for lane in self.lanes.values())
         if self.recorder is not None:
             self.writes.files.extend(self.recorder.finish(self.item))
+            self.writes.whole.update(self.recorder.whole)
 
     def abandon(self) -> None:
         """After a failure: wait for the writes started (their errors no longer matter) and close every file."""

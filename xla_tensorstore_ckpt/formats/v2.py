@@ -16,7 +16,8 @@ Step ``_CHECKPOINT_METADATA``: Orbax's document (`orbax.step_document`) with ``{
 "items", "versions", "process_count"}`` under ``custom_metadata["xla_tensorstore_ckpt"]``; a step of a
 manager's local tier adds ``"local_tier": {"writer": <process index>, "persistent_copy": <bool>,
 "persistent_root": <the persistent tier's root>}``; an incremental step adds ``"bases": [<steps it
-references>]``; the object ends with ``"crc32c"``, the file's checksum.
+references>]``, a delta step ``"chain": <its longest chain of deltas>``; the object ends with ``"crc32c"``,
+the file's checksum.
 Documents without checksums (written before them) read as before, with nothing to verify.
 """
 
@@ -164,6 +165,8 @@ def encode_step(marker: StepMetadata) -> bytes:
             "versions": marker.versions, "process_count": marker.process_count}
     if marker.bases:  # an incremental step: the steps it references (retention keeps them)
         mine["bases"] = list(marker.bases)
+    if marker.chain:  # a delta step: its longest chain of deltas
+        mine["chain"] = marker.chain
     if marker.writer is not None:
         mine["local_tier"] = {"writer": marker.writer, "persistent_copy": marker.persistent_copy,
                               "persistent_root": marker.persistent_root}
@@ -200,6 +203,7 @@ def decode_step(_loc: Location, doc: dict, _step: int | None, *, where: str) -> 
                         versions=versions if isinstance(versions, dict) else None,
                         process_count=v1.integer(mine.get("process_count", 1), where, minimum=1),
                         format_version=VERSION, bases=bases,
+                        chain=v1.integer(mine.get("chain", 0), where, minimum=0),
                         writer=None if local is None else v1.integer(local.get("writer"), where, minimum=0),
                         persistent_copy=bool(local and local["persistent_copy"]),
                         persistent_root=None if local is None else local["persistent_root"])

@@ -171,4 +171,5 @@ def commit_refs(coordinator: Coordinator, location: Location, plans: dict, marke
         store = dataclasses.replace(plan.manifest.store, refs=item_refs)
         out[name] = dataclasses.replace(plan, manifest=dataclasses.replace(plan.manifest, store=store))
     bases = sorted({s for value in found.values() for s, _ in value["bases"]})
-    return out, dataclasses.replace(marker, bases=tuple(bases))
+    chain = max((value["chain"] for value in found.values()), default=0)
+    return out, dataclasses.replace(marker, bases=tuple(bases), chain=chain)
