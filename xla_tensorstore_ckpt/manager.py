@@ -244,7 +244,8 @@ class CheckpointManager:
             destinations = [step_save.Destination(managed.tier, self._caller_side(managed), own_copy=managed.is_local,
                                                   plan_caches=managed.plan_caches,
                                                   incremental=self._incremental(managed),
-                                                  delta=self._options.delta, max_chain=self._options.max_chain)
+                                                  delta=self._options.delta, max_chain=self._options.max_chain,
+                                                  page_cache=managed.is_local and self._options.local_page_cache)
                             for managed in tiers]
             pendings = step_save.stage(
                 step, destinations, states, marker, coordinator=self._coordinator,

@@ -32,6 +32,10 @@ class SaveOptions:
         `arrays.direct_ocdbt`; data files under 8 MiB stay buffered): no copy into the page cache and no fresh
         memory for it (1 GiB saved here in 1.4 s instead of 4.5 s). Off: through tensorstore and the page
         cache, which keeps a just-saved checkpoint cached for a read right after it.
+    page_cache: with `direct_io`, write the chunk data through the page cache instead (the same writing lanes,
+        buffered writes): a restore right after the save, or a restart on the same host, reads it from memory,
+        for the copy into the page cache (and the writeback an fsync then waits for). A manager sets it for its
+        local tier (`CheckpointManagerOptions.local_page_cache`); off by default (docs/multi-tier.md).
     host_batch_bytes: device bytes fetched to host per torch_xla call; writes of one batch overlap the fetch
         of the next. Bounds the replicas held at once when a tensor is partially replicated.
     single_file_max_bytes: without OCDBT, an array of at most this size whose chunks are all written by this
@@ -58,6 +62,7 @@ class SaveOptions:
     use_ocdbt: bool = True
     fsync: bool = True
     direct_io: bool = True
+    page_cache: bool = False
     host_batch_bytes: int = 64 * _MiB
     single_file_max_bytes: int = 4 * _MiB
     split_bytes: int = 16 * _MiB
@@ -83,7 +88,7 @@ class SaveOptions:
         if self.compression is None and level != zstd.DEFAULT_LEVEL:
             raise ValueError(f"compression_level={level} needs compression={zstd.NAME!r}")
         formats.writer(self.format)  # raises ValueError naming the formats written
-        for name in ("use_ocdbt", "fsync", "direct_io"):
+        for name in ("use_ocdbt", "fsync", "direct_io", "page_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("host_batch_bytes", self.host_batch_bytes)
@@ -186,6 +191,9 @@ class CheckpointManagerOptions:
         (a marker of their own, every file's CRC32C); `restore("latest")` then brings a wiped or damaged host's
         step from a peer instead of falling back to the persistent tier. Needs a local tier on a file system
         and at least k processes. See docs/multi-tier.md.
+    local_page_cache: the local tier writes its steps through the page cache (`SaveOptions.page_cache`), so that
+        a restart on the same host, or a restore right after a save, reads its newest step from memory; the
+        persistent tier writes around it (``direct_io``). On by default (docs/multi-tier.md).
     local_failure_domain: with local_replication, the failure domain of a process (index -> any hashable: a
         host, rack, slice); peers are chosen in other domains than a process's own and each other's. None: the
         processes ``index + j * count // k``.
@@ -231,6 +239,7 @@ class CheckpointManagerOptions:
     local_max_to_keep: int | None = 2
     on_local_commit: Callable[[int], None] | None = None
     local_replication: int = 1
+    local_page_cache: bool = True
     local_failure_domain: Callable[[int], Hashable] | None = None
     save_options: SaveOptions = field(default_factory=SaveOptions)
     restore_options: RestoreOptions = field(default_factory=RestoreOptions)
@@ -292,6 +301,6 @@ class CheckpointManagerOptions:
                                                                                        single=True):
             raise ValueError(f"step_prefix {self.step_prefix!r} is not a plain name")
         for name in ("create", "async_save", "save_rng", "save_on_preemption", "keep_checkpoints_without_metrics",
-                     "incremental", "delta"):
+                     "incremental", "delta", "local_page_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")

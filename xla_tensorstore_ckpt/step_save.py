@@ -36,6 +36,7 @@ class Destination:
     incremental: bool = False
     delta: bool = False
     max_chain: int = 4
+    page_cache: bool = False  # written through the page cache (`SaveOptions.page_cache`): a local tier
 
 
 def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, Any], marker: StepMetadata, *,
@@ -51,7 +52,8 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
     # Incremental saves: each tier's base, pinned against retention until the save commits or fails.
     bases = [dataclasses.replace(d.tier.base_for(step), delta=d.delta, max_chain=d.max_chain) if d.incremental
              else None for d in destinations]
-    opts = [options if b is None else dataclasses.replace(options, incremental=b) for b in bases]
+    opts = [dataclasses.replace(options, incremental=b, page_cache=options.page_cache or d.page_cache)
+            for d, b in zip(destinations, bases)]
     try:
         starts, places, plans, markers = _stage(step, destinations, states, marker, shared, coordinator, opts,
                                                 save_rng=save_rng, async_save=async_save,
