@@ -50,9 +50,9 @@ class SaveOptions:
     compression: None (chunks stored raw) or "zstd": every chunk compressed by zstd, the codec chain Orbax writes
         (``bytes`` little endian, ``zstd`` without its own checksum), followed by this library's ``crc32c``, which
         then covers the compressed bytes (`arrays.zstd`). Orbax, tensorstore and zarr-python read it; this
-        library's own direct chunk reads give such arrays to tensorstore. Off by default: trained float32 weights
-        and AdamW moments shrink only to 0.87-0.93 of their size (bfloat16 weights to 0.78), for 2-2.4x a save's
-        CPU time and up to 4.6x a warm restore's (docs/compression.md).
+        library's own direct chunk reads decompress it (`arrays.local_chunks`). Off by default: trained float32
+        weights and AdamW moments shrink only to 0.87-0.93 of their size (bfloat16 weights to 0.78), for 2-2.4x a
+        save's CPU time and more for a warm restore's (docs/compression.md).
     compression_level: zstd's level, 1-22 (3, tensorstore's default, is what Orbax writes); only with
         compression="zstd".
     incremental: set per save by a manager with ``incremental`` on (`incremental.saving.BaseStep`): chunks
