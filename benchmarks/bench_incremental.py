@@ -11,7 +11,8 @@ seconds, and restore time, on two real training workloads at small scale (CPU te
 Each variant (full, incremental, incremental + delta) runs the same training from the same seed with a
 CheckpointManager of its own (synchronous saves, fsync on: the library's defaults otherwise); figures are medians
 over the steps after the first (>= 7 with the default --steps). Restores read the step into new CPU tensors
-(`xtc.restore`), medians of --repeats, with the page cache warm (the steps were just written). Local disk only.
+(`xtc.restore`), medians of --repeats, with the page cache warm, then cold (every step of the run evicted from it
+before each restore: a restart on a fresh host). Local disk only.
 
     python benchmarks/bench_incremental.py [--steps 9] [--repeats 7] [--rl-dim 512] [--dir DIR] [--json OUT]
 """
@@ -94,16 +95,33 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def _restore_seconds(path: str, repeats: int) -> dict:
-    """Medians of `repeats` restores of `path` into new tensors: wall and CPU seconds (this process, all its
-    threads: under a loaded machine the steadier of the two)."""
-    walls, cpus = [], []
-    for _ in range(repeats):
-        begun, cpu = time.perf_counter(), time.process_time()
-        xtc.restore(path)
-        walls.append(time.perf_counter() - begun)
-        cpus.append(time.process_time() - cpu)
-    return {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
+def _evict(root: str) -> None:
+    """Drop every file under `root` from the page cache (clean pages: the saves synced them), as on a fresh host."""
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _restore_seconds(path: str, repeats: int, root: str) -> dict:
+    """Medians of `repeats` restores of `path` into new tensors, page cache warm, and as many with every step
+    under `root` evicted first (cold: the restore of a restart on a fresh host); wall and CPU seconds (this
+    process, all its threads: under a loaded machine CPU is the steadier)."""
+    out = {}
+    for mode in ("warm", "cold"):
+        walls, cpus = [], []
+        for _ in range(repeats):
+            if mode == "cold":
+                _evict(root)
+            begun, cpu = time.perf_counter(), time.process_time()
+            xtc.restore(path)
+            walls.append(time.perf_counter() - begun)
+            cpus.append(time.process_time() - cpu)
+        out[mode] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
+    return out
 
 
 def run(workload: str, variant: str, root: str, steps: int, rl_dim: int = 512) -> dict:
@@ -161,11 +179,11 @@ def main() -> None:
                 out = run(workload, variant, root, args.steps, args.rl_dim)
                 if workload == "rl":  # restore cost by chain length: step k+1 of the delta run has chain k
                     out["restore_s"] = {chain: _restore_seconds(os.path.join(root, str(chain + 1), "model"),
-                                                                args.repeats)
+                                                                args.repeats, root)
                                         for chain in (0, 1, 4, 8) if chain + 1 <= args.steps}
                 else:
                     out["restore_s"] = {"last": _restore_seconds(os.path.join(root, str(args.steps), "model"),
-                                                                 args.repeats)}
+                                                                 args.repeats, root)}
                 results[f"{workload}/{variant}"] = out
                 shutil.rmtree(root)
     finally:
@@ -178,14 +196,16 @@ def main() -> None:
 
 def _print(results: dict) -> None:
     print(f"{'workload/variant':22} {'bytes/step':>12} {'vs full':>8} {'save s':>8} {'CPU s':>7} "
-          f"{'changed':>8}  restore (chain: wall s, CPU s, CPU x full)")
+          f"{'changed':>8}  restore (chain: warm wall s, CPU s, CPU x full; cold wall s, x full)")
     for name, out in results.items():
         workload = name.split("/")[0]
         full = results[f"{workload}/full"]
         rows = out["rows"]
         changed = [r["changed"] for r in rows[1:] if r["changed"] is not None]
-        restore = ", ".join(f"{k}: {v['wall']:.4f} {v['cpu']:.4f} ({v['cpu'] / full['restore_s'][k]['cpu']:.2f}x)"
-                            for k, v in out["restore_s"].items())
+        restore = ", ".join(
+            f"{k}: {v['warm']['wall']:.4f} {v['warm']['cpu']:.4f} ({v['warm']['cpu'] / f[k]['warm']['cpu']:.2f}x); "
+            f"{v['cold']['wall']:.4f} ({v['cold']['wall'] / f[k]['cold']['wall']:.2f}x)"
+            for k, v in out["restore_s"].items() for f in [full["restore_s"]])
         share = _median(rows, "bytes") / _median(full["rows"], "bytes")
         print(f"{name:22} {_median(rows, 'bytes'):>12,.0f} {share:>8.4f} "
               f"{_median(rows, 'save_s'):>8.4f} {_median(rows, 'cpu_s'):>7.4f} "

@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 import numpy as np
@@ -29,6 +30,9 @@ from ..records import ArrayMetadata, ArrayStore
 from . import deltas, tables
 
 Own = None  # a chunk's source: the item's own store
+# Delta chunks are rebuilt here as soon as their reads are asked for, beside the other chunks' reads and each
+# other (zstd decompresses without the GIL), rather than one by one when the restore waits for each.
+_REBUILDS = ThreadPoolExecutor(2, thread_name_prefix="xtc-delta-rebuild")
 # Where a chunk is: (the step holding it whole, None: this item; or a delta chain `tables.Delta`)
 Where = tuple[int | None, tables.Delta | None]
 
@@ -197,32 +201,46 @@ class _DeltaChunk:
         chunk = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(self.index, self.array.chunk_shape,
                                                                     self.array.shape))
         anchor, links = self.array.where[self.index][1]
-        base = self.array.bases[anchor].read([chunk])[chunk]
-        whole = _Rebuilt(base, lambda: [self.array.read_frame(link) for link in links],
-                         f"{self.array.location}: chunk {list(self.index)}")
+        where = f"{self.array.location}: chunk {list(self.index)}"
+
+        def frames() -> list[bytes]:
+            return [self.array.read_frame(link) for link in links]
+
+        if list(regions) == [chunk]:  # the whole chunk: read into the caller's buffer, the deltas applied there
+            whole = _Rebuilt(self.array.bases[anchor].read([chunk], empty)[chunk], frames, where)
+            _REBUILDS.submit(whole.result)  # its error, if any, is raised again to the caller's `result`
+            return {chunk: whole}
+        whole = _Rebuilt(self.array.bases[anchor].read([chunk])[chunk], frames, where)
+        _REBUILDS.submit(whole.result)
         return {r: _Cut(whole, tuple(slice(a - ca, b - ca) for (a, b), (ca, _) in zip(r, chunk)), empty)
                 for r in regions}
 
 
 class _Rebuilt:
     """A delta chunk's values (its anchor's chunk, the chain applied), rebuilt once however many regions cut
-    from it."""
+    from it, on whichever thread asks first (`_REBUILDS`, or the restoring thread); a failure is raised to every
+    caller, never retried (deltas applied in place may have been applied in part)."""
 
     def __init__(self, base: PendingRead, frames, where: str):
         self.base, self.frames, self.where = base, frames, where
-        self.value, self._lock = None, threading.Lock()
+        self.value, self.error, self._lock = None, None, threading.Lock()
 
     def result(self) -> np.ndarray:
         with self._lock:
-            if self.value is None:
+            if self.value is None and self.error is None:
                 try:
-                    # the anchor's chunk was read into a buffer of its own (`np.empty`): deltas go in place
+                    # the anchor's chunk was read into a buffer of its own (`np.empty`, or the caller's for the
+                    # whole chunk): deltas go in place
                     value = self.base.result()
                     for frame in self.frames():
                         value = deltas.apply(value, frame, in_place=True)
                     self.value = value
                 except ValueError as exc:
-                    raise CorruptCheckpointError(f"{self.where}, a delta chunk: {exc}") from None
+                    self.error = CorruptCheckpointError(f"{self.where}, a delta chunk: {exc}")
+                except CheckpointError as exc:
+                    self.error = exc
+            if self.error is not None:
+                raise self.error
             return self.value
 
 
