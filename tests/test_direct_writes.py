@@ -196,3 +196,25 @@ def test_a_failed_write_names_the_chunk_and_file_and_commits_nothing(tmp_path, f
     assert not [f for f in _open_files() - before if str(tmp_path) in f]  # no file left open, deleted or not
     restored = {"w": torch.zeros(8)}
     assert mgr.restore("latest", extra=restored) == 1 and torch.equal(restored["w"], torch.ones(8))
+
+
+def test_the_local_tier_writes_through_the_page_cache_the_persistent_tier_around_it(tmp_path, monkeypatch):
+    """A manager's local tier is written buffered (`local_page_cache`: a same-host restart reads it warm), its
+    persistent tier with O_DIRECT; both by the direct lanes, both restored bit-exact."""
+    real_fcntl = direct_ocdbt.fcntl.fcntl
+    direct: list[str] = []
+
+    def watching(fd, command, arg=0):
+        if command == fcntl.F_SETFL and arg & os.O_DIRECT:
+            direct.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fcntl(fd, command, arg)
+
+    monkeypatch.setattr(direct_ocdbt.fcntl, "fcntl", watching)
+    state = {"large": torch.randn(9 << 18, generator=torch.Generator().manual_seed(1))}  # 9 MiB: past a window
+    options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False,
+                                           local_directory=tmp_path / "local", local_save_interval_steps=1)
+    with xtc.CheckpointManager(tmp_path / "persistent", options) as mgr:
+        mgr.save(1, model=state)
+    assert direct and all(path.startswith(str(tmp_path / "persistent")) for path in direct)
+    for root in ("persistent", "local"):
+        assert torch.equal(xtc.restore(tmp_path / root / "1" / "model")["large"], state["large"])

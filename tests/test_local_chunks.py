@@ -4,8 +4,10 @@ error naming the array, the chunk and the file."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,6 +102,41 @@ def test_every_region_holds_the_saved_values(tmp_path, monkeypatch, counted, rea
     chunks = len(xtc.ShardedArray.grid(shape, saved))
     assert sorted(counted["chunks"]) == sorted(set(counted["chunks"])) and len(counted["chunks"]) == chunks
     assert counted["tensorstore"] == []
+
+
+ZSTD_LAYOUTS = {name: dataclasses.replace(options, compression="zstd") for name, options in LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("layout_name", list(ZSTD_LAYOUTS))
+@pytest.mark.parametrize("grid", ["same-grid", "edge-chunks", "one-target", "3d"])
+def test_compressed_chunks_are_decompressed_into_every_region(tmp_path, counted, reading_thread, layout_name, grid):
+    """zstd chunks (`SaveOptions.compression`) are read here too, each once, into the target where it is one
+    block of it (same-grid, one-target) and through a buffer of its own otherwise; not by tensorstore."""
+    shape, saved, restored = GRIDS[grid]
+    full = _values(shape, torch.bfloat16)
+    full.view(-1)[::3] = 1.0  # compressible: the frame is shorter than the chunk
+    xtc.save(tmp_path / "ck", {"a": xtc.ShardedArray.from_tensor(full, saved, xtc.ShardedArray.grid(shape, saved)),
+                               "s": torch.tensor(2.5)}, options=ZSTD_LAYOUTS[layout_name])
+    indices = xtc.ShardedArray.grid(shape, restored)
+    out = xtc.restore(tmp_path / "ck", {"a": xtc.ShardedArray.target(shape, torch.bfloat16, restored, indices),
+                                        "s": torch.zeros(())})
+    for index, data in out["a"].shards:
+        assert torch.equal(data, full[_slices(index)]), index
+    assert torch.equal(out["s"], torch.tensor(2.5))
+    assert len(counted["chunks"]) == len(xtc.ShardedArray.grid(shape, saved)) + 1 and counted["tensorstore"] == []
+
+
+def test_a_compressed_chunk_of_another_size_is_an_error_naming_it(tmp_path):
+    """A zstd frame that passes its CRC32C but holds other than the chunk's bytes (written so by a broken writer)
+    is refused, naming the array, the chunk and its file."""
+    from xla_tensorstore_ckpt.arrays import direct_ocdbt
+
+    item = _save(tmp_path, dataclasses.replace(PLAIN, compression="zstd"))
+    chunk = _chunk_files(item)[0]
+    short = np.zeros((16, 64), np.float32)  # half the chunk's rows
+    open(chunk, "wb").write(b"".join(bytes(p) for p in direct_ocdbt.encode_chunk(short, (16, 64), 3)))
+    with pytest.raises(xtc.CorruptCheckpointError, match=rf"{item / 'a'}: chunk c/0/0 does not decompress.*{chunk}"):
+        xtc.restore(item)
 
 
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))

@@ -53,7 +53,7 @@ def cmd_steps(args: argparse.Namespace) -> int:
         print_json([s.to_json() for s in steps])
         return 0
     rows = [(s.step, "ignored" if s.ignored else s.status, time_text(s.committed_at), human_bytes(s.nbytes),
-             s.ignored if s.ignored else metrics_text(s.metrics) if s.status == "committed"
+             s.ignored if s.ignored else _bases_text(s) + metrics_text(s.metrics) if s.status == "committed"
              else (s.problem or "no commit marker")[:80])
             for s in steps]
     if args.local is None:
@@ -63,6 +63,16 @@ def cmd_steps(args: argparse.Namespace) -> int:
     print(table(("step", "tier", "status", "committed", "size", "metrics"),
                 [(row[0], tier, *row[1:]) for row, tier in zip(rows, tiers)], right=(0, 4)))
     return 0
+
+
+def _bases_text(step: inspection.StepInfo) -> str:
+    """An incremental step's bases (the steps holding chunks it references) and longest delta chain, and the
+    steps referencing this one (which keep it), before its metrics."""
+    bases = step.marker.bases if step.marker is not None else ()
+    chain = step.marker.chain if step.marker is not None else 0
+    text = f"references steps {', '.join(map(str, bases))}" + (f" (delta chain {chain})" if chain else "") + "  " \
+        if bases else ""
+    return text + (f"base of steps {', '.join(map(str, step.base_of))}  " if step.base_of else "")
 
 
 def cmd_tree(args: argparse.Namespace) -> int:

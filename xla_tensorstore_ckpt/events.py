@@ -9,11 +9,16 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
 * ``save_staged`` (asynchronous saves): the shards are off the devices and the caller may go on (`seconds`:
   the time `save` blocked for; `nbytes`: host bytes this process staged).
 * ``save_written`` (per tier): this process's writes are durable (`seconds` since staging; `nbytes` written
-  by this process, as chunk bytes before any compression; `files`: files it created, or OCDBT stores).
+  by this process, as chunk bytes before any compression; `files`: files it created, or OCDBT stores; for an
+  incremental save, `details["written_whole"]`: ``"<item>/<array>"`` -> why, each array this process wrote whole
+  although the base step has it, such as a dtype or chunk shape change).
 * ``save_committed`` (per tier): the step is committed (`seconds`: the commit itself; `details["total_seconds"]`
   from the start of the save; `details["agreements"]`: what each collective phase of the save cost this process,
   by phase name: ``seconds``, ``collectives``, ``rounds``, ``messages`` and ``bytes`` sent and received,
-  `Coordinator.take_costs`; empty with one process).
+  `Coordinator.take_costs`; empty with one process);
+  for an incremental step `details["bases"]`, the steps holding chunks it
+  references; `details["kept_as_bases"]`: step -> the kept steps referencing it, for each step retention keeps
+  only because kept steps reference it).
 * ``retention_removed`` (per tier): steps retention deleted after a commit (`details["steps"]`).
 * ``peer_copies_committed`` (local tier, with `local_replication`; on the replication thread): the copies of a
   local step are committed on the peers that got them (`nbytes`: bytes this process received;

@@ -125,11 +125,14 @@ class StepInfo:
     process_count: int | None = None  # of the job that wrote a committed step
     ignored: str | None = None  # why a manager of `root` would ignore this committed local step, if it would
     marker: StepMetadata | None = field(default=None, compare=False, repr=False)  # of a committed step
+    base_of: tuple[int, ...] = ()  # the committed steps of its tier referencing its chunks (retention keeps it)
 
     def to_json(self) -> dict:
         return {"step": self.step, "name": self.name, "status": self.status, "committed_at": self.committed_at,
                 "bytes": self.nbytes, "metrics": self.metrics, "problem": self.problem, "tier": self.tier,
-                "writer": self.writer, "process_count": self.process_count, "ignored": self.ignored}
+                "writer": self.writer, "process_count": self.process_count, "ignored": self.ignored,
+                "bases": list(self.marker.bases) if self.marker is not None else [],
+                "chain": self.marker.chain if self.marker is not None else 0, "base_of": list(self.base_of)}
 
 
 def list_steps(root: str, local: str | None = None, processes: int | None = None) -> list[StepInfo]:
@@ -166,7 +169,12 @@ def _steps_of(root: str, tier: str) -> list[StepInfo]:
         out.append(StepInfo(entry.step, entry.name, "committed", entry.marker.committed_at, nbytes,
                             entry.marker.metrics, tier=tier, writer=entry.marker.writer,
                             process_count=entry.marker.process_count, marker=entry.marker))
-    return out
+    users: dict[int, list[int]] = {}
+    for s in out:
+        for base in (s.marker.bases if s.marker is not None else ()):
+            users.setdefault(base, []).append(s.step)
+    return [dataclasses.replace(s, base_of=tuple(users[s.step])) if s.step in users and s.marker is not None else s
+            for s in out]
 
 
 def _torch_xla_step(root: storage.Location, found: foreign_runs.TorchXlaStep, tier: str) -> StepInfo:

@@ -89,10 +89,11 @@ class ManagedTier:
         def written(writes: writing.Writes) -> None:
             phases["written"] = time.perf_counter()
             step_events.emit(events.SAVE_WRITTEN, seconds=phases["written"] - begun, nbytes=save.write_bytes,
-                             files=len(writes.files) + len(writes.trees))
+                             files=len(writes.files) + len(writes.trees),
+                             details={"written_whole": dict(writes.whole)} if writes.whole else {})
 
         try:
-            doomed = self.tier.commit(self.coordinator, save, fsync=fsync, committed_at=time.time(),
+            doomed, held = self.tier.commit(self.coordinator, save, fsync=fsync, committed_at=time.time(),
                                       on_written=written)
         except BaseException:
             if self.replicator is not None:  # the peers still expect this process in the step's replication
@@ -102,8 +103,11 @@ class ManagedTier:
             self.replicator.replicate(save.step, save.final.name, save.final.path,
                                       item_keys(save.plans, per_process=(RNG_ITEM,)))
         done = time.perf_counter()
+        committed = self.tier.committed().get(save.step)
+        bases = {"bases": list(committed.bases)} if committed is not None and committed.bases else {}
         step_events.emit(events.SAVE_COMMITTED, seconds=done - phases.get("written", begun),
-                         details={"total_seconds": done - started,
+                         details={"total_seconds": done - started, **bases,
+                                  **({"kept_as_bases": held} if held else {}),
                                   "agreements": {**agreements, **self.coordinator.take_costs()}})
         if doomed and self.coordinator.is_primary:
             # Behind the step's replication, which may still be reading a step retention lets go.

@@ -265,7 +265,11 @@ class CheckpointManager:
             precondition = save_plan.Precondition(
                 f"taking the roots and checking the saves before step {step}", failure)
             destinations = [step_save.Destination(managed.tier, self._caller_side(managed), own_copy=managed.is_local,
-                                                  plan_caches=managed.plan_caches) for managed in tiers]
+                                                  plan_caches=managed.plan_caches,
+                                                  incremental=self._incremental(managed),
+                                                  delta=self._options.delta, max_chain=self._options.max_chain,
+                                                  page_cache=managed.is_local and self._options.local_page_cache)
+                            for managed in tiers]
             pendings = step_save.stage(
                 step, destinations, states, marker, coordinator=self._coordinator,
                 options=self._options.save_options, save_rng=self._options.save_rng,
@@ -298,6 +302,11 @@ class CheckpointManager:
                     managed.committer.release()
             self._coordinator.everywhere(f"committing step {step}", lambda: _raise_first(errors))
 
+    def _incremental(self, managed: ManagedTier) -> bool:
+        """Whether the tier's steps are incremental: with the option, except a replicated local tier (its peers'
+        copies would lack the bases)."""
+        return self._options.incremental and not (managed.is_local and self._options.local_replication > 1)
+
     def _check_background(self) -> None:
         """Raise the error of a failed background save of any tier (once). Does not block."""
         for managed in self._tiers:
@@ -310,6 +319,11 @@ class CheckpointManager:
         self._check_open()
         self.wait_until_finished()  # collective, as delete is
         self.metadata(step)  # raises StepNotFoundError if not committed
+        for managed in self._tiers:  # an incremental step's base stays while a step references it
+            users = sorted(s for s, m in managed.tier.committed().items() if step in m.bases)
+            if users:
+                raise UsageError(f"cannot delete step {step} of {managed.tier.root}: steps {users} reference "
+                                 f"its chunks (delete them first, or make them standalone with xtckpt convert)")
         for managed in self._tiers:
             if step in managed.tier.committed():
                 managed.tier.forget(step)

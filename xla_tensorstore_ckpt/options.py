@@ -32,6 +32,10 @@ class SaveOptions:
         `arrays.direct_ocdbt`; data files under 8 MiB stay buffered): no copy into the page cache and no fresh
         memory for it (1 GiB saved here in 1.4 s instead of 4.5 s). Off: through tensorstore and the page
         cache, which keeps a just-saved checkpoint cached for a read right after it.
+    page_cache: with `direct_io`, write the chunk data through the page cache instead (the same writing lanes,
+        buffered writes): a restore right after the save, or a restart on the same host, reads it from memory,
+        for the copy into the page cache (and the writeback an fsync then waits for). A manager sets it for its
+        local tier (`CheckpointManagerOptions.local_page_cache`); off by default (docs/multi-tier.md).
     host_batch_bytes: device bytes fetched to host per torch_xla call; writes of one batch overlap the fetch
         of the next. Bounds the replicas held at once when a tensor is partially replicated.
     single_file_max_bytes: without OCDBT, an array of at most this size whose chunks are all written by this
@@ -46,9 +50,9 @@ class SaveOptions:
     compression: None (chunks stored raw) or "zstd": every chunk compressed by zstd, the codec chain Orbax writes
         (``bytes`` little endian, ``zstd`` without its own checksum), followed by this library's ``crc32c``, which
         then covers the compressed bytes (`arrays.zstd`). Orbax, tensorstore and zarr-python read it; this
-        library's own direct chunk reads give such arrays to tensorstore. Off by default: trained float32 weights
-        and AdamW moments shrink only to 0.87-0.93 of their size (bfloat16 weights to 0.78), for 2-2.4x a save's
-        CPU time and up to 4.6x a warm restore's (docs/compression.md).
+        library's own direct chunk reads decompress it (`arrays.local_chunks`). Off by default: trained float32
+        weights and AdamW moments shrink only to 0.87-0.93 of their size (bfloat16 weights to 0.78), for 2-2.4x a
+        save's CPU time and more for a warm restore's (docs/compression.md).
     compression_level: zstd's level, 1-22 (3, tensorstore's default, is what Orbax writes); only with
         compression="zstd".
     coordination_timeout_s: in a job of several processes (`xtc.save`), the deadline of each collective phase
@@ -57,11 +61,14 @@ class SaveOptions:
         usually named at once, through its closed connection). None: the coordinator's own (600 s for the one
         `xtc.save` creates), which also bounds it. A manager's saves take its
         `CheckpointManagerOptions.coordination_timeout_s`.
+    incremental: set per save by a manager with ``incremental`` on (`incremental.saving.BaseStep`): chunks
+        unchanged since that base step are referenced, not written. None (the default): a standalone item.
     """
 
     use_ocdbt: bool = True
     fsync: bool = True
     direct_io: bool = True
+    page_cache: bool = False
     host_batch_bytes: int = 64 * _MiB
     single_file_max_bytes: int = 4 * _MiB
     split_bytes: int = 16 * _MiB
@@ -70,6 +77,7 @@ class SaveOptions:
     compression: str | None = None
     compression_level: int = zstd.DEFAULT_LEVEL
     coordination_timeout_s: float | None = None
+    incremental: Any = None
 
     @property
     def zstd_level(self) -> int | None:
@@ -87,7 +95,7 @@ class SaveOptions:
         if self.compression is None and level != zstd.DEFAULT_LEVEL:
             raise ValueError(f"compression_level={level} needs compression={zstd.NAME!r}")
         formats.writer(self.format)  # raises ValueError naming the formats written
-        for name in ("use_ocdbt", "fsync", "direct_io"):
+        for name in ("use_ocdbt", "fsync", "direct_io", "page_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("host_batch_bytes", self.host_batch_bytes)
@@ -205,6 +213,9 @@ class CheckpointManagerOptions:
         (a marker of their own, every file's CRC32C); `restore("latest")` then brings a wiped or damaged host's
         step from a peer instead of falling back to the persistent tier. Needs a local tier on a file system
         and at least k processes. See docs/multi-tier.md.
+    local_page_cache: the local tier writes its steps through the page cache (`SaveOptions.page_cache`), so that
+        a restart on the same host, or a restore right after a save, reads its newest step from memory; the
+        persistent tier writes around it (``direct_io``). On by default (docs/multi-tier.md).
     local_failure_domain: with local_replication, the failure domain of a process (index -> any hashable: a
         host, rack, slice); peers are chosen in other domains than a process's own and each other's. None: the
         processes ``index + j * count // k``.
@@ -216,6 +227,15 @@ class CheckpointManagerOptions:
         `save_options` and `restore_options` are told too. `on_commit` and `on_local_commit` are two such
         listeners (`events.CommitCallback`).
     save_options, restore_options: item-level I/O options.
+    incremental: each step stores only the chunks that changed since the tier's newest committed step and
+        references the others (docs/incremental.md); retention keeps every step a kept step references. Off by
+        default: every step standalone, which Orbax reads whole (`xtckpt convert --to step` makes an
+        incremental step standalone). With ``local_replication > 1`` the local tier stays standalone.
+    delta: with ``incremental``, a changed chunk is stored as the zstd frame of its bitwise XOR with the base
+        step's chunk where that is at most half its size (lossless: RL-style steps that change a few percent of
+        bf16 weights); a restore applies the chain of deltas. Off by default.
+    max_chain: with ``delta``, a chunk whose base is already read through this many deltas is written whole (an
+        anchor for that chunk), which bounds what a restore applies.
     """
 
     save_interval_steps: int | None = 100
@@ -241,6 +261,7 @@ class CheckpointManagerOptions:
     local_max_to_keep: int | None = 2
     on_local_commit: Callable[[int], None] | None = None
     local_replication: int = 1
+    local_page_cache: bool = True
     local_failure_domain: Callable[[int], Hashable] | None = None
     save_options: SaveOptions = field(default_factory=SaveOptions)
     restore_options: RestoreOptions = field(default_factory=RestoreOptions)
@@ -249,6 +270,9 @@ class CheckpointManagerOptions:
     local_save_decision: Any = None
     local_preservation: Any = None
     listeners: tuple[Listener, ...] = ()
+    incremental: bool = False
+    delta: bool = False
+    max_chain: int = 4
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners, "CheckpointManagerOptions.listeners")
@@ -272,6 +296,11 @@ class CheckpointManagerOptions:
         if self.local_replication is None:
             raise ValueError("local_replication must be an integer >= 1, got None")
         _optional_int("local_replication", self.local_replication, 1)
+        if self.max_chain is None:
+            raise ValueError("max_chain must be an integer >= 1, got None")
+        _optional_int("max_chain", self.max_chain, 1)
+        if self.delta is True and not self.incremental:
+            raise ValueError("delta needs incremental")
         if self.local_replication > 1 and self.local_directory is None:
             raise ValueError("local_replication needs local_directory")
         if self.local_failure_domain is not None and not callable(self.local_failure_domain):
@@ -293,6 +322,7 @@ class CheckpointManagerOptions:
         if self.step_prefix is not None and not layout.is_safe_relative_path(self.step_prefix,
                                                                                        single=True):
             raise ValueError(f"step_prefix {self.step_prefix!r} is not a plain name")
-        for name in ("create", "async_save", "save_rng", "save_on_preemption", "keep_checkpoints_without_metrics"):
+        for name in ("create", "async_save", "save_rng", "save_on_preemption", "keep_checkpoints_without_metrics",
+                     "incremental", "delta", "local_page_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")

@@ -155,12 +155,36 @@ class AnyOf:
 KEEP_ALL = AnyOf((EveryNSteps(1),))
 
 
-def steps_to_delete(policy: Preservation, committed: Committed) -> list[int]:
-    """The committed steps `policy` lets go, oldest first; the newest step is always kept."""
+def steps_to_delete(policy: Preservation, committed: Committed, pinned: Iterable[int] = ()) -> list[int]:
+    """The committed steps `policy` lets go, oldest first; the newest step is always kept, and so is every step
+    a kept step references (its `StepMetadata.bases`: an incremental step's chunks stored there) and every step
+    in `pinned` (the bases of saves in flight)."""
+    return retention(policy, committed, pinned)[0]
+
+
+def retention(policy: Preservation, committed: Committed,
+              pinned: Iterable[int] = ()) -> tuple[list[int], dict[int, list[int]]]:
+    """`steps_to_delete`, and the steps kept only as bases: each with the kept steps that reference it (the
+    manager tells this in ``save_committed``)."""
     if not committed:
-        return []
-    keep = policy.keep(committed) | {max(committed)}
-    return [s for s in sorted(committed) if s not in keep]
+        return [], {}
+    keep = set(policy.keep(committed)) | {max(committed)} | (set(pinned) & set(committed))
+    as_bases = kept_as_bases(keep, committed)
+    held = {b: sorted(s for s in keep | as_bases if b in committed[s].bases) for b in sorted(as_bases)}
+    return [s for s in sorted(committed) if s not in keep and s not in as_bases], held
+
+
+def kept_as_bases(keep: set[int], committed: Committed) -> set[int]:
+    """The steps of `committed` outside `keep` that a step of `keep` references, directly or through another
+    (references are flattened when saved, so one level suffices for our steps; the closure costs nothing)."""
+    found: set[int] = set()
+    todo = [s for s in keep if s in committed]
+    while todo:
+        for base in committed[todo.pop()].bases:
+            if base in committed and base not in keep and base not in found:
+                found.add(base)
+                todo.append(base)
+    return found
 
 
 def best_step(policy: Preservation, committed: Committed) -> int | None:

@@ -114,12 +114,15 @@ class ArrayStore:
     checksums: every chunk carries a crc32c (this library's arrays; Orbax's do not).
     fill_missing: a missing chunk reads as the fill value (Orbax checkpoints written without
         ``store_array_data_equal_to_fill_value``) instead of being an error.
+    refs: an item of an incremental step: its chunk tables, and the chunks it references in base steps
+        (`incremental.refs.ItemRefs`); None for a standalone item.
     """
 
     kind: str = "directories"
     zarr_format: int = 3
     checksums: bool = True
     fill_missing: bool = False
+    refs: Any = None
 
 
 @dataclass(frozen=True)
@@ -164,3 +167,7 @@ class StepMetadata:
     persistent_root: str | None = None
     # Where a manager with several tiers found the step ("local", "persistent"); never stored.
     tiers: tuple[str, ...] = ()
+    # An incremental step: the steps holding chunks it references (`incremental`); retention keeps them.
+    bases: tuple[int, ...] = ()
+    # A delta step: the most deltas a restore of one of its chunks applies to the anchor's chunk (0: none).
+    chain: int = 0

@@ -26,12 +26,17 @@ from .training_state import RNG_ITEM
 class Destination:
     """A tier a step goes to: its steps, the coordinator that clears its step directory from the caller's thread,
     whether it keeps this process's own copy (a local tier) rather than the job's shared one, and its plan
-    caches (item name -> `save_plan.PlanCache`, kept by the caller across saves)."""
+    caches (item name -> `save_plan.PlanCache`, kept by the caller across saves); with `incremental`, the step
+    references what has not changed since the tier's newest step (`incremental`)."""
 
     tier: Tier
     coordinator: Coordinator
     own_copy: bool
     plan_caches: dict[str, save_plan.PlanCache]
+    incremental: bool = False
+    delta: bool = False
+    max_chain: int = 4
+    page_cache: bool = False  # written through the page cache (`SaveOptions.page_cache`): a local tier
 
 
 def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, Any], marker: StepMetadata, *,
@@ -46,6 +51,30 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
     destination's planning agreement. Raises what planning and staging raise, and the precondition's error, on
     every process."""
     shared = any(not d.own_copy for d in destinations)
+    # Incremental saves: each tier's base, pinned against retention until the save commits or fails.
+    bases = [dataclasses.replace(d.tier.base_for(step), delta=d.delta, max_chain=d.max_chain) if d.incremental
+             else None for d in destinations]
+    opts = [dataclasses.replace(options, incremental=b, page_cache=options.page_cache or d.page_cache)
+            for d, b in zip(destinations, bases)]
+    try:
+        starts, places, plans, markers = _stage(step, destinations, states, marker, shared, coordinator, opts,
+                                                save_rng=save_rng, async_save=async_save,
+                                                max_host_bytes=max_host_bytes, precondition=precondition)
+    except BaseException:
+        for d, b in zip(destinations, bases):
+            if b is not None:
+                d.tier.unpin(b.step)
+        raise
+    return [PendingSave(step, location, final, p, start, m,
+                        base=None if b is None else (-1 if b.step is None else b.step))
+            for (location, final), p, start, m, b in zip(places, plans, starts, markers, bases)]
+
+
+def _stage(step: int, destinations: Sequence[Destination], states: Mapping[str, Any], marker: StepMetadata,
+           shared: bool, coordinator: Coordinator, opts: list[SaveOptions], *, save_rng: bool, async_save: bool,
+           max_host_bytes: int | None,
+           precondition: save_plan.Precondition | None) -> tuple[list, list, list, list]:
+    options = dataclasses.replace(opts[0], incremental=None)  # planning never depends on the base
     with paused_gc():  # many small records live until the save is planned and staged
         plans, places, markers = [], [], []
         for destination in destinations:
@@ -67,11 +96,11 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
         def begin() -> list[Callable[[], writing.Writes]]:
             if async_save and max_host_bytes is None:
                 staged = staging.stage_shared(plans, options)
-                return [writing.deferred_writes(location, p, s, options, writer=writer)
-                        for (location, _), p, s in zip(places, plans, staged)]
-            return [writing.begin_writes(location, p, options, writer=writer, background=async_save,
-                                        max_host_bytes=max_host_bytes) for (location, _), p in zip(places, plans)]
+                return [writing.deferred_writes(location, p, s, o, writer=writer)
+                        for (location, _), p, s, o in zip(places, plans, staged, opts)]
+            return [writing.begin_writes(location, p, o, writer=writer, background=async_save,
+                                        max_host_bytes=max_host_bytes)
+                    for (location, _), p, o in zip(places, plans, opts)]
 
         starts = coordinator.everywhere(f"staging step {step}", begin)
-    return [PendingSave(step, location, final, p, start, m)
-            for (location, final), p, start, m in zip(places, plans, starts, markers)]
+    return starts, places, plans, markers

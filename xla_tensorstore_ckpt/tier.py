@@ -9,6 +9,7 @@ process learns the outcome). `committed()` and friends are thread-safe: a backgr
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 import warnings
@@ -18,10 +19,13 @@ from dataclasses import dataclass
 from . import commit, formats, layout, policies, save_plan, writing
 from .distributed import Coordinator
 from .errors import StepNotFoundError
+from .incremental import saving as incremental_saving
 from .records import StepMetadata
 from .root_lock import RootLock
 from .steps import StepEntry, StepIndex
 from .storage import Location
+
+logger = logging.getLogger("xla_tensorstore_ckpt")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class PendingSave:
     plans: Mapping[str, save_plan.SavePlan]
     start: Callable[[], writing.Writes]
     marker: StepMetadata  # committed_at is set at commit time
+    base: int | None = None  # an incremental save (`incremental`): the step it references; -1 for none
 
     @property
     def write_bytes(self) -> int:
@@ -53,6 +58,8 @@ class Tier:
         self.lock = RootLock(root, lock_timeout_s)
         self._guard = threading.Lock()
         self._steps: dict[int, StepMetadata] = {}
+        self._pins: list[int] = []  # bases of incremental saves in flight: retention keeps them
+        self._held: set[int] = set()  # steps retention keeps only as bases (logged when one joins)
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -79,6 +86,22 @@ class Tier:
         with self._guard:
             self._steps[step] = marker
         return marker
+
+    def base_for(self, step: int) -> incremental_saving.BaseStep:
+        """The base of an incremental save of `step`: the newest other committed step (pinned against retention
+        until `Tier.commit` of the save ends), or none (an anchor)."""
+        with self._guard:
+            others = [s for s in self._steps if s != step]
+            if not others:
+                return incremental_saving.BaseStep()
+            self._pins.append(max(others))
+        return incremental_saving.BaseStep(max(others), self.index.location(max(others)))
+
+    def unpin(self, base: int | None) -> None:
+        """The save whose base was `base` (`base_for`) committed or failed."""
+        with self._guard:
+            if base in self._pins:
+                self._pins.remove(base)
 
     def forget(self, step: int) -> None:
         with self._guard:
@@ -156,26 +179,41 @@ class Tier:
     def commit(self, coordinator: Coordinator, save: PendingSave, *, fsync: bool, committed_at: float,
                on_written: Callable[[writing.Writes], None] | None = None) -> list[int]:
         """Finish the writes of `save` (then call `on_written` with them), write its manifests and marker, put it
-        in place, refresh the lock; return the steps retention lets go (not deleted yet: see `delete`)."""
+        in place, refresh the lock; return the steps retention lets go (not deleted yet: see `delete`) and the
+        steps it keeps only as bases of kept steps (`policies.retention`)."""
         what = f"step {save.step} at {save.final}"
-        writes = commit.finish_writes(coordinator, save.location, save.start, fsync=fsync, what=what)
-        if on_written is not None:
-            on_written(writes)
-        marker = dataclasses.replace(save.marker, committed_at=committed_at)
-        final = formats.step_files(marker)
-        publish = None if save.location == save.final else lambda: save.location.rename_to(save.final)
-        commit.commit(coordinator, save.location, save.plans, final, fsync=fsync, what=what, publish=publish)
+        try:
+            writes = commit.finish_writes(coordinator, save.location, save.start, fsync=fsync, what=what)
+            if on_written is not None:
+                on_written(writes)
+            marker = dataclasses.replace(save.marker, committed_at=committed_at)
+            plans = save.plans
+            if save.base is not None:  # incremental: the items' references and the step's bases, from its tables
+                plans, marker = incremental_saving.commit_refs(coordinator, save.location, dict(plans), marker,
+                                                               lambda s: self.index.location(s).name)
+            final = formats.step_files(marker)
+            publish = None if save.location == save.final else lambda: save.location.rename_to(save.final)
+            commit.commit(coordinator, save.location, plans, final, fsync=fsync, what=what, publish=publish)
+        finally:
+            self.unpin(save.base)
 
-        def retain() -> list[int]:
+        def retain() -> tuple[list[int], dict[int, list[int]]]:
             self.lock.heartbeat()
-            return policies.steps_to_delete(self.preservation, {**self.committed(), save.step: marker})
+            with self._guard:
+                pins = list(self._pins)
+            return policies.retention(self.preservation, {**self.committed(), save.step: marker}, pins)
 
-        doomed = coordinator.on_primary(f"retention after step {save.step}", retain, share=True)
+        doomed, held = coordinator.on_primary(f"retention after step {save.step}", retain, share=True)
         with self._guard:
             self._steps[save.step] = marker
             for old in doomed:
                 self._steps.pop(old, None)
-        return doomed
+            newly = sorted(set(held) - self._held)
+            self._held = set(held)
+        if newly and coordinator.is_primary:  # once per step, not at every commit that still keeps it
+            logger.info("retention of %s keeps steps %s only as bases of steps %s (their chunks are referenced)",
+                        self.root, newly, sorted({u for s in newly for u in held[s]}))
+        return doomed, held
 
     def delete(self, step: int) -> None:
         """Delete a step's files (marker first). Primary only; not collective."""

@@ -10,12 +10,13 @@ import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from . import arrays, dtypes, grid, layout, outputs, storage
 from .errors import CheckpointExistsError
+from .incremental.saving import BaseStep, Recorder
 from .options import SaveOptions
 from .save_plan import ArrayPlan, SavePlan
 from .staging import Staged, stage, stage_all
@@ -33,18 +34,21 @@ def deferred_writes(loc: storage.Location, plans: Mapping[str, SavePlan], staged
 class Writes:
     """The writes a process started for one item: the futures to wait for, and what they create (relative to
     the item directory), which a save that syncs makes durable once they are done: `files`, and `trees`
-    (directories whose every file is this process's, such as its OCDBT store)."""
+    (directories whose every file is this process's, such as its OCDBT store). For an incremental save, also
+    `whole`: the arrays it wrote whole although the base has them, and why (told in ``save_written``)."""
 
     pending: list[arrays.Pending]
     files: list[str]
     trees: list[str]
+    whole: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
     def combined(by_item: Mapping[str, Writes]) -> Writes:
         """The writes of several items as one, names relative to their parent (``<item>/...``)."""
         return Writes([p for w in by_item.values() for p in w.pending],
                       [f"{item}/{f}" for item, w in by_item.items() for f in w.files],
-                      [f"{item}/{t}" for item, w in by_item.items() for t in w.trees])
+                      [f"{item}/{t}" for item, w in by_item.items() for t in w.trees],
+                      {f"{item}/{a}": why for item, w in by_item.items() for a, why in w.whole.items()})
 
 
 def write_staged(loc: storage.Location, plan: SavePlan, staged: Staged, options: SaveOptions, *,
@@ -52,7 +56,7 @@ def write_staged(loc: storage.Location, plan: SavePlan, staged: Staged, options:
     """Create the arrays this process creates and start writing staged chunks (`writer`: this process's
     index)."""
     out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync, direct=options.direct_io,
-                      zstd_level=options.zstd_level)
+                      page_cache=options.page_cache, zstd_level=options.zstd_level, base=options.incremental)
     try:
         for group, data in staged:
             out.write(group, data)
@@ -70,7 +74,7 @@ def stage_and_write(loc: storage.Location, plan: SavePlan, options: SaveOptions,
     waits for earlier writes instead of fetching more. `copy_cpu` copies host tensors too (for callers that
     return before the writes finish). On error, every started operation is waited for first."""
     out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync, direct=options.direct_io,
-                      zstd_level=options.zstd_level)
+                      page_cache=options.page_cache, zstd_level=options.zstd_level, base=options.incremental)
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
     try:
@@ -121,15 +125,18 @@ class ChunkWriter:
     fsync), finished chunk files are handed to the disk while later ones are still being staged. In an OCDBT
     store, every array's metadata is created in one transaction; on a local file system with `direct`, each
     batch of chunks is then appended by a thread of its own to one of `DIRECT_LANES` stores this process writes
-    itself around the page cache (`arrays.direct_ocdbt`); elsewhere each batch is one tensorstore transaction
-    into one of `arrays.OCDBT_LANES` stores. Either way the B-trees grow by a few nodes per batch, not per chunk,
-    and host memory holds at most a batch of encoded chunks. With `zstd_level`, every chunk is compressed
-    (`arrays.zstd`): by the direct lanes themselves, or by tensorstore's codec."""
+    itself around the page cache (`arrays.direct_ocdbt`; through it with `page_cache`); elsewhere each batch
+    is one tensorstore transaction into one of `arrays.OCDBT_LANES` stores. Either way the B-trees grow by a few
+    nodes per batch, not per chunk, and host memory holds at most a batch of encoded chunks. With `zstd_level`,
+    every chunk is compressed (`arrays.zstd`): by the direct lanes themselves, or by tensorstore's codec."""
 
     def __init__(self, loc: storage.Location, plan: SavePlan, *, writer: int, writeback: bool, direct: bool = True,
-                 zstd_level: int | None = None):
+                 zstd_level: int | None = None, base: BaseStep | None = None, page_cache: bool = False):
         self.item, self.writer, self.store = loc, writer, plan.store
+        # Incremental saves: unchanged chunks are referenced, not written (`incremental.saving`).
+        self.recorder = Recorder(loc, base, writer) if base is not None else None
         self.zstd_level = zstd_level
+        self.page_cache = page_cache  # the direct lanes write buffered (a local tier's warm step)
         self.ocdbt = plan.store.kind == "ocdbt"
         self.writeback = writeback and not loc.capabilities.durable_writes
         self.direct_root = loc.local_file("") if self.ocdbt and direct else None
@@ -168,6 +175,8 @@ class ChunkWriter:
     def write(self, group: Sequence[ArrayPlan], data: Sequence[Sequence[torch.Tensor]]) -> list[arrays.Pending]:
         """Start writing one batch: `data` holds each plan's chunks, in the order of its `writes`. Returns the
         batch's futures; the data must stay unchanged until they are done."""
+        if self.recorder is not None:
+            group, data = self.recorder.select(group, data)
         if self.direct_root is not None:
             out = [self._write_direct(group, data)]
         else:
@@ -179,6 +188,9 @@ class ChunkWriter:
     def finish(self) -> None:
         """After the last batch: start finishing the stores written here (`writes.pending` includes it)."""
         self.writes.pending.extend(lane.finish() for lane in self.lanes.values())
+        if self.recorder is not None:
+            self.writes.files.extend(self.recorder.finish(self.item))
+            self.writes.whole.update(self.recorder.whole)
 
     def abandon(self) -> None:
         """After a failure: wait for the writes started (their errors no longer matter) and close every file."""
@@ -191,7 +203,8 @@ class ChunkWriter:
         if lane not in self.lanes:
             name = layout.ocdbt_store(self.writer, lane)
             self.lanes[lane] = _DirectLane(arrays.DirectStore(os.path.join(self.direct_root, name),
-                                                              data_file_bytes=arrays.OCDBT_DATA_FILE_BYTES),
+                                                              data_file_bytes=arrays.OCDBT_DATA_FILE_BYTES,
+                                                              buffered=self.page_cache),
                                            self.zstd_level)
             self.writes.trees.append(name)
         chunks = [(f"{p.meta.path}/{_chunk_key(w.region, p.meta.chunk_shape)}", dtypes.tensor_to_numpy(d),

@@ -46,6 +46,9 @@ __all__ = ["OCDBT_DATA_FILE_BYTES", "OCDBT_LANES", "ArrayReader", "ArrayRef", "D
 def reader(item: storage.Location, store: ArrayStore, context: ts.Context | None = None) -> ArrayReader:
     """The reader of the arrays of the item at `item` that keeps them as `store` says, for one operation
     (`context`: its tensorstore context, `storage.operation_context()` by default). Does no I/O."""
+    if store.refs is not None and store.refs.arrays:  # an incremental step's item: follows its references
+        from ..incremental.layered import LayeredReader
+        return LayeredReader(item, store, context)
     if store.kind == "safetensors":
         return ByteRangeReader(item)
     if store.kind == "dcp":

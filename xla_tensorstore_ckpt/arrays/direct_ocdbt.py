@@ -67,8 +67,9 @@ class DirectStore:
     data files of about `data_file_bytes` each (a value is never split). After any failure the store is closed
     and stays unfinished (no manifest); every later call raises the same `StorageError`."""
 
-    def __init__(self, path: str, *, data_file_bytes: int):
+    def __init__(self, path: str, *, data_file_bytes: int, buffered: bool = False):
         self.path = path
+        self.buffered = buffered  # every file written through the page cache (`SaveOptions.page_cache`)
         self.data_file_bytes = data_file_bytes
         self.files: list[str] = []  # relative to `path`: d/<hex>
         self.entries: list[_Entry] = []
@@ -164,7 +165,7 @@ class DirectStore:
             if self._window is None:
                 self._window = new_window()
         self.files.append(name)
-        self._file = _DataFile(os.path.join(self.path, name), self._window)
+        self._file = _DataFile(os.path.join(self.path, name), self._window, buffered=self.buffered)
 
 
 @dataclass(frozen=True, order=True)
@@ -182,7 +183,7 @@ class _DataFile:
     """A new file written sequentially through an aligned window: full windows are written at aligned offsets
     (``O_DIRECT`` where the file system allows it); the last one padded, then the file cut to its size."""
 
-    def __init__(self, path: str, window: memoryview):
+    def __init__(self, path: str, window: memoryview, *, buffered: bool = False):
         self.window = window
         self.size = 0  # bytes appended
         self.filled = 0  # bytes of the window not yet written
@@ -191,7 +192,7 @@ class _DataFile:
         # it back right away costs no disk read (small saves, metadata-sized stores); larger ones go around it.
         # O_DIRECT is set on the open file: a file system that refuses it (EINVAL) has the file written buffered.
         self.direct = False
-        self.may_go_direct = True
+        self.may_go_direct = not buffered
 
     def append(self, data: memoryview) -> None:
         while len(data):

@@ -1,7 +1,10 @@
 """This library's zarr v3 arrays on local disk, read chunk by chunk straight from their files, without tensorstore.
 
 A chunk of ours is its elements in C order, little-endian, followed by their CRC32C (the ``bytes`` and ``crc32c``
-codecs), in a file of its own or at a byte range of an OCDBT data file (`ocdbt.ocdbt_index` says where). A read
+codecs), in a file of its own or at a byte range of an OCDBT data file (`ocdbt.ocdbt_index` says where). A
+compressed one (``bytes``, ``zstd``, ``crc32c``: `SaveOptions.compression`, Orbax's chain) is one zstd frame then
+the frame's CRC32C: it is read whole, checked, and decompressed straight into the destination where the chunk is
+one contiguous block of it, else into a buffer of its own and copied out (`LocalChunkArray._read_compressed`). A read
 of some regions of an array reads each chunk they touch once, however many regions share it, with positioned
 reads (`local_reads`: around the page cache where it does not hold the chunk): straight into the destination
 where the chunk is one contiguous block of it (a restore onto the sharding it was saved with), else in pieces of
@@ -36,6 +39,7 @@ import numpy as np
 from .. import bounds, dtypes, layout, storage
 from ..errors import CorruptCheckpointError, StorageError
 from ..records import ArrayMetadata, ArrayStore
+from . import zstd
 from .base import ArrayReader, ByteCounter, Empty, Index, Opening, Picked, Ready, index_box
 from .local_reads import ALIGN, WINDOW_BYTES, open_for_runs, read_runs, read_window
 from .ocdbt import StoredValue, ocdbt_index
@@ -104,18 +108,25 @@ class LocalChunkReader(ArrayReader):
             value = self._index.get(f"{meta.path}/{layout.ZARR_METADATA}")
             raw, where, locate = value.inline if value is not None else None, self.item.child(meta.path), \
                 self._ocdbt_chunk
-        if not _is_plain(raw, meta):
+        kind = _layout(raw, meta)
+        if kind is None:
             self._fell_back = True
             return self._tensorstore.open(meta)
-        return Ready(LocalChunkArray(where, meta, locate))
+        return Ready(LocalChunkArray(where, meta, locate, compressed=kind == "zstd"))
 
     def _chunk_file(self, array: LocalChunkArray, key: str) -> _Source | None:
         """A chunk of an array stored in a directory: a file of its own, holding exactly the chunk."""
         path = array.location.local_file(key)
         if path is None:
             return None
-        self._fetched.add(array.stored_bytes)  # a chunk is located to be read, whole, once
-        return _Source(path, 0, array.stored_bytes, whole_file=True)
+        length = array.stored_bytes
+        if array.compressed:  # as long as its frame: the file's size (checked again once it is open)
+            try:
+                length = os.stat(path).st_size
+            except FileNotFoundError:
+                return None
+        self._fetched.add(length)  # a chunk is located to be read, whole, once
+        return _Source(path, 0, length, whole_file=True)
 
     def _ocdbt_chunk(self, array: LocalChunkArray, key: str) -> _Source | None:
         """A chunk of an array in the OCDBT store: inline in its B-tree, or a byte range of a data file."""
@@ -151,24 +162,41 @@ class _Source:
         return f"{self.file} at byte {self.offset}" if self.offset else self.file
 
 
-def _is_plain(raw: bytes | None, meta: ArrayMetadata) -> bool:
-    """True if ``zarr.json`` `raw` describes `meta`'s array in the layout read here: a regular chunk grid of
-    `meta.chunk_shape`, default chunk keys, little-endian elements then a CRC32C, nothing else."""
+def _layout(raw: bytes | None, meta: ArrayMetadata) -> str | None:
+    """``"raw"`` or ``"zstd"`` if ``zarr.json`` `raw` describes `meta`'s array in a layout read here: a regular
+    chunk grid of `meta.chunk_shape`, default chunk keys, little-endian elements, perhaps one zstd frame of them,
+    then a CRC32C, nothing else; None otherwise."""
     if raw is None:
-        return False
+        return None
     try:  # a malformed one is reported by the tensorstore reader, which checks it the same way
         doc = bounds.load_json(raw, where=layout.ZARR_METADATA, max_bytes=bounds.MAX_ARRAY_JSON_BYTES)
     except CorruptCheckpointError:
-        return False
-    codecs = [[{"configuration": {"endian": "little"}, "name": "bytes"}, {"name": "crc32c"}]]
+        return None
+    elements = [{"configuration": {"endian": "little"}, "name": "bytes"}]
     if dtypes.by_name(meta.dtype).itemsize == 1:
-        codecs.append([{"name": "bytes"}, {"name": "crc32c"}])
-    return (doc.get("zarr_format") == 3 and doc.get("node_type") == "array" and doc.get("shape") == list(meta.shape)
+        elements.append({"name": "bytes"})
+    if not (doc.get("zarr_format") == 3 and doc.get("node_type") == "array" and doc.get("shape") == list(meta.shape)
             and doc.get("data_type") == meta.dtype
             and doc.get("chunk_grid") == {"name": "regular", "configuration": {"chunk_shape": list(meta.chunk_shape)}}
             and doc.get("chunk_key_encoding") in ({"name": "default"},
                                                   {"name": "default", "configuration": {"separator": "/"}})
-            and doc.get("codecs") in codecs and not doc.get("storage_transformers"))
+            and not doc.get("storage_transformers")):
+        return None
+    codecs = doc.get("codecs")
+    if not isinstance(codecs, list) or not codecs or codecs[0] not in elements or codecs[-1] != {"name": "crc32c"}:
+        return None
+    if len(codecs) == 2:
+        return "raw"
+    return "zstd" if len(codecs) == 3 and _is_zstd(codecs[1]) else None
+
+
+def _is_zstd(codec: object) -> bool:
+    """A zstd codec entry as Orbax and this library write it (any level; a frame checksum is checked by the
+    decoder)."""
+    if not isinstance(codec, dict) or codec.get("name") != zstd.NAME:
+        return False
+    config = codec.get("configuration", {})
+    return isinstance(config, dict) and set(config) <= {"level", "checksum"}
 
 
 class LocalChunkArray:
@@ -177,7 +205,7 @@ class LocalChunkArray:
     reads_whole_chunks = True
 
     def __init__(self, location: storage.Location, meta: ArrayMetadata,
-                 locate: Callable[[LocalChunkArray, str], _Source | None]):
+                 locate: Callable[[LocalChunkArray, str], _Source | None], *, compressed: bool = False):
         self.location = location
         self.meta = meta
         self.shape = meta.shape
@@ -185,7 +213,9 @@ class LocalChunkArray:
         self.chunk_shape = meta.chunk_shape
         self._row = dtypes.by_name(meta.dtype)
         self._locate = locate
-        self.stored_bytes = math.prod(meta.chunk_shape) * self._row.itemsize + _CHECKSUM_BYTES
+        self.chunk_bytes = math.prod(meta.chunk_shape) * self._row.itemsize
+        self.compressed = compressed  # each chunk a zstd frame (of any length) then its CRC32C
+        self.stored_bytes = self.chunk_bytes + _CHECKSUM_BYTES  # uncompressed, or at most about that
 
     def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, RegionRead]:
         """Start reading `regions` (each within the shape) into buffers from `empty`; each chunk they touch is
@@ -220,6 +250,9 @@ class LocalChunkArray:
         source = self._locate(self, key)
         if source is None:
             raise CorruptCheckpointError(f"array {self.location}: chunk {key} is missing")
+        if self.compressed:
+            self._read_compressed(key, position, targets, source)
+            return
         if source.length != self.stored_bytes:
             raise CorruptCheckpointError(
                 f"array {self.location}: chunk {key} holds {source.length} bytes, not the {self.stored_bytes} of "
@@ -235,6 +268,39 @@ class LocalChunkArray:
                     self._from_pieces(key, box, targets, reader, source)
         except OSError as exc:
             raise StorageError(f"cannot read chunk {key} of array {self.location} ({source.where}): {exc}") from exc
+
+    def _read_compressed(self, key: str, position: tuple[int, ...], targets: list[tuple[Index, np.ndarray]],
+                         source: _Source) -> None:
+        """Read a compressed chunk whole (its frame and CRC32C), check it, and decompress it into the one target
+        it is a contiguous block of, else into a buffer of its own, copied to each target."""
+        if source.length <= _CHECKSUM_BYTES:
+            raise CorruptCheckpointError(f"array {self.location}: chunk {key} holds {source.length} bytes, too few "
+                                         f"for a zstd frame and its CRC32C ({source.where})")
+        box = tuple((p * c, p * c + c) for p, c in zip(position, self.chunk_shape))
+        stored = bytearray(source.length)
+        frame, checksum = memoryview(stored)[:-_CHECKSUM_BYTES], memoryview(stored)[-_CHECKSUM_BYTES:]
+        try:
+            with _Reader(source, self, key) as reader:
+                computed = reader.read_into([frame, checksum], 0, checksummed=1)
+        except OSError as exc:
+            raise StorageError(f"cannot read chunk {key} of array {self.location} ({source.where}): {exc}") from exc
+        self._check(key, computed, bytearray(checksum), source)
+        block = _contiguous_block(box, *targets[0]) if len(targets) == 1 else None
+        whole = block if block is not None else memoryview(np.empty(self.chunk_bytes, np.uint8))
+        try:
+            zstd.decompress_into(frame, whole)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"array {self.location}: chunk {key} does not decompress to the "
+                                         f"{self.chunk_bytes} bytes of its elements: {exc} ({source.where})") from None
+        if block is not None:
+            return
+        data = np.frombuffer(whole, self._row.copy_dtype).reshape(self.chunk_shape)
+        for region, out in targets:
+            overlap = tuple((max(a, ra), min(b, rb)) for (a, b), (ra, rb) in zip(box, region))
+            if any(b <= a for a, b in overlap):
+                continue
+            out[tuple(slice(a - r[0], b - r[0]) for (a, b), r in zip(overlap, region))] = \
+                data[tuple(slice(a - o[0], b - o[0]) for (a, b), o in zip(overlap, box))]
 
     def _from_pieces(self, key: str, box: Index, targets: list[tuple[Index, np.ndarray]], reader: _Reader,
                      source: _Source) -> None:

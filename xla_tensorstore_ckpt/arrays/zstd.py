@@ -13,8 +13,10 @@ where it breaks the frame itself; either way an error naming the chunk, never ot
 from __future__ import annotations
 
 import functools
+import struct
 
 from numcodecs import Zstd
+from numcodecs import zstd as _zstd
 
 NAME = "zstd"
 DEFAULT_LEVEL = 3  # TensorStore's default, which Orbax writes
@@ -35,3 +37,49 @@ def compress(raw: memoryview, level: int) -> bytes:
 @functools.lru_cache(maxsize=len(LEVELS))
 def _compressor(level: int) -> Zstd:
     return Zstd(level=level)
+
+
+_MAGIC = 0xFD2FB528
+
+
+def content_size(frame) -> int | None:
+    """The decompressed size a zstd frame's header declares, None if it declares none (or `frame` is not one)."""
+    head = bytes(frame[:18])
+    if len(head) < 5 or struct.unpack_from("<I", head)[0] != _MAGIC:
+        return None
+    descriptor = head[4]
+    single_segment, fcs_flag = (descriptor >> 5) & 1, descriptor >> 6
+    at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 3]  # window descriptor, dictionary id
+    width = (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
+    if width == 0 or len(head) < at + width:
+        return None
+    value = int.from_bytes(head[at:at + width], "little")
+    return value + 256 if width == 2 else value
+
+
+def decompress_into(frame, out: memoryview) -> None:
+    """Decompress one zstd frame into `out` (a writable byte buffer), which it must fill exactly: a chunk read
+    straight into its destination (`local_chunks`). Raises `ValueError` if the frame is damaged or of another
+    size. Blocks while it decompresses, without the GIL."""
+    size = content_size(frame)
+    if size == len(out) == 0:  # numcodecs refuses an empty frame; there is nothing to decompress
+        return
+    if size != len(out):  # a frame without its size (or with another): checked the slow way
+        out[:] = decompress(bytes(frame), len(out))
+        return
+    try:
+        _zstd.decompress(frame, out)
+    except (RuntimeError, ValueError) as exc:  # numcodecs' errors for a broken frame
+        raise ValueError(f"broken zstd frame ({exc})") from None
+
+
+def decompress(frame: bytes, size: int) -> bytes:
+    """The bytes of one zstd frame, which must be exactly `size` bytes long (incremental delta chunks). Raises
+    `ValueError` if the frame is damaged or of another size. Blocks while it decompresses."""
+    try:
+        raw = _compressor(DEFAULT_LEVEL).decode(frame)
+    except RuntimeError as exc:  # numcodecs' error for a broken frame
+        raise ValueError(f"broken zstd frame ({exc})") from None
+    if len(raw) != size:
+        raise ValueError(f"a zstd frame of {len(raw)} bytes where {size} were expected")
+    return bytes(raw)

@@ -8,12 +8,16 @@ array its name, shape, dtype, chunk shape and saved sharding>}``. Arrays are nam
 (`array_names`), in one OCDBT store or one directory each, with a crc32c per chunk; scalar leaves are
 also 0-d arrays and string leaves also in ``_strings.json``, so that Orbax restores them to the same values. Our
 object ends with ``"strings_crc32c"`` (with string leaves) and ``"crc32c"``, the checksums of ``_strings.json``
-and of the file itself (`checksums`).
+and of the file itself (`checksums`). An item of an incremental step adds ``"incremental"`` (`incremental.refs`):
+its chunk tables and the chunks it references in base steps; arrays with referenced chunks are ``None`` leaves
+to Orbax.
 
 Step ``_CHECKPOINT_METADATA``: Orbax's document (`orbax.step_document`) with ``{"format_version": 2, "step",
 "items", "versions", "process_count"}`` under ``custom_metadata["xla_tensorstore_ckpt"]``; a step of a
 manager's local tier adds ``"local_tier": {"writer": <process index>, "persistent_copy": <bool>,
-"persistent_root": <the persistent tier's root>}``; the object ends with ``"crc32c"``, the file's checksum.
+"persistent_root": <the persistent tier's root>}``; an incremental step adds ``"bases": [<steps it
+references>]``, a delta step ``"chain": <its longest chain of deltas>``; the object ends with ``"crc32c"``,
+the file's checksum.
 Documents without checksums (written before them) read as before, with nothing to verify.
 """
 
@@ -27,7 +31,8 @@ from typing import Any
 
 from .. import layout, tree
 from ..errors import CorruptCheckpointError
-from ..records import ArrayStore, ItemManifest, StepMetadata
+from ..incremental import refs as item_refs
+from ..records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
 from ..storage import Location
 from . import checksums, orbax, v1
 
@@ -87,7 +92,8 @@ def array_names(paths: list[layout.KeyPath]) -> list[str]:
         name = ".".join(str(k) for k in path)
         if (not path or any(str(k) == "" for k in path) or _UNSAFE_IN_NAME.search(name) or name in _ITEM_FILES
                 or not layout.is_safe_relative_path(name, single=True)
-                or name.startswith(layout.OCDBT_PROCESS_PREFIX) or len(name) > v1.MAX_COMPONENT_LENGTH
+                or name.startswith((layout.OCDBT_PROCESS_PREFIX, layout.CHUNK_TABLE_PREFIX, layout.CHUNK_DELTAS_PREFIX))
+                or len(name) > v1.MAX_COMPONENT_LENGTH
                 or name in taken):
             name = "%" + ".".join(v1.escape_component(k).replace(".", "%2E") for k in path)
             if len(name) > v1.MAX_COMPONENT_LENGTH:
@@ -127,10 +133,15 @@ def item_files(manifest: ItemManifest, strings: dict[str, str]) -> list[tuple[st
 
 def encode_item(manifest: ItemManifest) -> bytes:
     mine = {"format_version": VERSION, "tree": v1.encode_tree(manifest.tree)}
+    refs = manifest.store.refs
+    if refs is not None:  # an incremental step's item (incremental.refs)
+        mine["incremental"] = refs.to_json()
     if manifest.strings_crc32c is not None:
         mine[checksums.STRINGS_FIELD] = manifest.strings_crc32c
     leaves = tree.flatten(manifest.tree)
     hidden = orbax.hidden_keys(leaves, array_names([p for p, _ in leaves]))
+    if refs is not None and refs.arrays:  # chunks stored in another step: Orbax would read fill values
+        hidden += [p for p, v in leaves if isinstance(v, ArrayMetadata) and v.path in refs.arrays]
     doc = {"tree_metadata": orbax.tree_metadata(manifest.tree, hidden), "use_ocdbt": manifest.store.kind == "ocdbt",
            "use_zarr3": True, "store_array_data_equal_to_fill_value": True, "custom_metadata": None, KEY: mine}
     return checksums.seal(doc, mine, indent=None)
@@ -140,7 +151,8 @@ def decode_item(_loc: Location, doc: dict, *, where: str) -> ItemManifest:
     mine = doc[KEY]
     checksums.verify(doc, mine, indent=None, where=where)
     kind = "ocdbt" if doc.get("use_ocdbt") else "directories"
-    manifest = v1.decode_tree(mine.get("tree"), where=where, format=NAME, store=ArrayStore(kind=kind))
+    store = ArrayStore(kind=kind, refs=item_refs.decode(mine.get("incremental"), where))
+    manifest = v1.decode_tree(mine.get("tree"), where=where, format=NAME, store=store)
     for _, meta in manifest.arrays():
         if "/" in meta.path:
             raise CorruptCheckpointError(f"{where}: array name {meta.path!r} is not one path segment")
@@ -151,6 +163,10 @@ def decode_item(_loc: Location, doc: dict, *, where: str) -> ItemManifest:
 def encode_step(marker: StepMetadata) -> bytes:
     mine = {"format_version": VERSION, "step": marker.step, "items": list(marker.items),
             "versions": marker.versions, "process_count": marker.process_count}
+    if marker.bases:  # an incremental step: the steps it references (retention keeps them)
+        mine["bases"] = list(marker.bases)
+    if marker.chain:  # a delta step: its longest chain of deltas
+        mine["chain"] = marker.chain
     if marker.writer is not None:
         mine["local_tier"] = {"writer": marker.writer, "persistent_copy": marker.persistent_copy,
                               "persistent_root": marker.persistent_root}
@@ -179,13 +195,15 @@ def decode_step(_loc: Location, doc: dict, _step: int | None, *, where: str) -> 
     if local is not None and not (isinstance(local, dict) and isinstance(local.get("persistent_copy"), bool)
                                   and isinstance(local.get("persistent_root"), str)):
         raise CorruptCheckpointError(f"{where}: malformed local_tier entry")
+    bases = tuple(v1.integer(s, where, minimum=0) for s in v1.listing(mine.get("bases", []), where))
     return StepMetadata(step=v1.integer(mine.get("step"), where, minimum=0), items=tuple(items),
                         created_at=_seconds(doc.get("init_timestamp_nsecs"), where),
                         committed_at=_seconds(doc.get("commit_timestamp_nsecs"), where),
                         metrics=metrics or None, custom=custom or None,
                         versions=versions if isinstance(versions, dict) else None,
                         process_count=v1.integer(mine.get("process_count", 1), where, minimum=1),
-                        format_version=VERSION,
+                        format_version=VERSION, bases=bases,
+                        chain=v1.integer(mine.get("chain", 0), where, minimum=0),
                         writer=None if local is None else v1.integer(local.get("writer"), where, minimum=0),
                         persistent_copy=bool(local and local["persistent_copy"]),
                         persistent_root=None if local is None else local["persistent_root"])

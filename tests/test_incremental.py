@@ -1,0 +1,252 @@
+"""Incremental steps (issue 65, docs/incremental.md): unchanged chunks referenced from the step that stores
+them, every reader following the references bit-exact, retention keeping referenced steps, clear errors when a
+base is gone, and a standalone copy for Orbax. CPU tensors, both stacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from helpers import assert_trees_equal
+
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import cli, policies
+from xla_tensorstore_ckpt.errors import CheckpointError
+from xla_tensorstore_ckpt.records import StepMetadata
+
+CHUNKS = 4  # chunks of the sharded array, 16 rows each
+
+
+def _options(**kw) -> xtc.CheckpointManagerOptions:
+    return xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False, incremental=True,
+                                        **kw)
+
+
+def _sharded(full: torch.Tensor) -> xtc.ShardedArray:
+    rows = full.shape[0] // CHUNKS
+    return xtc.ShardedArray(tuple(full.shape), full.dtype, (rows, full.shape[1]),
+                            tuple((((i * rows, (i + 1) * rows), (0, full.shape[1])), full[i * rows:(i + 1) * rows])
+                                  for i in range(CHUNKS)))
+
+
+def _state(step: int) -> tuple[dict, dict]:
+    """A frozen base (the same every step), an adapter that changes, and a sharded bf16 array whose first chunk of
+    four changes every step; the state to save and the tensors expected back."""
+    g = torch.Generator().manual_seed(0)
+    frozen = torch.randn(64, 32, generator=g)
+    big = torch.randn(64, 16, generator=g).to(torch.bfloat16)
+    big[3] += step  # the first chunk changes
+    adapter = torch.full((8, 4), float(step))
+    saved = {"frozen": frozen, "adapter": adapter, "big": _sharded(big), "step": step}
+    return saved, {"frozen": frozen, "adapter": adapter, "big": big, "step": step}
+
+
+def _step_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
+               if "_chunk_hashes" not in f and not f.startswith("_") and f != "manifest.ocdbt")
+
+
+def _metadata(path) -> dict:
+    with open(os.path.join(path, "_METADATA")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("incr")
+    with xtc.CheckpointManager(root, _options(max_to_keep=2)) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, extra=_state(step)[0])
+        steps = mgr.all_steps()
+    return root, steps
+
+
+def test_unchanged_chunks_are_referenced_and_every_step_restores_bit_exact(saved):
+    root, steps = saved
+    # retention keeps two steps and step 1, whose frozen base they reference
+    assert steps == [1, 3, 4]
+    with xtc.CheckpointManager(root, _options()) as mgr:
+        assert mgr.metadata(4).bases == (1,)
+    for step in steps:
+        assert_trees_equal(xtc.restore(root / str(step) / "extra"), _state(step)[1])
+    meta = _metadata(root / "4" / "extra")
+    ours = meta["xla_tensorstore_ckpt"]["incremental"]
+    assert ours["arrays"] == ["big", "frozen"] and ours["bases"] == [[1, "1"]]
+    # the referenced arrays are None to Orbax: it never reads a chunk stored elsewhere as a fill value
+    kinds = {k: v["value_metadata"]["value_type"] for k, v in meta["tree_metadata"].items()}
+    assert kinds == {"('frozen',)": "None", "('big',)": "None", "('adapter',)": "jax.Array", "('step',)": "scalar"}
+    # step 4 wrote the adapter, one chunk of `big` and the step scalar, not the frozen base
+    assert _step_bytes(root / "4") < _step_bytes(root / "1") / 3
+
+
+def test_chunks_read_across_steps_by_region(saved, capsys):
+    """A region that spans chunks of several steps is read piece by piece (`xtckpt show` reads a slice);
+    `xtckpt steps` names the bases, `xtckpt verify` checks the chunks of every step a step references."""
+    root, _ = saved
+    assert cli.main(["steps", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "references steps 1" in out and "base of steps 3, 4" in out
+    expected = _state(4)[1]["big"]
+    got = xtc.restore(root / "4" / "extra", target={"frozen": torch.zeros(64, 32), "adapter": torch.zeros(8, 4),
+                                                    "big": torch.zeros(64, 16, dtype=torch.bfloat16), "step": 0})
+    assert torch.equal(got["big"], expected)
+    assert cli.main(["show", str(root / "4"), "extra/big[10:40, 3:5]"]) == 0
+    assert cli.main(["verify", str(root / "4")]) == 0
+
+
+def test_materialized_step_is_standalone(saved, tmp_path):
+    root, _ = saved
+    out = tmp_path / "standalone" / "4"
+    assert cli.main(["convert", str(root / "4"), str(out), "--to", "step", "--item", "extra"]) == 0
+    assert "incremental" not in _metadata(out / "extra")["xla_tensorstore_ckpt"]
+    assert_trees_equal(xtc.restore(out / "extra"), _state(4)[1])
+
+
+def test_a_missing_base_is_an_error_naming_step_and_path(saved, tmp_path):
+    root, _ = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "4", copy / "4")
+    with pytest.raises(CheckpointError, match=r"frozen.*step 1 at .*copy/1.*missing"):
+        xtc.restore(copy / "4" / "extra")
+
+
+def test_resave_in_place_and_manager_restore(tmp_path):
+    """The manager's restore (in place) of an incremental step; a changed dtype is written whole, and the
+    events say so, as they say which steps retention keeps only as bases."""
+    seen = []
+    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1, listeners=(seen.append,))) as mgr:
+        mgr.save(1, extra={"w": torch.arange(12.0).reshape(3, 4)})
+        mgr.save(2, extra={"w": torch.arange(12.0).reshape(3, 4).double()})  # dtype changed: whole
+        assert mgr.metadata(2).bases == ()
+        mgr.save(3, extra={"w": torch.arange(12.0).reshape(3, 4).double()})
+        assert mgr.metadata(3).bases == (2,) and mgr.all_steps() == [2, 3]
+        written = {e.step: e.details for e in seen if e.kind == "save_written"}
+        assert list(written[2]["written_whole"]) == ["extra/w"] and "float32" in written[2]["written_whole"]["extra/w"]
+        assert "written_whole" not in written[3]
+        committed = {e.step: e.details for e in seen if e.kind == "save_committed"}
+        assert committed[3]["bases"] == [2] and committed[3]["kept_as_bases"] == {2: [3]}
+        assert "kept_as_bases" not in committed[2]
+        target = {"w": torch.zeros(3, 4, dtype=torch.float64)}
+        assert mgr.restore(3, extra=target) == 3
+        with pytest.raises(xtc.UsageError, match=r"cannot delete step 2 .*steps \[3\] reference"):
+            mgr.delete(2)
+    assert torch.equal(target["w"], torch.arange(12.0).reshape(3, 4).double())
+
+
+def test_retention_keeps_bases_of_kept_steps_and_of_saves_in_flight():
+    def marker(step, bases=()):
+        return StepMetadata(step=step, items=("model",), created_at=0.0, committed_at=0.0, bases=bases)
+
+    committed = {1: marker(1), 2: marker(2, (1,)), 3: marker(3), 4: marker(4, (1, 3))}
+    latest = policies.LatestN(1)
+    assert policies.steps_to_delete(latest, committed) == [2]
+    assert policies.steps_to_delete(latest, committed, pinned=[2]) == []
+    assert policies.steps_to_delete(latest, {**committed, 5: marker(5)}) == [1, 2, 3, 4]
+
+
+def _rl_weights(step: int) -> torch.Tensor:
+    """bf16 weights of which a few elements move one bf16 step per training step, as small RL updates do."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    bits = w.view(torch.int16).clone()
+    for s in range(1, step + 1):
+        picked = torch.randperm(w.numel(), generator=torch.Generator().manual_seed(s))[:80]  # 2 % per step
+        bits.view(-1)[picked] += 1
+    return bits.view(torch.bfloat16)
+
+
+def test_delta_steps_restore_bit_exact_through_chains(tmp_path):
+    """Deltas (XOR against the base, zstd) chain up to `max_chain`, then the chunk is written whole; every step
+    restores bit-exact, in place and as new tensors, and retention keeps the chain's steps."""
+    options = _options(max_to_keep=1, delta=True, max_chain=2)
+    with xtc.CheckpointManager(tmp_path, options) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, extra={"w": _sharded(_rl_weights(step))})
+        # steps 2 and 3 are deltas (chains 1, 2), step 4 whole again, step 5 a delta on 4
+        assert mgr.all_steps() == [4, 5]  # step 4 kept as the base of 5
+        assert mgr.metadata(4).bases == () and mgr.metadata(5).bases == (4,)
+        target = {"w": torch.zeros(64, 64, dtype=torch.bfloat16)}
+        assert mgr.restore(5, extra=target) == 5
+    assert torch.equal(target["w"], _rl_weights(5))
+    assert os.path.getsize(tmp_path / "5" / "extra" / "_chunk_deltas.process_0") < 64 * 64 * 2 * 0.2
+
+
+def test_delta_chain_and_damaged_delta(tmp_path):
+    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1, delta=True)) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, extra={"w": _rl_weights(step)})
+        assert mgr.all_steps() == [1, 2, 3, 4] and mgr.metadata(4).bases == (1, 2, 3)  # anchor 1, frames of 2-4
+        assert mgr.metadata(4).chain == 3
+    for step in range(1, 5):
+        assert torch.equal(xtc.restore(tmp_path / str(step) / "extra")["w"], _rl_weights(step))
+    assert cli.main(["verify", str(tmp_path / "4")]) == 0
+    deltas = tmp_path / "3" / "extra" / "_chunk_deltas.process_0"
+    data = bytearray(deltas.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    deltas.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"_chunk_deltas.process_0.*array w.*damaged"):
+        xtc.restore(tmp_path / "4" / "extra")
+
+
+@pytest.mark.parametrize("changed", [3, 40, 4096])  # sparse, sparse, dense
+def test_delta_encodings_round_trip_and_refuse_damage(changed):
+    from xla_tensorstore_ckpt.incremental import deltas
+
+    base = torch.randn(64, 64).to(torch.bfloat16).view(torch.int16).numpy()
+    new = base.copy()
+    new.reshape(-1)[torch.randperm(base.size)[:changed].numpy()] += 1
+    frame = deltas.encode(new, base)
+    assert (frame[0] == 1) == (changed * deltas.SPARSE_EVERY <= base.size)
+    assert (deltas.apply(base, frame) == new).all()
+    with pytest.raises(ValueError):
+        deltas.apply(base, frame[:-3])
+
+
+@pytest.mark.xla
+def test_spmd_sharded_chunks_referenced_and_restored_resharded(tmp_path, mesh_4x2, mesh_2x4):
+    """torch_xla SPMD: each device's shard is a chunk; the unchanged ones are referenced, and the step restores
+    in place onto another mesh, bit-exact (delta chunks included)."""
+    from conftest import sharded
+
+    full = torch.randn(64, 32).to(torch.bfloat16)
+    changed = full.clone()
+    changed[0, 0] += 1  # one chunk of eight
+    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1, delta=True)) as mgr:
+        mgr.save(1, extra={"w": sharded(full, mesh_4x2, ("x", "y"))})
+        mgr.save(2, extra={"w": sharded(changed, mesh_4x2, ("x", "y"))})
+        assert mgr.all_steps() == [1, 2] and mgr.metadata(2).bases == (1,)
+        target = {"w": sharded(torch.zeros(64, 32, dtype=torch.bfloat16), mesh_2x4, ("b", "a"))}
+        assert mgr.restore(2, extra=target) == 2
+    assert torch.equal(target["w"].cpu(), changed)
+    table = json.loads((tmp_path / "2" / "extra" / "_chunk_hashes.process_0.json").read_text())
+    chunks = table["arrays"]["w"]["chunks"]
+    assert sorted(k for k, (_, step, delta) in chunks.items() if step is None and delta is None) == []
+    anchor, links = chunks["0.0"][2]  # stored as a delta on step 1's chunk
+    assert anchor == 1 and [link[0] for link in links] == [None]
+    assert all(chunks[k][1] == 1 for k in chunks if k != "0.0")
+
+
+def test_two_processes_reference_and_delta_their_own_chunks(tmp_path):
+    """Each process of a job hashes, references and deltas the chunks it writes; the commit gathers their tables;
+    the local tier of each process is incremental too."""
+    from forked import launch_job
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "incremental_job.py")
+    sys.path.insert(0, os.path.dirname(script))
+    from incremental_job import global_value
+
+    results = launch_job(script, 2, str(tmp_path / "root"), str(tmp_path / "local"))
+    for rank, r in enumerate(results):
+        assert r["returncode"] == 0, r["stderr"][-3000:]
+        # step 3: process 0's chunk a delta on step 2 (itself a delta on 1), process 1's referenced from step 1
+        assert r["lines"][-1]["persistent"] == [1, 2, 3] and r["lines"][-1]["bases"] == [1, 2]
+        # each local tier keeps its newest step and that step's chain: process 1's references step 1 only
+        assert r["lines"][-1]["local"] == ([1, 2, 3] if rank == 0 else [1, 3])
+    assert sorted(n for n in os.listdir(tmp_path / "root" / "3" / "model") if n.startswith("_chunk_hashes")) == [
+        "_chunk_hashes.process_0.json", "_chunk_hashes.process_1.json"]
+    for step in (1, 2, 3):
+        assert torch.equal(xtc.restore(tmp_path / "root" / str(step) / "model")["w"], global_value(step))

@@ -1,0 +1,269 @@
+"""Reading an item of an incremental step (`LayeredReader`, an `arrays.ArrayReader`): its own chunks from its
+own store, every referenced chunk from the step that stores it, through that step's own reader (local chunk
+reads, tensorstore, object stores alike). `arrays.reader` returns it for an item whose ``_METADATA`` records
+references (`refs`), so every reader of ours follows them: restore in every mode, ``xtckpt`` (show, stats,
+diff, verify, convert), `plan_restore`. A region that lies in one step is one read there; one spanning chunks of
+several steps is read piece by piece (each piece within one chunk) and assembled. A delta chunk (`tables`) is
+its anchor's chunk, read whole from the anchor step's own store, with the chain's frames applied in order, each
+read from the delta file of this item or of the step holding it, checked (CRC32C) and applied (`deltas`): chains
+are flattened, so no step between is opened.
+
+A base step that is missing, or whose array differs from the one the tables describe, is a
+`CorruptCheckpointError` naming the item, the array, the step and its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import crc32c
+import numpy as np
+
+from .. import arrays, formats, storage
+from ..arrays.base import ArrayReader, Empty, Index, PendingRead, Picked, StoredArray, index_box
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..records import ArrayMetadata, ArrayStore
+from . import deltas, tables
+
+Own = None  # a chunk's source: the item's own store
+# Delta chunks are rebuilt here as soon as their reads are asked for, beside the other chunks' reads and each
+# other (zstd decompresses without the GIL), rather than one by one when the restore waits for each.
+_REBUILDS = ThreadPoolExecutor(2, thread_name_prefix="xtc-delta-rebuild")
+# Where a chunk is: (the step holding it whole, None: this item; or a delta chain `tables.Delta`)
+Where = tuple[int | None, tables.Delta | None]
+
+
+class LayeredReader(ArrayReader):
+    """Reads the arrays of an item with references (see the module). Opening blocks on the item's chunk
+    tables (once) and on each base's manifest (once per base)."""
+
+    def __init__(self, item: storage.Location, store: ArrayStore, context: object = None):
+        self.item, self.refs, self.context = item, store.refs, context
+        self.own = arrays.reader(item, dataclasses.replace(store, refs=None), context)
+        self.fetches_once = self.own.fetches_once
+        self._bases: dict[int, tuple[ArrayReader, dict[str, ArrayMetadata]]] = {}
+        self._where: dict[str, dict[tuple[int, ...], Where]] | None = None
+        self._lock = threading.Lock()
+
+    def open(self, meta: ArrayMetadata) -> arrays.Opening:
+        opening = self.own.open(meta)
+        if meta.path not in self.refs.arrays:
+            return opening
+        return _Opening(self, meta, opening)
+
+    def close(self) -> None:
+        self.own.close()
+        for reader, _ in self._bases.values():
+            reader.close()
+
+    def fetched_bytes(self) -> int | None:
+        counts = [self.own.fetched_bytes(), *(r.fetched_bytes() for r, _ in self._bases.values())]
+        return None if any(c is None for c in counts) else sum(counts)
+
+    # ------------------------------------------------------------------------------------------ lookups
+
+    def chunk_steps(self, name: str) -> dict[tuple[int, ...], Where]:
+        """Where each chunk of array `name` lives (grid position -> `Where`); a chunk not listed is this item's."""
+        with self._lock:
+            if self._where is None:
+                where: dict[str, dict[tuple[int, ...], Where]] = {}
+                for table in self.refs.tables:
+                    found = tables.read(self.item, table)
+                    if found is None:
+                        raise CorruptCheckpointError(f"{self.item}: its chunk table {table} is missing or of "
+                                                     f"another hash; the item's references cannot be followed")
+                    for array, entry in found.items():
+                        chunks = where.setdefault(array, {})
+                        for index, (_, step, delta) in entry.chunks.items():
+                            position = tuple(int(i) for i in index.split(".")) if index else ()
+                            chunks[position] = (step, delta)
+                self._where = where
+            return self._where.get(name, {})
+
+    def read_frame(self, link: tables.Link, meta: ArrayMetadata) -> bytes:
+        """The checked frame of one delta of a chain. Blocks."""
+        step, file, at, length, crc = link
+        item = self.item if step is None else self.step_item(step)
+        frame = item.read_range(file, at, at + length).result()
+        if frame is None or len(frame) != length or crc32c.crc32c(frame) != crc:
+            raise CorruptCheckpointError(f"{item.child(file)}: the delta of a chunk of array {meta.path} "
+                                         f"(bytes {at}-{at + length}) is missing or damaged (CRC32C mismatch)")
+        return frame
+
+    def step_item(self, step: int) -> storage.Location:
+        """This item in base `step` (a sibling step directory)."""
+        return self.item.parent.parent.child(self.refs.base_dir(step), self.item.name)
+
+    def base_array(self, step: int, meta: ArrayMetadata) -> arrays.Opening:
+        """Start opening array `meta` in base `step`, checked against `meta`."""
+        with self._lock:
+            if step not in self._bases:
+                loc = self.step_item(step)
+                try:
+                    manifest = formats.read_item(loc)
+                except CheckpointError as exc:
+                    raise CorruptCheckpointError(
+                        f"{self.item}: array {meta.path} references chunks of step {step} at {loc}, which is "
+                        f"missing or damaged ({exc}); that step was deleted or is incomplete") from exc
+                metas = {m.path: m for _, m in manifest.arrays()}
+                # Its own store only: references and chains are flattened, what is read there is held there whole
+                self._bases[step] = (arrays.reader(loc, dataclasses.replace(manifest.store, refs=None),
+                                                   self.context), metas)
+            reader, metas = self._bases[step]
+        base = metas.get(meta.path)
+        if base is None or (tuple(base.shape), base.dtype, tuple(base.chunk_shape)) != (
+                tuple(meta.shape), meta.dtype, tuple(meta.chunk_shape)):
+            raise CorruptCheckpointError(f"{self.item}: array {meta.path} references chunks of step {step}, whose "
+                                         f"item holds no such array (or one of another shape, dtype or chunking)")
+        return reader.open(base)
+
+
+class _Opening:
+    def __init__(self, reader: LayeredReader, meta: ArrayMetadata, own: arrays.Opening):
+        self.reader, self.meta, self.own = reader, meta, own
+
+    def result(self) -> StoredArray:
+        where = self.reader.chunk_steps(self.meta.path)
+        steps = sorted({s for s, _ in where.values() if s is not None}
+                       | {d[0] for _, d in where.values() if d is not None})
+        bases = {s: self.reader.base_array(s, self.meta) for s in steps}
+        return LayeredArray(self.own.result(), {s: o.result() for s, o in bases.items()}, where,
+                            lambda link: self.reader.read_frame(link, self.meta))
+
+
+class LayeredArray:
+    """An array whose chunks live in several steps (see the module)."""
+
+    def __init__(self, own: StoredArray, bases: dict[int, StoredArray], where: dict[tuple[int, ...], Where],
+                 read_frame):
+        self.own, self.bases, self.where, self.read_frame = own, bases, where, read_frame
+        self.location, self.shape, self.dtype_name = own.location, own.shape, own.dtype_name
+        self.chunk_shape, self.reads_whole_chunks = own.chunk_shape, own.reads_whole_chunks
+
+    def _source(self, step) -> StoredArray:
+        if isinstance(step, tuple):  # a delta chunk: ("delta", grid position)
+            return _DeltaChunk(self, step[1])
+        return self.own if step is None else self.bases[step]
+
+    def _pieces(self, region: Index) -> list[tuple[object, Index]]:
+        """The parts of `region`, each within one chunk, with where it is read: a step (None: this item's
+        store) or ("delta", grid position)."""
+        if any(b <= a for a, b in region):
+            return [(Own, region)]
+        ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(region, self.chunk_shape)]
+        pieces = []
+        for index in itertools.product(*ranges):
+            sub = tuple((max(a, i * c), min(b, (i + 1) * c)) for (a, b), i, c in zip(region, index, self.chunk_shape))
+            step, delta = self.where.get(tuple(index), (Own, None))
+            pieces.append((("delta", tuple(index)) if delta is not None else step, sub))
+        return pieces
+
+    def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, PendingRead]:
+        plans = {region: self._pieces(region) for region in regions}
+        whole: dict[int | None, list[Index]] = {}
+        split: dict[int | None, list[Index]] = {}
+        for region, pieces in plans.items():
+            steps = {s for s, _ in pieces}
+            if len(steps) == 1:
+                whole.setdefault(steps.pop(), []).append(region)
+            else:
+                for s, sub in pieces:
+                    split.setdefault(s, []).append(sub)
+        out: dict[Index, PendingRead] = {}
+        for step, group in whole.items():
+            out.update(self._source(step).read(group, empty))
+        parts: dict[tuple[int | None, Index], PendingRead] = {}
+        for step, group in split.items():
+            for sub, pending in self._source(step).read(list(dict.fromkeys(group))).items():
+                parts[(step, sub)] = pending
+        for region, pieces in plans.items():
+            if region not in out:
+                out[region] = _Assembled(region, [(sub, parts[(s, sub)]) for s, sub in pieces], empty)
+        return out
+
+    def read_index(self, index: tuple[slice | int, ...]) -> PendingRead:
+        box, within = index_box(index, self.shape)
+        return Picked(self.read([box])[box], within)
+
+
+class _DeltaChunk:
+    """The reads of one delta chunk, shaped as a `StoredArray`'s: the chunk is rebuilt whole (its base's chunk
+    XOR the delta), then each region is cut out of it."""
+
+    def __init__(self, array: LayeredArray, index: tuple[int, ...]):
+        self.array, self.index = array, index
+
+    def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, PendingRead]:
+        chunk = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(self.index, self.array.chunk_shape,
+                                                                    self.array.shape))
+        anchor, links = self.array.where[self.index][1]
+        where = f"{self.array.location}: chunk {list(self.index)}"
+
+        def frames() -> list[bytes]:
+            return [self.array.read_frame(link) for link in links]
+
+        if list(regions) == [chunk]:  # the whole chunk: read into the caller's buffer, the deltas applied there
+            whole = _Rebuilt(self.array.bases[anchor].read([chunk], empty)[chunk], frames, where)
+            _REBUILDS.submit(whole.result)  # its error, if any, is raised again to the caller's `result`
+            return {chunk: whole}
+        whole = _Rebuilt(self.array.bases[anchor].read([chunk])[chunk], frames, where)
+        _REBUILDS.submit(whole.result)
+        return {r: _Cut(whole, tuple(slice(a - ca, b - ca) for (a, b), (ca, _) in zip(r, chunk)), empty)
+                for r in regions}
+
+
+class _Rebuilt:
+    """A delta chunk's values (its anchor's chunk, the chain applied), rebuilt once however many regions cut
+    from it, on whichever thread asks first (`_REBUILDS`, or the restoring thread); a failure is raised to every
+    caller, never retried (deltas applied in place may have been applied in part)."""
+
+    def __init__(self, base: PendingRead, frames, where: str):
+        self.base, self.frames, self.where = base, frames, where
+        self.value, self.error, self._lock = None, None, threading.Lock()
+
+    def result(self) -> np.ndarray:
+        with self._lock:
+            if self.value is None and self.error is None:
+                try:
+                    # the anchor's chunk was read into a buffer of its own (`np.empty`, or the caller's for the
+                    # whole chunk): deltas go in place
+                    value = self.base.result()
+                    for frame in self.frames():
+                        value = deltas.apply(value, frame, in_place=True)
+                    self.value = value
+                except ValueError as exc:
+                    self.error = CorruptCheckpointError(f"{self.where}, a delta chunk: {exc}")
+                except CheckpointError as exc:
+                    self.error = exc
+            if self.error is not None:
+                raise self.error
+            return self.value
+
+
+class _Cut:
+    def __init__(self, whole: _Rebuilt, within: tuple, empty: Empty):
+        self.whole, self.within, self.empty = whole, within, empty
+
+    def result(self) -> np.ndarray:
+        value = self.whole.result()[self.within]
+        out = self.empty(value.shape, value.dtype)
+        out[...] = value
+        return out
+
+
+class _Assembled:
+    """A region read piece by piece: `result()` waits for every piece and copies it into place."""
+
+    def __init__(self, region: Index, pieces: list[tuple[Index, PendingRead]], empty: Empty):
+        self.region, self.pieces, self.empty = region, pieces, empty
+
+    def result(self) -> np.ndarray:
+        values = arrays.wait_all([p for _, p in self.pieces])
+        out = self.empty(tuple(b - a for a, b in self.region), values[0].dtype)
+        for (sub, _), value in zip(self.pieces, values):
+            out[tuple(slice(a - ra, b - ra) for (a, b), (ra, _) in zip(sub, self.region))] = value
+        return out

@@ -1,0 +1,175 @@
+"""An incremental save, chunk by chunk: each chunk a process writes is hashed (`arrays.chunk_hashes`) and
+compared with the base step's chunk of the same array name, shape, dtype, chunk shape and grid position; an
+unchanged one is recorded as a reference to the step that stores its bytes instead of being written
+(`Recorder`). At the end each process writes its chunk table (`tables`). At the commit, the primary reads the
+item's tables and records the item's references and the step's bases (`commit_refs`).
+
+The hooks: `writing.ChunkWriter` (a `Recorder` when `SaveOptions.incremental` holds a `BaseStep`) and
+`tier.Tier.commit` (`commit_refs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import crc32c
+
+from .. import arrays, dtypes, formats
+from ..arrays.chunk_hashes import chunk_hash
+from ..distributed import Coordinator
+from ..errors import CheckpointError
+from ..records import StepMetadata
+from ..storage import Location
+from . import deltas, tables
+from . import refs as refs_mod
+
+logger = logging.getLogger("xla_tensorstore_ckpt")
+
+
+@dataclass(frozen=True)
+class BaseStep:
+    """What an incremental save compares with: the committed `step` at `location` (its step directory), or
+    nothing (`step` None: an anchor, every chunk written, the tables recorded for the next save). With `delta`, a
+    changed chunk is stored as the zstd frame of its XOR with the base's chunk where that frame is at most
+    `delta_max_ratio` of the chunk and the base's chunk is read through fewer than `max_chain` deltas."""
+
+    step: int | None = None
+    location: Location | None = None
+    delta: bool = False
+    max_chain: int = 4
+    delta_max_ratio: float = 0.5
+
+
+class Recorder:
+    """Decides, chunk by chunk, what one process's save of one item writes, and keeps its chunk table. Reads
+    the base item's tables when created (blocks; a missing or non-incremental base item: everything is
+    written), and with deltas the base's changed chunks. Raises `CheckpointError` naming the base's file if a
+    table or a chunk of it is damaged."""
+
+    def __init__(self, item: Location, base: BaseStep, writer: int):
+        self.options, self.writer = base, writer
+        self.base_item = base.location.child(item.name) if base.location is not None else None
+        self.base = _base_tables(self.base_item, base.step) if self.base_item is not None else {}
+        self.table: dict[str, tables.ArrayChunks] = {}
+        self.whole: dict[str, str] = {}  # arrays written whole although the base has them: why
+        self.frames: list[bytes] = []
+        self.delta_bytes = 0
+        self._reader = None  # of the base item, for deltas
+
+    def select(self, group: Sequence, data: Sequence[Sequence]) -> tuple[list, list[list]]:
+        """The plans of `group` (`save_plan.ArrayPlan`) with only the chunks to write, and their data (as
+        `ChunkWriter.write` takes them); every chunk of `group` is recorded."""
+        plans, kept_data = [], []
+        for p, chunk_data in zip(group, data):
+            writes, kept = [], []
+            for w, d in zip(p.writes, chunk_data):
+                if any(b <= a for a, b in w.region) or not self._recorded(p.meta, w.region, d):
+                    writes.append(w)
+                    kept.append(d)
+            if writes:
+                plans.append(p if len(writes) == len(p.writes) else dataclasses.replace(p, writes=tuple(writes)))
+                kept_data.append(kept)
+        return plans, kept_data
+
+    def _recorded(self, meta, region, data) -> bool:
+        """Record the chunk; True if it is referenced or stored as a delta (not written to the store)."""
+        array = dtypes.tensor_to_numpy(data)
+        digest = chunk_hash(array)
+        entry = self.table.get(meta.path)
+        if entry is None:
+            entry = self.table[meta.path] = tables.ArrayChunks(tuple(meta.shape), meta.dtype,
+                                                               tuple(meta.chunk_shape), {})
+        index = tables.index_name(tuple(a // c for (a, _), c in zip(region, meta.chunk_shape)))
+        chunk: tables.Chunk = (digest, None, None)
+        base = self.base.get(meta.path)
+        if base is not None:
+            if (base.shape, base.dtype, base.chunk_shape) != (entry.shape, entry.dtype, entry.chunk_shape):
+                self.whole[meta.path] = (f"the base stored it as {base.dtype}{list(base.shape)} in chunks of "
+                                         f"{list(base.chunk_shape)}")
+            else:
+                hit = base.chunks.get(index)
+                if hit is not None and hit[0] == digest:
+                    chunk = hit  # unchanged: where the base has it (whole in a step, or a chain)
+                elif hit is not None and self.options.delta and len((hit[2] or (0, ()))[1]) < self.options.max_chain:
+                    chunk = self._delta(meta, region, array, digest, hit) or chunk
+        entry.chunks[index] = chunk
+        return chunk[1] is not None or chunk[2] is not None
+
+    def _delta(self, meta, region, array, digest: str, hit: tables.Chunk) -> tables.Chunk | None:
+        """The chunk as the base's chunk's chain plus one delta, if its frame is small enough."""
+        if self._reader is None:
+            self._reader = arrays.reader(self.base_item, formats.read_item(self.base_item).store)
+        base = self._reader.open(meta).result().read([region])[region].result()
+        frame = deltas.encode(array, base)
+        if len(frame) > self.options.delta_max_ratio * array.nbytes:
+            return None
+        link = (None, tables.delta_name(self.writer), self.delta_bytes, len(frame), crc32c.crc32c(frame))
+        self.frames.append(frame)
+        self.delta_bytes += len(frame)
+        anchor, links = hit[2] if hit[2] is not None else (hit[1], ())
+        return (digest, None, (anchor, (*links, link)))
+
+    def finish(self, item: Location) -> list[str]:
+        """Write this process's table (and delta file) into `item`, made durable by the commit with the
+        stores; their names."""
+        if self._reader is not None:
+            self._reader.close()
+        name, frames = tables.table_name(self.writer), tables.delta_name(self.writer)
+        item.write(frames, b"".join(self.frames), fsync=False)
+        item.write(name, tables.encode(self.table), fsync=False)
+        for path, why in self.whole.items():
+            logger.info("incremental save of %s: %s written whole: %s", item, path, why)
+        return [frames, name]
+
+
+def _base_tables(item: Location, step: int) -> dict[str, tables.ArrayChunks]:
+    """The base item's chunks, merged over its tables, with every "this item" resolved to the base's step."""
+    try:
+        manifest = formats.read_item(item)
+    except CheckpointError:
+        return {}  # an item the base step lacks (or never had): nothing to reference
+    refs = manifest.store.refs
+    merged: dict[str, tables.ArrayChunks] = {}
+    for name in (refs.tables if refs is not None else ()):
+        for array, entry in (tables.read(item, name) or {}).items():
+            chunks = {i: _resolved(chunk, step) for i, chunk in entry.chunks.items()}
+            if array in merged:
+                merged[array].chunks.update(chunks)
+            else:
+                merged[array] = dataclasses.replace(entry, chunks=chunks)
+    return merged
+
+
+def _resolved(chunk: tables.Chunk, step: int) -> tables.Chunk:
+    digest, held, delta = chunk
+    if delta is not None:
+        anchor, links = delta
+        return (digest, None, (anchor, tuple((step if s is None else s, *rest) for s, *rest in links)))
+    return (digest, step if held is None else held, None)
+
+
+def commit_refs(coordinator: Coordinator, location: Location, plans: dict, marker: StepMetadata,
+                step_dir: Callable[[int], str]) -> tuple[dict, StepMetadata]:
+    """`plans` (item name -> `save_plan.SavePlan`) with each item's references in its manifest, and `marker`
+    with the step's bases, read by the primary from the items' chunk tables under `location` once every
+    process's writes are durable. Collective; blocks. Called by `Tier.commit`."""
+    def collect() -> dict:
+        found = {}
+        for name in plans:
+            item = location.child(name)
+            names = sorted(n for n in item.list() if n.startswith(tables.PREFIX))
+            found[name] = refs_mod.summarize({n: tables.read(item, n) or {} for n in names}, step_dir).to_json()
+        return found
+
+    found = coordinator.on_primary(f"reading the chunk tables of step {marker.step}", collect, share=True)
+    out = {}
+    for name, plan in plans.items():
+        item_refs = refs_mod.decode(found[name], where=f"step {marker.step} item {name}")
+        store = dataclasses.replace(plan.manifest.store, refs=item_refs)
+        out[name] = dataclasses.replace(plan, manifest=dataclasses.replace(plan.manifest, store=store))
+    bases = sorted({s for value in found.values() for s, _ in value["bases"]})
+    chain = max((value["chain"] for value in found.values()), default=0)
+    return out, dataclasses.replace(marker, bases=tuple(bases), chain=chain)
