@@ -190,6 +190,7 @@ def test_delta_chain_and_damaged_delta(tmp_path):
     deltas.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"_chunk_deltas.process_0.*array w.*damaged"):
         xtc.restore(tmp_path / "4" / "extra")
+    assert cli.main(["verify", str(tmp_path / "4")]) == 1  # verify reads the whole chain: step 3's frame too
 
 
 @pytest.mark.parametrize("changed", [3, 40, 4096])  # sparse, sparse, dense
