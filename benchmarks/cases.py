@@ -13,4 +13,12 @@ CASES: dict[str, Case] = {case.name: case for case in (
          quick_scale=0.02),
     Case("cold-chunk-reads", "bench_cold_chunk_reads", "evicted restores read direct or buffered, ABBA",
          quick_repeats=2, quick_scale=0.02),
+    Case("item-cpu", "bench_item_cpu", "item save/restore CPU seconds, one or several checkouts ABBA", scale=0.1,
+         quick_scale=0.01, options={"workload": "small", "per_process": "7", "trees": ""},
+         quick_options={"per_process": "1"}),
+    Case("restore-memory", "bench_restore_memory", "the restore plan's predicted peak host memory against the measured",
+         options={"workloads": "large,small,model", "max_host_mib": "0"}, quick_options={"workloads": "large"},
+         quick_scale=0.02),
+    Case("small-arrays", "bench_small_arrays", "2,000 small tensors: one OCDBT store against a directory per array",
+         repeats=5, options={"storage": "local,gcs"}, quick_options={"storage": "local"}, quick_scale=0.02),
 )}
