@@ -21,4 +21,8 @@ CASES: dict[str, Case] = {case.name: case for case in (
          quick_scale=0.02),
     Case("small-arrays", "bench_small_arrays", "2,000 small tensors: one OCDBT store against a directory per array",
          repeats=5, options={"storage": "local,gcs"}, quick_options={"storage": "local"}, quick_scale=0.02),
+    Case("commit-latency", "bench_commit_latency", "a small synchronous save's latency, quiet and beside a writer",
+         repeats=15, options={"interval": "2.0", "dir": ""}, quick_repeats=2, quick_options={"interval": "0.1"}),
+    Case("coordination", "bench_coordination", "the Coordinator's collectives at 1-8 processes, gloo",
+         repeats=200, quick_repeats=5, options={"processes": "1,2,4,8"}, quick_options={"processes": "1,2"}),
 )}
