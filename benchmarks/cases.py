@@ -25,4 +25,8 @@ CASES: dict[str, Case] = {case.name: case for case in (
          repeats=15, options={"interval": "2.0", "dir": ""}, quick_repeats=2, quick_options={"interval": "0.1"}),
     Case("coordination", "bench_coordination", "the Coordinator's collectives at 1-8 processes, gloo",
          repeats=200, quick_repeats=5, options={"processes": "1,2,4,8"}, quick_options={"processes": "1,2"}),
+    Case("manager", "bench_manager", "the manager's own cost over an item save; latest_step() over 1,000 steps",
+         quick_repeats=2, quick_scale=0.02),
+    Case("views", "bench_views", "xtckpt stats and report against the cold-read floor, ABBA", scale=0.4,
+         quick_scale=0.01, options={"dir": ""}),
 )}
