@@ -29,4 +29,7 @@ CASES: dict[str, Case] = {case.name: case for case in (
          quick_repeats=2, quick_scale=0.02),
     Case("views", "bench_views", "xtckpt stats and report against the cold-read floor, ABBA", scale=0.4,
          quick_scale=0.01, options={"dir": ""}),
+    Case("async", "bench_async", "how long save() blocks, async and sync, against torch_xla's save_async; a loop",
+         repeats=5, options={"workloads": "large", "loop_steps": "20", "width": "2048", "batch": "2048"},
+         quick_repeats=2, quick_scale=0.02, quick_options={"loop_steps": "2", "width": "256", "batch": "256"}),
 )}
