@@ -32,4 +32,8 @@ CASES: dict[str, Case] = {case.name: case for case in (
     Case("async", "bench_async", "how long save() blocks, async and sync, against torch_xla's save_async; a loop",
          repeats=5, options={"workloads": "large", "loop_steps": "20", "width": "2048", "batch": "2048"},
          quick_repeats=2, quick_scale=0.02, quick_options={"loop_steps": "2", "width": "256", "batch": "256"}),
+    Case("async-reads", "bench_async_reads", "cold O_DIRECT reads by threads or AIO, alone and beside a GIL holder",
+         options={"depth": "16", "dir": ""}, quick_repeats=1, quick_scale=0.05),
+    Case("placement", "bench_placement", "host data placed on torch_xla tensors: cpu-shards against from-aten",
+         quick_scale=0.02),
 )}
