@@ -36,4 +36,7 @@ CASES: dict[str, Case] = {case.name: case for case in (
          options={"depth": "16", "dir": ""}, quick_repeats=1, quick_scale=0.05),
     Case("placement", "bench_placement", "host data placed on torch_xla tensors: cpu-shards against from-aten",
          quick_scale=0.02),
+    Case("first-restore", "bench_first_restore", "the first restore in a process against the later ones (evicted)",
+         repeats=3, options={"workloads": "large,model", "restores": "4"},
+         quick_options={"workloads": "large", "restores": "2"}, quick_scale=0.02),
 )}
