@@ -39,4 +39,8 @@ CASES: dict[str, Case] = {case.name: case for case in (
     Case("first-restore", "bench_first_restore", "the first restore in a process against the later ones (evicted)",
          repeats=3, options={"workloads": "large,model", "restores": "4"},
          quick_options={"workloads": "large", "restores": "2"}, quick_scale=0.02),
+    Case("orbax-interop", "bench_orbax_interop", "a step Orbax wrote, restored by Orbax in JAX and by this library",
+         quick_scale=0.02),
+    Case("hf-import", "bench_hf_import", "Hugging Face safetensors onto an FSDP mesh: the usual path against ours",
+         options={"warm_memory": "0"}, quick_scale=0.02),
 )}
