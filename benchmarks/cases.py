@@ -43,4 +43,7 @@ CASES: dict[str, Case] = {case.name: case for case in (
          quick_scale=0.02),
     Case("hf-import", "bench_hf_import", "Hugging Face safetensors onto an FSDP mesh: the usual path against ours",
          options={"warm_memory": "0"}, quick_scale=0.02),
+    Case("dtensor", "bench_dtensor", "DTensor state (4 gloo processes) against torch.distributed.checkpoint",
+         options={"workloads": "large,model", "warm_memory": "0"}, quick_options={"workloads": "large"},
+         quick_repeats=2, quick_scale=0.01),
 )}

@@ -145,6 +145,19 @@ def footprint_metrics(measured: Sequence[Mapping[str, float]], nbytes: int | Non
     return out
 
 
+def footprint_medians(measured: Sequence[Mapping[str, float]], nbytes: int) -> dict:
+    """Medians of `footprint.measure` answers as plain numbers, for prose: wall, CPU (user + system, and each),
+    fresh memory, resident and page cache growth, bytes read and written, those per byte of state."""
+    def med(key: str) -> float:
+        return median(m[key] for m in measured)
+
+    return {"wall_s": med("wall_s"), "cpu_s": median(m["user_s"] + m["system_s"] for m in measured),
+            "user_s": med("user_s"), "system_s": med("system_s"), "fresh_per_byte": med("fresh_bytes") / nbytes,
+            "rss_growth_per_byte": med("rss_growth_bytes") / nbytes,
+            "page_cache_per_byte": med("page_cache_growth_bytes") / nbytes, "read_per_byte": med("read_bytes") / nbytes,
+            "written_per_byte": med("written_bytes") / nbytes}
+
+
 def footprint_row(label: str, measured: Sequence[Mapping[str, float]], nbytes: int | None = None, *,
                   group: str = "", **params: Any) -> Row:
     """A `Row` of `footprint_metrics`."""
