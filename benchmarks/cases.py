@@ -46,4 +46,7 @@ CASES: dict[str, Case] = {case.name: case for case in (
     Case("dtensor", "bench_dtensor", "DTensor state (4 gloo processes) against torch.distributed.checkpoint",
          options={"workloads": "large,model", "warm_memory": "0"}, quick_options={"workloads": "large"},
          quick_repeats=2, quick_scale=0.01),
+    Case("dcp-storage", "bench_dcp_storage", "dcp.save/dcp.load through our storage against DCP's FileSystem",
+         options={"workloads": "large,model"}, quick_options={"workloads": "large"}, quick_repeats=2,
+         quick_scale=0.01),
 )}
