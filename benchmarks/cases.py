@@ -49,4 +49,7 @@ CASES: dict[str, Case] = {case.name: case for case in (
     Case("dcp-storage", "bench_dcp_storage", "dcp.save/dcp.load through our storage against DCP's FileSystem",
          options={"workloads": "large,model"}, quick_options={"workloads": "large"}, quick_repeats=2,
          quick_scale=0.01),
+    Case("compression", "bench_compression", "zstd-compressed saves against raw chunks: bytes stored, time, CPU",
+         options={"workloads": "large,model", "levels": "1,3", "storage": "local", "trained": ""},
+         quick_options={"workloads": "large", "levels": "3"}, quick_scale=0.02),
 )}
