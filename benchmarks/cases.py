@@ -52,4 +52,7 @@ CASES: dict[str, Case] = {case.name: case for case in (
     Case("compression", "bench_compression", "zstd-compressed saves against raw chunks: bytes stored, time, CPU",
          options={"workloads": "large,model", "levels": "1,3", "storage": "local", "trained": ""},
          quick_options={"workloads": "large", "levels": "3"}, quick_scale=0.02),
+    Case("torch_xla-import", "bench_torch_xla_import", "torch_xla's checkpoints restored by it and by this library",
+         options={"workloads": "large,model", "warm_memory": "0"}, quick_options={"workloads": "large"},
+         quick_repeats=2, quick_scale=0.02),
 )}
