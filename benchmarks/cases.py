@@ -55,4 +55,6 @@ CASES: dict[str, Case] = {case.name: case for case in (
     Case("torch_xla-import", "bench_torch_xla_import", "torch_xla's checkpoints restored by it and by this library",
          options={"workloads": "large,model", "warm_memory": "0"}, quick_options={"workloads": "large"},
          quick_repeats=2, quick_scale=0.02),
+    Case("multihost", "bench_multihost", "one global state saved by 1 and by 4 processes, fresh jobs ABBA",
+         options={"processes": "1,4"}, quick_scale=0.02),
 )}

@@ -4,7 +4,7 @@ bench_compression's trained state via tests/scripts/titan_job.py, bench_torchtit
 
 Worker side: `Process` (the process group, the mesh, the workload's state and a zeroed target of the same
 layout, `timed` between two barriers, `on_primary`). Runner side: `run` (one job, each process's answer) and
-`rounds` (each round of each contender over the processes: the slowest wall time, summed CPU and bytes)."""
+`rounds` (each round of each contender over the processes, `jobs.aggregate`)."""
 
 from __future__ import annotations
 
@@ -138,23 +138,10 @@ def run(script: str, args: Sequence[object], *, processes: int = PROCESSES, time
                         timeout_s=timeout_s)
 
 
-def aggregate(per_rank: Sequence[Mapping[str, float]]) -> dict:
-    """One round of one contender, over the processes: the slowest process's times, summed CPU, resident growth
-    and bytes, the machine-wide page cache growth (the largest any process saw)."""
-    out = {"wall_s": max(r["wall_s"] for r in per_rank),
-           "page_cache_growth_bytes": max(r["page_cache_growth_bytes"] for r in per_rank)}
-    for key in ("user_s", "system_s", "rss_growth_bytes", "read_bytes", "written_bytes"):
-        out[key] = sum(r[key] for r in per_rank)
-    out["fresh_bytes"] = out["rss_growth_bytes"] + out["page_cache_growth_bytes"]
-    if "blocking_s" in per_rank[0]:
-        out["blocking_s"] = max(r["blocking_s"] for r in per_rank)
-    return out
-
-
 def rounds(answers: Sequence[Mapping[str, Any]], rows: Mapping[str, Sequence[str]], repeats: int) -> dict:
     """``{operation: {contender: [aggregate of round i]}}`` from each process's ``runs[operation][contender]``."""
-    return {op: {c: [aggregate([a["runs"][op][c][i] for a in answers]) for i in range(repeats)] for c in contenders}
-            for op, contenders in rows.items()}
+    return {op: {c: [jobs.aggregate([a["runs"][op][c][i] for a in answers]) for i in range(repeats)]
+                 for c in contenders} for op, contenders in rows.items()}
 
 
 def summary(measured: Sequence[Mapping[str, float]], nbytes: int) -> dict:

@@ -1,6 +1,6 @@
 """Running a benchmark's job of processes on this machine: torch.distributed's environment (gloo on 127.0.0.1,
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), every process's answer read from the last line of its output.
-Used by the multi-process benchmarks (bench_multihost, bench_coordination, bench_scale)."""
+Used by the multi-process benchmarks (bench_multihost, bench_coordination, bench_scale, dtensor_jobs)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 
 
 def free_port() -> int:
@@ -42,3 +43,16 @@ def run_job(args: list[str], processes: int, *, env: dict[str, str] | None = Non
     if failures:
         raise RuntimeError("\n".join(failures))
     return answers
+
+
+def aggregate(per_rank: Sequence[Mapping[str, float]]) -> dict:
+    """One round of one contender, over the processes: the slowest process's times, summed CPU, resident growth
+    and bytes, the machine-wide page cache growth (the largest any process saw)."""
+    out = {"wall_s": max(r["wall_s"] for r in per_rank),
+           "page_cache_growth_bytes": max(r["page_cache_growth_bytes"] for r in per_rank)}
+    for key in ("user_s", "system_s", "rss_growth_bytes", "read_bytes", "written_bytes"):
+        out[key] = sum(r[key] for r in per_rank)
+    out["fresh_bytes"] = out["rss_growth_bytes"] + out["page_cache_growth_bytes"]
+    if "blocking_s" in per_rank[0]:
+        out["blocking_s"] = max(r["blocking_s"] for r in per_rank)
+    return out
