@@ -11,8 +11,10 @@ and NAME.txt; any other run writes to the temporary directory (or --output) and 
 Adding a benchmark (the whole API; see harness.py for the details):
 
 1. A module ``bench_NAME.py`` with ``run(settings: harness.Settings) -> harness.Result``. `settings` carries
-   ``repeats``, ``scale``, ``quick``, ``workdir`` (a temporary directory) and ``option(key, default)`` for the
-   case's own ``--set`` keys.
+   ``repeats``, ``scale``, ``quick``, ``workdir`` (a temporary directory), ``output`` (the result set's JSON;
+   ``beside(".png")`` names another file of the set) and ``option(key, default)`` for the case's own ``--set``
+   keys. A case whose raw measurements another case reuses (side-by-side runs several) keeps them in
+   ``measure(settings) -> dict``, and ``run`` summarises that.
 2. Measure in fresh processes: ``harness.fresh(__file__, *args)`` runs this script's ``worker(*args)`` (strings)
    in a new process and returns its JSON answer; end the module with ``harness.worker_main(worker)``.
    Alternate contenders with ``harness.alternated(contenders, settings.repeats, run_one)`` (ABBA; returns each

@@ -69,7 +69,7 @@ def worker(mode: str, workload: str, scale_: str, path: str, check: str) -> dict
 
 
 def _workloads(settings: harness.Settings, modes: list[str], lines: list[str], rows: list) -> None:
-    from run import start_object_store
+    from object_stores import start_object_store
 
     storage = settings.option("storage", "local")
     server, root = start_object_store(storage)

@@ -81,8 +81,10 @@ def worker(workload: str, scale: str, root: str, repeats: str) -> dict:
             "torch_xla_imported": dtensor_jobs.torch_xla_imported()}
 
 
-def measure(scale: float, repeats: int, workdir: str, workload_names: tuple[str, ...]) -> dict:
+def measure(settings: harness.Settings) -> dict:
     """One job of 4 processes per workload; blocks for minutes at scale 1."""
+    scale, repeats, workdir = settings.scale, settings.repeats, settings.workdir
+    workload_names = settings.option("workloads", ("large", "model"))
     out: dict = {"scale": scale, "repeats": repeats, "processes": PROCESSES, "workloads": {}}
     for workload in workload_names:
         root = os.path.join(workdir, f"dcp-storage-{workload}")
@@ -123,8 +125,7 @@ def describe(result: dict) -> str:
 
 def run(settings: harness.Settings) -> harness.Result:
     """The case `dcp-storage`: one job of 4 processes per workload."""
-    result = measure(settings.scale, settings.repeats, settings.workdir,
-                     settings.option("workloads", ("large", "model")))
+    result = measure(settings)
     rows = [harness.footprint_row(c, r["rounds"][op][c], r["bytes"], group=f"{workload}: {op}")
             for workload, r in result["workloads"].items() for op in OPERATIONS for c in CONTENDERS]
     return harness.Result(rows, describe(result), result)

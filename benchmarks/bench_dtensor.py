@@ -299,11 +299,13 @@ def _opened(root: str, probe: dict, tensors: int) -> dict:
     return out
 
 
-def measure(scale: float, repeats: int, workdir: str, workload_names: tuple[str, ...] = ("large", "model"),
-            warm_memory: bool = False) -> dict:
+def measure(settings: harness.Settings) -> dict:
     """One job of 4 processes per workload: `repeats` rounds of sync save, async save and restore, this library
     and DCP alternating ABBA; then each checkpoint opened by xtckpt and by Orbax. Blocks for many minutes at
     scale 1."""
+    scale, repeats, workdir = settings.scale, settings.repeats, settings.workdir
+    workload_names = settings.option("workloads", ("large", "model"))
+    warm_memory = settings.option("warm_memory", False)
     out: dict = {"scale": scale, "repeats": repeats, "processes": PROCESSES,
                  "mode": "warm-memory" if warm_memory else "cold-memory", "workloads": {}}
     for workload in workload_names:
@@ -395,8 +397,7 @@ def describe(result: dict) -> str:
 def run(settings: harness.Settings) -> harness.Result:
     """The case `dtensor`: one job of 4 processes per workload, then the checkpoints opened by xtckpt and Orbax."""
     started = time.perf_counter()
-    result = measure(settings.scale, settings.repeats, settings.workdir,
-                     settings.option("workloads", ("large", "model")), settings.option("warm_memory", False))
+    result = measure(settings)
     result["seconds"] = time.perf_counter() - started
     rows = []
     for workload, r in result["workloads"].items():

@@ -90,7 +90,11 @@ def worker_restore(case: str, workload: str, root: str, restores: int, scale: fl
     return {"runs": runs}
 
 
-def measure(workloads_: tuple[str, ...], processes: int, restores: int, workdir: str, scale: float) -> dict:
+def measure(settings: harness.Settings) -> dict:
+    """Per workload: one save in a fresh process, then `settings.repeats` fresh processes per case, each
+    restoring `restores` times; their runs."""
+    workloads_, processes = settings.option("workloads", ("large", "model")), settings.repeats
+    restores, workdir, scale = settings.option("restores", 4), settings.workdir, settings.scale
     result: dict = {"processes": processes, "restores": restores, "workloads": {}}
     for workload in workloads_:
         root = os.path.join(workdir, workload)
@@ -133,8 +137,7 @@ def describe(result: dict) -> str:
 
 def run(settings: harness.Settings) -> harness.Result:
     """The case `first-restore`: per workload one save, then `repeats` fresh processes per case."""
-    result = measure(settings.option("workloads", ("large", "model")), settings.repeats,
-                     settings.option("restores", 4), settings.workdir, settings.scale)
+    result = measure(settings)
     rows = []
     for workload, entry in result["workloads"].items():
         for case, processes in entry["cases"].items():

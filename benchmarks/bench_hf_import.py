@@ -143,10 +143,12 @@ def run_worker(contender: str, directory: str, root: str, scale: float) -> dict:
     return run_json([sys.executable, "-c", script], env, contender)
 
 
-def measure(scale: float, repeats: int, workdir: str, warm_memory: bool = False) -> dict:
+def measure(settings: harness.Settings) -> dict:
     """Write the files, then alternate the contenders `repeats` times (ABBA), each in a fresh process after
     evicting the files from the page cache (and with `warm_memory`, after a process that touched twice their
     bytes)."""
+    scale, repeats, workdir = settings.scale, settings.repeats, settings.workdir
+    warm_memory = settings.option("warm_memory", False)
     directory = os.path.join(workdir, "hf")
     total, files = write_hf_checkpoint(directory, scale)
     count = iter(range(3 * repeats))
@@ -191,7 +193,7 @@ def describe(result: dict) -> str:
 
 def run(settings: harness.Settings) -> harness.Result:
     """The case `hf-import`: the safetensors files written once, loaded by each contender, ABBA."""
-    result = measure(settings.scale, settings.repeats, settings.workdir, settings.option("warm_memory", False))
+    result = measure(settings)
     rows = []
     for contender, runs in result["runs"].items():
         row = harness.footprint_row(contender, [r["footprint"] for r in runs], result["bytes"])

@@ -73,9 +73,10 @@ print(json.dumps({{"seconds": measures["wall_s"], "footprint": measures}}))
 """
 
 
-def measure(gib: float, repeats: int, directory: str) -> dict:
+def measure(settings: harness.Settings) -> dict:
     """Orbax writes the step, then the contenders restore it `repeats` times each, ABBA, each in a fresh process
     after the files were evicted. Returns the seconds and footprints of every run, and the speed ratios."""
+    gib, repeats, directory = settings.scale, settings.repeats, settings.workdir
     jax_env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
     xla_env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3")
     root = os.path.join(directory, "orbax-root")
@@ -117,7 +118,7 @@ def describe(result: dict) -> str:
 
 def run(settings: harness.Settings) -> harness.Result:
     """The case `orbax-interop`: a `scale` GiB step Orbax writes, restored by each contender, ABBA."""
-    result = measure(settings.scale, settings.repeats, settings.workdir)
+    result = measure(settings)
     rows = [harness.footprint_row(c, measured, result["nbytes"]) for c, measured in result["footprints"].items()]
     return harness.Result(rows, describe(result), result)
 

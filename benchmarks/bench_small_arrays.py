@@ -29,7 +29,7 @@ xr.use_spmd()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 import workloads  # noqa: E402
-from run import start_object_store  # noqa: E402
+from object_stores import start_object_store  # noqa: E402
 from worker import _disk_usage  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
@@ -38,7 +38,7 @@ from xla_tensorstore_ckpt import storage  # noqa: E402
 LAYOUTS = {"one OCDBT store (format 2)": True, "a directory per array": False}
 
 
-def measure(root: str, scale: float, repeats: int) -> dict[str, dict[str, list]]:
+def measure_at(root: str, scale: float, repeats: int) -> dict[str, dict[str, list]]:
     """Save and restore the small workload under `root` (a local directory or a gs:// prefix) `repeats` times
     per layout, alternating; seconds and object counts per layout."""
     state = workloads.build_state("small", scale)
@@ -98,10 +98,10 @@ def run(settings: harness.Settings) -> harness.Result:
         try:
             if server is not None:
                 os.environ.update(server.environment)
-                runs = measure(f"{root}/small-arrays", settings.scale, settings.repeats)
+                runs = measure_at(f"{root}/small-arrays", settings.scale, settings.repeats)
             else:
                 with tempfile.TemporaryDirectory(prefix="xtc-bench-small-", dir=settings.workdir) as tmp:
-                    runs = measure(tmp, settings.scale, settings.repeats)
+                    runs = measure_at(tmp, settings.scale, settings.repeats)
         finally:
             if server is not None:
                 server.stop()

@@ -189,10 +189,12 @@ def _run(args: list[str], what: str, devices: bool = True) -> dict:
     return run_json([sys.executable, os.path.abspath(__file__), "--worker", *args], env, what)
 
 
-def measure(scale: float, repeats: int, workdir: str, workload_names: tuple[str, ...] = ("large", "model"),
-            warm_memory: bool = False) -> dict:
+def measure(settings: harness.Settings) -> dict:
     """Save each workload with torch_xla's manager, restore it `repeats` times per contender (fresh processes,
     ABBA), convert the model checkpoint, compare the entry readers. Blocks for minutes at scale 1."""
+    scale, repeats, workdir = settings.scale, settings.repeats, settings.workdir
+    workload_names = settings.option("workloads", ("large", "model"))
+    warm_memory = settings.option("warm_memory", False)
     out: dict = {"scale": scale, "repeats": repeats, "mode": "warm-memory" if warm_memory else "cold-memory",
                  "workloads": {}}
     for workload in workload_names:
@@ -269,8 +271,7 @@ def describe(result: dict) -> str:
 
 def run(settings: harness.Settings) -> harness.Result:
     """The case `torch_xla-import`: per workload torch_xla's save, then the contenders' restores ABBA."""
-    result = measure(settings.scale, settings.repeats, settings.workdir,
-                     settings.option("workloads", ("large", "model")), settings.option("warm_memory", False))
+    result = measure(settings)
     rows = [harness.footprint_row(c, r["runs"][c], r["bytes"], group=workload)
             for workload, r in result["workloads"].items() for c in CONTENDERS]
     if "entries" in result:

@@ -6,6 +6,12 @@ from __future__ import annotations
 from harness import Case
 
 CASES: dict[str, Case] = {case.name: case for case in (
+    Case("side-by-side", "run", "every contender on every workload, in its own process, with the machine's floors",
+         repeats=3, quick_scale=0.02, options={"workloads": "large,small,model,size-sweep", "sweep": "0.25,1,4",
+                  "contenders": "xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax",
+                  "storage": "local", "warm_restore": "0", "warm_memory": "0", "resumes": "5", "events": ""},
+         quick_options={"resumes": "1", "workloads": "large,small", "contenders": "xtc,torch_xla"},
+         output=lambda settings: settings.option("storage", "local"), reference_options=("storage",)),
     Case("chunk-hashes", "bench_chunk_hashes", "content hashes against CRC32C, CPU seconds per GiB",
          options={"save_cpu_per_gib": "0.67", "path": ""}),
     Case("direct-writes", "bench_direct_writes", "saves around the page cache (O_DIRECT) or through it, ABBA",

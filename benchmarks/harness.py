@@ -38,13 +38,21 @@ FOOTPRINT = ("wall_s", "cpu_s", "user_s", "system_s", "fresh_bytes", "page_cache
 class Settings:
     """What one run of a case was asked for: `repeats` (rounds, each contender once per round), `scale` (of the
     workloads), `quick` (the case's smoke-test settings), `options` (``--set KEY=VALUE``, case-specific), and
-    `workdir`, a temporary directory the harness removes afterwards."""
+    `workdir`, a temporary directory the harness removes afterwards, and `output`, the result set's JSON path
+    (empty when the caller writes no file)."""
 
     repeats: int
     scale: float
     quick: bool = False
     options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     workdir: str = ""
+    output: str = ""
+
+    def beside(self, suffix: str) -> str:
+        """A path for another file of this result set (a plot: ``.png``), beside its JSON; in the temporary
+        directory when there is no `output`."""
+        stem = os.path.splitext(self.output)[0] if self.output else os.path.join(tempfile.gettempdir(), "xtc-bench")
+        return stem + suffix
 
     def option(self, name: str, default: Any) -> Any:
         """The value of ``--set NAME=...`` converted to the type of `default` (a tuple: comma-separated), or
@@ -64,8 +72,10 @@ class Case:
     """A registered benchmark: `name` (the command line's NAME), `module` and `function` (imported only when the
     case runs: many import torch_xla), `about` (one line for --list), the defaults of a reference run and of
     --quick, `options` (the ``--set`` keys it knows, with their defaults, for --list and checking), `output` (the
-    result set's name when it is not `name`: a function of the settings, e.g. the storage), and `in_make_bench`
-    (false for cases `make bench` leaves out, e.g. those that need a second environment)."""
+    result set's name when it is not `name`: a function of the settings, e.g. the storage), `reference_options`
+    (the ``--set`` keys a reference run may give: those that only choose which result set it writes, e.g. the
+    storage), and `in_make_bench` (false for cases `make bench` leaves out, e.g. those that need a second
+    environment)."""
 
     name: str
     module: str
@@ -78,6 +88,7 @@ class Case:
     quick_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     output: Callable[[Settings], str] | None = None
+    reference_options: tuple[str, ...] = ()
     in_make_bench: bool = True
 
     def result_name(self, settings: Settings) -> str:
@@ -191,15 +202,15 @@ def fresh(script: str, *args: object, env: Mapping[str, str] | None = None, what
                                   what or f"{os.path.basename(script)} {' '.join(map(str, args))}")
 
 
-def worker_main(worker: Callable[..., Any] | None = None) -> None:
+def worker_main(worker: Callable[..., Any] | None = None, case: str | None = None) -> None:
     """A script's ``__main__``: with ``--worker ARGS...`` call ``worker(*ARGS)`` (strings) and print its answer as
-    one JSON line (for `fresh`); otherwise run the script's case like ``python -m benchmarks NAME``, the script's
-    name without ``bench_`` and with ``-`` for ``_``."""
+    one JSON line (for `fresh`); otherwise run the script's case like ``python -m benchmarks NAME``: `case`, or
+    the script's name without ``bench_`` and with ``-`` for ``_``. Exits with the harness's status."""
     if sys.argv[1:2] == ["--worker"] and worker is not None:
         print(json.dumps(worker(*sys.argv[2:])), flush=True)
         return
-    name = os.path.splitext(os.path.basename(sys.argv[0]))[0].removeprefix("bench_").replace("_", "-")
-    main([name, *sys.argv[1:]])
+    name = case or os.path.splitext(os.path.basename(sys.argv[0]))[0].removeprefix("bench_").replace("_", "-")
+    sys.exit(main([name, *sys.argv[1:]]))
 
 
 def settings_for(case: Case, *, repeats: int | None = None, scale: float | None = None, quick: bool = False,
@@ -218,9 +229,10 @@ def settings_for(case: Case, *, repeats: int | None = None, scale: float | None 
 
 
 def is_reference(case: Case, settings: Settings) -> bool:
-    """Whether a run may replace the committed results: the case's defaults, not quick, no options."""
-    return (not settings.quick and not settings.options and settings.repeats == case.repeats
-            and settings.scale == case.scale)
+    """Whether a run may replace the committed results: the case's defaults, not quick, no options but its
+    `reference_options`."""
+    return (not settings.quick and not set(settings.options) - set(case.reference_options)
+            and settings.repeats == case.repeats and settings.scale == case.scale)
 
 
 def run_case(case: Case, settings: Settings) -> dict:
@@ -345,12 +357,6 @@ def output_path(case: Case, settings: Settings, output: str | None = None) -> st
     return os.path.join(tempfile.gettempdir(), f"xtc-bench-{name}-{'quick' if settings.quick else 'partial'}.json")
 
 
-def scratch_path(settings: Settings, name: str) -> str:
-    """A path for a case's extra output files (plots): under benchmarks/results/ beside the reference result set,
-    else in the temporary directory."""
-    return os.path.join(RESULTS if not settings.quick and not settings.options else tempfile.gettempdir(), name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m benchmarks``: run one case (or --list them, or --all of `make bench`'s); returns the exit
     status."""
@@ -382,10 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         case = cases.CASES[name]
         settings = settings_for(case, repeats=args.repeats, scale=args.scale, quick=args.quick, options=options)
+        settings = dataclasses.replace(settings, output=output_path(case, settings, args.output))
         print(f"running {name} (repeats {settings.repeats}, scale {settings.scale:g}"
               f"{', quick' if settings.quick else ''}) ...", file=sys.stderr, flush=True)
         doc = run_case(case, settings)
-        written = write(doc, output_path(case, settings, args.output))
+        written = write(doc, settings.output)
         print(render(doc))
         print("written " + ", ".join([*written, *doc["files"]]), file=sys.stderr)
     return 0
