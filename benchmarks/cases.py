@@ -63,4 +63,22 @@ CASES: dict[str, Case] = {case.name: case for case in (
          quick_repeats=2, quick_scale=0.02),
     Case("multihost", "bench_multihost", "one global state saved by 1 and by 4 processes, fresh jobs ABBA",
          options={"processes": "1,4"}, quick_scale=0.02),
+    Case("multi-tier", "bench_multi_tier", "a local tier before the persistent one: save() blocking, resume, a loop;"
+         " peer replication", options={"loop_steps": "10", "loop_repeats": "3", "persistent_every": "5", "width": "0",
+                                       "batch": "2048", "persistent": "local", "replication_repeats": "7",
+                                       "only_replication": "0"},
+         quick_scale=0.02, quick_options={"loop_steps": "2", "loop_repeats": "1", "width": "256", "batch": "256",
+                                          "replication_repeats": "1"},
+         output=lambda settings: "multi-tier-" + settings.option("persistent", "local"),
+         reference_options=("persistent",)),
+    Case("scale", "bench_scale", "save and restore by 1-8 processes, replication 1-4, single-replica reads ABBA",
+         options={"processes": "1,2,4,8", "replicas": "1,2,4", "storage": "local,gcs", "weak_mib": "64",
+                  "strong_mib": "256", "cap_mib": "16"},
+         quick_repeats=3, quick_options={"processes": "1,2,4"}),
+    Case("coordination-sim", "bench_coordination_sim", "the Coordinator's messages and planning CPU at 16-1,024 "
+         "processes, simulated", options={"processes": "16,32,64,128,256,512,1024"},
+         quick_options={"processes": "16,64"}),
+    Case("torchtitan", "bench_torchtitan", "torchtitan's DCP checkpoint manager against ours, one FSDP2 job (the "
+         "newest stack: torchtitan)", options={"layers": "6", "processes": "4"},
+         quick_options={"layers": "1", "processes": "2"}, quick_repeats=2, in_make_bench=False),
 )}

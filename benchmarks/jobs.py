@@ -18,11 +18,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(args: list[str], processes: int, *, env: dict[str, str] | None = None,
+def run_job(args: Sequence[object], processes: int, *, env: dict[str, str] | None = None,
             timeout_s: float = 3600) -> list[dict]:
-    """Run ``python *args`` as `processes` processes of one job (a single process gets no WORLD_SIZE: a plain
-    run); blocks until all exit. Returns each process's JSON answer (its last output line), in rank order.
-    Raises RuntimeError with the end of the failed process's stderr."""
+    """Run ``python *args`` (each as a string) as `processes` processes of one job (a single process gets no
+    WORLD_SIZE: a plain run); blocks until all exit. Returns each process's JSON answer (its last output line),
+    in rank order. Raises RuntimeError with the end of the failed process's stderr."""
     port = str(free_port())
     procs = []
     for rank in range(processes):
@@ -30,7 +30,7 @@ def run_job(args: list[str], processes: int, *, env: dict[str, str] | None = Non
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         if processes == 1:
             penv.pop("WORLD_SIZE")
-        procs.append(subprocess.Popen([sys.executable, *args], env=penv, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, *map(str, args)], env=penv, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     answers, failures = [], []
     for rank, proc in enumerate(procs):
