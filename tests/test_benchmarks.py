@@ -1,15 +1,58 @@
 """The benchmark harness (benchmarks/harness.py) runs a case end to end and writes a schema-valid result set, and
-the document generator (benchmarks/report.py) rewrites a marked block deterministically. In-process, tiny."""
+the document generator (benchmarks/report.py) rewrites a marked block deterministically. In-process, tiny; the
+command line and the case modules' imports in a subprocess each."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
+from xla_stack import HAS_TORCH_XLA
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import cases  # noqa: E402
 import harness  # noqa: E402
 import report  # noqa: E402
+
+# Imports every case's module in one fresh process (several set up torch_xla's SPMD mode when imported) and
+# answers, per case, None or why it did not import.
+IMPORT_EVERY_CASE = r"""
+import importlib, json, sys
+sys.path.insert(0, sys.argv[1])
+import cases
+answers = {}
+for case in cases.CASES.values():
+    try:
+        module = importlib.import_module(case.module)
+        answers[case.name] = None if callable(getattr(module, case.function, None)) else ["no function", case.function]
+    except ImportError as exc:
+        answers[case.name] = [type(exc).__name__, exc.name, str(exc)]
+print(json.dumps(answers))
+"""
+
+
+def test_the_command_line_lists_every_registered_case_once():
+    listed = subprocess.run([sys.executable, "-m", "benchmarks", "--list"], cwd=ROOT, capture_output=True, text=True,
+                            check=True, timeout=120).stdout
+    names = [line.split()[0] for line in listed.splitlines() if line and not line[0].isspace()]
+    assert names == list(cases.CASES)
+    assert len(names) >= 25 and len(set(names)) == len(names)
+    for case in cases.CASES.values():
+        assert f"{case.name:22} {case.about}" in listed
+
+
+def test_every_case_module_imports_and_has_its_function():
+    proc = subprocess.run([sys.executable, "-c", IMPORT_EVERY_CASE, os.path.join(ROOT, "benchmarks")],
+                          env={**os.environ, **harness.WORKER_ENV}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(answers) == set(cases.CASES)
+    # On the stack without torch_xla, a module that needs it may fail only for that reason.
+    failed = {name: why for name, why in answers.items()
+              if why is not None and (HAS_TORCH_XLA or why[:2] != ["ModuleNotFoundError", "torch_xla"])}
+    assert failed == {}
 
 
 def test_a_quick_case_runs_end_to_end_and_writes_a_schema_valid_result_set(tmp_path, capsys):
@@ -26,8 +69,6 @@ def test_a_quick_case_runs_end_to_end_and_writes_a_schema_valid_result_set(tmp_p
 
 
 def test_the_harness_refuses_an_invalid_document_and_an_unknown_option():
-    import cases
-
     with pytest.raises(ValueError, match="unknown|no option zzz"):
         harness.settings_for(cases.CASES["chunk-hashes"], options={"zzz": "1"})
     doc = harness.document(cases.CASES["chunk-hashes"], harness.Settings(1, 1.0),
@@ -61,3 +102,16 @@ def test_the_doc_generator_rewrites_a_marked_block_deterministically():
     assert "from benchmarks/results/demo.json (2026-01-02, 3 rounds, scale 1;" in once
     with pytest.raises(ValueError, match="unknown argument"):
         report.rewrite("<!-- bench:table demo colour=red -->\n<!-- /bench:table -->\n", _fake_result)
+
+
+def test_a_run_replaces_the_committed_result_set_only_with_the_case_defaults():
+    side = cases.CASES["side-by-side"]
+    gcs = harness.settings_for(side, options={"storage": "gcs"})
+    assert harness.is_reference(side, gcs)  # the storage only names the result set
+    assert harness.output_path(side, gcs) == os.path.join(harness.RESULTS, "gcs.json")
+    for other in (harness.settings_for(side, options={"storage": "gcs", "resumes": "1"}),
+                  harness.settings_for(side, quick=True), harness.settings_for(side, repeats=1)):
+        assert not harness.is_reference(side, other)
+        assert not harness.output_path(side, other).startswith(harness.RESULTS)
+    placed = harness.Settings(1, 1.0, output="/somewhere/gcs.json")
+    assert placed.beside(".png") == "/somewhere/gcs.png" and placed.beside("-scale.json") == "/somewhere/gcs-scale.json"
