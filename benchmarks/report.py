@@ -3,11 +3,12 @@
 A generated table sits between two markers in the document; everything between them is rewritten from
 benchmarks/results/NAME.json (`harness.SCHEMA`), everything outside them is left alone:
 
-    <!-- bench:table NAME [group=GROUP] [metrics=wall_s,cpu_s,...] [labels=a,b] -->
+    <!-- bench:table NAME [group=GROUP] [metrics=wall_s,cpu_s,...] [params=fsync,files] [labels=a,b] -->
     ...generated...
     <!-- /bench:table -->
 
-`group` picks one group of rows, `metrics` the columns (default: every metric of the rows), `labels` the rows.
+`group` picks one group of rows, `metrics` the columns (default: every metric of the rows), `params` columns of
+the rows' plain values after them (none by default), `labels` the rows.
 The same JSON gives the same text (no clock, no machine state). The document is written under a temporary name and
 swapped in; --check only says whether it would change (exit status 1 if so).
 """
@@ -37,8 +38,16 @@ def load_result(name: str) -> dict:
     return doc
 
 
+def _param(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
 def table(doc: Mapping[str, Any], *, group: str | None = None, metrics: list[str] | None = None,
-          labels: list[str] | None = None) -> str:
+          labels: list[str] | None = None, params: list[str] | None = None) -> str:
     """A Markdown table of `doc`'s rows (median ± half the range of each metric) and a line saying where it came
     from. Raises ValueError if the selection is empty."""
     rows = [r for r in doc["rows"] if (group is None or r["group"] == group)
@@ -47,10 +56,11 @@ def table(doc: Mapping[str, Any], *, group: str | None = None, metrics: list[str
         raise ValueError(f"{doc['result_set']}: no rows for group={group} labels={labels}")
     names = metrics or list(dict.fromkeys(m for r in rows for m in r["metrics"]))
     grouped = group is None and len({r["group"] for r in rows}) > 1
-    head = (["group"] if grouped else []) + [""] + names
+    head = (["group"] if grouped else []) + [""] + names + list(params or ())
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [harness.cell(m, r["metrics"][m]) if m in r["metrics"] else "–" for m in names]
+        cells += [_param(r["params"].get(p)) for p in params or ()]
         lines.append("| " + " | ".join(([r["group"]] if grouped else []) + [r["label"]] + cells) + " |")
     s = doc["settings"]
     lines.append("")
@@ -64,10 +74,10 @@ def rewrite(text: str, load: Callable[[str], Mapping[str, Any]] = load_result) -
     def block(match: re.Match) -> str:
         name, *rest = match["args"].split()
         args = dict(item.split("=", 1) for item in rest)
-        unknown = set(args) - {"group", "metrics", "labels"}
+        unknown = set(args) - {"group", "metrics", "labels", "params"}
         if unknown:
             raise ValueError(f"bench:table {name}: unknown argument(s) {sorted(unknown)}")
-        split = {k: v.split(",") for k, v in args.items() if k in ("metrics", "labels")}
+        split = {k: v.split(",") for k, v in args.items() if k in ("metrics", "labels", "params")}
         body = table(load(name), group=args.get("group"), **split)
         return match.group(1) + body + match.group(4)
 

@@ -44,7 +44,6 @@ shard and PJRT's into the device buffer; docs/performance.md, "The copies on the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -52,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -296,12 +296,25 @@ def run(settings: harness.Settings) -> harness.Result:
     import cases
 
     defaults = cases.CASES["side-by-side"].options
-    args = argparse.Namespace(scale=settings.scale, repeats=settings.repeats,
-                              **{key: settings.option(key, value) for key, value in defaults.items()})
+    args = types.SimpleNamespace(scale=settings.scale, repeats=settings.repeats,
+                                 **{key: settings.option(key, value) for key, value in defaults.items()})
     args.resumes = int(args.resumes)
     args.warm_restore = settings.option("warm_restore", False)
     args.warm_memory = settings.option("warm_memory", False)
     results, floor, parts = _run_workloads(args, settings.beside)
+    files = []
+    try:
+        plot(results, settings.beside(".png"))
+        files.append(settings.beside(".png"))
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
+    raw = {"storage": args.storage, "floors": floor, "results": results, **parts}
+    return harness.Result(_rows(results, floor), _text(results, floor, parts), raw, files)
+
+
+def _text(results: list[dict], floor: dict[str, dict], parts: dict) -> str:
+    """The prose of a result set: the table with ratios and floors, the parts other cases' code measured, the
+    size sweep."""
     text = table(results, floor)
     for name, module in (("orbax_interop", bench_orbax_interop), ("hf_import", bench_hf_import),
                          ("torch_xla_import", bench_torch_xla_import), ("dtensor", bench_dtensor)):
@@ -312,15 +325,16 @@ def run(settings: harness.Settings) -> harness.Result:
         text += "\n\nmulti-tier: " + parts["multi_tier"]
     if parts.get("scaling") is not None:
         text += "\n\n" + parts["scaling"]
-    rows = _rows(results, floor)
-    files = []
-    try:
-        plot(results, settings.beside(".png"))
-        files.append(settings.beside(".png"))
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
-    raw = {"storage": args.storage, "floors": floor, "results": results, **parts}
-    return harness.Result(rows, text, raw, files)
+    return text
+
+
+def from_legacy(old: dict, text: str) -> dict:
+    """The results document (`harness.SCHEMA`) of a result set this case wrote before the harness
+    (benchmarks/results/<storage>.json with ``results`` and ``floors``, and its .txt, `text`, kept as the prose):
+    the same measurements, its time and settings. Used to move the committed result sets onto the schema."""
+    case = harness.Case("side-by-side", "run", "", output=lambda settings: old["storage"])
+    result = harness.Result(_rows(old["results"], old["floors"]), text, old)
+    return {**harness.document(case, harness.Settings(old["repeats"], old["scale"]), result), "time": old["time"]}
 
 
 def _rows(results: list[dict], floor: dict[str, dict]) -> list[harness.Row]:
@@ -335,8 +349,13 @@ def _rows(results: list[dict], floor: dict[str, dict]) -> list[harness.Row]:
                 for key, stat in harness.footprint_metrics(r[f"{phase}_footprint"], r.get("state_bytes")).items():
                     if key != "wall_s":
                         metrics[f"{phase}_{key}"] = stat
-        rows.append(harness.Row(r["contender"], metrics, r["workload"],
-                                {"fsync": r.get("fsync"), "files": r.get("files"), "exact": r.get("restore_exact")}))
+        base = next((b for b in results if b["workload"] == r["workload"] and b["contender"] == BASELINE), None)
+        params = {"fsync": r.get("fsync"), "files": r.get("files"), "exact": r.get("restore_exact")}
+        if base is not None:  # x base: times faster than torch_xla's CheckpointManager, medians
+            params.update({f"{key}_x_base": median(base[key]) / median(r[key]) for key in ("save_s", "restore_s")})
+        if r.get("distinct_shard_bytes"):  # peak+: the first save's peak host RSS above the state, per shard byte
+            params["save_peak_extra"] = r["save_peak_extra_bytes"] / r["distinct_shard_bytes"]
+        rows.append(harness.Row(r["contender"], metrics, r["workload"], params))
     for workload, f in floor.items():
         # resume_s of a floor is the placement alone (in-memory host data onto the resume's target, no read)
         metrics = {("placement_s" if key == "resume_s" else key): harness.series(values, "s")
@@ -356,7 +375,7 @@ def _case(name: str, scale: float, repeats: int, output: str, **options: object)
     return proc.stdout.strip()
 
 
-def _run_workloads(args: argparse.Namespace, beside: Callable[[str], str]) -> tuple[list, dict, dict]:
+def _run_workloads(args: types.SimpleNamespace, beside: Callable[[str], str]) -> tuple[list, dict, dict]:
     """Every workload of `args` in turn (blocks for the whole run): the per-contender results, the floors and
     the parts run by other benchmarks' code; the cases run in processes of their own write their result sets at
     ``beside(SUFFIX)``."""
@@ -385,7 +404,7 @@ def _run_workloads(args: argparse.Namespace, beside: Callable[[str], str]) -> tu
                 if workload == "size-sweep":
                     for gib in (float(g) * args.scale for g in args.sweep.split(",")):
                         label = f"large-{gib:g}GiB"
-                        sized = argparse.Namespace(**{**vars(args), "scale": gib})
+                        sized = types.SimpleNamespace(**{**vars(args), "scale": gib})
                         floor[label] = floors(workloads.spec_bytes("large", gib), workdir, args.repeats)
                         for contender in SWEEP_CONTENDERS:
                             print(f"running {contender} on {label} ({args.storage}) ...", file=sys.stderr, flush=True)

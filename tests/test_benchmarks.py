@@ -115,3 +115,21 @@ def test_a_run_replaces_the_committed_result_set_only_with_the_case_defaults():
         assert not harness.output_path(side, other).startswith(harness.RESULTS)
     placed = harness.Settings(1, 1.0, output="/somewhere/gcs.json")
     assert placed.beside(".png") == "/somewhere/gcs.png" and placed.beside("-scale.json") == "/somewhere/gcs-scale.json"
+
+
+def test_a_marked_block_shows_the_rows_plain_values_after_the_metrics():
+    def load(name: str) -> dict:
+        rows = [harness.Row("xtc", {"save_s": harness.series([1.0, 2.0])}, "large",
+                            {"fsync": True, "save_s_x_base": 2.0794, "files": 30}),
+                harness.Row("torch_xla", {"save_s": harness.series([3.0])}, "large", {"fsync": False})]
+        return harness.document(harness.Case(name, "unused", ""), harness.Settings(2, 1.0), harness.Result(rows))
+
+    text = report.rewrite("<!-- bench:table demo params=fsync,save_s_x_base,files -->\n<!-- /bench:table -->\n", load)
+    assert "| xtc | 1.500 ± 0.500 s | yes | 2.08 | 30 |\n| torch_xla | 3.000 s | no | – | – |\n" in text
+
+
+def test_docs_performance_tables_are_those_its_results_json_generate():
+    with open(report.DOC) as f:
+        text = f.read()
+    assert text.count("<!-- bench:table ") >= 3
+    assert report.rewrite(text) == text  # `python -m benchmarks.report` was run after the JSON last changed
