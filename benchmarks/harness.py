@@ -191,15 +191,17 @@ def alternated(contenders: Sequence[str], rounds: int, run_one: Callable[[str, i
     return runs
 
 
-def fresh(script: str, *args: object, env: Mapping[str, str] | None = None, what: str = "") -> dict:
-    """Run ``python SCRIPT --worker ARGS...`` in a fresh process (environment: this one's, `WORKER_ENV`, `env`)
-    and return its JSON answer (the last line of its output; `worker_main` prints it). Blocks; raises
-    RuntimeError naming `what` with the end of its stderr if it fails."""
+def fresh(script: str, *args: object, env: Mapping[str, str] | None = None, what: str = "",
+          python: str | None = None) -> dict:
+    """Run ``python SCRIPT --worker ARGS...`` in a fresh process (environment: this one's, `WORKER_ENV`, `env`;
+    `python`: another environment's interpreter, default this one's) and return its JSON answer (the last line
+    of its output; `worker_main` prints it). Blocks; raises RuntimeError naming `what` with the end of its
+    stderr if it fails."""
     import fresh_process
 
     full = {**os.environ, **WORKER_ENV, **(env or {})}
-    return fresh_process.run_json([sys.executable, os.path.abspath(script), "--worker", *map(str, args)], full,
-                                  what or f"{os.path.basename(script)} {' '.join(map(str, args))}")
+    return fresh_process.run_json([python or sys.executable, os.path.abspath(script), "--worker", *map(str, args)],
+                                  full, what or f"{os.path.basename(script)} {' '.join(map(str, args))}")
 
 
 def worker_main(worker: Callable[..., Any] | None = None, case: str | None = None) -> None:

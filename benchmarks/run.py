@@ -90,27 +90,24 @@ def orbax_python() -> str:
 
 def run_worker(contender: str, workload: str, args, workdir: str, env: dict, *, devices: int = 8,
                keep: bool = False, restore_only: bool = False, resume: bool = False) -> dict:
+    """One contender on one workload in a fresh process (benchmarks/worker.py, or orbax_worker.py in the Orbax
+    environment) with `devices` CPU devices; its answer. Blocks; raises RuntimeError if it fails."""
     directory = os.path.join(workdir, f"{contender}-{workload}")
-    flags = ["--scale", str(args.scale), "--repeats", str(args.repeats), "--dir", directory]
-    flags += ["--keep"] if keep else []
-    flags += ["--restore-only"] if restore_only else []
-    flags += ["--resume"] if resume else []
-    flags += ["--warm-restore"] if args.warm_restore else []
+    flags = ",".join(name for name, on in (("keep", keep), ("restore_only", restore_only), ("resume", resume),
+                                           ("warm_restore", args.warm_restore)) if on)
     env = dict(env)
+    python = None
     if contender == "orbax":
         specs_file = os.path.join(tempfile.gettempdir(), f"xtc-orbax-specs-{workload}-{args.scale}.json")
         with open(specs_file, "w") as f:
             json.dump(workloads.specs_json(workload, args.scale), f)
         env.update(XTC_ORBAX_SPECS=specs_file, XTC_ORBAX_DEVICES=str(devices))
-        cmd = [orbax_python(), os.path.join(HERE, "orbax_worker.py"), workload, *flags]
+        python, script = orbax_python(), os.path.join(HERE, "orbax_worker.py")
     else:
-        env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
-        cmd = [sys.executable, os.path.join(HERE, "worker.py"), contender, workload, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{contender} on {workload} failed:\n{proc.stderr[-4000:]}")
+        env.update(CPU_NUM_DEVICES=str(devices))
+        script = os.path.join(HERE, "worker.py")
+    return harness.fresh(script, contender, workload, args.scale, args.repeats, directory, flags, env=env,
+                         python=python, what=f"{contender} on {workload}")
 
 
 def read_into_fresh_memory(path: str, nbytes: int) -> float:
