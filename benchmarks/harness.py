@@ -389,7 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = dict(item.partition("=")[::2] for item in args.set)
     for name in names:
         case = cases.CASES[name]
-        settings = settings_for(case, repeats=args.repeats, scale=args.scale, quick=args.quick, options=options)
+        try:
+            settings = settings_for(case, repeats=args.repeats, scale=args.scale, quick=args.quick, options=options)
+        except ValueError as exc:  # an option the case does not know: a usage error, not a failure
+            parser.error(str(exc))
         settings = dataclasses.replace(settings, output=output_path(case, settings, args.output))
         print(f"running {name} (repeats {settings.repeats}, scale {settings.scale:g}"
               f"{', quick' if settings.quick else ''}) ...", file=sys.stderr, flush=True)

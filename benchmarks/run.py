@@ -372,6 +372,13 @@ def _case(name: str, scale: float, repeats: int, output: str, **options: object)
     return proc.stdout.strip()
 
 
+# The workloads measured by other cases' code (their result in the raw document under the key), and whether they
+# run only on local files (their contenders write local files).
+PARTS = {"orbax-interop": ("orbax_interop", True), "hf-import": ("hf_import", True),
+         "torch_xla-import": ("torch_xla_import", True), "dtensor": ("dtensor", True),
+         "multi-tier": ("multi_tier", False), "scale": ("scaling", True)}
+
+
 def _run_workloads(args: types.SimpleNamespace, beside: Callable[[str], str]) -> tuple[list, dict, dict]:
     """Every workload of `args` in turn (blocks for the whole run): the per-contender results, the floors and
     the parts run by other benchmarks' code; the cases run in processes of their own write their result sets at
@@ -385,92 +392,90 @@ def _run_workloads(args: types.SimpleNamespace, beside: Callable[[str], str]) ->
         env.update(server.environment)
         os.environ.update(server.environment)  # for the object store floor
         contenders = [c for c in contenders if c not in ("torch.save", "orbax")]  # local files only
-    results, floor, interop, hf_import, torch_xla_import, multi_tier, scaling = [], {}, None, None, None, None, None
-    warm = {"warm_memory": "1" if args.warm_memory else "0"}  # the cases run here in this process
-    dtensor = None
+    results: list[dict] = []
+    floor: dict[str, dict] = {}
+    parts: dict = {key: None for key, _ in PARTS.values()}
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
             base = base or workdir
             for workload in args.workloads.split(","):
-                if workload == "orbax-interop":
-                    if server is None:  # Orbax writes local files here
-                        print("running the Orbax interop restore ...", file=sys.stderr, flush=True)
-                        interop = bench_orbax_interop.measure(harness.Settings(args.repeats, args.scale,
-                                                                               workdir=workdir))
-                    continue
-                if workload == "size-sweep":
-                    for gib in (float(g) * args.scale for g in args.sweep.split(",")):
-                        label = f"large-{gib:g}GiB"
-                        sized = types.SimpleNamespace(**{**vars(args), "scale": gib})
-                        floor[label] = floors(workloads.spec_bytes("large", gib), workdir, args.repeats)
-                        for contender in SWEEP_CONTENDERS:
-                            print(f"running {contender} on {label} ({args.storage}) ...", file=sys.stderr, flush=True)
-                            results.append({**run_worker(contender, "large", sized, base, env), "workload": label,
-                                            "sweep_gib": gib})
-                    continue
-                if workload == "multi-tier":  # its own process: it starts its own object store
-                    print("running the multi-tier benchmark ...", file=sys.stderr, flush=True)
-                    multi_tier = _case("multi-tier", args.scale, max(args.repeats, 5), beside("-multi-tier.json"),
-                                       loop_steps=10, persistent=args.storage)
-                    continue
-                if workload == "scale":  # its own jobs of processes, on local disk and its own GCS emulator
-                    if server is None:
-                        print("running the scale benchmark ...", file=sys.stderr, flush=True)
-                        scaling = _case("scale", args.scale, args.repeats, beside("-scale.json"))
-                    continue
-                if workload == "torch_xla-import":
-                    if server is None:  # torch_xla's manager writes local files here
-                        print("running the torch_xla import ...", file=sys.stderr, flush=True)
-                        torch_xla_import = bench_torch_xla_import.measure(harness.Settings(
-                            max(args.repeats, 7), args.scale, options=warm, workdir=workdir))
-                    continue
-                if workload == "dtensor":
-                    if server is None:  # DCP's FileSystemWriter writes local files here
-                        print("running the DTensor benchmark ...", file=sys.stderr, flush=True)
-                        dtensor = bench_dtensor.measure(harness.Settings(max(args.repeats, 7), args.scale, options=warm,
-                                                                         workdir=workdir))
-                    continue
-                if workload == "hf-import":
-                    if server is None:  # local safetensors files
-                        print("running the Hugging Face import ...", file=sys.stderr, flush=True)
-                        hf_import = bench_hf_import.measure(harness.Settings(args.repeats, args.scale, options=warm,
-                                                                             workdir=workdir))
-                    continue
-                nbytes = workloads.spec_bytes(workload, args.scale)
-                floor[workload] = floors(nbytes, workdir, args.repeats)
-                if server is not None:
-                    floor[workload].update(object_store_floors(nbytes, base, args.repeats))
-                resumed = workload in RESUME_WORKLOADS and args.resumes > 0
-                kept = {}
-                for contender in contenders:
-                    print(f"running {contender} on {workload} ({args.storage}) ...", file=sys.stderr, flush=True)
-                    on4 = workload == "model" and contender in RESTORE_ON_4
-                    keep = on4 or (resumed and contender in RESUME_CONTENDERS)
-                    result = run_worker(contender, workload, args, base, env, keep=keep)
-                    results.append(result)
-                    if keep:
-                        kept[contender] = result
-                if resumed:  # fresh processes, page cache evicted; alternated ABBA so that all see the same machine
-                    print(f"resuming {workload} {args.resumes} times ...", file=sys.stderr, flush=True)
-                    order = [c for c in kept if c in RESUME_CONTENDERS] + [PLACEMENT]
-                    for contender in harness.alternate(order, args.resumes):
-                        if args.warm_memory:
-                            footprint.warm_memory(2 * nbytes)
-                        resumed_once = run_worker(contender, workload, args, base, env, resume=True)
-                        into = floor[workload] if contender == PLACEMENT else kept[contender]
-                        into.setdefault("resume_s", []).extend(resumed_once["restore_s"])
-                        into.setdefault("resume_footprint", []).append(resumed_once["footprint"])
-                for contender, result in kept.items():
-                    if workload == "model" and contender in RESTORE_ON_4:
-                        result["restore_4dev_s"] = run_worker(contender, workload, args, base, env, devices=4,
-                                                              restore_only=True)["restore_s"]
-                    elif "://" not in base:
-                        shutil.rmtree(os.path.join(base, f"{contender}-{workload}"), ignore_errors=True)
+                if workload in PARTS:
+                    key, local_only = PARTS[workload]
+                    if server is None or not local_only:
+                        parts[key] = _part(workload, args, workdir, beside)
+                elif workload == "size-sweep":
+                    _size_sweep(args, workdir, base, env, results, floor)
+                else:
+                    _contenders_on(workload, contenders, args, workdir, base, env, server is not None, results,
+                                   floor)
     finally:
         if server is not None:
             server.stop()
-    return results, floor, {"orbax_interop": interop, "hf_import": hf_import, "torch_xla_import": torch_xla_import,
-                            "dtensor": dtensor, "multi_tier": multi_tier, "scaling": scaling}
+    return results, floor, parts
+
+
+def _part(workload: str, args: types.SimpleNamespace, workdir: str, beside: Callable[[str], str]) -> object:
+    """A workload another case measures: in this process (its `measure`) or, for those that start their own
+    servers, as that case in a process of its own (its text). Blocks."""
+    print(f"running the {workload} benchmark ...", file=sys.stderr, flush=True)
+    warm = {"warm_memory": "1" if args.warm_memory else "0"}
+    if workload == "multi-tier":
+        return _case("multi-tier", args.scale, max(args.repeats, 5), beside("-multi-tier.json"), loop_steps=10,
+                     persistent=args.storage)
+    if workload == "scale":
+        return _case("scale", args.scale, args.repeats, beside("-scale.json"))
+    module, repeats = {"orbax-interop": (bench_orbax_interop, args.repeats), "hf-import": (bench_hf_import,
+                                                                                          args.repeats),
+                       "torch_xla-import": (bench_torch_xla_import, max(args.repeats, 7)),
+                       "dtensor": (bench_dtensor, max(args.repeats, 7))}[workload]
+    return module.measure(harness.Settings(repeats, args.scale, options=warm, workdir=workdir))
+
+
+def _size_sweep(args: types.SimpleNamespace, workdir: str, base: str, env: dict, results: list, floor: dict) -> None:
+    """The large workload at each size of ``args.sweep`` (GiB times the scale), in process, for xtc and
+    torch_xla; appends to `results` and `floor`."""
+    for gib in (float(g) * args.scale for g in args.sweep.split(",")):
+        label = f"large-{gib:g}GiB"
+        sized = types.SimpleNamespace(**{**vars(args), "scale": gib})
+        floor[label] = floors(workloads.spec_bytes("large", gib), workdir, args.repeats)
+        for contender in SWEEP_CONTENDERS:
+            print(f"running {contender} on {label} ({args.storage}) ...", file=sys.stderr, flush=True)
+            results.append({**run_worker(contender, "large", sized, base, env), "workload": label, "sweep_gib": gib})
+
+
+def _contenders_on(workload: str, contenders: list[str], args: types.SimpleNamespace, workdir: str, base: str,
+                   env: dict, object_store: bool, results: list, floor: dict) -> None:
+    """The machine's floors for `workload`, then each contender in a fresh process (saves and in-process
+    restores), the resumes alternated ABBA, the restores onto 4 devices; appends to `results` and `floor`."""
+    nbytes = workloads.spec_bytes(workload, args.scale)
+    floor[workload] = floors(nbytes, workdir, args.repeats)
+    if object_store:
+        floor[workload].update(object_store_floors(nbytes, base, args.repeats))
+    resumed = workload in RESUME_WORKLOADS and args.resumes > 0
+    kept = {}
+    for contender in contenders:
+        print(f"running {contender} on {workload} ({args.storage}) ...", file=sys.stderr, flush=True)
+        keep = (workload == "model" and contender in RESTORE_ON_4) or (resumed and contender in RESUME_CONTENDERS)
+        result = run_worker(contender, workload, args, base, env, keep=keep)
+        results.append(result)
+        if keep:
+            kept[contender] = result
+    if resumed:  # fresh processes, page cache evicted; alternated ABBA so that all see the same machine
+        print(f"resuming {workload} {args.resumes} times ...", file=sys.stderr, flush=True)
+        order = [c for c in kept if c in RESUME_CONTENDERS] + [PLACEMENT]
+        for contender in harness.alternate(order, args.resumes):
+            if args.warm_memory:
+                footprint.warm_memory(2 * nbytes)
+            resumed_once = run_worker(contender, workload, args, base, env, resume=True)
+            into = floor[workload] if contender == PLACEMENT else kept[contender]
+            into.setdefault("resume_s", []).extend(resumed_once["restore_s"])
+            into.setdefault("resume_footprint", []).append(resumed_once["footprint"])
+    for contender, result in kept.items():
+        if workload == "model" and contender in RESTORE_ON_4:
+            result["restore_4dev_s"] = run_worker(contender, workload, args, base, env, devices=4,
+                                                  restore_only=True)["restore_s"]
+        elif "://" not in base:
+            shutil.rmtree(os.path.join(base, f"{contender}-{workload}"), ignore_errors=True)
 
 
 if __name__ == "__main__":
