@@ -72,9 +72,12 @@ test-xla: lint $(NEWEST_STAMP) $(CHROMIUM)  # tests/test_cross_stack.py runs job
 test-newest: lint $(NEWEST_STAMP) $(CHROMIUM)
 	$(PYTEST_NEWEST)
 
+# Every benchmark case (benchmarks/cases.py), one after the other, each writing benchmarks/results/NAME.{json,txt};
+# then docs/performance.md's generated tables. One case: `$(PY) -m benchmarks NAME [--quick]`.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[xla,test,bench]'
-	$(PY) benchmarks/run.py
+	$(PY) -m benchmarks --all
+	$(PY) -m benchmarks.report
 
 chaos: $(STAMP)  # the long chaos run (docs/reliability.md); CHAOS_ARGS="--seed 7 --cycles 42" replays a seed
 	$(PY) tests/chaos.py $(or $(CHAOS_ARGS),--seeds 3 --cycles 100)

@@ -6,16 +6,14 @@ written) cost in the terms the library controls (benchmarks/footprint.py): user 
 process, fresh host memory touched and bytes written, per byte of state. In one process, each save after the
 last has finished.
 
-usage: python benchmarks/bench_async.py [--scale 1.0] [--repeats 5] [--workloads large,small,model]
-                                        [--loop-steps 20 (0: no loop)]
+usage: python -m benchmarks async [--scale 1.0] [--repeats 5] [--set workloads=large,small,model]
+                                  [--set loop_steps=20 (0: no loop)] [--set width=2048] [--set batch=2048]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -34,16 +32,13 @@ xr.use_spmd()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import contenders  # noqa: E402
 import footprint  # noqa: E402
+import harness  # noqa: E402
 import workloads  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
 
 
-def median(values):
-    return statistics.median(values)
-
-
-def spread(values) -> str:
+def _range(values) -> str:
     return f"{min(values):.3f}-{max(values):.3f}"
 
 
@@ -170,55 +165,59 @@ def training_loop(root: str | None, steps, options: xtc.CheckpointManagerOptions
     return elapsed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--workloads", default="large", help="comma-separated: large, small, model")
-    parser.add_argument("--loop-steps", type=int, default=20, help="0: no training loop")
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=2048,
-                        help="rows per step; compute per state byte grows with it (real LLM steps have far more)")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="xtc-bench-async-") as tmp:
-        for workload in args.workloads.split(","):
-            state = workloads.build_state(workload, args.scale)
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `async`: each workload's blocking times and whole saves in this process, then the training loop.
+    `batch` is rows per step: compute per state byte grows with it (real LLM steps have far more)."""
+    loop_steps, width, batch = (settings.option(k, d) for k, d in (("loop_steps", 20), ("width", 2048),
+                                                                    ("batch", 2048)))
+    rows, lines = [], []
+    with tempfile.TemporaryDirectory(prefix="xtc-bench-async-", dir=settings.workdir) as tmp:
+        for workload in settings.option("workloads", ("large",)):
+            state = workloads.build_state(workload, settings.scale)
             floor, ours_async, ours_sync, theirs = blocking_times(state, os.path.join(tmp, workload),
-                                                                  args.repeats)
+                                                                  settings.repeats)
             gib = workloads.state_bytes(state) / 2**30
             del state
             nbytes = gib * 2**30
             blocked = {name: [m["blocking_s"] for m in runs] for name, runs in
                        (("floor", floor), ("async", ours_async), ("sync", ours_sync), ("theirs", theirs))}
-            f, a, s, t = (median(blocked[name]) for name in ("floor", "async", "sync", "theirs"))
-            print(f"{workload} ({gib:.2f} GiB): time the caller is blocked by save(), median (min-max) of "
-                  f"{args.repeats}")
-            print(f"  host copy of the shards alone (floor)  {f:.3f} s")
-            print(f"  xtc async save()                       {a:.3f} s ({spread(blocked['async'])}) = {a / f:.2f}x "
-                  f"the floor, {a / s:.2f} of the sync save")
-            print(f"  xtc sync save()                        {s:.3f} s")
-            print(f"  torch_xla CheckpointManager.save_async {t:.3f} s ({spread(blocked['theirs'])})  -> xtc blocks "
-                  f"{t / a:.2f}x less")
-            print("  whole save, until written (medians): wall, CPU user + sys, fresh memory and bytes written per "
-                  "byte of state")
+            f, a, s, t = (harness.median(blocked[name]) for name in ("floor", "async", "sync", "theirs"))
+            lines.append(f"{workload} ({gib:.2f} GiB): time the caller is blocked by save(), median (min-max) of "
+                  f"{settings.repeats}")
+            lines.append(f"  host copy of the shards alone (floor)  {f:.3f} s")
+            lines.append(f"  xtc async save()                       {a:.3f} s ({_range(blocked['async'])}) = "
+                         f"{a / f:.2f}x the floor, {a / s:.2f} of the sync save")
+            lines.append(f"  xtc sync save()                        {s:.3f} s")
+            lines.append(f"  torch_xla CheckpointManager.save_async {t:.3f} s ({_range(blocked['theirs'])})  -> xtc "
+                         f"blocks {t / a:.2f}x less")
+            lines.append("  whole save, until written (medians): wall, CPU user + sys, fresh memory and bytes written "
+                         "per byte of state")
             for label, runs in (("xtc async", ours_async), ("xtc sync", ours_sync),
                                 ("torch_xla save_async", theirs)):
-                print(f"    {label:22} {median([m['wall_s'] for m in runs]):.3f} s, CPU "
-                      f"{median([m['user_s'] for m in runs]):.2f} + {median([m['system_s'] for m in runs]):.2f} s, "
-                      f"fresh {median([m['fresh_bytes'] for m in runs]) / nbytes:.2f} B/B, written "
-                      f"{median([m['written_bytes'] for m in runs]) / nbytes:.2f} B/B")
-        if args.loop_steps == 0:
-            return
-        without = training_loop(None, args.loop_steps, None, args.width, args.batch)
-        with_saves = training_loop(os.path.join(tmp, "loop"), args.loop_steps, xtc.CheckpointManagerOptions(
-            save_interval_steps=1, max_to_keep=2), args.width, args.batch)
-        params = LAYERS * (args.width * args.width + args.width)
-        print(f"training loop, {args.loop_steps} steps, {params / 1e6:.0f}M parameters + AdamW "
-              f"({loop_state_bytes(args.width) / 2**20:.0f} MiB of state), batch {args.batch} x {args.width}, "
-              f"saving every step ({without / args.loop_steps:.2f} s per step without):")
-        print(f"  without checkpoints {without:.2f} s, with {with_saves:.2f} s = {with_saves / without:.2f}x "
+                lines.append(f"    {label:22} {harness.median(m['wall_s'] for m in runs):.3f} s, CPU "
+                      f"{harness.median(m['user_s'] for m in runs):.2f} + "
+                      f"{harness.median(m['system_s'] for m in runs):.2f} s, "
+                      f"fresh {harness.median(m['fresh_bytes'] for m in runs) / nbytes:.2f} B/B, written "
+                      f"{harness.median(m['written_bytes'] for m in runs) / nbytes:.2f} B/B")
+                rows.append(harness.Row(label, {"blocking_s": harness.series([m["blocking_s"] for m in runs], "s"),
+                                                **harness.footprint_metrics(runs, int(nbytes))}, workload))
+            rows.append(harness.Row("floor (host copy alone)", {"blocking_s": harness.series(blocked["floor"], "s")},
+                                    workload))
+        if loop_steps == 0:
+            return harness.Result(rows, "\n".join(lines))
+        without = training_loop(None, loop_steps, None, width, batch)
+        with_saves = training_loop(os.path.join(tmp, "loop"), loop_steps, xtc.CheckpointManagerOptions(
+            save_interval_steps=1, max_to_keep=2), width, batch)
+        params = LAYERS * (width * width + width)
+        lines.append(f"training loop, {loop_steps} steps, {params / 1e6:.0f}M parameters + AdamW "
+              f"({loop_state_bytes(width) / 2**20:.0f} MiB of state), batch {batch} x {width}, "
+              f"saving every step ({without / loop_steps:.2f} s per step without):")
+        lines.append(f"  without checkpoints {without:.2f} s, with {with_saves:.2f} s = {with_saves / without:.2f}x "
               "(goal <= 1.3x)")
+        rows += [harness.Row("without checkpoints", {"seconds": harness.series([without], "s")}, "training loop"),
+                 harness.Row("saving every step", {"seconds": harness.series([with_saves], "s")}, "training loop")]
+    return harness.Result(rows, "\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

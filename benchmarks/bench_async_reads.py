@@ -7,29 +7,26 @@ synchronous `preadv` at a time needs the GIL between two of them, so while a pla
 serves the reads already in flight. Reads submitted with `io_submit` (raw system calls through ctypes, x86-64
 Linux) stay queued at the disk whatever Python does.
 
-A file of `--gib` GiB is written and fsynced in `--dir` (a temporary directory by default), then read whole
-`--rounds` times per case, evicted from the page cache before each read, in 8 MiB `O_DIRECT` requests into
+A file of `--scale` GiB is written and fsynced in `dir` (a temporary directory by default), then read whole
+`--repeats` times per case, evicted from the page cache before each read, in 8 MiB `O_DIRECT` requests into
 huge-page windows, the cases alternating ABBA:
 
 - `threads`: 4 threads, each a synchronous `preadv` at a time (as `local_reads` reads);
-- `aio`: one thread keeps `--depth` requests (16) submitted (`io_submit`) and reaps them (`io_getevents`);
+- `aio`: one thread keeps `depth` requests (16) submitted (`io_submit`) and reaps them (`io_getevents`);
 
 each alone and beside a GIL holder: this process's main thread holds the GIL for 23 ms (a C call through
 `ctypes.PyDLL`, which keeps it, sleeping) and then lets go for 50 ms, over and over, as a restore that places
 tensors between reads does. Reported: the median wall time and throughput per case.
 
-    python benchmarks/bench_async_reads.py [--gib 1] [--rounds 7] [--depth 16] [--dir DIR]
-Prints the table; writes nothing else.
+    python -m benchmarks async-reads [--scale 1] [--repeats 7] [--set depth=16] [--set dir=DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import mmap
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import threading
@@ -37,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fresh_process  # noqa: E402
+import harness  # noqa: E402
 
 from xla_tensorstore_ckpt.arrays.local_reads import new_window  # noqa: E402
 
@@ -142,18 +140,14 @@ def timed(path: str, size: int, reader, hold: bool, windows: list[memoryview]) -
         os.close(fd)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--depth", type=int, default=16, help="AIO requests in flight")
-    parser.add_argument("--dir", default=None)
-    args = parser.parse_args()
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `async-reads`: every case reads the evicted file, ABBA, in this process."""
+    depth = settings.option("depth", 16)
     if platform.system() != "Linux" or platform.machine() != "x86_64":
-        sys.exit("bench_async_reads.py: x86-64 Linux only (raw AIO system calls)")
-    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        raise RuntimeError("bench_async_reads.py: x86-64 Linux only (raw AIO system calls)")
+    with tempfile.TemporaryDirectory(dir=settings.option("dir", "") or settings.workdir) as directory:
         path = os.path.join(directory, "data.bin")
-        size = int(args.gib * (1 << 30)) // REQUEST * REQUEST
+        size = max(REQUEST, int(settings.scale * (1 << 30)) // REQUEST * REQUEST)
         block = os.urandom(REQUEST)
         with open(path, "wb") as f:
             for _ in range(size // REQUEST):
@@ -162,18 +156,16 @@ def main() -> None:
         cases = {f"{name}{', GIL held in turns' if hold else ''}": (reader, hold)
                  for name, reader in (("threads", read_with_threads), ("aio", read_with_aio))
                  for hold in (False, True)}
-        seconds: dict[str, list[float]] = {name: [] for name in cases}
-        windows = _windows(max(4, args.depth))
-        for name in fresh_process.abba(list(cases), args.rounds):
-            seconds[name].append(timed(path, size, *cases[name], windows))
-    print(f"cold O_DIRECT reads of {size / 2**30:.2f} GiB in {REQUEST >> 20} MiB requests, medians of {args.rounds} "
-          f"(ABBA); AIO {args.depth} requests deep; GIL held {HOLD_S * 1e3:.0f} ms, then free "
-          f"{RELEASE_S * 1e3:.0f} ms, in turns")
-    for name, runs in seconds.items():
-        median = statistics.median(runs)
-        print(f"  {name:32} {median:7.3f} s  {size / median / 1e9:5.2f} GB/s  "
-              f"(min {min(runs):.3f}, max {max(runs):.3f})")
+        windows = _windows(max(4, depth))
+        seconds = harness.alternated(list(cases), settings.repeats,
+                                     lambda name, _round: timed(path, size, *cases[name], windows))
+    rows = [harness.Row(name, {"wall_s": harness.series(runs, "s"),
+                               "throughput": harness.series([size / r / 1e9 for r in runs], "GB/s")})
+            for name, runs in seconds.items()]
+    return harness.Result(rows, f"cold O_DIRECT reads of {size / 2**30:.2f} GiB in {REQUEST >> 20} MiB requests, "
+                                f"medians of {settings.repeats} (ABBA); AIO {depth} requests deep; GIL held "
+                                f"{HOLD_S * 1e3:.0f} ms, then free {RELEASE_S * 1e3:.0f} ms, in turns")
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

@@ -1,24 +1,27 @@
 """How fast content hashes run on one core, against what a save already spends (issue 65, item 2: "hashing costs
 <= 5 % of a full save's CPU seconds"; docs/incremental.md uses these figures to choose the hash).
 
-Each hash digests 64 MiB of random float32 values (CPU seconds of this thread, medians of `--repeats`); CRC32C,
+Each hash digests 64 MiB of random float32 values (CPU seconds of this thread, medians of `--repeats`;
+`--scale` scales the 64 MiB); CRC32C,
 which every save computes already, is the reference. Hashes from packages that are not installed (`xxhash`,
-`blake3`: not dependencies of this library) are skipped; `--path DIR` adds a directory to the import path for them.
-The last column is the CPU a hash would add to a save of 1 GiB, as a share of `--save-cpu-per-gib` (default 0.67 s:
+`blake3`: not dependencies of this library) are skipped; `--set path=DIR` adds a directory to the import path for them.
+The last column is the CPU a hash would add to a save of 1 GiB, as a share of `--set save_cpu_per_gib` (default 0.67 s:
 the `model` workload's direct save, docs/performance.md).
 
-    python benchmarks/bench_chunk_hashes.py [--repeats 7] [--save-cpu-per-gib 0.67] [--path DIR]
+    python -m benchmarks chunk-hashes [--repeats 7] [--scale 1] [--set save_cpu_per_gib=0.67] [--set path=DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import statistics
+import os
 import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 
 def _hashes() -> dict:
@@ -42,28 +45,30 @@ def _hashes() -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--save-cpu-per-gib", type=float, default=0.67)
-    parser.add_argument("--path", help="a directory to import optional hash packages from")
-    args = parser.parse_args()
-    if args.path:
-        sys.path.insert(0, args.path)
-    data = memoryview(np.random.default_rng(0).standard_normal((64 << 20) // 4).astype(np.float32).view(np.uint8))
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `chunk-hashes`: each hash over the same data, CPU seconds of this thread."""
+    save_cpu = settings.option("save_cpu_per_gib", 0.67)
+    if settings.option("path", ""):
+        sys.path.insert(0, settings.option("path", ""))
+    size = int((64 << 20) * settings.scale) // 4 * 4
+    data = memoryview(np.random.default_rng(0).standard_normal(size // 4).astype(np.float32).view(np.uint8))
     gib = len(data) / 2**30
-    print(f"64 MiB of float32, one core, CPU seconds, medians of {args.repeats}; a save spends "
-          f"{args.save_cpu_per_gib:.2f} s of CPU per GiB")
+    rows, lines = [], [f"{size / 2**20:g} MiB of float32, one core, CPU seconds, medians of {settings.repeats}; "
+                       f"a save spends {save_cpu:.2f} s of CPU per GiB"]
     for name, digest in _hashes().items():
         times = []
-        for _ in range(args.repeats):
+        for _ in range(settings.repeats):
             start = time.thread_time()
             digest(data)
             times.append(time.thread_time() - start)
-        per_gib = statistics.median(times) / gib
-        print(f"  {name:28} {1 / per_gib:6.2f} GiB/s  {per_gib:.3f} s/GiB  "
-              f"{100 * per_gib / args.save_cpu_per_gib:5.1f} % of a save's CPU")
+        per_gib = harness.median(times) / gib
+        rows.append(harness.Row(name, {"cpu_s": harness.series(times, "s"),
+                                       "cpu_s_per_gib": harness.series([t / gib for t in times], "s/GiB")},
+                                params={"share_of_save_cpu": per_gib / save_cpu}))
+        lines.append(f"  {name:28} {1 / per_gib:6.2f} GiB/s  {per_gib:.3f} s/GiB  "
+                     f"{100 * per_gib / save_cpu:5.1f} % of a save's CPU")
+    return harness.Result(rows, "\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

@@ -11,26 +11,22 @@ it onto mesh 2x4 in a fresh process, after the files are evicted from the page c
 Each reports (benchmarks/footprint.py) the restore call's wall time, user and system CPU, and the fresh memory it
 touched (peak resident growth plus page cache growth); medians are printed per byte restored.
 
-    python benchmarks/bench_cold_chunk_reads.py [--scale 1.0] [--repeats 7]
+    python -m benchmarks cold-chunk-reads [--scale 1.0] [--repeats 7]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from fresh_process import evict, run_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from fresh_process import evict  # noqa: E402
 
 MODES = ("direct", "buffered")
-ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
-def worker(mode: str, scale: float, path: str) -> dict:
+def worker(mode: str, scale: str, path: str) -> dict:
     import torch_xla.runtime as xr
 
     xr.use_spmd()
@@ -41,50 +37,30 @@ def worker(mode: str, scale: float, path: str) -> dict:
     from xla_tensorstore_ckpt.arrays import local_reads
 
     if mode == "save":
-        state = workloads.build_state("large", scale)
+        state = workloads.build_state("large", float(scale))
         xtc.save(path, state)
         return {"bytes": workloads.state_bytes(state)}
     if mode == "buffered":
         local_reads._cached = lambda *_: True
-    target = workloads.build_target("large", scale)
+    target = workloads.build_target("large", float(scale))
     measures, _ = footprint.measure(lambda: xtc.restore(path, target))
     return measures
 
 
-def _run(*args: str) -> dict:
-    return run_json([sys.executable, os.path.abspath(__file__), "--worker", *args], dict(os.environ, **ENV),
-                    f"the {args[0]} process")
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `cold-chunk-reads`: one save, then evicted restores direct and buffered, ABBA, fresh processes."""
+    path = os.path.join(settings.workdir, "item")
+    nbytes = harness.fresh(__file__, "save", settings.scale, path, what="the save")["bytes"]
 
+    def restore(mode: str, _round: int) -> dict:
+        evict(path)
+        return harness.fresh(__file__, mode, settings.scale, path, what=f"the {mode} restore")
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        import json
-
-        mode, scale, path = args.worker
-        print(json.dumps(worker(mode, float(scale), path)))
-        return
-    with tempfile.TemporaryDirectory(prefix="xtc-cold-chunks-") as workdir:
-        path = os.path.join(workdir, "item")
-        nbytes = _run("save", str(args.scale), path)["bytes"]
-        runs: dict[str, list[dict]] = {m: [] for m in MODES}
-        for i in range(args.repeats):
-            for mode in MODES if i % 2 == 0 else reversed(MODES):
-                evict(path)
-                runs[mode].append(_run(mode, str(args.scale), path))
-    print(f"cold restore of {nbytes / 2**30:.2f} GiB (mesh 4x2 saved, 2x4 restored, fresh processes, evicted), "
-          f"medians of {args.repeats} ABBA:")
-    for mode in MODES:
-        def med(key, mode=mode):
-            return statistics.median(r[key] for r in runs[mode])
-
-        print(f"  {mode:8} wall {med('wall_s'):.3f} s  CPU {med('user_s'):.2f}+{med('system_s'):.2f} s  fresh "
-              f"{med('fresh_bytes') / nbytes:.2f} B/B (page cache {med('page_cache_growth_bytes') / nbytes:.2f})")
+    runs = harness.alternated(MODES, settings.repeats, restore)
+    rows = [harness.footprint_row(mode, runs[mode], nbytes) for mode in MODES]
+    return harness.Result(rows, f"cold restore of {nbytes / 2**30:.2f} GiB (mesh 4x2 saved, 2x4 restored, fresh "
+                                f"processes, evicted), medians of {settings.repeats} ABBA")
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

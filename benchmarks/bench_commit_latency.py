@@ -6,7 +6,7 @@ directories does not. This measures a small synchronous save (16 tensors, 1 MiB)
 second process writes 1 GiB files in a loop (no fsync, as a data pipeline writing shards or a logger would), in
 the same run, and prints the medians and the ratio. The quiet saves are split around the busy ones (half before,
 half after, each after an `os.sync()`: ABBA), so that neither case alone meets the state the machine is in when the
-run starts. Saves come `--interval` seconds apart, as training steps would put them: in between, the other
+run starts. Saves come `interval` seconds apart, as training steps would put them: in between, the other
 writer's dirty pages pile up.
 
 Beside the latency, each save is measured in the terms the library controls (benchmarks/footprint.py, issue 36):
@@ -15,15 +15,15 @@ cache growth, and the bytes this process wrote to storage, per byte of state (B/
 machine-wide: while the other writer runs it is mostly that writer's dirty pages, so there fresh memory (resident +
 page cache growth) says nothing about the save; the resident growth is reported on its own for both cases.
 
-    python benchmarks/bench_commit_latency.py [--saves 15] [--interval 2] [--dir /path/on/the/same/file/system]
+    python -m benchmarks commit-latency [--repeats 15] [--set interval=2] [--set dir=/path/on/the/file/system]
+
+`--repeats` is the number of saves of each case.
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import footprint  # noqa: E402
+import harness  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
 
@@ -71,49 +72,41 @@ def time_saves(root: str, saves: int, interval: float) -> list[dict]:
     return runs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--saves", type=int, default=15)
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between saves (not timed)")
-    parser.add_argument("--dir", default=None, help="a directory on the file system to measure (default: a temp dir)")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=args.dir) as base:
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `commit-latency`: quiet saves around busy ones, in this process, one other writer process."""
+    saves, interval = settings.repeats, settings.option("interval", 2.0)
+    with tempfile.TemporaryDirectory(dir=settings.option("dir", "") or settings.workdir) as base:
         os.sync()
-        quiet = time_saves(os.path.join(base, "quiet-before"), args.saves // 2, args.interval)
+        quiet = time_saves(os.path.join(base, "quiet-before"), saves // 2, interval)
         stop, started = multiprocessing.Event(), multiprocessing.Event()
         writer = multiprocessing.Process(target=other_writer, args=(base, stop, started))
         writer.start()
         started.wait()
         try:
-            busy = time_saves(os.path.join(base, "busy"), args.saves, args.interval)
+            busy = time_saves(os.path.join(base, "busy"), saves, interval)
         finally:
             stop.set()
             writer.join()
         os.sync()  # the other writer's dirty pages, so that the quiet saves after it are quiet again
-        quiet += time_saves(os.path.join(base, "quiet-after"), args.saves - args.saves // 2, args.interval)
-    print(f"commit latency: a synchronous manager save of 16 tensors ({STATE_BYTES / 2**20:.2f} MiB) every "
-          f"{args.interval:g} s: {args.saves} on a quiet machine ({args.saves // 2} before, the rest after) and "
-          f"{args.saves} while another process writes 1 GiB files without syncing; medians (latency: median and max); "
-          "B/B: per byte of state")
-    print(f"  {'case':5}  {'latency s (max)':15}  {'CPU s (user+sys)':16}  {'resident B/B':12}  {'page cache B/B':14}  "
-          f"{'fresh B/B':9}  {'written B/B':11}")
+        quiet += time_saves(os.path.join(base, "quiet-after"), saves - saves // 2, interval)
+    keys = ("wall_s", "cpu_s", "user_s", "system_s", "rss_growth_bytes", "page_cache_growth_bytes", "fresh_bytes",
+            "written_bytes")
+    rows = [harness.Row(label, harness.footprint_metrics(runs, STATE_BYTES, keys))
+            for label, runs in (("quiet", quiet), ("busy", busy))]
+    busy_over_quiet = harness.median(r["wall_s"] for r in busy) / harness.median(r["wall_s"] for r in quiet)
+    lines = [f"commit latency: a synchronous manager save of 16 tensors ({STATE_BYTES / 2**20:.2f} MiB) every "
+             f"{interval:g} s: {saves} on a quiet machine ({saves // 2} before, the rest after) and {saves} while "
+             "another process writes 1 GiB files without syncing; medians (latency: wall_s, max in the raw runs); "
+             "B/B: per byte of state",
+             "  page cache growth is machine-wide: under 'busy' it is mostly the other writer's dirty pages, so its "
+             "page cache and fresh columns do not describe the save (its resident growth does)",
+             f"  busy / quiet latency: {busy_over_quiet:.2f}x; max latency quiet "
+             f"{max(r['wall_s'] for r in quiet):.3f} s, busy {max(r['wall_s'] for r in busy):.3f} s"]
     for label, runs in (("quiet", quiet), ("busy", busy)):
-        def med(key: str, runs: list[dict] = runs) -> float:
-            return statistics.median(r[key] for r in runs)
-
-        latency = f"{med('wall_s'):.4f} ({max(r['wall_s'] for r in runs):.3f})"
-        cpu = f"{med('user_s') + med('system_s'):.3f} ({med('user_s'):.3f}+{med('system_s'):.3f})"
-        print(f"  {label:5}  {latency:15}  {cpu:16}  {med('rss_growth_bytes') / STATE_BYTES:12.2f}  "
-              f"{med('page_cache_growth_bytes') / STATE_BYTES:14.2f}  {med('fresh_bytes') / STATE_BYTES:9.2f}  "
-              f"{med('written_bytes') / STATE_BYTES:11.2f}")
-    busy_over_quiet = statistics.median(r["wall_s"] for r in busy) / statistics.median(r["wall_s"] for r in quiet)
-    print("  page cache growth is machine-wide: under 'busy' it is mostly the other writer's dirty pages, so its page "
-          "cache and fresh columns do not describe the save (its resident growth does)")
-    print(f"  busy / quiet latency: {busy_over_quiet:.2f}x")
-    for label, runs in (("quiet", quiet), ("busy", busy)):
-        print(f"  {label} saves in order, latency / CPU ms: "
-              + ", ".join(f"{r['wall_s'] * 1e3:.0f}/{(r['user_s'] + r['system_s']) * 1e3:.0f}" for r in runs))
+        lines.append(f"  {label} saves in order, latency / CPU ms: "
+                     + ", ".join(f"{r['wall_s'] * 1e3:.0f}/{(r['user_s'] + r['system_s']) * 1e3:.0f}" for r in runs))
+    return harness.Result(rows, "\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

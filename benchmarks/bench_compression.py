@@ -5,36 +5,32 @@ Workloads (benchmarks/workloads.py, sharded on 8 CPU devices, mesh 4x2; random n
 compresses: they show the cost): each run is a fresh process that times one `xtc.save` (fsync, direct writes, as
 by default) into a new directory, measures what it stored, evicts it from the page cache and times a restore onto
 another mesh (a cold, resharding restore); the modes alternate ABBA for `--repeats` rounds. The first run of each
-mode is compared bit for bit. With `--storage gcs`, into the GCS emulator (fake-gcs-server, started here), where
+mode is compared bit for bit. With ``--set storage=gcs``, into the GCS emulator (fake-gcs-server, started here), where
 the restore's bytes are those that crossed the network.
 
-Trained values (`--trained DIR`, a step directory of examples/train.py): every item of the step restored to host
+Trained values (``--set trained=DIR``, a step directory of examples/train.py): every item of the step restored to host
 memory, split into model weights, AdamW's first and second moments and the rest; each part saved raw and at each
 level, its stored bytes compared (the ratio that matters: what real training leaves in the tensors); the weights
 cast to bfloat16 too (what a BF16 run would store), and the XOR deltas of those with 1, 3 and 10 % of their
 elements moved one bfloat16 step; then the whole state saved and restored raw and at level 3, in this process,
 `--repeats` times each, medians.
 
-    python benchmarks/bench_compression.py [--scale 1.0] [--repeats 7] [--workloads large,model] [--levels 1,3]
-                                           [--storage local|gcs]
-    python benchmarks/bench_compression.py --trained CHECKPOINT_DIR/40 [--repeats 7] [--levels 1,3,9]
+    python -m benchmarks compression [--scale 1.0] [--repeats 7] [--set workloads=large,model] [--set levels=1,3]
+                                     [--set storage=local|gcs]
+    python -m benchmarks compression --set trained=CHECKPOINT_DIR/40 [--repeats 7] [--set levels=1,3,9]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from fresh_process import abba, evict, run_json  # noqa: E402
-
-ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "TF_CPP_MIN_LOG_LEVEL": "3"}
+import harness  # noqa: E402
+from fresh_process import evict  # noqa: E402
 
 
 def _options(mode: str):
@@ -49,7 +45,7 @@ def _stored_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
-def worker(mode: str, workload: str, scale: float, path: str, check: bool) -> dict:
+def worker(mode: str, workload: str, scale_: str, path: str, check: str) -> dict:
     import torch
     import torch_xla.runtime as xr
 
@@ -59,6 +55,7 @@ def worker(mode: str, workload: str, scale: float, path: str, check: bool) -> di
 
     import xla_tensorstore_ckpt as xtc
 
+    scale = float(scale_)
     state = workloads.build_state(workload, scale)
     save, _ = footprint.measure(lambda: xtc.save(path, state, options=_options(mode)))
     stored = _stored_bytes(path) if "://" not in path else None  # an object store: as on local disk
@@ -66,52 +63,61 @@ def worker(mode: str, workload: str, scale: float, path: str, check: bool) -> di
     target = workloads.build_target(workload, scale)
     restore, restored = footprint.measure(lambda: xtc.restore(path, target))
     out = {"bytes": workloads.state_bytes(state), "stored": stored, "save": save, "restore": restore}
-    if check:
+    if check == "1":
         out["bit_exact"] = all(torch.equal(restored[k].cpu(), v.cpu()) for k, v in state.items())
     return out
 
 
-def _workloads(args: argparse.Namespace, modes: list[str]) -> None:
-    from run import start_object_store
+def _workloads(settings: harness.Settings, modes: list[str], lines: list[str], rows: list) -> None:
+    from object_stores import start_object_store
 
-    server, root = start_object_store(args.storage)
-    env = dict(os.environ, **ENV, **(server.environment if server is not None else {}))
+    storage = settings.option("storage", "local")
+    server, root = start_object_store(storage)
+    env = server.environment if server is not None else {}
     try:
-        for workload in args.workloads.split(","):
-            _workload(args, modes, workload, root, env)
+        for workload in settings.option("workloads", ("large", "model")):
+            _workload(settings, modes, workload, root, env, lines, rows)
     finally:
         if server is not None:
             server.stop()
 
 
-def _workload(args: argparse.Namespace, modes: list[str], workload: str, root: str | None, env: dict) -> None:
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    with tempfile.TemporaryDirectory(prefix="xtc-compression-") as workdir:
-        for i, mode in enumerate(abba(modes, args.repeats)):
-            path = os.path.join(workdir, "item") if root is None else f"{root}/{workload}-{i}"
-            check = "1" if len(runs[mode]) == 0 else "0"
-            runs[mode].append(run_json([sys.executable, os.path.abspath(__file__), "--worker", mode, workload,
-                                        str(args.scale), path, check], env, f"the {mode} run of {workload}"))
+def _workload(settings: harness.Settings, modes: list[str], workload: str, root: str | None, env: dict,
+              lines: list[str], rows: list) -> None:
+    storage, count = settings.option("storage", "local"), iter(range(len(modes) * settings.repeats))
+    with tempfile.TemporaryDirectory(prefix="xtc-compression-", dir=settings.workdir) as workdir:
+        def one(mode: str, i: int) -> dict:
+            path = os.path.join(workdir, "item") if root is None else f"{root}/{workload}-{next(count)}"
+            answer = harness.fresh(__file__, mode, workload, settings.scale, path, "1" if i == 0 else "0", env=env,
+                                   what=f"the {mode} run of {workload}")
             if root is None:
                 shutil.rmtree(path)
+            return answer
+
+        runs = harness.alternated(modes, settings.repeats, one)
     nbytes = runs["raw"][0]["bytes"]
     exact = {m: all(r.get("bit_exact", True) for r in runs[m]) for m in modes}
-    print(f"{workload} ({nbytes / 2**30:.3f} GiB, 8 CPU devices, {args.storage}), fresh processes, medians of "
-          f"{args.repeats} ABBA; save (fsync, direct where local) then a cold restore onto another mesh; "
-          f"bit-exact: {exact}")
+    lines.append(f"{workload} ({nbytes / 2**30:.3f} GiB, 8 CPU devices, {storage}), fresh processes, medians of "
+                 f"{settings.repeats} ABBA; save (fsync, direct where local) then a cold restore onto another mesh; "
+                 f"bit-exact: {exact}")
     for mode in modes:
         def med(phase, key, mode=mode):
-            return statistics.median(r[phase][key] for r in runs[mode])
+            return harness.median(r[phase][key] for r in runs[mode])
 
         def cpu(phase, mode=mode):
-            return statistics.median(r[phase]["user_s"] + r[phase]["system_s"] for r in runs[mode])
+            return harness.median(r[phase]["user_s"] + r[phase]["system_s"] for r in runs[mode])
 
-        stored = f"stored {statistics.median(r['stored'] for r in runs[mode]) / nbytes:.3f} B/B  " \
+        stored = f"stored {harness.median(r['stored'] for r in runs[mode]) / nbytes:.3f} B/B  " \
             if root is None else ""
         read = "read" if root is None else "network"
-        print(f"  {mode:7} {stored}save wall {med('save', 'wall_s'):.3f} s CPU {cpu('save'):.2f} s  restore wall "
-              f"{med('restore', 'wall_s'):.3f} s CPU {cpu('restore'):.2f} s ({read} "
-              f"{med('restore', read + '_bytes') / nbytes:.2f} B/B)")
+        lines.append(f"  {mode:7} {stored}save wall {med('save', 'wall_s'):.3f} s CPU {cpu('save'):.2f} s  restore "
+                     f"wall {med('restore', 'wall_s'):.3f} s CPU {cpu('restore'):.2f} s ({read} "
+                     f"{med('restore', read + '_bytes') / nbytes:.2f} B/B)")
+        for phase in ("save", "restore"):
+            row = harness.footprint_row(mode, [r[phase] for r in runs[mode]], nbytes, group=f"{workload}: {phase}")
+            if root is None and phase == "save":
+                row.metrics["stored_bytes"] = harness.series([r["stored"] / nbytes for r in runs[mode]], "B/B")
+            rows.append(row)
 
 
 def _parts(step_dir: str) -> dict[str, dict]:
@@ -135,17 +141,18 @@ def _parts(step_dir: str) -> dict[str, dict]:
     return parts
 
 
-def _trained(args: argparse.Namespace, modes: list[str]) -> None:
+def _trained(settings: harness.Settings, modes: list[str], lines: list[str], rows: list) -> None:
     import time
 
     import torch
 
     import xla_tensorstore_ckpt as xtc
 
-    parts = _parts(args.trained)
+    trained = settings.option("trained", "")
+    parts = _parts(trained)
     parts["weights as bf16"] = {k: v.to(torch.bfloat16) for k, v in parts["weights"].items()}
-    with tempfile.TemporaryDirectory(prefix="xtc-compression-") as workdir:
-        print(f"trained values of {args.trained}: stored bytes per raw byte (each part saved alone)")
+    with tempfile.TemporaryDirectory(prefix="xtc-compression-", dir=settings.workdir) as workdir:
+        lines.append(f"trained values of {trained}: stored bytes per raw byte (each part saved alone)")
         for part, state in parts.items():
             if not state:
                 continue
@@ -157,26 +164,29 @@ def _trained(args: argparse.Namespace, modes: list[str]) -> None:
                 ratios.append(f"{mode} {_stored_bytes(path) / raw:.3f}")
                 shutil.rmtree(path)
             dtypes = sorted({str(v.dtype).split(".")[-1] for v in state.values()})
-            print(f"  {part:16} {raw / 2**20:7.1f} MiB {'/'.join(dtypes):9} " + "  ".join(ratios))
-        _xor_deltas(parts["weights as bf16"])
+            lines.append(f"  {part:16} {raw / 2**20:7.1f} MiB {'/'.join(dtypes):9} " + "  ".join(ratios))
+        _xor_deltas(parts["weights as bf16"], lines)
         whole = {k: v for state in list(parts.values())[:4] for k, v in state.items()}
         nbytes = sum(v.numel() * v.element_size() for v in whole.values())
-        print(f"the whole state ({nbytes / 2**20:.1f} MiB) saved and restored in this process (warm page cache), "
-              f"medians of {args.repeats}:")
+        lines.append(f"the whole state ({nbytes / 2**20:.1f} MiB) saved and restored in this process (warm page "
+                     f"cache), medians of {settings.repeats}:")
         path = os.path.join(workdir, "whole")
         for mode in ("raw", "zstd-3"):
             saves, restores, options = [], [], _options(mode)
-            for _ in range(args.repeats):
+            for _ in range(settings.repeats):
                 saves.append(_timed(lambda o=options: xtc.save(path, whole, options=o), time))
                 restores.append(_timed(lambda: xtc.restore(path), time))
                 shutil.rmtree(path)
-            save_wall, save_cpu = (statistics.median(s[i] for s in saves) for i in (0, 1))
-            restore_wall, restore_cpu = (statistics.median(r[i] for r in restores) for i in (0, 1))
-            print(f"  {mode:7} save wall {save_wall:.3f} s CPU {save_cpu:.3f} s  restore wall {restore_wall:.3f} s "
-                  f"CPU {restore_cpu:.3f} s")
+            save_wall, save_cpu = (harness.median(s[i] for s in saves) for i in (0, 1))
+            restore_wall, restore_cpu = (harness.median(r[i] for r in restores) for i in (0, 1))
+            rows.append(harness.Row(mode, {f"{phase}_{what}": harness.series([t[k] for t in times], "s")
+                                           for phase, times in (("save", saves), ("restore", restores))
+                                           for k, what in ((0, "wall_s"), (1, "cpu_s"))}, "trained state"))
+            lines.append(f"  {mode:7} save wall {save_wall:.3f} s CPU {save_cpu:.3f} s  restore wall "
+                         f"{restore_wall:.3f} s CPU {restore_cpu:.3f} s")
 
 
-def _xor_deltas(weights: dict) -> None:
+def _xor_deltas(weights: dict, lines: list[str]) -> None:
     """What a lossless delta step would store (docs/incremental.md, item 3): the trained bfloat16 weights with a
     fraction of their elements moved one bfloat16 step (as small-learning-rate updates move them), XORed with the
     weights before, compressed. Simulated changes on real values: the pattern, not the fraction, is the guess."""
@@ -187,13 +197,13 @@ def _xor_deltas(weights: dict) -> None:
 
     before = torch.cat([t.reshape(-1) for t in weights.values()]).view(torch.int16).numpy()
     rng = np.random.default_rng(0)
-    print("XOR deltas of the bfloat16 weights, zstd level 3, stored / raw:")
+    lines.append("XOR deltas of the bfloat16 weights, zstd level 3, stored / raw:")
     for fraction in (0.01, 0.03, 0.10):
         after = before.copy()
         moved = rng.random(before.size) < fraction
         after[moved] += rng.choice(np.array([-1, 1], np.int16), int(moved.sum()))
         xor = memoryview((before ^ after).view(np.uint8))
-        print(f"  {fraction:4.0%} of elements changed: {len(zstd.compress(xor, 3)) / len(xor):.4f}")
+        lines.append(f"  {fraction:4.0%} of elements changed: {len(zstd.compress(xor, 3)) / len(xor):.4f}")
 
 
 def _timed(fn, time) -> tuple[float, float]:  # noqa: ANN001 - a callable and the time module
@@ -202,26 +212,14 @@ def _timed(fn, time) -> tuple[float, float]:  # noqa: ANN001 - a callable and th
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--workloads", default="large,model")
-    parser.add_argument("--levels", default="1,3")
-    parser.add_argument("--storage", choices=("local", "gcs"), default="local")
-    parser.add_argument("--trained", help="a step directory of examples/train.py: measure its trained values")
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        mode, workload, scale, path, check = args.worker
-        print(json.dumps(worker(mode, workload, float(scale), path, check == "1")))
-        return
-    modes = ["raw", *(f"zstd-{level}" for level in args.levels.split(","))]
-    if args.trained:
-        _trained(args, modes)
-    else:
-        _workloads(args, modes)
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `compression`: the workloads in fresh processes, or with ``--set trained=DIR`` a trained step."""
+    modes = ["raw", *(f"zstd-{level}" for level in settings.option("levels", ("1", "3")))]
+    lines: list[str] = []
+    rows: list = []
+    (_trained if settings.option("trained", "") else _workloads)(settings, modes, lines, rows)
+    return harness.Result(rows, "\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

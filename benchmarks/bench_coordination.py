@@ -12,19 +12,16 @@ before/after comparison of issue 66 ran both one after the other in the same ses
 90th percentile of the slowest process per round. On this 2-core machine, 8 processes share 2 cores: figures
 above 2 processes include scheduling delay, so they bound the cost from above.
 
-    python benchmarks/bench_coordination.py [--processes 1,2,4,8] [--repeats 200] [--output F.json]
-writes benchmarks/results/coordination.{json,txt} unless --output says otherwise.
+    python -m benchmarks coordination [--set processes=1,2,4,8] [--repeats 200] [--output F.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 import jobs  # noqa: E402
 
 CHILD = r"""
@@ -56,40 +53,30 @@ print(json.dumps({"index": c.index, "times": out}))
 """
 
 
-def run(processes: int, repeats: int) -> dict[str, list[float]]:
+def rounds(processes: int, repeats: int) -> dict[str, list[float]]:
     """Per collective, the slowest process's seconds in each round."""
     results = jobs.run_job(["-c", CHILD, str(repeats)], processes, timeout_s=600)
     names = results[0]["times"]
     return {name: [max(r["times"][name][i] for r in results) for i in range(repeats)] for name in names}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--processes", default="1,2,4,8")
-    parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                         "coordination.json"))
-    args = parser.parse_args()
-    rows = []
-    for n in (int(p) for p in args.processes.split(",")):
-        for name, times in run(n, args.repeats).items():
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `coordination`: one job per process count, every collective `repeats` rounds."""
+    rows, raw = [], []
+    for n in settings.option("processes", ("1", "2", "4", "8")):
+        for name, times in rounds(int(n), settings.repeats).items():
             ordered = sorted(times)
-            rows.append({"processes": n, "collective": name, "median_ms": statistics.median(times) * 1e3,
-                         "p90_ms": ordered[int(0.9 * (len(ordered) - 1))] * 1e3})
-            print(f"{n} processes  {name:14} median {rows[-1]['median_ms']:7.3f} ms  p90 {rows[-1]['p90_ms']:7.3f} ms",
-                  file=sys.stderr)
-    text = (f"Coordinator collectives, gloo on 127.0.0.1, 2 cores ({max(r['processes'] for r in rows)} processes "
-            f"share them): slowest process per round, {args.repeats} rounds\n"
-            f"python benchmarks/bench_coordination.py --processes {args.processes} --repeats {args.repeats}\n\n"
+            raw.append({"processes": int(n), "collective": name, "median_ms": harness.median(times) * 1e3,
+                        "p90_ms": ordered[int(0.9 * (len(ordered) - 1))] * 1e3})
+            rows.append(harness.Row(name, {"seconds": harness.series(times, "s")}, f"{n} processes",
+                                    {"processes": int(n), "p90_ms": raw[-1]["p90_ms"]}))
+    text = (f"Coordinator collectives, gloo on 127.0.0.1, 2 cores ({max(r['processes'] for r in raw)} processes "
+            f"share them): slowest process per round, {settings.repeats} rounds\n\n"
             "processes  collective      median ms   p90 ms\n"
             + "".join(f"{r['processes']:9d}  {r['collective']:14} {r['median_ms']:9.3f} {r['p90_ms']:8.3f}\n"
-                      for r in rows))
-    with open(args.output, "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(os.path.splitext(args.output)[0] + ".txt", "w") as f:
-        f.write(text)
-    print(text + f"written {args.output}, {os.path.splitext(args.output)[0]}.txt")
+                      for r in raw))
+    return harness.Result(rows, text, {"rows": raw})
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

@@ -15,14 +15,12 @@ and of the first save's writers (`save_plan._assign_writers`); the modelled seco
 operation, Python included). For comparison, what the code before issue 66 did: `statuses` all-to-all, 2 (P - 1)
 messages per batch, a gather of every process's needs, and on a first save a gather of every process's chunk list.
 
-    python benchmarks/bench_coordination_sim.py [--processes 16,32,...,1024] [--repeats 7] [--output F.json]
+    python -m benchmarks coordination-sim [--repeats 7] [--quick] [--set processes=16,32,...,1024]
 writes benchmarks/results/coordination-sim.{json,txt} and the plots coordination-sim-*.svg beside them.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import statistics
@@ -33,6 +31,7 @@ import numpy as np
 from torch.distributed.tensor import Replicate, Shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 import svg_plot  # noqa: E402
 from sim_transport import SimulatedTransport  # noqa: E402
 
@@ -191,14 +190,16 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     return a, b, 1 - sum((y - p) ** 2 for y, p in zip(ys, predicted)) / total
 
 
-def measure(count: int, repeats: int) -> dict:
+def simulate(count: int, repeats: int) -> dict:
+    """One process count: planning CPU seconds (first and last process), messages and bytes of the agreements."""
     row: dict = {"processes": count, "mesh": [count // min(SAVED_FSDP, count), min(SAVED_FSDP, count)]}
     for me in (0, count - 1):
         times = []
         for _ in range(repeats):
             seconds, plans, batches, digest = plan(count, me)
             times.append(seconds)
-        row[f"planning_cpu_s_p{'first' if me == 0 else 'last'}"] = statistics.median(times)
+        row[f"planning_cpu_s_p{'first' if me == 0 else 'last'}"] = harness.median(times)
+        row[f"planning_cpu_s_p{'first' if me == 0 else 'last'}_runs"] = times
     row["batches"] = len(batches)
     for alpha in (1e-4, 2.5e-4):
         t = restore_agreements(count, count - 1, len(batches), digest, alpha).tally
@@ -215,44 +216,42 @@ def measure(count: int, repeats: int) -> dict:
         row[f"save_{'first' if first else 'later'}_messages"] = s.messages
         row[f"save_{'first' if first else 'later'}_bytes"] = s.nbytes
     for me in (0, count - 1):
-        row[f"save_planning_cpu_s_p{'first' if me == 0 else 'last'}"] = statistics.median(
-            first_save_plan(count, me, SimulatedTransport(me, count)) for _ in range(repeats))
+        times = [first_save_plan(count, me, SimulatedTransport(me, count)) for _ in range(repeats)]
+        row[f"save_planning_cpu_s_p{'first' if me == 0 else 'last'}"] = harness.median(times)
+        row[f"save_planning_cpu_s_p{'first' if me == 0 else 'last'}_runs"] = times
     row["before_save_first_gather_bytes"] = gathered_chunk_lists_bytes(count, 0)
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--processes", default="16,32,64,128,256,512,1024")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                         "coordination-sim.json"))
-    parser.add_argument("--from-json", action="store_true", help="redo the tables and plots of --output's rows")
-    args = parser.parse_args()
-    rows = []
-    if args.from_json:
-        with open(args.output) as f:
-            rows = json.load(f)["rows"]
-    for count in () if args.from_json else (int(p) for p in args.processes.split(",")):
-        rows.append(measure(count, args.repeats))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    fitted = [r for r in rows if r["processes"] > RING_MAX]  # recursive doubling (gloo's ring below)
-    per_batch = [r["restore_messages_per_batch"] for r in fitted]
-    a, b, r2 = fit([math.log2(r["processes"]) for r in fitted], per_batch)
-    la, lb, lr2 = fit([r["processes"] for r in fitted], per_batch)
-    base = os.path.splitext(args.output)[0]
-    with open(args.output, "w") as f:
-        json.dump({"rows": rows, "fit_log2": [a, b, r2], "fit_linear": [la, lb, lr2]}, f, indent=1)
-    with open(base + ".txt", "w") as f:
-        f.write(text(rows, args, (a, b, r2), (la, lb, lr2)))
-    plots(rows, base)
-    print(open(base + ".txt").read())
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `coordination-sim`: every process count in turn, in this process (blocks)."""
+    processes = settings.option("processes", ("16", "32", "64", "128", "256", "512", "1024"))
+    results = []
+    for count in (int(p) for p in processes):
+        print(f"simulating {count} processes ...", file=sys.stderr, flush=True)
+        results.append(simulate(count, settings.repeats))
+    fitted = [r for r in results if r["processes"] > RING_MAX]  # recursive doubling (gloo's ring below)
+    fits = {}
+    if len(fitted) > 1:
+        per_batch = [r["restore_messages_per_batch"] for r in fitted]
+        fits = {"fit_log2": fit([math.log2(r["processes"]) for r in fitted], per_batch),
+                "fit_linear": fit([r["processes"] for r in fitted], per_batch)}
+    plots(results, settings.beside(""))
+    rows = [harness.Row(f"P={r['processes']}", {
+        "planning_cpu_s_first": harness.series(r["planning_cpu_s_pfirst_runs"], "s"),
+        "planning_cpu_s_last": harness.series(r["planning_cpu_s_plast_runs"], "s"),
+        "save_planning_cpu_s_first": harness.series(r["save_planning_cpu_s_pfirst_runs"], "s"),
+        "save_planning_cpu_s_last": harness.series(r["save_planning_cpu_s_plast_runs"], "s")},
+        params={k: v for k, v in r.items() if "planning_cpu_s" not in k}) for r in results]
+    files = [settings.beside(f"-{name}.svg") for name in ("messages", "planning", "bytes")]
+    return harness.Result(rows, text(results, ",".join(processes), settings.repeats, fits), {"rows": results, **fits},
+                          files)
 
 
-def text(rows: list[dict], args: argparse.Namespace, log_fit: tuple, linear_fit: tuple) -> str:
+def text(rows: list[dict], processes: str, repeats: int, fits: dict) -> str:
     head = ("Coordination and planning simulated at P processes (benchmarks/bench_coordination_sim.py): Llama-3-70B "
             "training state (2,169 fp32 arrays), mesh DP x FSDP, saved with FSDP 32; per process\n"
-            f"python benchmarks/bench_coordination_sim.py --processes {args.processes} --repeats {args.repeats}\n\n"
+            f"python -m benchmarks coordination-sim --set processes={processes} --repeats {repeats}\n\n"
             "    P  mesh     plan CPU s  batches  msgs/batch  (before)  restore msgs  restore B  data msgs  "
             "agree s@0.1ms  @0.25ms  save1 msgs  save1 B     save msgs  plan gather B before  "
             "save1 plan CPU s  save1 gather B before\n")
@@ -266,8 +265,10 @@ def text(rows: list[dict], args: argparse.Namespace, log_fit: tuple, linear_fit:
         f"{r['before_plan_gather_bytes']:20d}  "
         f"{max(r['save_planning_cpu_s_pfirst'], r['save_planning_cpu_s_plast']):16.3f}  "
         f"{r['before_save_first_gather_bytes']:21d}\n" for r in rows)
-    a, b, r2 = log_fit
-    la, lb, lr2 = linear_fit
+    if not fits:
+        return head + body
+    a, b, r2 = fits["fit_log2"]
+    la, lb, lr2 = fits["fit_linear"]
     return head + body + (f"\nmessages per process per restore batch, P > {RING_MAX}: {a:.2f} + {b:.2f} log2(P) "
                           f"(R^2 {r2:.4f}); a linear fit in P: {la:.2f} + {lb:.4f} P (R^2 {lr2:.4f}). Up to "
                           f"{RING_MAX} processes the reduction is gloo's ring all-reduce: 4 (P - 1) messages.\n")
@@ -292,4 +293,4 @@ def plots(rows: list[dict], base: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

@@ -37,7 +37,7 @@ seconds, peak resident growth and bytes read from / written to storage summed ov
 growth is machine-wide (the maximum over the processes, which all see the same machine); fresh memory = summed
 resident growth + page cache growth. Reported: medians over the rounds, per byte of state (B/B), and DCP over
 this library (x faster, x the CPU) against the goals (save and restore >= 1.5x faster than DCP's; reported,
-not asserted). With ``--warm-memory`` process 0 runs a throwaway process touching twice the state's bytes right
+not asserted). With ``--set warm_memory=1`` process 0 runs a throwaway process touching twice the state's bytes right
 before each timed region (this VM hands fresh memory back and forth with its hypervisor; docs/performance.md).
 
 Then, on the last round's sync checkpoints: ``xtckpt tree`` of each (exit status), and in a JAX process without
@@ -48,32 +48,25 @@ nothing),
 alone (``PyTreeRestore(partial_restore=True)``); both restores compare that matrix bit for bit with the saved
 values (by SHA-256). A checkpoint of ours is expected to open, DCP's not (the exception class is reported).
 
-    python benchmarks/bench_dtensor.py [--scale 1.0] [--repeats 7] [--workloads large,model] [--warm-memory]
-        [--dir DIR] [--output FILE]
-Only the full run (the default options; --repeats 7 or more) writes benchmarks/results/dtensor.{json,txt}; any
-other writes to the temporary directory (or --output) and names the files it wrote. About 1 minute at --scale 0.25
---repeats 3 here (2 cores).
+    python -m benchmarks dtensor [--scale 1.0] [--repeats 7] [--set workloads=large,model] [--set warm_memory=1]
+About 1 minute at --scale 0.25 --repeats 3 here (2 cores).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import footprint  # noqa: E402
-from bench_torch_xla_import import _medians  # noqa: E402
+import dtensor_jobs  # noqa: E402
+import harness  # noqa: E402
+from dtensor_jobs import PROCESSES, UNSET, leaf, nest  # noqa: E402
 from fresh_process import evict, run_json  # noqa: E402
-from jobs import run_job  # noqa: E402
 
 CONTENDERS = ("xtc", "dcp")
 IN_PLACE = "xtc-in-place"  # the manager's restore into the target (as an FSDP2 resume does), like dcp.load
@@ -83,102 +76,27 @@ OPERATIONS = ("save", "async", "restore")
 PLAIN = "plain"  # every process writes its shards' bytes to a file of its own and fsyncs it / reads them back
 ROWS = {"save": (*CONTENDERS, PLAIN), "async": CONTENDERS, "restore": (*RESTORERS, PLAIN)}
 OPERATION_NAMES = {"save": "save (sync)", "async": "save (async)", "restore": "restore"}
-PROCESSES = 4
 GOAL = 1.5  # DCP's wall time over ours: the issue's goal for sync saves and restores (reported, not asserted)
-UNSET = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")  # the workers and the JAX process run without them
 
 
 # ------------------------------------------------------------------------------------------- worker processes
 
 
-def _local_rows(n: int, rank: int, world: int) -> tuple[int, int]:
-    """(start, stop) of `rank`'s rows of a dimension of `n` split by Shard(0) (torch.chunk's split)."""
-    size = -(-n // world)
-    return min(n, rank * size), min(n, (rank + 1) * size)
-
-
-def _local_value(index: int, shape, dtype, rank: int, world: int):
-    """The rows of tensor `index` that process `rank` holds: deterministic, from a generator of its own."""
+def worker(workload: str, scale_: str, root: str, repeats_: str, warm_memory_: str) -> dict:
+    """One process of the job: `repeats` rounds of sync save, async save and restore (its answer: its runs)."""
     import torch
-
-    start, stop = _local_rows(shape[0], rank, world)
-    g = torch.Generator().manual_seed(index * 1009 + rank)
-    return torch.randn((stop - start, *shape[1:]), generator=g).to(dtype)
-
-
-def _full_value(index: int, shape, dtype, world: int):
-    """Tensor `index` whole, as the processes hold it together."""
-    import torch
-
-    return torch.cat([_local_value(index, shape, dtype, r, world) for r in range(world)])
-
-
-def _nest(flat: dict) -> dict:
-    """``{"params/embed": v}`` -> ``{"params": {"embed": v}}``: the workload's names as a tree."""
-    tree: dict = {}
-    for name, value in flat.items():
-        *parents, leaf = name.split("/")
-        node = tree
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = value
-    return tree
-
-
-def _leaf(tree: dict, name: str):
-    for part in name.split("/"):
-        tree = tree[part]
-    return tree
-
-
-def worker(workload: str, scale: float, root: str, repeats: int, warm_memory: bool) -> dict:
-    import torch
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    import workloads
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
 
     import xla_tensorstore_ckpt as xtc
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    repeats, warm_memory = int(repeats_), warm_memory_ == "1"
+    job = dtensor_jobs.Process(workload, float(scale_))
+    dist, rank, world, entries, state, target = job.dist, job.rank, job.world, job.entries, job.state, job.target
     dcp_group = dist.new_group(backend="gloo")  # async_save's background collectives: a group of their own
-    entries = [(name, tuple(shape), dtype) for name, shape, dtype, _, _ in workloads.specs(workload, scale)[0]]
-    nbytes = workloads.spec_bytes(workload, scale)
-
-    def dtensor(local, shape):
-        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
-
-    state = _nest({name: dtensor(_local_value(i, shape, dtype, rank, world), shape)
-                   for i, (name, shape, dtype) in enumerate(entries)})
-    target = _nest({name: dtensor(torch.zeros_like(_leaf(state, name).to_local()), shape)
-                    for name, shape, _ in entries})
-
-    def exact(tree) -> bool:
-        return all(isinstance(_leaf(tree, name), DTensor) and tuple(_leaf(tree, name).placements) == (Shard(0),)
-                   and torch.equal(_leaf(tree, name).to_local(), _leaf(state, name).to_local())
-                   for name, _, _ in entries)
-
-    def on_primary(fn) -> None:
-        dist.barrier()
-        if rank == 0:
-            fn()
-        dist.barrier()
-
-    def delete(path: str) -> None:
-        on_primary(lambda: shutil.rmtree(path, ignore_errors=True))
+    exact, on_primary, delete = job.exact, job.on_primary, job.delete
 
     def timed(fn, *, warm: bool = True) -> tuple[dict, object]:
-        """`fn` measured on every process between two barriers (process 0 warms memory first if asked)."""
-        if warm and warm_memory and rank == 0:
-            footprint.warm_memory(2 * nbytes)
-        dist.barrier()
-        measures, result = footprint.measure(fn)
-        dist.barrier()
-        return measures, result
+        return job.timed(fn, warm_memory=warm and warm_memory)
 
     managers = {}
 
@@ -229,8 +147,7 @@ def worker(workload: str, scale: float, root: str, repeats: int, warm_memory: bo
                "dcp": lambda path, into: (dcp.load(into, checkpoint_id=path), into)[1]}
 
     # Warm-up, untimed: every path once on a tiny state (imports, thread pools, process groups).
-    tiny = {"w": dtensor(torch.ones(4, 8), (4 * world, 8))}
-    tiny_target = {"w": dtensor(torch.zeros(4, 8), (4 * world, 8))}
+    tiny, tiny_target = job.tiny(1.0), job.tiny(0.0)
     for contender in CONTENDERS:
         path = os.path.join(root, "warm-up", contender)
         save[contender](path, tiny)
@@ -249,20 +166,20 @@ def worker(workload: str, scale: float, root: str, repeats: int, warm_memory: bo
     def plain_write() -> None:
         with open(plain_path, "wb", buffering=0) as f:
             for name, _, _ in entries:
-                f.write(raw(_leaf(state, name)))
+                f.write(raw(leaf(state, name)))
             os.fsync(f.fileno())
 
     def plain_read() -> None:
         with open(plain_path, "rb", buffering=0) as f:
             for name, _, _ in entries:
-                view, done = memoryview(raw(_leaf(target, name))), 0
+                view, done = memoryview(raw(leaf(target, name))), 0
                 while done < len(view):
                     done += f.readinto(view[done:]) or len(view)  # a short file ends the loop (caught below)
 
     runs: dict = {op: {c: [] for c in ROWS[op]} for op in OPERATIONS}
     checked = {}
     for i in range(repeats):
-        order = CONTENDERS if i % 2 == 0 else tuple(reversed(CONTENDERS))
+        order = harness.alternate(CONTENDERS, i + 1)[-len(CONTENDERS):]  # round i of ABBA
         if os.path.exists(plain_path):
             os.remove(plain_path)
         measures, _ = timed(plain_write)
@@ -282,12 +199,10 @@ def worker(workload: str, scale: float, root: str, repeats: int, warm_memory: bo
         runs["restore"][PLAIN].append(measures)
         if i == 0:
             checked[PLAIN] = exact(target)
-        for contender in RESTORERS if i % 2 == 0 else tuple(reversed(RESTORERS)):
+        for contender in harness.alternate(RESTORERS, i + 1)[-len(RESTORERS):]:
             path = (os.path.join(root, f"{contender}-sync") if contender != IN_PLACE
                     else os.path.join(root, "xtc-async", str(i)))
-            with torch.no_grad():
-                for name, _, _ in entries:
-                    _leaf(target, name).to_local().zero_()
+            job.zero_target()
             on_primary(lambda p=path: evict(p))
             measures, out = timed(lambda c=contender, p=path: restore[c](p, target))
             runs["restore"][contender].append(measures)
@@ -303,12 +218,12 @@ def worker(workload: str, scale: float, root: str, repeats: int, warm_memory: bo
     if rank == 0:
         import hashlib
 
-        full = _full_value(probe[0], probe[2], probe[3], world)
+        full = dtensor_jobs.full_value(probe[0], probe[2], probe[3], world)
         digest = hashlib.sha256(full.numpy().tobytes()).hexdigest()
     dist.barrier()
-    return {"rank": rank, "bytes": nbytes, "tensors": len(entries), "runs": runs, "exact": checked,
+    return {"rank": rank, "bytes": job.nbytes, "tensors": len(entries), "runs": runs, "exact": checked,
             "probe": {"name": probe[1], "shape": list(probe[2]), "sha256": digest},
-            "torch_xla_imported": "torch_xla" in sys.modules}
+            "torch_xla_imported": dtensor_jobs.torch_xla_imported()}
 
 
 def orbax_worker(ours: str, theirs: str, name: str, shape: list[int], digest: str, tensors: int) -> dict:
@@ -333,7 +248,7 @@ def orbax_worker(ours: str, theirs: str, name: str, shape: list[int], digest: st
         return {"opened": True, "seconds": time.perf_counter() - started, **out}
 
     def exact(tree) -> bool:
-        value = np.asarray(_leaf(tree, name))
+        value = np.asarray(leaf(tree, name))
         return value.shape == tuple(shape) and hashlib.sha256(value.tobytes()).hexdigest() == digest
 
     def metadata(path: str) -> dict:
@@ -349,7 +264,7 @@ def orbax_worker(ours: str, theirs: str, name: str, shape: list[int], digest: st
 
     def restore_one(path: str) -> dict:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        item = _nest({name: jax.ShapeDtypeStruct(tuple(shape), np.float32, sharding=sharding)})
+        item = nest({name: jax.ShapeDtypeStruct(tuple(shape), np.float32, sharding=sharding)})
         with ocp.PyTreeCheckpointer() as checkpointer:
             restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
                 item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
@@ -368,27 +283,6 @@ def orbax_worker(ours: str, theirs: str, name: str, shape: list[int], digest: st
 # ----------------------------------------------------------------------------------------------- the runner
 
 
-def _aggregate(per_rank: list[dict]) -> dict:
-    """One round of one contender, over the processes: the slowest process's times, summed CPU, resident growth
-    and bytes, the machine-wide page cache growth (the largest any process saw)."""
-    out = {"wall_s": max(r["wall_s"] for r in per_rank),
-           "page_cache_growth_bytes": max(r["page_cache_growth_bytes"] for r in per_rank)}
-    for key in ("user_s", "system_s", "rss_growth_bytes", "read_bytes", "written_bytes"):
-        out[key] = sum(r[key] for r in per_rank)
-    out["fresh_bytes"] = out["rss_growth_bytes"] + out["page_cache_growth_bytes"]
-    if "blocking_s" in per_rank[0]:
-        out["blocking_s"] = max(r["blocking_s"] for r in per_rank)
-    return out
-
-
-def _summary(rounds: list[dict], nbytes: int) -> dict:
-    out = _medians(rounds, nbytes)
-    out["written_per_byte"] = statistics.median(r["written_bytes"] for r in rounds) / nbytes
-    if "blocking_s" in rounds[0]:
-        out["blocking_s"] = statistics.median(r["blocking_s"] for r in rounds)
-    return out
-
-
 def _opened(root: str, probe: dict, tensors: int) -> dict:
     """`xtckpt tree` of each sync checkpoint, then Orbax in a JAX process of its own."""
     paths = {c: os.path.join(root, f"{c}-sync") for c in CONTENDERS}
@@ -399,35 +293,35 @@ def _opened(root: str, probe: dict, tensors: int) -> dict:
         proc = subprocess.run([xtckpt, "tree", path], capture_output=True, text=True, env=env, timeout=600)
         out["xtckpt_tree"][contender] = {"status": proc.returncode, "lines": len(proc.stdout.splitlines()),
                                          "stderr": proc.stderr.strip()[-300:]}
-    out["orbax"] = run_json([sys.executable, os.path.abspath(__file__), "--orbax", paths["xtc"], paths["dcp"],
-                             probe["name"], json.dumps(probe["shape"]), probe["sha256"], str(tensors)], env,
-                            "the Orbax process")
+    out["orbax"] = run_json([sys.executable, os.path.abspath(__file__), "--worker", "orbax", paths["xtc"],
+                             paths["dcp"], probe["name"], json.dumps(probe["shape"]), probe["sha256"], str(tensors)],
+                            env, "the Orbax process")
     return out
 
 
-def measure(scale: float, repeats: int, workdir: str, workload_names: tuple[str, ...] = ("large", "model"),
-            warm_memory: bool = False) -> dict:
+def measure(settings: harness.Settings) -> dict:
     """One job of 4 processes per workload: `repeats` rounds of sync save, async save and restore, this library
     and DCP alternating ABBA; then each checkpoint opened by xtckpt and by Orbax. Blocks for many minutes at
     scale 1."""
+    scale, repeats, workdir = settings.scale, settings.repeats, settings.workdir
+    workload_names = settings.option("workloads", ("large", "model"))
+    warm_memory = settings.option("warm_memory", False)
     out: dict = {"scale": scale, "repeats": repeats, "processes": PROCESSES,
                  "mode": "warm-memory" if warm_memory else "cold-memory", "workloads": {}}
-    env = {k: v for k, v in os.environ.items() if k not in UNSET}
     for workload in workload_names:
         root = os.path.join(workdir, f"dtensor-{workload}")
         print(f"dtensor: {PROCESSES} processes save and restore {workload}, {repeats} rounds ...", file=sys.stderr,
               flush=True)
         started = time.perf_counter()
-        answers = run_job([os.path.abspath(__file__), "--worker", workload, str(scale), root, str(repeats),
-                           str(int(warm_memory))], PROCESSES, env=env, timeout_s=4 * 3600)
+        answers = dtensor_jobs.run(__file__, [workload, scale, root, repeats, int(warm_memory)])
         nbytes = answers[0]["bytes"]
-        rounds = {op: {c: [_aggregate([a["runs"][op][c][i] for a in answers]) for i in range(repeats)]
-                       for c in ROWS[op]} for op in OPERATIONS}
+        rounds = dtensor_jobs.rounds(answers, ROWS, repeats)
         result = {"bytes": nbytes, "tensors": answers[0]["tensors"], "job_seconds": time.perf_counter() - started,
                   "exact": {c: all(a["exact"][c] for a in answers) for c in (*RESTORERS, PLAIN)},
                   "torch_xla_imported": any(a["torch_xla_imported"] for a in answers), "rounds": rounds,
                   "per_rank": [a["runs"] for a in answers],
-                  "median": {op: {c: _summary(rounds[op][c], nbytes) for c in ROWS[op]} for op in OPERATIONS}}
+                  "median": {op: {c: dtensor_jobs.summary(rounds[op][c], nbytes) for c in ROWS[op]}
+                             for op in OPERATIONS}}
         result["speedup"] = {op: result["median"][op][BASELINE]["wall_s"] / result["median"][op]["xtc"]["wall_s"]
                              for op in OPERATIONS}
         result["speedup"]["restore_in_place"] = (result["median"]["restore"][BASELINE]["wall_s"]
@@ -500,48 +394,30 @@ def describe(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--workloads", default="large,model")
-    parser.add_argument("--warm-memory", action="store_true")
-    parser.add_argument("--dir", default=None, help="where the checkpoints go (a temporary directory in it)")
-    parser.add_argument("--output", default=None,
-                        help="default: benchmarks/results/dtensor.json (+ .txt) for the full run with the default "
-                        "options; a file in the temporary directory for any other (the committed results are never "
-                        "replaced by a scaled or partial run)")
-    parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    parser.add_argument("--orbax", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        workload, scale, root, repeats, warm = args.worker
-        print(json.dumps(worker(workload, float(scale), root, int(repeats), warm == "1")))
-        return
-    if args.orbax:
-        ours, theirs, name, shape, digest, tensors = args.orbax
-        print(json.dumps(orbax_worker(ours, theirs, name, json.loads(shape), digest, int(tensors))))
-        return
-    reference = all(getattr(args, name) == parser.get_default(name) for name in ("scale", "workloads", "warm_memory")
-                    ) and args.repeats >= parser.get_default("repeats")
-    output = args.output or (os.path.join(HERE, "results", "dtensor.json") if reference else os.path.join(
-        tempfile.gettempdir(), f"xtc-bench-dtensor-{args.scale:g}{'-warm' if args.warm_memory else ''}.json"))
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `dtensor`: one job of 4 processes per workload, then the checkpoints opened by xtckpt and Orbax."""
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="xtc-bench-dtensor-", dir=args.dir) as workdir:
-        result = measure(args.scale, args.repeats, workdir, tuple(args.workloads.split(",")), args.warm_memory)
+    result = measure(settings)
     result["seconds"] = time.perf_counter() - started
-    text = (describe(result) + f"\n{time.strftime('%Y-%m-%d')}, python benchmarks/bench_dtensor.py --scale "
-            f"{args.scale:g} --repeats {args.repeats} --workloads {args.workloads}"
-            f"{' --warm-memory' if args.warm_memory else ''}: {result['seconds']:.0f} s")
-    print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    stem = os.path.splitext(output)[0]
-    with open(output, "w") as f:
-        json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}, f, indent=1)
-    with open(stem + ".txt", "w") as f:
-        f.write(text + "\n")
-    print(f"written {output}, {stem}.txt", file=sys.stderr)
+    rows = []
+    for workload, r in result["workloads"].items():
+        for op in OPERATIONS:
+            for contender in ROWS[op]:
+                measured = r["rounds"][op][contender]
+                row = harness.footprint_row(contender, measured, r["bytes"], group=f"{workload}: {OPERATION_NAMES[op]}")
+                if "blocking_s" in measured[0]:
+                    row.metrics["blocking_s"] = harness.series([m["blocking_s"] for m in measured], "s")
+                rows.append(row)
+    return harness.Result(rows, describe(result) + f"\n{result['seconds']:.0f} s", result)
+
+
+def worker_entry(kind: str, *args: str) -> dict:
+    """``--worker orbax OURS THEIRS NAME SHAPE DIGEST TENSORS`` (a JAX process) or ``--worker WORKLOAD ...``."""
+    if kind == "orbax":
+        ours, theirs, name, shape, digest, tensors = args
+        return orbax_worker(ours, theirs, name, json.loads(shape), digest, int(tensors))
+    return worker(kind, *args)
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker_entry)

@@ -21,23 +21,21 @@ plus the page cache's) and the bytes read from the disk, per byte of the files. 
 with ``--warm-memory`` a throwaway process touches twice the files' bytes right before each run. The loaded
 values are checked against the files. Prints one JSON line.
 
-    python benchmarks/bench_hf_import.py [--scale 1.0] [--repeats 7] [--warm-memory] [--dir DIR]
+    python -m benchmarks hf-import [--scale 1.0] [--repeats 7] [--set warm_memory=1]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import footprint  # noqa: E402
-from fresh_process import abba, evict, run_json  # noqa: E402
+import harness  # noqa: E402
+from fresh_process import evict, run_json  # noqa: E402
 
 FILES = 5
 BUDGET = 256 << 20  # the xtc-budget contender's RestoreOptions.max_host_bytes
@@ -145,19 +143,24 @@ def run_worker(contender: str, directory: str, root: str, scale: float) -> dict:
     return run_json([sys.executable, "-c", script], env, contender)
 
 
-def measure(scale: float, repeats: int, workdir: str, warm_memory: bool = False) -> dict:
+def measure(settings: harness.Settings) -> dict:
     """Write the files, then alternate the contenders `repeats` times (ABBA), each in a fresh process after
     evicting the files from the page cache (and with `warm_memory`, after a process that touched twice their
     bytes)."""
+    scale, repeats, workdir = settings.scale, settings.repeats, settings.workdir
+    warm_memory = settings.option("warm_memory", False)
     directory = os.path.join(workdir, "hf")
     total, files = write_hf_checkpoint(directory, scale)
-    runs: dict[str, list[dict]] = {"usual": [], "xtc": [], "xtc-budget": []}
-    for i, contender in enumerate(abba(list(runs), repeats)):
+    count = iter(range(3 * repeats))
+
+    def load(contender: str, _round: int) -> dict:
         evict(directory)
         if warm_memory:
             footprint.warm_memory(2 * total)
-        runs[contender].append(run_worker(contender, directory, os.path.join(workdir, f"run-{i}"), scale))
-    median = {c: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "peak_host_bytes")}
+        return run_worker(contender, directory, os.path.join(workdir, f"run-{next(count)}"), scale)
+
+    runs = harness.alternated(["usual", "xtc", "xtc-budget"], repeats, load)
+    median = {c: {k: harness.median(r[k] for r in rs) for k in ("seconds", "peak_host_bytes")}
               for c, rs in runs.items()}
     return {"bytes": total, "files": files, "runs": runs, "median": median,
             "mode": "warm-memory" if warm_memory else "cold-memory",
@@ -188,19 +191,16 @@ def describe(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--warm-memory", action="store_true",
-                        help="a throwaway process touches twice the files' bytes right before each run")
-    parser.add_argument("--dir", default=None)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="xtc-hf-import-", dir=args.dir) as workdir:
-        result = measure(args.scale, args.repeats, workdir, args.warm_memory)
-    print(describe(result), file=sys.stderr)
-    print(json.dumps(result))
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `hf-import`: the safetensors files written once, loaded by each contender, ABBA."""
+    result = measure(settings)
+    rows = []
+    for contender, runs in result["runs"].items():
+        row = harness.footprint_row(contender, [r["footprint"] for r in runs], result["bytes"])
+        row.metrics["peak_host_bytes"] = harness.series([r["peak_host_bytes"] for r in runs], "B")
+        rows.append(row)
+    return harness.Result(rows, describe(result), result)
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

@@ -1,40 +1,34 @@
-"""CPU seconds of this library's item save and restore in one process: for comparing two versions of the code
-on a machine whose wall times drift (run each version in fresh processes, interleaved, and compare medians).
+"""CPU seconds of this library's item save and restore: for comparing two versions of the code on a machine
+whose wall times drift (each version in fresh processes, interleaved ABBA, medians compared).
 
-Saves the workload (benchmarks/workloads.py) without fsync `--repeats` times after one warm-up, restoring each
-save onto the workload's target mesh; prints one JSON line of medians: save and restore wall and CPU seconds,
-and the minor page faults of a restore.
+Each fresh process saves the workload (benchmarks/workloads.py) without fsync `per_process` times after one
+warm-up, restoring each save onto the workload's target mesh, and answers with its medians: save and restore wall
+and CPU seconds, and the minor page faults of a restore. With ``--set trees=/old/checkout,/new/checkout`` the
+processes run each checkout's library (PYTHONPATH), alternating ABBA for `--repeats` rounds; one row per tree.
 
-    python benchmarks/bench_item_cpu.py small --scale 0.1
-    # two versions, interleaved:
-    for i in 1 2 3 4 5 6 7 8; do for tree in /old/checkout /new/checkout; do
-        PYTHONPATH=$tree python benchmarks/bench_item_cpu.py small --scale 0.1; done; done
+    python -m benchmarks item-cpu [--set workload=small] [--scale 0.1] [--repeats 7] [--set per_process=7]
+    python -m benchmarks item-cpu --set trees=/old/checkout,/new/checkout
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import resource
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")
-os.environ.setdefault("CPU_NUM_DEVICES", "8")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
+
+KEYS = ("save_wall", "save_cpu", "restore_wall", "restore_cpu", "restore_minor_faults")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("workload", choices=("large", "small", "model"))
-    parser.add_argument("--scale", type=float, default=0.1)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
+def worker(workload: str, scale: str, repeats: str) -> dict:
+    """In this process: the medians of `repeats` saves and restores."""
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
@@ -43,21 +37,21 @@ def main() -> None:
 
     import xla_tensorstore_ckpt as xtc
 
+    scale_ = float(scale)
     root = tempfile.mkdtemp(prefix="xtc-item-cpu-")
     try:
-        state = workloads.build_state(args.workload, args.scale)
+        state = workloads.build_state(workload, scale_)
         xtc.save(f"{root}/warm", state)
         # The last restore's tensors live until the next restore's target is built, then are freed before it.
-        held = [xtc.restore(f"{root}/warm", workloads.build_target(args.workload, args.scale))]
-        out: dict[str, list[float]] = {"save_wall": [], "save_cpu": [], "restore_wall": [], "restore_cpu": [],
-                                       "restore_minor_faults": []}
-        for i in range(args.repeats):
+        held = [xtc.restore(f"{root}/warm", workloads.build_target(workload, scale_))]
+        out: dict[str, list[float]] = {k: [] for k in KEYS}
+        for i in range(int(repeats)):
             path = f"{root}/{i}"
             cpu, wall = time.process_time(), time.perf_counter()
             xtc.save(path, state, options=xtc.SaveOptions(fsync=False))
             out["save_wall"].append(time.perf_counter() - wall)
             out["save_cpu"].append(time.process_time() - cpu)
-            target = workloads.build_target(args.workload, args.scale)
+            target = workloads.build_target(workload, scale_)
             held.clear()
             gc.collect()
             xm.wait_device_ops()
@@ -69,11 +63,29 @@ def main() -> None:
             out["restore_cpu"].append(time.process_time() - cpu)
             out["restore_minor_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
             shutil.rmtree(path)
-        print(json.dumps({"workload": args.workload, "scale": args.scale,
-                          **{k: statistics.median(v) for k, v in out.items()}}))
+        return {"workload": workload, "scale": scale_, **{k: harness.median(v) for k, v in out.items()}}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `item-cpu`: fresh processes per tree, ABBA; one row per tree of the processes' medians."""
+    workload, per_process = settings.option("workload", "small"), settings.option("per_process", 7)
+    trees = settings.option("trees", ()) or (os.path.dirname(HERE),)
+
+    def one(tree: str, _round: int) -> dict:
+        path = os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        return harness.fresh(__file__, workload, settings.scale, per_process, env={"PYTHONPATH": path},
+                             what=f"the {workload} saves and restores of {tree}")
+
+    runs = harness.alternated(trees, settings.repeats, one)
+    units = {"restore_minor_faults": "faults"}
+    rows = [harness.Row(tree, {k: harness.series([r[k] for r in runs[tree]], units.get(k, "s")) for k in KEYS},
+                        workload) for tree in trees]
+    return harness.Result(rows, f"{workload} at scale {settings.scale:g}: {per_process} saves (no fsync) and "
+                                f"restores per fresh process, {settings.repeats} processes per tree, ABBA; each "
+                                "figure is the median of the processes' medians", raw={"runs": runs})
+
+
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

@@ -1,15 +1,13 @@
 """Manager overhead (issue: CheckpointManager): the manager's own cost over the item save on the 1 GiB workload
 (listing, marker, retention deletes), and latest_step() on a root with 1,000 committed steps.
 
-usage: python benchmarks/bench_manager.py [--scale 1.0] [--repeats 5]
+usage: python -m benchmarks manager [--scale 1.0] [--repeats 7]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -23,6 +21,7 @@ import torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 import workloads  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
@@ -53,19 +52,17 @@ for _module, _name in ((save_plan, "plan_save"), (writing, "stage_and_write"), (
     _timed(_module, _name)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-    state = workloads.build_state("large", args.scale)
-    with tempfile.TemporaryDirectory(prefix="xtc-bench-manager-") as tmp:
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `manager`: item and manager saves alternating in this process; then a root of 1,000 steps."""
+    state = workloads.build_state("large", settings.scale)
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="xtc-bench-manager-", dir=settings.workdir) as tmp:
         item_times, manager_times, own_times = [], [], []
         options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=1, async_save=False,
                                                save_rng=False)
         manager = xtc.CheckpointManager(os.path.join(tmp, "root"), options)
         xtc.save(os.path.join(tmp, "warm"), state)
-        for step in range(1, args.repeats + 1):
+        for step in range(1, settings.repeats + 1):
             # Both write a fresh directory each time; the previous copy is deleted outside the timing (the
             # manager deletes it on its background thread after the commit, as retention always does).
             shutil.rmtree(os.path.join(tmp, f"item{step - 1}"), ignore_errors=True)
@@ -81,13 +78,11 @@ def main() -> None:
             manager_times.append(time.perf_counter() - start)
             own_times.append(manager_times[-1] - ITEM_WORK[0])
         manager.close()
-        item, managed = statistics.median(item_times), statistics.median(manager_times)
-        print(f"item save      median {item:.3f} s  {[round(t, 3) for t in item_times]}")
-        print(f"manager save   median {managed:.3f} s  {[round(t, 3) for t in manager_times]}")
-        own = statistics.median(own_times)
-        print(f"manager's own work (listing, marker, retention decisions; measured inside the same save): "
+        item, managed = harness.median(item_times), harness.median(manager_times)
+        own = harness.median(own_times)
+        lines.append(f"manager's own work (listing, marker, retention decisions; measured inside the same save): "
               f"median {1000 * own:.1f} ms = {100 * own / managed:.2f}% of its save (goal: under 5%)")
-        print(f"end to end, manager save vs item save: {100 * (managed - item) / item:+.1f}% "
+        lines.append(f"end to end, manager save vs item save: {100 * (managed - item) / item:+.1f}% "
               "(separate saves: dominated by this machine's noise)")
 
         root = os.path.join(tmp, "many")
@@ -104,9 +99,15 @@ def main() -> None:
         latest = many.latest_step()
         first = time.perf_counter() - start
         many.close()
-        print(f"1,000 committed steps: manager start (scan and validate every marker) {1000 * opened:.1f} ms, "
-              f"latest_step() {1000 * first:.3f} ms -> {latest} (goal: under 50 ms)")
+        lines.append(f"1,000 committed steps: manager start (scan and validate every marker) {1000 * opened:.1f} ms, "
+                     f"latest_step() {1000 * first:.3f} ms -> {latest} (goal: under 50 ms)")
+    rows = [harness.Row("item save", {"seconds": harness.series(item_times, "s")}, "large"),
+            harness.Row("manager save", {"seconds": harness.series(manager_times, "s")}, "large"),
+            harness.Row("manager's own work", {"seconds": harness.series(own_times, "s")}, "large"),
+            harness.Row("manager start", {"seconds": harness.series([opened], "s")}, "1,000 committed steps"),
+            harness.Row("latest_step()", {"seconds": harness.series([first], "s")}, "1,000 committed steps")]
+    return harness.Result(rows, "\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

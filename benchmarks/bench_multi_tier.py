@@ -22,20 +22,22 @@ replication on and off (ABBA); resume with intact local tiers, with one wiped ho
 holding each other's copies (the persistent fallback); bytes sent to peers per step and read from the
 persistent tier; disk per host.
 
-usage: python benchmarks/bench_multi_tier.py [--scale 1.0] [--repeats 7] [--loop-steps 10] [--loop-repeats 3]
-                                            [--persistent-every 5] [--persistent local|gcs|s3]
-                                            [--replication-repeats 7] [--only-replication]
+usage: python -m benchmarks multi-tier [--scale 1.0] [--repeats 7] [--quick] [--set loop_steps=10 (0: no loop)]
+          [--set loop_repeats=3] [--set persistent_every=5] [--set width=N (default: 1 GiB x scale of state)]
+          [--set batch=2048] [--set persistent=local|gcs|s3] [--set replication_repeats=7 (0: no job)]
+          [--set only_replication=1]
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import io
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -50,17 +52,19 @@ xr.use_spmd()
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import footprint  # noqa: E402
+import harness  # noqa: E402
 import jobs  # noqa: E402
 import workloads  # noqa: E402
 from bench_async import LAYERS, loop_state_bytes, loop_width, training_loop  # noqa: E402
-from run import start_object_store  # noqa: E402
+from object_stores import start_object_store  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
 from xla_tensorstore_ckpt import inspection, storage  # noqa: E402
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
+def median_range(values: list[float]) -> str:
+    """``median s (min-max)``, for the prose."""
+    return f"{harness.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
 
 
 SERVER_PID: int | None = None  # the object store's server process, when the persistent tier is on one
@@ -100,7 +104,7 @@ def costs(runs: list[dict], nbytes: float, *, io: tuple[str, ...] = ("written", 
     """Medians of the measures beside the wall time: CPU user + sys, fresh memory (resident + page cache) and
     the bytes in `io` per byte of state, and the server's CPU when there is one."""
     def med(key: str) -> float:
-        return statistics.median(m[key] for m in runs)
+        return harness.median(m[key] for m in runs)
 
     text = (f"CPU {med('user_s'):.2f} + {med('system_s'):.2f} s; fresh {med('fresh_bytes') / nbytes:.2f} B/B "
             f"({med('rss_growth_bytes') / nbytes:.2f}+{med('page_cache_growth_bytes') / nbytes:.2f})")
@@ -177,7 +181,7 @@ def resumes(state: dict, root: str, tmp: str, repeats: int, scale: float) -> dic
     return runs
 
 
-def loops(root: str, tmp: str, args: argparse.Namespace, width: int) -> dict[str, list[dict]]:
+def loops(root: str, tmp: str, args: types.SimpleNamespace, width: int) -> dict[str, list[dict]]:
     """`args.loop_steps` training steps without checkpoints, saving the local tier every step, and saving it
     every step plus the persistent tier (at `root`: the object store when there is one) every
     `args.persistent_every` steps; `args.loop_repeats` times, the variants interleaved so that drift of this
@@ -209,13 +213,12 @@ def loops(root: str, tmp: str, args: argparse.Namespace, width: int) -> dict[str
     return runs
 
 
-def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, str], replicas: int) -> dict:
+def replication(args: types.SimpleNamespace, tmp: str, root: str, env: dict[str, str], replicas: int) -> dict:
     """The peer-replication job (benchmarks/peer_replication_job.py): 4 processes over gloo, a local tier each,
     `replicas` data-parallel replicas, the persistent tier at `root`. Returns its summary, also printed."""
-    answers = jobs.run_job([os.path.join(HERE, "peer_replication_job.py"), "--root", f"{root}/replication-{replicas}",
-                            "--local-base", os.path.join(tmp, f"replication-{replicas}"), "--mib",
-                            str(64 * args.scale), "--repeats", str(args.replication_repeats), "--replicas",
-                            str(replicas)], 4, env=env)
+    answers = jobs.run_job([os.path.join(HERE, "peer_replication_job.py"), "--worker", f"{root}/replication-{replicas}",
+                            os.path.join(tmp, f"replication-{replicas}"), 64 * args.scale, args.replication_repeats,
+                            replicas], 4, env=env)
 
     def slowest(key: str, name) -> list[float]:
         return [max(a[key][name][i] for a in answers) for i in range(len(answers[0][key][name]))]
@@ -226,32 +229,32 @@ def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, st
            for name in answers[0]["resume_cpu"]}
     # Fresh memory of a resume: every process's resident growth, plus the page cache's (machine-wide: the
     # largest any process saw), medians over the repeats.
-    fresh = {name: statistics.median(sum(a["resume_resident_growth"][name][i] for a in answers)
+    fresh = {name: harness.median(sum(a["resume_resident_growth"][name][i] for a in answers)
                                      + max(a["resume_page_cache_growth"][name][i] for a in answers)
                                      for i in range(len(answers[0]["resume_resident_growth"][name])))
              for name in answers[0]["resume_resident_growth"]}
     caches = [name.split(", ", 1)[1] for name in resumes if name.startswith("intact, ")]
     summary = {
         "processes": len(answers), "state_bytes_per_process": answers[0]["state_bytes"],
-        "blocked_s": blocked, "blocked_ratio": statistics.median(blocked["2"]) / statistics.median(blocked["1"]),
+        "blocked_s": blocked, "blocked_ratio": harness.median(blocked["2"]) / harness.median(blocked["1"]),
         "resume_s": resumes, "resume_cpu_s_all_processes": cpu, "resume_fresh_bytes_all_processes": fresh,
-        "wiped_over_intact": {cache: statistics.median(resumes[f"one wiped host, {cache}"])
-                              / statistics.median(resumes[f"intact, {cache}"]) for cache in caches},
+        "wiped_over_intact": {cache: harness.median(resumes[f"one wiped host, {cache}"])
+                              / harness.median(resumes[f"intact, {cache}"]) for cache in caches},
         "persistent_bytes": {name: max(max(a["persistent_bytes"][name]) for a in answers) for name in resumes},
-        "sent_per_step": [statistics.median(a["sent_per_step"]) for a in answers],
+        "sent_per_step": [harness.median(a["sent_per_step"]) for a in answers],
         "own_step_bytes": [a["own_step_bytes"] for a in answers],
         "disk": [a["disk"] for a in answers], "exact": all(a["exact"] for a in answers)}
     mib = 2**20
     print(f"peer replication (local_replication=2), 4 processes over gloo, DP={replicas} x FSDP={4 // replicas}, "
           f"{summary['state_bytes_per_process'] / mib:.0f} MiB per process, persistent tier on {root.split(':')[0]}; "
           f"slowest process, median (min-max) of {args.replication_repeats} (blocking: {2 * args.replication_repeats})")
-    print(f"  save() blocks: replication off {spread(blocked['1'])}, on {spread(blocked['2'])} = "
+    print(f"  save() blocks: replication off {median_range(blocked['1'])}, on {median_range(blocked['2'])} = "
           f"{summary['blocked_ratio']:.2f}x (goal <= 1.1x)")
     print("  resumes (page cache as the saves left it: own steps not cached, peer copies cached; or every local file "
           "evicted; or every one cached first), wall time; CPU user + sys and fresh memory touched (resident and "
           "page cache growth) of the 4 processes together; bytes read from the persistent tier (max per process)")
     for name, values in resumes.items():
-        print(f"    {name:31s} {spread(values)}; CPU {statistics.median(cpu[name]):.3f} s; fresh "
+        print(f"    {name:31s} {median_range(values)}; CPU {harness.median(cpu[name]):.3f} s; fresh "
               f"{fresh[name] / mib:.0f} MiB; {summary['persistent_bytes'][name] / mib:.1f} MiB read")
     print("  one wiped host / intact (goal <= 1.5x): " + ", ".join(
         f"{cache} {ratio:.2f}x" for cache, ratio in summary["wiped_over_intact"].items()))
@@ -264,92 +267,132 @@ def replication(args: argparse.Namespace, tmp: str, root: str, env: dict[str, st
     return summary
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--scale", type=float, default=1.0, help="the states: 1 GiB x scale")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--loop-steps", type=int, default=10, help="0: no training loop")
-    parser.add_argument("--loop-repeats", type=int, default=3)
-    parser.add_argument("--persistent-every", type=int, default=5,
-                        help="the loop's persistent interval; two persistent saves in a 10-step loop")
-    parser.add_argument("--width", type=int, default=None,
-                        help="the loop's MLP width (default: its training state is 1 GiB x scale)")
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--persistent", choices=("local", "gcs", "s3"), default="local")
-    parser.add_argument("--replication-repeats", type=int, default=7, help="0: no peer-replication job")
-    parser.add_argument("--only-replication", action="store_true", help="the peer-replication job alone")
-    args = parser.parse_args()
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `multi-tier`, in this process (torch_xla's 8 CPU devices): the peer-replication jobs, then the
+    blocking, resume and training-loop measurements; blocks for all of them. Its prose is what it prints as it
+    measures."""
+    args = types.SimpleNamespace(
+        scale=settings.scale, repeats=settings.repeats, loop_steps=settings.option("loop_steps", 10),
+        loop_repeats=settings.option("loop_repeats", 3), persistent_every=settings.option("persistent_every", 5),
+        width=settings.option("width", 0), batch=settings.option("batch", 2048),
+        persistent=settings.option("persistent", "local"),
+        replication_repeats=settings.option("replication_repeats", 7),
+        only_replication=settings.option("only_replication", False))
+    text = io.StringIO()
+    rows: list[harness.Row] = []
+    raw: dict[str, Any] = {}
+    with contextlib.redirect_stdout(text):  # the report's lines, printed as each part is measured
+        _measure_all(args, settings.workdir, rows, raw)
+    return harness.Result(rows, text.getvalue(), raw)
+
+
+def _server_cpu(measures: list[dict]) -> dict:
+    """The object store server's CPU seconds as a series, when the persistent tier is on one."""
+    return {"server_cpu_s": harness.series((m["server_cpu_s"] for m in measures), "s")} if SERVER_PID else {}
+
+
+def _measure_all(args: types.SimpleNamespace, workdir: str, rows: list[harness.Row], raw: dict) -> None:
+    """Every part of the case in turn, appending to `rows` and `raw` (the peer-replication summaries)."""
     global SERVER_PID
     server, bucket = start_object_store(args.persistent)
     if server is not None:
         os.environ.update(server.environment)
         SERVER_PID = server.process.process.pid
     try:
-        with tempfile.TemporaryDirectory(prefix="xtc-bench-tiers-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="tiers-", dir=workdir) as tmp:
             root = bucket or os.path.join(tmp, "persistent")
             if args.replication_repeats:
-                # Its persistent tier on an object store: the GCS emulator unless the run has one.
-                job_server, job_root = (None, bucket) if bucket else start_object_store("gcs")
-                try:
-                    env = dict(os.environ, **(job_server.environment if job_server else {}))
-                    env.pop("PJRT_DEVICE", None)
-                    for replicas in (1, 2):  # DP=2: each process's peer is its replica, which holds its shards
-                        replication(args, tmp, job_root, env, replicas)
-                finally:
-                    if job_server is not None:
-                        job_server.stop()
+                _replication_jobs(args, tmp, bucket, rows, raw)
             if args.only_replication:
                 return
-            state = workloads.build_state("large", args.scale)
-            nbytes = workloads.state_bytes(state)
-            where = {"gcs": "the GCS emulator", "s3": "moto's S3 server"}.get(args.persistent, "local disk")
-            print(f"1 GiB x {args.scale} ({nbytes / 2**30:.2f} GiB), persistent tier on {where}, local tier on local "
-                  f"disk; median (min-max) of {args.repeats}; CPU: user + sys of this process; fresh: peak resident "
-                  "growth + page cache growth (machine-wide); written / read: this process, from storage; B/B: per "
-                  "byte of state" + ("; server CPU: the object store's server process" if server else ""))
-            runs = blocking(state, root, tmp, args.repeats)
-            print("time save() blocks the caller, and what that call cost:")
-            for name, measures in runs.items():
-                print(f"  {name:22s} {spread([m['wall_s'] for m in measures['blocking']])}; "
-                      f"{costs(measures['blocking'], nbytes, io=())}")
-            blocked = {name: statistics.median(m["wall_s"] for m in measures["blocking"])
-                       for name, measures in runs.items()}
-            both = blocked["both tiers due"]
-            print(f"  both / persistent alone = {both / blocked['persistent tier alone']:.2f}x, "
-                  f"both / local alone = {both / blocked['local tier alone']:.2f}x (goal <= 1.1x)")
-            print("the whole save, save() + wait_until_finished():")
-            for name, measures in runs.items():
-                print(f"  {name:22s} {spread([m['wall_s'] for m in measures['whole']])}; "
-                      f"{costs(measures['whole'], nbytes)}")
-            runs = resumes(state, root, tmp, args.repeats, args.scale)
-            print("resume (restore('latest') onto fresh targets resharded 4x2 -> 2x4, in process, until the device "
-                  "buffers are ready):")
-            for name, measures in runs.items():
-                print(f"  from the {name:16s} {spread([m['wall_s'] for m in measures])}; {costs(measures, nbytes)}")
-            ratio = (statistics.median(m["wall_s"] for m in runs["persistent tier"])
-                     / statistics.median(m["wall_s"] for m in runs["local tier"]))
-            print(f"  the local tier resumes {ratio:.2f}x faster")
-            del state
-            if args.loop_steps == 0:
-                return
-            width = args.width or loop_width(args.scale)
-            runs = loops(root, tmp, args, width)
-            without = statistics.median(m["loop_s"] for m in runs["without checkpoints"])
-            loop_bytes = loop_state_bytes(width)
-            print(f"training loop, {args.loop_steps} steps of {LAYERS * (width * width + width) / 1e6:.0f}M parameters "
-                  f"+ AdamW ({loop_bytes / 2**30:.2f} GiB of state), batch {args.batch} x {width}, "
-                  f"{without / args.loop_steps:.2f} s per step without checkpoints; persistent saves to {where}; "
-                  f"median (min-max) of {args.loop_repeats}, interleaved; then what the steps and the last commit "
-                  "cost, B/B per byte of the training state (over all the steps):")
-            for name, measures in runs.items():
-                goal = " (goal <= 1.2x)" if name == "local tier every step" else ""
-                seconds = [m["loop_s"] for m in measures]
-                print(f"  {name:38s} {spread(seconds)} = {statistics.median(seconds) / without:.2f}x{goal}")
-                print(f"  {'':38s} {costs(measures, loop_bytes)}")
+            _tiers(args, root, tmp, rows)
     finally:
         if server is not None:
             server.stop()
+        SERVER_PID = None
+
+
+def _replication_jobs(args: types.SimpleNamespace, tmp: str, bucket: str | None, rows: list[harness.Row],
+                      raw: dict) -> None:
+    # Its persistent tier on an object store: the GCS emulator unless the run has one.
+    job_server, job_root = (None, bucket) if bucket else start_object_store("gcs")
+    try:
+        env = dict(os.environ, **(job_server.environment if job_server else {}))
+        env.pop("PJRT_DEVICE", None)
+        for replicas in (1, 2):  # DP=2: each process's peer is its replica, which holds its shards
+            summary = replication(args, tmp, job_root, env, replicas)
+            raw[f"replication_dp{replicas}"] = summary
+            group = f"peer replication, DP={replicas} x FSDP={4 // replicas} (slowest process)"
+            rows += [harness.Row(f"save() blocks, replication {'on' if on == '2' else 'off'}",
+                                 {"wall_s": harness.series(summary["blocked_s"][on], "s")}, group)
+                     for on in ("1", "2")]
+            rows += [harness.Row(f"resume, {name}", {"wall_s": harness.series(values, "s")}, group,
+                                 {"persistent_bytes": summary["persistent_bytes"][name]})
+                     for name, values in summary["resume_s"].items()]
+    finally:
+        if job_server is not None:
+            job_server.stop()
+
+
+def _tiers(args: types.SimpleNamespace, root: str, tmp: str, rows: list[harness.Row]) -> None:
+    """save() blocking and whole saves per tier, resumes per tier, the training loops; printed and as rows."""
+    state = workloads.build_state("large", args.scale)
+    nbytes = workloads.state_bytes(state)
+    where = {"gcs": "the GCS emulator", "s3": "moto's S3 server"}.get(args.persistent, "local disk")
+    print(f"1 GiB x {args.scale} ({nbytes / 2**30:.2f} GiB), persistent tier on {where}, local tier on local "
+          f"disk; median (min-max) of {args.repeats}; CPU: user + sys of this process; fresh: peak resident "
+          "growth + page cache growth (machine-wide); written / read: this process, from storage; B/B: per "
+          "byte of state" + ("; server CPU: the object store's server process" if SERVER_PID else ""))
+    runs = blocking(state, root, tmp, args.repeats)
+    print("time save() blocks the caller, and what that call cost:")
+    for name, measures in runs.items():
+        print(f"  {name:22s} {median_range([m['wall_s'] for m in measures['blocking']])}; "
+              f"{costs(measures['blocking'], nbytes, io=())}")
+    blocked = {name: harness.median(m["wall_s"] for m in measures["blocking"]) for name, measures in runs.items()}
+    both = blocked["both tiers due"]
+    print(f"  both / persistent alone = {both / blocked['persistent tier alone']:.2f}x, "
+          f"both / local alone = {both / blocked['local tier alone']:.2f}x (goal <= 1.1x)")
+    print("the whole save, save() + wait_until_finished():")
+    for name, measures in runs.items():
+        print(f"  {name:22s} {median_range([m['wall_s'] for m in measures['whole']])}; "
+              f"{costs(measures['whole'], nbytes)}")
+    for part, group in (("blocking", "save() blocks"), ("whole", "the whole save")):
+        rows += [harness.Row(name, {**harness.footprint_metrics(measures[part], nbytes),
+                                    **_server_cpu(measures[part])}, group) for name, measures in runs.items()]
+    runs = resumes(state, root, tmp, args.repeats, args.scale)
+    print("resume (restore('latest') onto fresh targets resharded 4x2 -> 2x4, in process, until the device "
+          "buffers are ready):")
+    for name, measures in runs.items():
+        print(f"  from the {name:16s} {median_range([m['wall_s'] for m in measures])}; {costs(measures, nbytes)}")
+    ratio = (harness.median(m["wall_s"] for m in runs["persistent tier"])
+             / harness.median(m["wall_s"] for m in runs["local tier"]))
+    print(f"  the local tier resumes {ratio:.2f}x faster")
+    rows += [harness.Row(f"from the {name}", {**harness.footprint_metrics(measures, nbytes),
+                                              **_server_cpu(measures)}, "resume") for name, measures in runs.items()]
+    del state
+    if args.loop_steps:
+        _training_loops(args, root, tmp, where, rows)
+
+
+def _training_loops(args: types.SimpleNamespace, root: str, tmp: str, where: str, rows: list[harness.Row]) -> None:
+    width = args.width or loop_width(args.scale)
+    runs = loops(root, tmp, args, width)
+    without = harness.median(m["loop_s"] for m in runs["without checkpoints"])
+    loop_bytes = loop_state_bytes(width)
+    print(f"training loop, {args.loop_steps} steps of {LAYERS * (width * width + width) / 1e6:.0f}M parameters "
+          f"+ AdamW ({loop_bytes / 2**30:.2f} GiB of state), batch {args.batch} x {width}, "
+          f"{without / args.loop_steps:.2f} s per step without checkpoints; persistent saves to {where}; "
+          f"median (min-max) of {args.loop_repeats}, interleaved; then what the steps and the last commit "
+          "cost, B/B per byte of the training state (over all the steps):")
+    for name, measures in runs.items():
+        goal = " (goal <= 1.2x)" if name == "local tier every step" else ""
+        seconds = [m["loop_s"] for m in measures]
+        print(f"  {name:38s} {median_range(seconds)} = {harness.median(seconds) / without:.2f}x{goal}")
+        print(f"  {'':38s} {costs(measures, loop_bytes)}")
+        rows.append(harness.Row(name, {"loop_s": harness.series(seconds, "s"),
+                                       **harness.footprint_metrics(measures, loop_bytes), **_server_cpu(measures)},
+                                f"training loop, {args.loop_steps} steps"))
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

@@ -12,20 +12,21 @@ and bytes written to / read from storage, summed over the processes and per proc
 Per byte of state (B/B) means per byte of the global state. The split of the writes: busiest / average bytes
 written per process (goal <= 1.25).
 
-usage: python benchmarks/bench_multihost.py [--gib 1.0] [--repeats 7] [--processes 1,4]
+usage: python -m benchmarks multihost [--scale 1.0 (GiB)] [--repeats 7] [--set processes=1,4]
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import io
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import harness  # noqa: E402
 import jobs  # noqa: E402
 
 CHILD = r"""
@@ -56,30 +57,19 @@ if world > 1:
 print(json.dumps({"rank": rank, **measures, "state_bytes": 9 * rows * 8192 * 4}), flush=True)
 """
 
-SUMMED = ("user_s", "system_s", "rss_growth_bytes", "written_bytes", "read_bytes")
 
 
-def run(processes: int, gib: float, root: str) -> list[dict]:
+def one_job(processes: int, gib: float, root: str) -> list[dict]:
     """One fresh job of `processes` processes: each process's measures of the measured save, in rank order."""
     return jobs.run_job(["-c", CHILD, root, str(gib), HERE], processes)
 
 
-def aggregate(per_process: list[dict]) -> dict:
-    """One job's save over its processes: the slowest process's wall time, summed CPU, resident growth and
-    bytes, the machine-wide page cache growth (the largest any process saw) and fresh memory (their sum)."""
-    out = {key: sum(r[key] for r in per_process) for key in SUMMED}
-    out["wall_s"] = max(r["wall_s"] for r in per_process)
-    out["page_cache_growth_bytes"] = max(r["page_cache_growth_bytes"] for r in per_process)
-    out["fresh_bytes"] = out["rss_growth_bytes"] + out["page_cache_growth_bytes"]
-    return out
-
-
 def report(n: int, jobs_of_n: list[list[dict]], nbytes: int) -> float:
     """Print one configuration's medians over the rounds; return its median wall time."""
-    rounds = [aggregate(job) for job in jobs_of_n]
+    rounds = [jobs.aggregate(job) for job in jobs_of_n]
 
     def med(key: str, runs: list[dict] = rounds) -> float:
-        return statistics.median(r[key] for r in runs)
+        return harness.median(r[key] for r in runs)
 
     wall = med("wall_s")
     print(f"  {n:>9}  {wall:6.3f}  {nbytes / 2**30 / wall:5.2f}  {med('user_s') + med('system_s'):5.2f} "
@@ -94,34 +84,41 @@ def report_per_process(n: int, jobs_of_n: list[list[dict]], nbytes: int) -> None
     by_rank = [[job[rank] for job in jobs_of_n] for rank in range(n)]
 
     def per_rank(key: str, scale: float = 1.0, digits: int = 2) -> str:
-        return ", ".join(f"{statistics.median(r[key] for r in runs) / scale:.{digits}f}" for runs in by_rank)
+        return ", ".join(f"{harness.median(r[key] for r in runs) / scale:.{digits}f}" for runs in by_rank)
 
-    written = [statistics.median(r["written_bytes"] for r in runs) for runs in by_rank]
+    written = [harness.median(r["written_bytes"] for r in runs) for runs in by_rank]
     split = max(written) / statistics.mean(written)
     print(f"  {n} process(es): CPU user {per_rank('user_s')} s, sys {per_rank('system_s')} s; resident growth "
           f"{per_rank('rss_growth_bytes', nbytes)} B/B; written {per_rank('written_bytes', nbytes)} B/B "
           f"({per_rank('written_bytes', 2**20, 0)} MiB), busiest / average {split:.3f} (goal <= 1.25)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=7, help="rounds: fresh jobs per configuration, ABBA")
-    parser.add_argument("--processes", default="1,4")
-    args = parser.parse_args()
-    configurations = [int(x) for x in args.processes.split(",")]
-    results: dict[int, list[list[dict]]] = {n: [] for n in configurations}
-    with tempfile.TemporaryDirectory(prefix="xtc-bench-multihost-") as tmp:
-        for i in range(args.repeats):
-            for n in configurations if i % 2 == 0 else reversed(configurations):
-                root = os.path.join(tmp, f"{n}-{i}")
-                results[n].append(run(n, args.gib, root))
-                shutil.rmtree(root)
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `multihost`: a fresh job per configuration and round, ABBA (`--repeats` rounds)."""
+    configurations = [int(x) for x in settings.option("processes", ("1", "4"))]
+
+    def save(n: int, i: int) -> list[dict]:
+        root = os.path.join(settings.workdir, f"{n}-{i}")
+        answers = one_job(n, settings.scale, root)
+        shutil.rmtree(root)
+        return answers
+
+    results = harness.alternated(configurations, settings.repeats, save)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):  # the report's lines, as the script printed them
+        walls = _print_report(configurations, results, settings.repeats)
+    nbytes = results[configurations[0]][0][0]["state_bytes"]
+    rows = [harness.footprint_row(f"{n} process(es)", [jobs.aggregate(job) for job in results[n]], nbytes)
+            for n in configurations]
+    return harness.Result(rows, text.getvalue(), {"walls": walls, "results": results})
+
+
+def _print_report(configurations: list[int], results: dict, repeats: int) -> dict:
     nbytes = results[configurations[0]][0][0]["state_bytes"]
     print(f"multihost: the same global state ({nbytes / 2**30:.2f} GiB: 8 tensors tiled over the processes + 1 "
           f"that every process holds whole) saved by {' and by '.join(map(str, configurations))} processes (gloo "
           f"on 127.0.0.1, {os.cpu_count()} cores), a fresh job per configuration and round, ABBA, medians of "
-          f"{args.repeats} rounds; wall: the slowest process; CPU, resident growth, bytes: summed over the "
+          f"{repeats} rounds; wall: the slowest process; CPU, resident growth, bytes: summed over the "
           "processes; page cache growth: machine-wide; B/B: per byte of the global state")
     print(f"  {'processes':>9}  {'wall s':>6}  {'GiB/s':>5}  {'CPU s (user+sys)':16}  {'fresh B/B (res+cache)':21}  "
           f"{'written B/B':>11}  {'read B/B':>8}")
@@ -130,13 +127,14 @@ def main() -> None:
     for n in configurations:
         report_per_process(n, results[n], nbytes)
     for n in configurations:
-        seconds = [round(aggregate(job)["wall_s"], 3) for job in results[n]]
+        seconds = [round(jobs.aggregate(job)["wall_s"], 3) for job in results[n]]
         print(f"  {n} process(es), wall s per round: {seconds}")
     if 1 in walls:
         for n, wall in walls.items():
             if n != 1:
                 print(f"  throughput with {n} processes / with 1 process: {walls[1] / wall:.2f} (goal >= 1)")
+    return walls
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

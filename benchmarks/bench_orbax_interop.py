@@ -10,26 +10,23 @@ been evicted from the page cache (a resume), the contenders taking turns ABBA; t
 the restore call alone (Orbax's reads the checkpoint's metadata first, as ours do): wall time and, beside it
 (benchmarks/footprint.py), CPU seconds, fresh memory touched and bytes read from the disk. Prints one JSON line.
 
-    python benchmarks/bench_orbax_interop.py [--gib 1.0] [--repeats 7] [--dir DIR]
+    python -m benchmarks orbax-interop [--scale 1.0 (GiB)] [--repeats 7]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import statistics
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(HERE, "..", "tests")
 sys.path.insert(0, HERE)
 sys.path.insert(0, TESTS)
 import footprint  # noqa: E402
+import harness  # noqa: E402
 import orbax_trees  # noqa: E402 - the step's arrays, as the Orbax tool writes them
-from fresh_process import abba, evict, run_json  # noqa: E402
+from fresh_process import evict, run_json  # noqa: E402
 
 CONTENDERS = ("orbax", "xtc", "xtc-in-place")
 
@@ -76,9 +73,10 @@ print(json.dumps({{"seconds": measures["wall_s"], "footprint": measures}}))
 """
 
 
-def measure(gib: float, repeats: int, directory: str) -> dict:
+def measure(settings: harness.Settings) -> dict:
     """Orbax writes the step, then the contenders restore it `repeats` times each, ABBA, each in a fresh process
     after the files were evicted. Returns the seconds and footprints of every run, and the speed ratios."""
+    gib, repeats, directory = settings.scale, settings.repeats, settings.workdir
     jax_env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
     xla_env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3")
     root = os.path.join(directory, "orbax-root")
@@ -89,24 +87,25 @@ def measure(gib: float, repeats: int, directory: str) -> dict:
     for contender in ("xtc", "xtc-in-place"):
         scripts[contender] = (_OURS.format(tests=TESTS, here=HERE, gib=gib, item=item, root=root,
                                            in_place=contender == "xtc-in-place"), xla_env)
-    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
-    for contender in abba(list(CONTENDERS), repeats):  # alternated, so that all see the same machine
+    def restore(contender: str, _round: int) -> dict:
         evict(root)
         script, env = scripts[contender]
-        runs[contender].append(run_json([sys.executable, "-c", script], env, f"{contender}'s restore"))
+        return run_json([sys.executable, "-c", script], env, f"{contender}'s restore")
+
+    runs = harness.alternated(list(CONTENDERS), repeats, restore)  # alternated: all see the same machine
     seconds = {c: [r["seconds"] for r in rs] for c, rs in runs.items()}
-    orbax = statistics.median(seconds["orbax"])
+    orbax = harness.median(seconds["orbax"])
     nbytes = sum(math.prod(shape) * 4 for shape in orbax_trees.large_shapes(gib).values())  # float32
     return {"gib": gib, "nbytes": nbytes, "orbax_restore_s": seconds["orbax"],
             "xtc_restore_s": seconds["xtc"], "xtc_in_place_restore_s": seconds["xtc-in-place"],
             "footprints": {c: [r["footprint"] for r in rs] for c, rs in runs.items()},
-            "orbax_over_xtc": orbax / statistics.median(seconds["xtc"]),
-            "orbax_over_xtc_in_place": orbax / statistics.median(seconds["xtc-in-place"])}
+            "orbax_over_xtc": orbax / harness.median(seconds["xtc"]),
+            "orbax_over_xtc_in_place": orbax / harness.median(seconds["xtc-in-place"])}
 
 
 def describe(result: dict) -> str:
     """The result as the lines of the benchmark report."""
-    median = statistics.median
+    median = harness.median
     lines = [f"orbax-interop: a {result['gib']:.2f} GiB step Orbax wrote (OCDBT), restored onto a (2, 4) mesh in "
              f"fresh processes, page cache evicted, ABBA (medians of {len(result['orbax_restore_s'])})",
              f"  Orbax in JAX {median(result['orbax_restore_s']):.3f} s; this library onto torch_xla: xtc.restore "
@@ -117,17 +116,12 @@ def describe(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--dir", default=None)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="xtc-orbax-interop-", dir=args.dir) as directory:
-        result = measure(args.gib, args.repeats, directory)
-    print(describe(result), file=sys.stderr)
-    print(json.dumps(result))
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `orbax-interop`: a `scale` GiB step Orbax writes, restored by each contender, ABBA."""
+    result = measure(settings)
+    rows = [harness.footprint_row(c, measured, result["nbytes"]) for c, measured in result["footprints"].items()]
+    return harness.Result(rows, describe(result), result)
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

@@ -19,15 +19,12 @@ GIL: a Python thread sleeping 1 ms in a loop records how late it wakes, so its l
 longest stretch for which something held the GIL (what a reading thread waits through; with both cores busy, the
 OS's scheduling delay is in it too).
 
-    python benchmarks/bench_placement.py [--rounds 7]
+    python -m benchmarks placement [--repeats 7] [--scale 1]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -35,10 +32,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import footprint  # noqa: E402
-from fresh_process import abba, run_json  # noqa: E402
+import harness  # noqa: E402
 
 CONTENDERS = ["cpu-shards", "from-aten"]
-ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 class _Lateness:
@@ -63,7 +59,7 @@ class _Lateness:
         self._thread.join()
 
 
-def worker(contender: str, check: bool) -> dict:
+def worker(contender: str, check: str, scale: str = "1.0") -> dict:
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -75,9 +71,9 @@ def worker(contender: str, check: bool) -> dict:
     from xla_tensorstore_ckpt.targets import xla as sharding
 
     X = torch_xla._XLAC
-    target = workloads.build_target("large", 1.0)
+    target = workloads.build_target("large", float(scale))
     names = list(target)
-    entries = {name: spec for name, _, _, _, spec in workloads.specs("large", 1.0)[0]}
+    entries = {name: spec for name, _, _, _, spec in workloads.specs("large", float(scale))[0]}
     generator = torch.Generator().manual_seed(0)
     host = {name: torch.randn(tuple(target[name].shape), generator=generator).to(target[name].dtype) for name in names}
     layouts = dict(zip(names, sharding.layouts([target[n] for n in names])))
@@ -102,7 +98,7 @@ def worker(contender: str, check: bool) -> dict:
         measures, out = footprint.measure(place)
     measures["gil_longest_s"] = max(lateness.late, default=0.0)
     measures["gil_late_s"] = sum(lateness.late)
-    if check:
+    if check == "check":
         measures["exact"] = all(torch.equal(out[n].cpu(), host[n]) and
                                 X._get_xla_sharding_spec(out[n]) == X._get_xla_sharding_spec(target[n])
                                 for n in names)
@@ -110,33 +106,28 @@ def worker(contender: str, check: bool) -> dict:
     return measures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker[0], args.worker[1] == "check")))
-        return
-    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
-    for contender in abba(CONTENDERS, args.rounds):
-        check = "check" if not runs[contender] else "-"
-        runs[contender].append(run_json([sys.executable, os.path.abspath(__file__), "--worker", contender, check],
-                                        dict(os.environ, **ENV), f"the placement by {contender}"))
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `placement`: each entry point in fresh processes, ABBA; the first run of each checked."""
+    runs = harness.alternated(CONTENDERS, settings.repeats, lambda contender, i: harness.fresh(
+        __file__, contender, "check" if i == 0 else "-", settings.scale, what=f"the placement by {contender}"))
     nbytes = runs[CONTENDERS[0]][0]["bytes"]
-    print(f"placement: the large workload ({nbytes / 2**30:.2f} GiB) placed from host memory onto mesh 2x4 of 8 CPU "
-          f"devices, fresh processes, ABBA, medians of {args.rounds}", file=sys.stderr)
-    walls = {c: statistics.median(r["wall_s"] for r in rows) for c, rows in runs.items()}
+    lines = [f"placement: the large workload ({nbytes / 2**30:.2f} GiB) placed from host memory onto mesh 2x4 of 8 "
+             f"CPU devices, fresh processes, ABBA, medians of {settings.repeats}"]
+    walls = {c: harness.median(r["wall_s"] for r in rows) for c, rows in runs.items()}
+    rows_ = []
     for contender, rows in runs.items():
         each = ", ".join(f"{r['wall_s']:.3f}" for r in rows)
-        print(f"  {contender:10} {walls[contender]:.3f} s ({each}); "
-              f"{footprint.summary(rows, nbytes, read=True).split(', read')[0]}; "
-              f"GIL held up to {statistics.median(r['gil_longest_s'] for r in rows) * 1e3:.0f} ms at a stretch, "
-              f"{statistics.median(r['gil_late_s'] for r in rows) * 1e3:.0f} ms in all; "
-              f"bit-exact {rows[0]['exact']}", file=sys.stderr)
-    print(f"  from-aten / cpu-shards: {walls['from-aten'] / walls['cpu-shards']:.2f}x the wall time", file=sys.stderr)
-    print(json.dumps({"rounds": args.rounds, "runs": runs}))
+        lines.append(f"  {contender:10} {walls[contender]:.3f} s ({each}); "
+                     f"{footprint.summary(rows, nbytes, read=True).split(', read')[0]}; "
+                     f"GIL held up to {harness.median(r['gil_longest_s'] for r in rows) * 1e3:.0f} ms at a stretch, "
+                     f"{harness.median(r['gil_late_s'] for r in rows) * 1e3:.0f} ms in all; "
+                     f"bit-exact {rows[0]['exact']}")
+        metrics = harness.footprint_metrics(rows, nbytes)
+        metrics.update(harness.footprint_metrics(rows, None, ("gil_longest_s", "gil_late_s")))
+        rows_.append(harness.Row(contender, metrics, params={"exact": rows[0]["exact"]}))
+    lines.append(f"  from-aten / cpu-shards: {walls['from-aten'] / walls['cpu-shards']:.2f}x the wall time")
+    return harness.Result(rows_, "\n".join(lines), {"rounds": settings.repeats, "runs": runs})
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

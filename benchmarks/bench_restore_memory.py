@@ -8,26 +8,22 @@ memory returned to the OS (``malloc_trim``) before and after. That is what the r
 on CPU devices the devices' buffers are host memory too, and they (with what torch_xla keeps beside them) are
 what is left. Reported: the median measured and predicted peak, and their ratio (issue 33: within 10 %).
 
-    python benchmarks/bench_restore_memory.py [--scale 1.0] [--repeats 7] [--workloads large,small,model]
-        [--max-host-mib N]
+    python -m benchmarks restore-memory [--scale 1.0] [--repeats 7] [--set workloads=large,small,model]
+        [--set max_host_mib=N]
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
-import statistics
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from fresh_process import run_json  # noqa: E402
+import harness  # noqa: E402
 
 
-def measure(workload: str, scale: float, repeats: int, budget: int | None, workdir: str) -> dict:
+def worker(workload: str, scale_: str, repeats_: str, budget_mib: str, workdir: str) -> dict:
     """In this process (8 CPU devices): the measured and predicted peaks of `repeats` restores."""
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
@@ -45,6 +41,7 @@ def measure(workload: str, scale: float, repeats: int, budget: int | None, workd
         host_memory.return_free_memory()
         return host_memory.resident_bytes()
 
+    scale, repeats, budget = float(scale_), int(repeats_), (int(budget_mib) << 20) or None
     path = os.path.join(workdir, workload)
     xtc.save(path, workloads.build_state(workload, scale))
     options = xtc.RestoreOptions(max_host_bytes=budget)
@@ -62,33 +59,23 @@ def measure(workload: str, scale: float, repeats: int, budget: int | None, workd
             "predicted": predicted}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--workloads", default="large,small,model")
-    parser.add_argument("--max-host-mib", type=int, default=None, help="RestoreOptions.max_host_bytes, in MiB")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # a workload, measured in this process
-    parser.add_argument("--dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    budget = args.max_host_mib << 20 if args.max_host_mib else None
-    if args.one:
-        print(json.dumps(measure(args.one, args.scale, args.repeats, budget, args.dir)), flush=True)
-        return
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3")
-    rows = []
-    for workload in args.workloads.split(","):
-        with tempfile.TemporaryDirectory() as workdir:
-            cmd = [sys.executable, __file__, "--one", workload, "--dir", workdir, "--scale", str(args.scale),
-                   "--repeats", str(args.repeats)] + (["--max-host-mib", str(args.max_host_mib)] if budget else [])
-            rows.append(run_json(cmd, env, workload))
-    for row in rows:
-        measured, predicted = statistics.median(row["measured"]), statistics.median(row["predicted"])
-        row["ratio"] = measured / predicted if predicted else None
-        print(f"{row['workload']:>6} scale {row['scale']:g}: measured {measured / 2**20:8.1f} MiB, predicted "
-              f"{predicted / 2**20:8.1f} MiB, measured/predicted {row['ratio']:.3f}", file=sys.stderr)
-    print(json.dumps(rows))
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `restore-memory`: one fresh process per workload; measured against predicted peaks."""
+    budget_mib = settings.option("max_host_mib", 0)
+    rows, answers, lines = [], [], []
+    for workload in settings.option("workloads", ("large", "small", "model")):
+        answer = harness.fresh(__file__, workload, settings.scale, settings.repeats, budget_mib, settings.workdir,
+                               what=workload)
+        measured, predicted = harness.median(answer["measured"]), harness.median(answer["predicted"])
+        answer["ratio"] = measured / predicted if predicted else None
+        answers.append(answer)
+        rows.append(harness.Row(workload, {"measured_peak_bytes": harness.series(answer["measured"], "B"),
+                                           "predicted_peak_bytes": harness.series(answer["predicted"], "B")},
+                                params={"ratio": answer["ratio"], "max_host_bytes": answer["max_host_bytes"]}))
+        lines.append(f"{workload:>6} scale {settings.scale:g}: measured {measured / 2**20:8.1f} MiB, predicted "
+                     f"{predicted / 2**20:8.1f} MiB, measured/predicted {answer['ratio']:.3f}")
+    return harness.Result(rows, "\n".join(lines), raw={"rows": answers})
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

@@ -14,32 +14,30 @@ plus one batch. This machine has 2 cores that every process of a job shares, and
 wall times above 2 processes include waiting for a core, so the byte figures are the robust ones. Local
 restores read a just-written checkpoint from the page cache.
 
-    python benchmarks/bench_scale.py [--quick] [--scale 1.0] [--repeats 7] [--processes 1,2,4,8]
-                                     [--replicas 1,2,4] [--storage local,gcs]
-The full run (about 11 minutes here) writes benchmarks/results/scale.{json,txt,png}; --quick (a few
-minutes) and any other scaled or partial run write theirs to the temporary directory (or --output).
+    python -m benchmarks scale [--quick] [--scale 1.0] [--repeats 7] [--set processes=1,2,4,8]
+                               [--set replicas=1,2,4] [--set storage=local,gcs] [--set weak_mib=64]
+                               [--set strong_mib=256] [--set cap_mib=16]
+The reference run (about 11 minutes here) writes benchmarks/results/scale.{json,txt,png}; --quick (1, 2 and 4
+processes, 0.1 scale, 3 repeats: a few minutes) and any other run write theirs to the temporary directory.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
-import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import harness  # noqa: E402
 import jobs  # noqa: E402
 
 ARRAYS = 8
 COLUMNS = 1024  # float32: 4 KiB per row
 ROW_BYTES = COLUMNS * 4
-QUICK_MINUTES = 2
 
 
 def layout(processes: int, replicas: int, rank: int, shard_rows: int):
@@ -49,31 +47,32 @@ def layout(processes: int, replicas: int, rank: int, shard_rows: int):
     return (shard_rows * fsdp, COLUMNS), (shard_rows, COLUMNS), ((k * shard_rows, (k + 1) * shard_rows), (0, COLUMNS))
 
 
-def child(args) -> None:
-    """One process of the job: save and restore both states, print the measurements as one JSON line."""
+def child(root: str, replicas: str, scale: str, repeats: str, weak_mib: str, strong_mib: str, cap_mib: str) -> dict:
+    """One process of the job (``bench_scale.py --worker ...``, run by `jobs.run_job`): save and restore both
+    states; its measurements (printed as one JSON line by `harness.worker_main`)."""
     import torch.distributed as dist
 
     rank, processes = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
     if processes > 1:
         dist.init_process_group("gloo")
     barrier = dist.barrier if processes > 1 else (lambda: None)
-    replicas = int(args.replicas)
-    fsdp = processes // replicas
-    cap = int(args.cap_mib * args.scale * 2**20) // ROW_BYTES * ROW_BYTES
-    rows_for = {"weak": max(1, int(args.weak_mib * args.scale * 2**20 / ARRAYS / ROW_BYTES)),
-                "strong": max(1, int(args.strong_mib * args.scale * 2**20 / ARRAYS / ROW_BYTES) // fsdp)}
+    fsdp = processes // int(replicas)
+    cap = int(float(cap_mib) * float(scale) * 2**20) // ROW_BYTES * ROW_BYTES
+    rows_for = {"weak": max(1, int(float(weak_mib) * float(scale) * 2**20 / ARRAYS / ROW_BYTES)),
+                "strong": max(1, int(float(strong_mib) * float(scale) * 2**20 / ARRAYS / ROW_BYTES) // fsdp)}
     out = {"rank": rank, "cap": cap,
            "batch": cap}  # read_jobs.batch_bytes: a batch is at most the cap (below read_batch_bytes here)
     for scaling, shard_rows in rows_for.items():
-        shape, shard_shape, index = layout(processes, replicas, rank, shard_rows)
-        out[scaling] = _measure(f"{args.root}/{processes}-{replicas}-{scaling}", shape, shard_shape, index,
-                                args.repeats, cap, barrier, rank, ((replicas, fsdp), (None, 0)))
+        shape, shard_shape, index = layout(processes, int(replicas), rank, shard_rows)
+        out[scaling] = _save_and_restore(f"{root}/{processes}-{replicas}-{scaling}", shape, shard_shape, index,
+                                         int(repeats), cap, barrier, rank, ((int(replicas), fsdp), (None, 0)))
     if processes > 1:
         dist.destroy_process_group()
-    print(json.dumps(out), flush=True)
+    return out
 
 
-def _measure(base: str, shape, shard_shape, index, repeats: int, cap: int, barrier, rank: int, mesh) -> dict:
+def _save_and_restore(base: str, shape, shard_shape, index, repeats: int, cap: int, barrier, rank: int,
+                       mesh) -> dict:
     """Save this process's shards of the state `repeats` times under `base`, restore the last save 2 x `repeats`
     times (single-replica reads ABBA), delete what was written. `mesh`: the layout's process mesh
     (`ShardedArray.mesh`), from which every process derives the others' shards instead of gathering them."""
@@ -103,8 +102,7 @@ def _measure(base: str, shape, shard_shape, index, repeats: int, cap: int, barri
     finished: list[dict] = []
     listeners = (lambda e: e.kind == events.RESTORE_FINISHED and finished.append(e.details),)
     restores = []
-    for r in range(2 * repeats):
-        on = r % 4 in (0, 3)  # ABBA: on, off, off, on, ...
+    for on in harness.alternate((True, False), repeats):  # single-replica reads on, off, off, on, ...
         options = xtc.RestoreOptions(single_replica_reads=on, broadcast_max_bytes=cap, listeners=listeners)
         gc.collect()
         barrier()
@@ -169,10 +167,10 @@ def table(rows: list[dict]) -> str:
             lines += [header, "-" * len(header)]
             for r in chosen:
                 on, off = r["on"], r["off"]
-                t_on, t_off = statistics.median(on["restore_s"]), statistics.median(off["restore_s"])
+                t_on, t_off = harness.median(on["restore_s"]), harness.median(off["restore_s"])
                 unique = r["global_bytes"]
                 lines.append(
-                    f"{r['processes']:>2} {r['replicas']:>2} {_mib(unique):>10} {statistics.median(r['save_s']):7.3f} "
+                    f"{r['processes']:>2} {r['replicas']:>2} {_mib(unique):>10} {harness.median(r['save_s']):7.3f} "
                     f"{r['written_max'] / r['written_mean']:11.3f} {_mib(r['save_peak_extra']):>9} | "
                     f"{t_on:12.3f} {t_off:7.3f} {t_off / t_on:6.2f} | {on['read_total'] / unique:14.3f} "
                     f"{off['read_total'] / unique:5.2f} {on['read_max'] / on['read_mean']:11.3f} "
@@ -208,7 +206,7 @@ def plot(rows: list[dict], path: str) -> None:
                 x = [r["processes"] for r in chosen]
                 for mode, style in (("on", "-o"), ("off", "--x")):
                     if what == "restore s":
-                        y = [statistics.median(r[mode]["restore_s"]) for r in chosen]
+                        y = [harness.median(r[mode]["restore_s"]) for r in chosen]
                     else:
                         y = [r[mode]["read_total"] / r["global_bytes"] for r in chosen]
                     ax.plot(x, y, style, color=colour, label=f"R={replicas}, single-replica {mode}")
@@ -217,7 +215,7 @@ def plot(rows: list[dict], path: str) -> None:
                     chosen = sorted((r for r in rows if r["storage"] == kind and r["scaling"] == scaling
                                      and r["replicas"] == replicas), key=lambda r: r["processes"])
                     if chosen:
-                        ax.plot([r["processes"] for r in chosen], [statistics.median(r["save_s"]) for r in chosen],
+                        ax.plot([r["processes"] for r in chosen], [harness.median(r["save_s"]) for r in chosen],
                                 ":s", color=colour, alpha=0.5, label=f"R={replicas}, save")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("processes")
@@ -228,77 +226,49 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0, help="times every size (0.1: a quick run)")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--processes", default="1,2,4,8")
-    parser.add_argument("--replicas", default="1,2,4")
-    parser.add_argument("--storage", default="local,gcs")
-    parser.add_argument("--weak-mib", type=float, default=64, help="state per process, weak scaling")
-    parser.add_argument("--strong-mib", type=float, default=256, help="global state, strong scaling")
-    parser.add_argument("--cap-mib", type=float, default=16, help="broadcast_max_bytes of single-replica reads")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"about {QUICK_MINUTES} minutes: --scale 0.1 --repeats 3 --processes 1,2,4")
-    parser.add_argument("--output", help="default: benchmarks/results/scale.json for the full run, a file in the "
-                        "temporary directory for a scaled or partial one (never the committed results)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--root", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        child(args)
-        return
-    if args.quick:
-        args.scale, args.repeats, args.processes = 0.1, 3, "1,2,4"
-        print("quick run: 1, 2 and 4 processes, states at 0.1 scale, 3 repeats (leaves out 8 processes)",
-              file=sys.stderr)
-    if args.output is None:
-        full = parser.get_default
-        reference = all(getattr(args, k) == full(k) for k in ("scale", "repeats", "processes", "replicas",
-                                                                "storage", "weak_mib", "strong_mib", "cap_mib"))
-        args.output = (os.path.join(HERE, "results", "scale.json") if reference
-                       else os.path.join(tempfile.gettempdir(), f"xtc-bench-scale-{args.scale:g}.json"))
-    import run
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `scale`: a job per storage, process count and replication (blocks for all of them)."""
+    processes_ = [int(p) for p in settings.option("processes", ("1", "2", "4", "8"))]
+    replicas_ = [int(r) for r in settings.option("replicas", ("1", "2", "4"))]
+    sizes = [str(settings.option(key, default)) for key, default in
+             (("weak_mib", 64.0), ("strong_mib", 256.0), ("cap_mib", 16.0))]
+    from object_stores import start_object_store
 
-    rows = []
-    for kind in args.storage.split(","):
-        server, bucket = run.start_object_store(kind)
+    results = []
+    for kind in settings.option("storage", ("local", "gcs")):
+        server, bucket = start_object_store(kind)
         env = dict(os.environ, **(server.environment if server else {}))
         try:
-            with tempfile.TemporaryDirectory(prefix="xtc-bench-scale-", dir=os.environ.get("XTC_BENCH_DIR")) as tmp:
-                for processes in (int(p) for p in args.processes.split(",")):
-                    for replicas in (int(r) for r in args.replicas.split(",")):
-                        if replicas > processes or processes % replicas:
-                            continue
+            with tempfile.TemporaryDirectory(prefix="scale-", dir=settings.workdir) as tmp:
+                for processes in processes_:
+                    for replicas in (r for r in replicas_ if r <= processes and processes % r == 0):
                         print(f"{kind}: {processes} processes, R={replicas} ...", file=sys.stderr, flush=True)
-                        flags = ["--child", "--root", f"{bucket or tmp}/scale", "--replicas", str(replicas),
-                                 "--scale", str(args.scale), "--repeats", str(args.repeats), "--weak-mib",
-                                 str(args.weak_mib), "--strong-mib", str(args.strong_mib), "--cap-mib",
-                                 str(args.cap_mib)]
-                        answers = jobs.run_job([os.path.abspath(__file__), *flags], processes, env=env)
-                        rows += summarize(answers, processes, replicas, kind)
+                        answers = jobs.run_job([os.path.abspath(__file__), "--worker", f"{bucket or tmp}/scale",
+                                                replicas, settings.scale, settings.repeats, *sizes], processes,
+                                               env=env)
+                        results += summarize(answers, processes, replicas, kind)
         finally:
             if server is not None:
                 server.stop()
-    text = (f"Scale: save and restore by 1-8 processes, DP=R x FSDP=P/R, {ARRAYS} float32 arrays, "
-            f"{time.strftime('%Y-%m-%d')}\npython benchmarks/bench_scale.py --scale {args.scale:g} --repeats "
-            f"{args.repeats} --processes {args.processes} --replicas {args.replicas} --storage {args.storage}\n"
-            + table(rows))
-    print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    stem = os.path.splitext(args.output)[0]
-    with open(args.output, "w") as f:
-        json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args), "rows": rows}, f, indent=1)
-    with open(stem + ".txt", "w") as f:
-        f.write(text + "\n")
-    written = [args.output, stem + ".txt"]
+    rows = [harness.Row(f"P={r['processes']} R={r['replicas']}",
+                        {"save_s": harness.series(r["save_s"], "s"),
+                         "restore_on_s": harness.series(r["on"]["restore_s"], "s"),
+                         "restore_off_s": harness.series(r["off"]["restore_s"], "s")},
+                        f"{r['storage']}, {r['scaling']} scaling",
+                        {"global_bytes": r["global_bytes"], "read_over_unique_on": r["on"]["read_total"]
+                         / r["global_bytes"], "read_over_unique_off": r["off"]["read_total"] / r["global_bytes"],
+                         "sent_bytes_on": r["on"]["sent_total"], "exact": r["on"]["exact"] and r["off"]["exact"]})
+            for r in results]
+    text = (f"Scale: save and restore by {', '.join(map(str, processes_))} processes, DP=R x FSDP=P/R, {ARRAYS} "
+            "float32 arrays\n" + table(results))
+    files = []
     try:
-        plot(rows, stem + ".png")
-        written.append(stem + ".png")
+        plot(results, settings.beside(".png"))
+        files.append(settings.beside(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
-    print("written " + ", ".join(written), file=sys.stderr)
+    return harness.Result(rows, text, {"results": results}, files)
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(child)

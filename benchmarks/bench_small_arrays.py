@@ -8,14 +8,12 @@ Reported per storage and layout: the files or objects of the item, the seconds o
 16 of the tensors of the first and the last restore of each layout are compared with the saved state
 bit for bit.
 
-    python benchmarks/bench_small_arrays.py [--scale 1.0] [--repeats 5] [--storage local,gcs]
+    python -m benchmarks small-arrays [--scale 1.0] [--repeats 5] [--set storage=local,gcs]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -29,8 +27,9 @@ import torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 import workloads  # noqa: E402
-from run import start_object_store  # noqa: E402
+from object_stores import start_object_store  # noqa: E402
 from worker import _disk_usage  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
@@ -39,7 +38,7 @@ from xla_tensorstore_ckpt import storage  # noqa: E402
 LAYOUTS = {"one OCDBT store (format 2)": True, "a directory per array": False}
 
 
-def measure(root: str, scale: float, repeats: int) -> dict[str, dict[str, list]]:
+def measure_at(root: str, scale: float, repeats: int) -> dict[str, dict[str, list]]:
     """Save and restore the small workload under `root` (a local directory or a gs:// prefix) `repeats` times
     per layout, alternating; seconds and object counts per layout."""
     state = workloads.build_state("small", scale)
@@ -74,7 +73,7 @@ def measure(root: str, scale: float, repeats: int) -> dict[str, dict[str, list]]
 
 def describe(where: str, runs: dict[str, dict[str, list]]) -> str:
     def fig(values: list[float]) -> str:
-        return f"{statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
+        return f"{harness.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
 
     first = next(iter(runs.values()))
     lines = [f"{where}: {first['tensors'][0]:,} small tensors, median (min-max) of {len(first['save_s'])}"]
@@ -84,33 +83,36 @@ def describe(where: str, runs: dict[str, dict[str, list]]) -> str:
     new, old = (runs[name] for name in LAYOUTS)
 
     def ratio(key: str) -> float:
-        return statistics.median(new[key]) / statistics.median(old[key])
+        return harness.median(new[key]) / harness.median(old[key])
 
     lines.append(f"  format 2 / per-array directories: save {ratio('save_s'):.2f}x, restore {ratio('restore_s'):.2f}x "
                  "the time")
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--storage", default="local,gcs", help="comma-separated: local, gcs, s3")
-    args = parser.parse_args()
-    for kind in args.storage.split(","):
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `small-arrays`: both layouts on each storage, alternating, in this process."""
+    rows, texts, raw = [], [], {}
+    for kind in settings.option("storage", ("local", "gcs")):
         server, root = start_object_store(kind)
         try:
             if server is not None:
                 os.environ.update(server.environment)
-                runs = measure(f"{root}/small-arrays", args.scale, args.repeats)
+                runs = measure_at(f"{root}/small-arrays", settings.scale, settings.repeats)
             else:
-                with tempfile.TemporaryDirectory(prefix="xtc-bench-small-") as tmp:
-                    runs = measure(tmp, args.scale, args.repeats)
+                with tempfile.TemporaryDirectory(prefix="xtc-bench-small-", dir=settings.workdir) as tmp:
+                    runs = measure_at(tmp, settings.scale, settings.repeats)
         finally:
             if server is not None:
                 server.stop()
-        print(describe({"local": "local disk", "gcs": "GCS emulator", "s3": "moto S3"}[kind], runs), flush=True)
+        where = {"local": "local disk", "gcs": "GCS emulator", "s3": "moto S3"}[kind]
+        raw[kind] = runs
+        texts.append(describe(where, runs))
+        rows += [harness.Row(name, {"save_s": harness.series(r["save_s"], "s"),
+                                    "restore_s": harness.series(r["restore_s"], "s")}, where,
+                             {"files": max(r["files"]), "tensors": r["tensors"][0]}) for name, r in runs.items()]
+    return harness.Result(rows, "\n".join(texts), raw)
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

@@ -26,22 +26,19 @@ process, alternating): this library's reader, which takes each tensor's raw stor
 ``torch.save`` record's offset and unpickles nothing, against ``torch.load(weights_only=True)`` on each entry's
 byte range, both assembling the same full CPU tensors.
 
-    python benchmarks/bench_torch_xla_import.py [--scale 1.0] [--repeats 7] [--workloads large,model]
-        [--warm-memory] [--dir DIR]
+    python -m benchmarks torch_xla-import [--scale 1.0] [--repeats 7] [--set workloads=large,model]
+        [--set warm_memory=1]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import footprint  # noqa: E402
+import harness  # noqa: E402
 from fresh_process import evict, run_json  # noqa: E402
 
 CONTENDERS = ("torch_xla", "xtc", "xtc-manager")
@@ -178,12 +175,7 @@ def worker_entries(step: str, repeats: int) -> dict:
     exact = sorted(first["raw"]) == sorted(first["torch.load"]) and all(
         torch.equal(first["raw"][k], first["torch.load"][k]) for k in first["raw"])
     del first
-    runs: dict[str, list[dict]] = {name: [] for name in readers}
-    for i in range(repeats):
-        for name in readers if i % 2 == 0 else reversed(readers):
-            measures, out = footprint.measure(readers[name])
-            runs[name].append(measures)
-            del out
+    runs = harness.alternated(list(readers), repeats, lambda name, _round: footprint.measure(readers[name])[0])
     nbytes = sum(int(np.prod(m.shape)) * torch.empty(0, dtype=getattr(torch, m.dtype)).element_size()
                  for m in arrays)
     return {"bytes": nbytes, "runs": runs, "exact": exact}
@@ -197,36 +189,28 @@ def _run(args: list[str], what: str, devices: bool = True) -> dict:
     return run_json([sys.executable, os.path.abspath(__file__), "--worker", *args], env, what)
 
 
-def _medians(runs: list[dict], nbytes: int) -> dict:
-    def med(key):
-        return statistics.median(r[key] for r in runs)
-
-    return {"wall_s": med("wall_s"), "cpu_s": statistics.median(r["user_s"] + r["system_s"] for r in runs),
-            "user_s": med("user_s"), "system_s": med("system_s"), "fresh_per_byte": med("fresh_bytes") / nbytes,
-            "rss_growth_per_byte": med("rss_growth_bytes") / nbytes,
-            "page_cache_per_byte": med("page_cache_growth_bytes") / nbytes, "read_per_byte": med("read_bytes") / nbytes}
-
-
-def measure(scale: float, repeats: int, workdir: str, workload_names: tuple[str, ...] = ("large", "model"),
-            warm_memory: bool = False) -> dict:
+def measure(settings: harness.Settings) -> dict:
     """Save each workload with torch_xla's manager, restore it `repeats` times per contender (fresh processes,
     ABBA), convert the model checkpoint, compare the entry readers. Blocks for minutes at scale 1."""
+    scale, repeats, workdir = settings.scale, settings.repeats, settings.workdir
+    workload_names = settings.option("workloads", ("large", "model"))
+    warm_memory = settings.option("warm_memory", False)
     out: dict = {"scale": scale, "repeats": repeats, "mode": "warm-memory" if warm_memory else "cold-memory",
                  "workloads": {}}
     for workload in workload_names:
         root = os.path.join(workdir, workload)
         print(f"torch_xla-import: torch_xla's manager saves {workload} ...", file=sys.stderr, flush=True)
         saved = _run(["save", workload, str(scale), root], f"torch_xla's save of {workload}")
-        runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
-        for i in range(repeats):
-            for contender in CONTENDERS if i % 2 == 0 else reversed(CONTENDERS):
-                evict(root)
-                if warm_memory:
-                    footprint.warm_memory(2 * saved["bytes"])
-                runs[contender].append(_run(["restore", contender, workload, str(scale), root, str(int(i == 0))],
-                                            f"{contender}'s restore of {workload}"))
+        def restore(contender: str, i: int, workload=workload, root=root, saved=saved) -> dict:
+            evict(root)
+            if warm_memory:
+                footprint.warm_memory(2 * saved["bytes"])
+            return _run(["restore", contender, workload, str(scale), root, str(int(i == 0))],
+                        f"{contender}'s restore of {workload}")
+
+        runs = harness.alternated(CONTENDERS, repeats, restore)
         result = {**saved, "runs": runs, "exact": all(runs[c][0]["exact"] for c in CONTENDERS),
-                  "median": {c: _medians(runs[c], saved["bytes"]) for c in CONTENDERS}}
+                  "median": {c: harness.footprint_medians(runs[c], saved["bytes"]) for c in CONTENDERS}}
         base = result["median"][BASELINE]
         result["speedup"] = {c: base["wall_s"] / result["median"][c]["wall_s"] for c in CONTENDERS if c != BASELINE}
         result["cpu_ratio"] = {c: result["median"][c]["cpu_s"] / base["cpu_s"] for c in CONTENDERS if c != BASELINE}
@@ -245,7 +229,8 @@ def measure(scale: float, repeats: int, workdir: str, workload_names: tuple[str,
         if workload == "large":
             print("torch_xla-import: DCP entries, raw bytes against torch.load ...", file=sys.stderr, flush=True)
             entries = _run(["entries", os.path.join(root, "1"), str(repeats)], "the entry readers", devices=False)
-            entries["median"] = {n: _medians(entries["runs"][n], entries["bytes"]) for n in ENTRY_READERS}
+            entries["median"] = {n: harness.footprint_medians(entries["runs"][n], entries["bytes"])
+                                 for n in ENTRY_READERS}
             out["entries"] = entries
     return out
 
@@ -284,34 +269,29 @@ def describe(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--workloads", default="large,model")
-    parser.add_argument("--warm-memory", action="store_true")
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        kind, *rest = args.worker
-        if kind == "save":
-            result = worker_save(rest[0], float(rest[1]), rest[2])
-        elif kind == "restore":
-            result = worker_restore(rest[0], rest[1], float(rest[2]), rest[3], rest[4] == "1")
-        elif kind == "convert":
-            result = worker_convert(rest[0], rest[1], int(rest[2]))
-        elif kind == "compare":
-            result = worker_compare(rest[0], rest[1])
-        else:
-            result = worker_entries(rest[0], int(rest[1]))
-        print(json.dumps(result))
-        return
-    with tempfile.TemporaryDirectory(prefix="xtc-torch-xla-import-", dir=args.dir) as workdir:
-        result = measure(args.scale, args.repeats, workdir, tuple(args.workloads.split(",")), args.warm_memory)
-    print(describe(result), file=sys.stderr)
-    print(json.dumps(result))
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `torch_xla-import`: per workload torch_xla's save, then the contenders' restores ABBA."""
+    result = measure(settings)
+    rows = [harness.footprint_row(c, r["runs"][c], r["bytes"], group=workload)
+            for workload, r in result["workloads"].items() for c in CONTENDERS]
+    if "entries" in result:
+        rows += [harness.footprint_row(n, result["entries"]["runs"][n], result["entries"]["bytes"],
+                                       group="DCP tensor entries") for n in ENTRY_READERS]
+    return harness.Result(rows, describe(result), result)
+
+
+def worker(kind: str, *rest: str) -> dict:
+    """A fresh process's work: save, restore, convert, compare or entries (the runner's `_run` arguments)."""
+    if kind == "save":
+        return worker_save(rest[0], float(rest[1]), rest[2])
+    if kind == "restore":
+        return worker_restore(rest[0], rest[1], float(rest[2]), rest[3], rest[4] == "1")
+    if kind == "convert":
+        return worker_convert(rest[0], rest[1], int(rest[2]))
+    if kind == "compare":
+        return worker_compare(rest[0], rest[1])
+    return worker_entries(rest[0], int(rest[1]))
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

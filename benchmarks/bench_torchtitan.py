@@ -23,25 +23,22 @@ process of its own (benchmarks/orbax_open.py), its arrays compared with ``xtc.re
 
 A round's time is the slowest process's; the table gives medians over rounds.
 
-usage: python benchmarks/bench_torchtitan.py [--repeats 7] [--layers 6] [--processes 4] [--dir DIR]
-       [--out benchmarks/results/torchtitan]
+usage: python -m benchmarks torchtitan [--repeats 7] [--quick] [--set layers=6] [--set processes=4]
+(with the newest stack's environment: torchtitan is in the `trainers` extra; `make bench` leaves it out)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
-import shutil
-import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+import harness  # noqa: E402
 
 CONTENDERS = ("dcp-sync", "dcp-async", "dcp-async-pinned", "xtc-async", "xtc-sync")
 
@@ -132,35 +129,42 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(mode: str, directory: str, layers: str, arg: str) -> dict:
+    """One process of a job (``bench_torchtitan.py --worker MODE DIR LAYERS ARG``, run by `jobs.run_job`):
+    ``measure`` (ARG: the rounds) or ``fresh`` (ARG: the contender); its answer."""
+    if mode == "fresh":
+        return fresh_memory(directory, int(layers), arg)
+    return measure_in_job(directory, int(layers), int(arg))
+
+
+def measure_in_job(directory: str, layers: int, repeats: int) -> dict:
     """One process of the measuring job: every contender's manager built once and warmed up by an untimed save
     (as a training run keeps one), then `repeats` rounds, ABBA."""
     import torch.distributed as dist
-    from fresh_process import abba
 
     dist.init_process_group("gloo")
-    parts, nbytes = _job(args.layers)
+    parts, nbytes = _job(layers)
     out: dict = {"rank": dist.get_rank(), "state_bytes": nbytes, "rounds": {c: [] for c in CONTENDERS},
                  "errors": {}}
     managers = {}
     for contender in CONTENDERS:
         try:
-            managers[contender] = _manager(contender, os.path.join(args.dir, contender), parts)
+            managers[contender] = _manager(contender, os.path.join(directory, contender), parts)
             managers[contender].save(1)
             managers[contender].maybe_wait_for_staging()
             managers[contender].maybe_wait_for_saving()
         except Exception as exc:  # noqa: BLE001 - a contender that cannot run here is reported, not fatal
             out["errors"][contender] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         dist.barrier()
-    for round_index, contender in enumerate(abba(list(CONTENDERS), args.repeats)):
+    for round_index, contender in enumerate(harness.alternate(CONTENDERS, repeats)):
         if contender not in out["errors"]:
-            out["rounds"][contender].append(_round(contender, managers[contender], os.path.join(args.dir, contender),
+            out["rounds"][contender].append(_round(contender, managers[contender], os.path.join(directory, contender),
                                                    parts, round_index + 2))
         dist.barrier()
     for manager in managers.values():
         manager.close()
-    print(json.dumps(out), flush=True)
     dist.destroy_process_group()
+    return out
 
 
 def _round(contender: str, manager, folder: str, parts: dict, step: int) -> dict:
@@ -186,57 +190,38 @@ def _round(contender: str, manager, folder: str, parts: dict, step: int) -> dict
     return {"blocking": blocking, "whole": whole, "cpu": cpu, "resume": resume}
 
 
-def fresh_memory(args: argparse.Namespace) -> None:
+def fresh_memory(directory: str, layers: int, contender: str) -> dict:
     """One process of a fresh job: the growth of its peak RSS over one `load()` of the contender's newest step."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    parts, _ = _job(args.layers)
-    manager = _manager(args.contender, os.path.join(args.dir, args.contender), parts)
+    parts, _ = _job(layers)
+    manager = _manager(contender, os.path.join(directory, contender), parts)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     manager.load()
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     manager.close()
-    print(json.dumps({"rank": dist.get_rank(), "peak_rss_growth_kib": grown}), flush=True)
+    rank = dist.get_rank()
     dist.destroy_process_group()
+    return {"rank": rank, "peak_rss_growth_kib": grown}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("driver", "worker", "fresh"), default="driver")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--processes", type=int, default=4)
-    parser.add_argument("--dir")
-    parser.add_argument("--contender")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "torchtitan"))
-    args = parser.parse_args()
-    if args.mode == "worker":
-        return worker(args)
-    if args.mode == "fresh":
-        return fresh_memory(args)
-    driver(args)
-
-
-def driver(args: argparse.Namespace) -> None:
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `torchtitan`: one measuring job of every contender, then a fresh job per contender for its
+    memory (blocks)."""
     from jobs import run_job
 
-    own = args.dir is None
-    args.dir = args.dir or tempfile.mkdtemp(prefix="bench-titan-")
-    common = ["--layers", str(args.layers), "--dir", args.dir]
-    try:
-        answers = run_job([__file__, "--mode", "worker", "--repeats", str(args.repeats), *common], args.processes)
-        memory = {}
-        for contender in CONTENDERS:
-            if contender in answers[0]["errors"]:
-                continue
-            fresh = run_job([__file__, "--mode", "fresh", "--contender", contender, *common], args.processes)
+    layers, processes = settings.option("layers", 6), settings.option("processes", 4)
+    script = os.path.abspath(__file__)
+    answers = run_job([script, "--worker", "measure", settings.workdir, layers, settings.repeats], processes)
+    memory = {}
+    for contender in CONTENDERS:
+        if contender not in answers[0]["errors"]:
+            fresh = run_job([script, "--worker", "fresh", settings.workdir, layers, contender], processes)
             memory[contender] = max(a["peak_rss_growth_kib"] for a in fresh) / 1024
-        opened = opened_elsewhere(os.path.join(args.dir, "xtc-async"))
-    finally:
-        if own:
-            shutil.rmtree(args.dir, ignore_errors=True)
-    report(args, answers, memory, opened)
+    opened = opened_elsewhere(os.path.join(settings.workdir, "xtc-async"))
+    rows, text = report(answers, memory, layers, processes, settings.repeats, opened)
+    return harness.Result(rows, text, {"answers": answers, "fresh_peak_rss_growth_mib": memory, "opened": opened})
 
 
 def opened_elsewhere(root: str) -> list[str]:
@@ -280,38 +265,31 @@ def opened_elsewhere(root: str) -> list[str]:
     return lines
 
 
-def report(args: argparse.Namespace, answers: list[dict], memory: dict, opened: list[str]) -> None:
-    rows, table = {}, []
+def report(answers: list[dict], memory: dict, layers: int, processes: int, repeats: int,
+           opened: list[str]) -> tuple[list, str]:
+    """The rows (each round: the slowest process) and the prose of the answers, with `opened_elsewhere`'s lines."""
+    rows, medians, table = [], {}, []
     for contender in CONTENDERS:
         if contender in answers[0]["errors"]:
             table.append(f"{contender:18s} does not run here: {answers[0]['errors'][contender]}")
             continue
         rounds = zip(*(a["rounds"][contender] for a in answers))
         slowest = [{k: max(r[k] for r in per_rank) for k in per_rank[0]} for per_rank in rounds]
-        rows[contender] = {k: statistics.median(r[k] for r in slowest) for k in slowest[0]}
-        rows[contender]["rounds"] = len(slowest)
-        rows[contender]["fresh_peak_rss_growth_mib"] = memory.get(contender)
-    header = f"{'contender':18s} {'blocking s':>10s} {'whole s':>9s} {'cpu s':>7s} {'resume s':>9s} {'fresh MiB':>9s}"
-    table.insert(0, header)
-    for contender, row in rows.items():
-        table.append(f"{contender:18s} {row['blocking']:10.3f} {row['whole']:9.3f} {row['cpu']:7.2f} "
-                     f"{row['resume']:9.3f} {row['fresh_peak_rss_growth_mib'] or 0:9.1f}")
-    if "dcp-async" in rows and "xtc-async" in rows:
-        blocking = rows["xtc-async"]["blocking"] / rows["dcp-async"]["blocking"]
-        resume = rows["dcp-async"]["resume"] / rows["xtc-async"]["resume"]
+        medians[contender] = {k: harness.median(r[k] for r in slowest) for k in slowest[0]}
+        rows.append(harness.Row(contender, {f"{k}_s": harness.series((r[k] for r in slowest), "s")
+                                            for k in slowest[0]},
+                                params={"fresh_peak_rss_growth_mib": memory.get(contender)}))
+    if "dcp-async" in medians and "xtc-async" in medians:
+        blocking = medians["xtc-async"]["blocking"] / medians["dcp-async"]["blocking"]
+        resume = medians["dcp-async"]["resume"] / medians["xtc-async"]["resume"]
         table.append(f"blocking per save, xtc-async / dcp-async: {blocking:.2f}x; resume {resume:.2f}x faster than "
                      "DCP's")
-    text = (f"torchtitan job state: llama3 debug model, {args.layers} layers, FSDP2 over {args.processes} processes, "
+    text = (f"torchtitan job state: llama3 debug model, {layers} layers, FSDP2 over {processes} processes, "
             f"{answers[0]['state_bytes'] / 2**20:.1f} MiB of parameters and AdamW moments per process; medians of "
-            f"{args.repeats} rounds\n" + "\n".join(table + opened))
-    print(text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".txt", "w") as f:
-        f.write(text + "\n")
-    with open(args.out + ".json", "w") as f:
-        json.dump({"rows": rows, "errors": answers[0]["errors"], "processes": args.processes, "layers": args.layers,
-                   "repeats": args.repeats, "opened": opened}, f, indent=2)
+            f"{repeats} rounds (fresh MiB: peak RSS growth over load() in a fresh job: "
+            + ", ".join(f"{c} {m:.1f}" for c, m in memory.items()) + ")\n" + "\n".join(table + opened))
+    return rows, text
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

@@ -20,23 +20,20 @@ resident set during the call and its ratio to read's, the fresh memory (that gro
 machine-wide) and the process's peak resident set (torch and the library imported); with the load average
 before and after and the niceness the contenders ran at. Prints one JSON line.
 
-    python benchmarks/bench_views.py [--scale 0.4] [--rounds 7] [--dir DIR]
+    python -m benchmarks views [--scale 0.4] [--repeats 7] [--set dir=DIR]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import footprint  # noqa: E402
-from fresh_process import abba, evict, run_json  # noqa: E402
+import harness  # noqa: E402
+from fresh_process import evict  # noqa: E402
 
 CONTENDERS = ("floor", "read", "stats", "report")
 
@@ -80,46 +77,42 @@ def read(path: str) -> None:
                     raise data
 
 
-def worker(contender: str, path: str, out: str) -> None:
+def worker(contender: str, path: str, out: str) -> dict:
     from xla_tensorstore_ckpt import views
 
     work = {"floor": lambda: floor(path), "read": lambda: read(path), "stats": lambda: views.stats_view(path),
             "report": lambda: views.write_report(path, out, overwrite=True)}[contender]
     measured, _ = footprint.measure(work)
     measured["peak_rss_bytes"] = footprint.memory._status_kib("VmHWM") * 1024
-    print(json.dumps(measured))
+    return measured
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--scale", type=float, default=0.4)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--dir")
-    parser.add_argument("--worker", nargs=3, metavar=("CONTENDER", "PATH", "OUT"))
-    args = parser.parse_args()
-    if args.worker:
-        worker(*args.worker)
-        return
-    base = args.dir or tempfile.mkdtemp(prefix="bench-views-")
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `views`: the item built once (or reused from ``--set dir``), each contender evicted and fresh, ABBA."""
+    base = settings.option("dir", "") or settings.workdir
     item = os.path.join(base, "item")
-    nbytes = build(item, args.scale) if not os.path.exists(item) else None
+    nbytes = build(item, settings.scale) if not os.path.exists(item) else None
     if nbytes is None:
         from xla_tensorstore_ckpt import inspection
         nbytes = sum(r.meta.nbytes for r in inspection.tree_rows(inspection.open_checkpoint(item)) if r.meta)
-    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
     load_before = os.getloadavg()
-    for contender in abba(list(CONTENDERS), args.rounds):
+
+
+    def one(contender: str, _round: int) -> dict:
         evict(item)
-        runs[contender].append(run_json([sys.executable, __file__, "--worker", contender, item,
-                                         os.path.join(base, "report.html")], dict(os.environ), contender))
+        return harness.fresh(__file__, contender, item, os.path.join(base, "report.html"), env=dict(os.environ),
+                             what=contender)
+
+    runs = harness.alternated(CONTENDERS, settings.repeats, one)
 
     def med(contender: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[contender])
+        return harness.median(r[key] for r in runs[contender])
 
-    result = {"bytes": nbytes, "rounds": args.rounds, "scale": args.scale, "nice": os.nice(0),
+    result = {"bytes": nbytes, "rounds": settings.repeats, "scale": settings.scale, "nice": os.nice(0),
               "load_before": load_before, "load_after": os.getloadavg()}
     fastest = min(med("floor", "wall_s"), med("read", "wall_s"))
-    cpu = {c: statistics.median(r["user_s"] + r["system_s"] for r in runs[c]) for c in CONTENDERS}
+    cpu = {c: harness.median(r["user_s"] + r["system_s"] for r in runs[c]) for c in CONTENDERS}
+    rows = []
     for c in CONTENDERS:
         result[c] = {"wall_s": med(c, "wall_s"), "vs_floor": med(c, "wall_s") / fastest,
                      "wall_vs_read": med(c, "wall_s") / med("read", "wall_s"),
@@ -129,8 +122,15 @@ def main() -> None:
                      "rss_growth_vs_read": med(c, "rss_growth_bytes") / med("read", "rss_growth_bytes"),
                      "fresh_mib": med(c, "fresh_bytes") / 2**20,
                      "peak_rss_mib": med(c, "peak_rss_bytes") / 2**20}
-    print(json.dumps(result))
+        metrics = harness.footprint_metrics(runs[c], nbytes, ("wall_s", "cpu_s", "read_bytes"))
+        metrics.update(harness.footprint_metrics(runs[c], None, ("rss_growth_bytes", "peak_rss_bytes")))
+        rows.append(harness.Row(c, metrics, params={key: result[c][key] for key in ("vs_floor", "wall_vs_read",
+                                                                                      "cpu_vs_read",
+                                                                                      "rss_growth_vs_read")}))
+    text = (f"{nbytes / 2**30:.2f} GiB item, {settings.repeats} rounds ABBA, evicted; wall vs the faster of floor "
+            "and read: " + ", ".join(f"{c} {result[c]['vs_floor']:.2f}x" for c in CONTENDERS))
+    return harness.Result(rows, text, result)
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

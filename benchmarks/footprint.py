@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import resource
-import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import memory
+from harness import median
 
 
 def _page_cache_bytes() -> int:
@@ -63,11 +63,11 @@ def summary(measured: Sequence[dict], nbytes: int, *, read: bool) -> str:
     page cache growth) and bytes read (`read`) or written per byte of state, and where an object store answered,
     the bytes received over the network."""
     def med(key: str) -> float:
-        return statistics.median(m[key] for m in measured)
+        return median(m[key] for m in measured)
 
     io = "read_bytes" if read else "written_bytes"
     network = med("network_bytes") / nbytes
-    return (f"CPU {statistics.median(m['user_s'] + m['system_s'] for m in measured):.2f} s ({med('user_s'):.2f} "
+    return (f"CPU {median(m['user_s'] + m['system_s'] for m in measured):.2f} s ({med('user_s'):.2f} "
             f"user + {med('system_s'):.2f} sys), fresh {med('fresh_bytes') / nbytes:.2f} B/B "
             f"({med('rss_growth_bytes') / nbytes:.2f} resident + {med('page_cache_growth_bytes') / nbytes:.2f} page "
             f"cache), {'read' if read else 'written'} {med(io) / nbytes:.2f} B/B"

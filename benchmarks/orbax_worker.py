@@ -1,20 +1,19 @@
 """The Orbax contender: orbax-checkpoint with JAX on 8 CPU devices, the same shapes and shardings as the torch
-workloads, in its own virtual environment (JAX and torch_xla do not share one). Run by run.py; prints one
-RESULT line in the same form as worker.py.
+workloads, in its own virtual environment (JAX and torch_xla do not share one). Run by run.py
+(`harness.fresh` with that environment's python); answers like worker.py, one JSON line.
 
-usage: orbax_worker.py WORKLOAD --scale S --repeats N --dir DIR [--devices 8] [--restore-only | --resume]
-                       [--warm-restore]
+usage: orbax_worker.py --worker orbax WORKLOAD SCALE REPEATS DIR FLAGS    (FLAGS as worker.py's; XTC_ORBAX_DEVICES)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import shutil
 import sys
 import time
+import types
 
 DEVICES = int(os.environ.get("XTC_ORBAX_DEVICES", "8"))
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
@@ -30,6 +29,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import footprint  # noqa: E402
 import fresh_process  # noqa: E402
+import harness  # noqa: E402
 import memory  # noqa: E402
 
 DTYPES = {"torch.float32": jnp.float32, "torch.bfloat16": jnp.bfloat16}
@@ -64,17 +64,20 @@ def build(entries, mesh_axes, which: int, zeros: bool):
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("workload")
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", required=True)
-    parser.add_argument("--restore-only", action="store_true")
-    parser.add_argument("--resume", action="store_true", help="evict, build the target, restore once; keep the step")
-    parser.add_argument("--keep", action="store_true")
-    parser.add_argument("--warm-restore", action="store_true")
-    args = parser.parse_args()
+def worker(contender: str, workload: str, scale: str, repeats: str, directory: str, flags: str) -> dict:
+    """Orbax (`contender` is ``orbax``) on one workload in this process; its answer."""
+    given = set(flags.split(",")) - {""}
+    unknown = given - {"keep", "warm_restore", "restore_only", "resume"}
+    if contender != "orbax" or unknown:
+        raise ValueError(f"the Orbax worker runs the contender orbax with flags keep, warm_restore, restore_only, "
+                         f"resume; not {contender!r} with {sorted(unknown)}")
+    args = types.SimpleNamespace(workload=workload, scale=float(scale), repeats=int(repeats), dir=directory,
+                                 **{flag: flag in given for flag in ("keep", "warm_restore", "restore_only",
+                                                                     "resume")})
+    return _run(args)
+
+
+def _run(args: types.SimpleNamespace) -> dict:
     entries = specs(args.workload, args.scale)
     save_mesh = ((4, 2), ("x", "y"))
     restore_mesh = ((2, DEVICES // 2), ("a", "b"))
@@ -90,8 +93,7 @@ def main() -> None:
         result = {"contender": "orbax", "workload": args.workload, "restore_s": [measures["wall_s"]],
                   "footprint": measures}
         manager.close()
-        print("RESULT " + json.dumps(result), flush=True)
-        return
+        return result
     if args.restore_only:
         manager = ocp.CheckpointManager(root, options=manager_options)
         result = {"contender": "orbax", "workload": args.workload, "devices": DEVICES, "restore_s": []}
@@ -105,8 +107,7 @@ def main() -> None:
             del restored, target
         manager.close()
         shutil.rmtree(args.dir, ignore_errors=True)
-        print("RESULT " + json.dumps(result), flush=True)
-        return
+        return result
 
     shutil.rmtree(args.dir, ignore_errors=True)
     state = build(entries, save_mesh, 0, zeros=False)
@@ -154,8 +155,8 @@ def main() -> None:
     manager.close()
     if not args.keep:
         shutil.rmtree(args.dir, ignore_errors=True)
-    print("RESULT " + json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

@@ -11,19 +11,19 @@ FSDP = 4 / R: data-parallel replicas hold the same shard) and has a local tier o
    each; the fresh memory each touched (resident growth per process, page cache growth machine-wide); bytes each
    restore read from the persistent tier, from the restore events.
 
-Prints one JSON line. Run by bench_multi_tier.py; not meant to be run alone.
+Run by bench_multi_tier.py as ``peer_replication_job.py --worker ROOT LOCAL_BASE MIB REPEATS REPLICAS`` in every
+process of the job; prints its answer as one JSON line (`harness.worker_main`). Not meant to be run alone.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import time
 
 import footprint
 import fresh_process
+import harness
 import torch
 
 import xla_tensorstore_ckpt as xtc
@@ -59,42 +59,37 @@ def du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--local-base", required=True)
-    parser.add_argument("--mib", type=float, required=True, help="state per process")
-    parser.add_argument("--repeats", type=int, required=True)
-    parser.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (DP x FSDP layout)")
-    args = parser.parse_args()
+def worker(root: str, local_base: str, mib: str, repeats: str, replicas: str) -> dict:
+    """One process of the job: `mib` of state, `repeats` measured rounds, `replicas` data-parallel replicas
+    (a DP x FSDP layout); its measurements."""
     coordinator = xtc.Coordinator.from_environment()
     me, count = coordinator.index, coordinator.count
-    rows = max(1, int(args.mib * 2**20 / (ARRAYS * COLUMNS * 4)))
+    repeats, replicas = int(repeats), int(replicas)
+    rows = max(1, int(float(mib) * 2**20 / (ARRAYS * COLUMNS * 4)))
     events: list = []
     base = dict(max_to_keep=2, save_rng=False, local_save_interval_steps=1, local_max_to_keep=2,
                 listeners=(events.append,))
 
     def local_dir(name: str, process: int = me) -> str:
-        return os.path.join(args.local_base, name, f"host{process}")
+        return os.path.join(local_base, name, f"host{process}")
 
     # 1. blocking time of save(), replication on and off, alternating ABBA
-    managers = {k: xtc.CheckpointManager(f"{args.root}/blocking-{k}", xtc.CheckpointManagerOptions(
+    managers = {k: xtc.CheckpointManager(f"{root}/blocking-{k}", xtc.CheckpointManagerOptions(
         save_interval_steps=None, local_directory=local_dir(f"blocking-{k}"), local_replication=k, **base))
         for k in (1, 2)}
     blocked: dict[int, list[float]] = {1: [], 2: []}
-    for step in range(2 * args.repeats + 1):  # step 0 warms both up
-        order = (1, 2) if step % 4 in (0, 3) else (2, 1)
-        for k in order:
-            values = state(step, rows, me, count, args.replicas)
-            coordinator.everywhere("align", lambda: None)
-            start = time.perf_counter()
-            managers[k].save(step, model=values, force=True)
-            elapsed = time.perf_counter() - start
-            managers[k].wait_until_finished()
-            if step:
-                blocked[k].append(elapsed)
+    for turn, k in enumerate(harness.alternate((1, 2), 2 * repeats + 1)):
+        step = turn // 2  # step 0 warms both up
+        values = state(step, rows, me, count, replicas)
+        coordinator.everywhere("align", lambda: None)
+        start = time.perf_counter()
+        managers[k].save(step, model=values, force=True)
+        elapsed = time.perf_counter() - start
+        managers[k].wait_until_finished()
+        if step:
+            blocked[k].append(elapsed)
     sent = [e.details["sent_bytes"] for e in events if e.kind == "peer_copies_committed"]
-    own = du(os.path.join(local_dir("blocking-2"), str(2 * args.repeats)))
+    own = du(os.path.join(local_dir("blocking-2"), str(2 * repeats)))
     disk = {k: du(local_dir(f"blocking-{k}")) for k in (1, 2)}
     for manager in managers.values():
         manager.close()
@@ -114,20 +109,20 @@ def main() -> None:
     page_cache: dict[str, list[int]] = {name: [] for name, _, _ in cases}
     persistent_bytes: dict[str, list[int]] = {name: [] for name, _, _ in cases}
     exact = True
-    for repeat in range(args.repeats + 1):  # repeat 0 warms up
-        with xtc.CheckpointManager(f"{args.root}/resume", options) as manager:
-            manager.save(repeat + 1, model=state(repeat + 1, rows, me, count, args.replicas), force=True)
+    for repeat in range(repeats + 1):  # repeat 0 warms up
+        with xtc.CheckpointManager(f"{root}/resume", options) as manager:
+            manager.save(repeat + 1, model=state(repeat + 1, rows, me, count, replicas), force=True)
         for name, hosts, cache in cases:
             if me in hosts:
                 shutil.rmtree(local_dir("resume"), ignore_errors=True)
             set_page_cache(local_dir("resume"), cache)
             coordinator.everywhere("wiped", lambda: None)
-            with xtc.CheckpointManager(f"{args.root}/resume", options) as manager:
-                target = state(None, rows, me, count, args.replicas)
+            with xtc.CheckpointManager(f"{root}/resume", options) as manager:
+                target = state(None, rows, me, count, replicas)
                 events.clear()
                 coordinator.everywhere("align", lambda: None)
                 measures, step = footprint.measure(lambda m=manager, t=target: m.restore("latest", model=t))
-            expected = state(repeat + 1, rows, me, count, args.replicas)
+            expected = state(repeat + 1, rows, me, count, replicas)
             exact &= step == repeat + 1 and all(torch.equal(target[k].shards[0][1], expected[k].shards[0][1])
                                                 for k in target)
             if repeat:
@@ -138,11 +133,11 @@ def main() -> None:
                 persistent_bytes[name].append(sum(e.details.get("storage_bytes") or 0 for e in events
                                                   if e.kind == "restore_finished" and e.tier == "persistent"))
     coordinator.close()
-    print(json.dumps({"process": me, "state_bytes": rows * COLUMNS * 4 * ARRAYS, "blocked": blocked,
-                      "sent_per_step": sent, "own_step_bytes": own, "disk": disk, "resumes": resumes,
-                      "resume_cpu": cpu, "resume_resident_growth": resident, "resume_page_cache_growth": page_cache,
-                      "persistent_bytes": persistent_bytes, "exact": exact}), flush=True)
+    return {"process": me, "state_bytes": rows * COLUMNS * 4 * ARRAYS, "blocked": blocked, "sent_per_step": sent,
+            "own_step_bytes": own, "disk": disk, "resumes": resumes, "resume_cpu": cpu,
+            "resume_resident_growth": resident, "resume_page_cache_growth": page_cache,
+            "persistent_bytes": persistent_bytes, "exact": exact}
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

@@ -1,13 +1,13 @@
-"""The benchmark command (`make bench`): every contender on every workload, each in its own process, side by side
-in one run, with the machine's floors measured in the same run. Prints an aligned table with ratios against
-torch_xla's CheckpointManager, writes JSON and a PNG bar chart under benchmarks/results/.
+"""The side-by-side benchmark (`make bench`'s first case): every contender on every workload, each in its own
+process, side by side in one run, with the machine's floors measured in the same run: an aligned table with
+ratios against torch_xla's CheckpointManager, and a PNG bar chart beside the result set.
 
-usage: python benchmarks/run.py [--quick] [--scale 1.0] [--repeats 3]
-                                [--workloads large,small,model,orbax-interop,hf-import,torch_xla-import,
-                                             dtensor,size-sweep,multi-tier,scale]
-                                [--contenders xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
-                                [--storage local|gcs|s3] [--warm-restore] [--warm-memory] [--resumes 5]
-                                [--sweep 0.25,1,4] [--events FILE]
+usage: python -m benchmarks side-by-side [--quick] [--scale 1.0] [--repeats 3]
+          [--set workloads=large,small,model,size-sweep (also: orbax-interop,hf-import,torch_xla-import,dtensor,
+                                                          multi-tier,scale)]
+          [--set contenders=xtc,xtc-nofsync,xtc-async,torch_xla,torch_xla-async,torch.save,orbax]
+          [--set storage=local|gcs|s3] [--set warm_restore=1] [--set warm_memory=1] [--set resumes=5]
+          [--set sweep=0.25,1,4] [--set events=FILE]
 
 Workloads (benchmarks/workloads.py): `large` 1 GiB of 2D-sharded float32 + bfloat16; `small` 2,000 tensors of
 4 KiB-256 KiB; `model` a ~200M-parameter decoder with AdamW moments (~2.4 GiB), FSDP-sharded, also restored onto
@@ -28,10 +28,9 @@ blocking with both tiers due against one, a training loop saving the local tier 
 tier; the persistent tier on --storage); `scale` jobs of 1-8 processes, replication 1, 2, 4, single-replica reads
 on and off, on local disk and the GCS emulator (benchmarks/bench_scale.py; run with --storage local only, its
 results beside this run's as <output>-scale.json / .txt / .png).
-`--quick` is a smoke test of a few minutes (0.1 scale, one repeat, the large and small workloads, this
-library against torch_xla's manager) and says what it leaves out; `--scale` shrinks every workload. Only the full
-run with the default options writes benchmarks/results/<storage>.{json,txt,png}; any other writes to the
-temporary directory (or --output) and names the files it wrote.
+`--quick` is a smoke test (0.02 scale, one repeat, one resume, the large and small workloads, this library against
+torch_xla's manager); `--scale` shrinks every workload. The result set is named after the storage: only the full
+run with the default options writes benchmarks/results/<storage>.{json,txt,png}.
 The Orbax contender runs with JAX on 8 CPU devices in its own
 virtual environment (benchmarks/.venv-orbax, created on first use from the package registry); the interop
 workload with the Orbax of the test extra. With --storage gcs every contender writes to a fake-gcs-server
@@ -45,15 +44,15 @@ shard and PJRT's into the device buffer; docs/performance.md, "The copies on the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import types
+from collections.abc import Callable
 
 import numpy as np
 
@@ -65,7 +64,9 @@ import bench_orbax_interop  # noqa: E402
 import bench_torch_xla_import  # noqa: E402
 import footprint  # noqa: E402
 import fresh_process  # noqa: E402
+import harness  # noqa: E402
 import workloads  # noqa: E402
+from object_stores import start_object_store  # noqa: E402
 
 DEFAULT_CONTENDERS = ("xtc", "xtc-nofsync", "xtc-async", "torch_xla", "torch_xla-async", "torch.save", "orbax")
 RESTORE_ON_4 = ("xtc", "torch_xla", "orbax")
@@ -89,27 +90,24 @@ def orbax_python() -> str:
 
 def run_worker(contender: str, workload: str, args, workdir: str, env: dict, *, devices: int = 8,
                keep: bool = False, restore_only: bool = False, resume: bool = False) -> dict:
+    """One contender on one workload in a fresh process (benchmarks/worker.py, or orbax_worker.py in the Orbax
+    environment) with `devices` CPU devices; its answer. Blocks; raises RuntimeError if it fails."""
     directory = os.path.join(workdir, f"{contender}-{workload}")
-    flags = ["--scale", str(args.scale), "--repeats", str(args.repeats), "--dir", directory]
-    flags += ["--keep"] if keep else []
-    flags += ["--restore-only"] if restore_only else []
-    flags += ["--resume"] if resume else []
-    flags += ["--warm-restore"] if args.warm_restore else []
+    flags = ",".join(name for name, on in (("keep", keep), ("restore_only", restore_only), ("resume", resume),
+                                           ("warm_restore", args.warm_restore)) if on)
     env = dict(env)
+    python = None
     if contender == "orbax":
         specs_file = os.path.join(tempfile.gettempdir(), f"xtc-orbax-specs-{workload}-{args.scale}.json")
         with open(specs_file, "w") as f:
             json.dump(workloads.specs_json(workload, args.scale), f)
         env.update(XTC_ORBAX_SPECS=specs_file, XTC_ORBAX_DEVICES=str(devices))
-        cmd = [orbax_python(), os.path.join(HERE, "orbax_worker.py"), workload, *flags]
+        python, script = orbax_python(), os.path.join(HERE, "orbax_worker.py")
     else:
-        env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
-        cmd = [sys.executable, os.path.join(HERE, "worker.py"), contender, workload, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{contender} on {workload} failed:\n{proc.stderr[-4000:]}")
+        env.update(CPU_NUM_DEVICES=str(devices))
+        script = os.path.join(HERE, "worker.py")
+    return harness.fresh(script, contender, workload, args.scale, args.repeats, directory, flags, env=env,
+                         python=python, what=f"{contender} on {workload}")
 
 
 def read_into_fresh_memory(path: str, nbytes: int) -> float:
@@ -173,41 +171,7 @@ def object_store_floors(nbytes: int, base: str, repeats: int) -> dict:
     return {"object_write_s": writes, "object_read_s": reads}
 
 
-class _Server:
-    """A local object store server for the run, and the client environment that points at it."""
-
-    def __init__(self, process, environment: dict[str, str]):
-        self.process, self.environment = process, environment
-
-    def stop(self) -> None:
-        self.process.stop()
-
-
-def start_object_store(kind: str) -> tuple[_Server | None, str | None]:
-    """Start fake-gcs-server or moto's S3 server (the test suite's own launchers) with a bucket "bench"; the
-    server and the root every contender writes under (None, None for local files)."""
-    if kind == "local":
-        return None, None
-    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-    if kind == "gcs":
-        import gcs_emulator
-
-        process = gcs_emulator.Emulator().start()
-        process.create_bucket("bench")
-        return _Server(process, gcs_emulator.client_environment(process.url)), "gs://bench"
-    import s3_server
-
-    process = s3_server.S3Server().start()
-    process.create_bucket("bench")
-    return _Server(process, s3_server.client_environment(process.url)), "s3://bench"
-
-
-def median(values):
-    return statistics.median(values) if values else float("nan")
-
-
-def spread(values):
-    return (max(values) - min(values)) / 2 if values else float("nan")
+median, spread = harness.median, harness.spread
 
 
 def table(results: list[dict], floor: dict[str, dict]) -> str:
@@ -319,47 +283,106 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-QUICK = ["--scale", "0.1", "--repeats", "1", "--resumes", "1", "--workloads", "large,small",
-         "--contenders", "xtc,torch_xla"]
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `side-by-side` (`make bench`'s first): every contender on every workload in its own process. The
+    workloads that are cases of their own (orbax-interop, hf-import, torch_xla-import, dtensor, multi-tier, scale)
+    run here only when ``--set workloads=...`` names them; ``--set warm_memory=1``: resumes, torch_xla-import and
+    dtensor: a throwaway process touches twice the checkpoint's bytes before each timed process or region (this
+    VM's fresh memory is slow to hand over; docs/performance.md); ``--set events=FILE``: this library's contenders
+    write every save and restore event to FILE (JSON lines)."""
+    import cases
+
+    defaults = cases.CASES["side-by-side"].options
+    args = types.SimpleNamespace(scale=settings.scale, repeats=settings.repeats,
+                                 **{key: settings.option(key, value) for key, value in defaults.items()})
+    args.resumes = int(args.resumes)
+    args.warm_restore = settings.option("warm_restore", False)
+    args.warm_memory = settings.option("warm_memory", False)
+    results, floor, parts = _run_workloads(args, settings.beside)
+    files = []
+    try:
+        plot(results, settings.beside(".png"))
+        files.append(settings.beside(".png"))
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
+    raw = {"storage": args.storage, "floors": floor, "results": results, **parts}
+    return harness.Result(_rows(results, floor), _text(results, floor, parts), raw, files)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", default="large,small,model,orbax-interop,hf-import,torch_xla-import,dtensor,"
-                                                 "size-sweep,multi-tier,scale")
-    parser.add_argument("--sweep", default="0.25,1,4",
-                        help="size-sweep: sizes in GiB (times --scale) of the large workload, for xtc and torch_xla")
-    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS))
-    parser.add_argument("--storage", choices=("local", "gcs", "s3"), default="local")
-    parser.add_argument("--warm-restore", action="store_true",
-                        help="each contender restores once, uncounted, before the timed restores (as for saves)")
-    parser.add_argument("--warm-memory", action="store_true",
-                        help="resumes, torch_xla-import and dtensor: a throwaway process touches twice the "
-                        "checkpoint's bytes before each timed process or region (this VM's fresh memory is slow to "
-                        "hand over; docs/performance.md)")
-    parser.add_argument("--resumes", type=int, default=5,
-                        help="resumes per contender on the large and model workloads: fresh process, page cache "
-                        "evicted, one restore (0: none)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a quick look (a few minutes here): {' '.join(QUICK)}")
-    parser.add_argument("--output", default=None,
-                        help="default: benchmarks/results/<storage>.json (+ .txt, .png) for the full run with the "
-                        "default options; a file in the temporary directory for any other (the committed "
-                        "reference results are never replaced by a scaled or partial run)")
-    parser.add_argument("--events", metavar="FILE", default=None,
-                        help="this library's contenders write every save and restore event to FILE (JSON lines)")
-    args = parser.parse_args()
-    if args.quick:
-        parser.parse_args(QUICK, namespace=args)
-        print(f"quick run ({' '.join(QUICK)}): leaves out the model, orbax-interop, hf-import, torch_xla-import, "
-              "dtensor, size-sweep, multi-tier and scale workloads, torch.save, Orbax and the async contenders; "
-              "figures at 0.1 scale and 1 repeat are a smoke test, not a measurement", file=sys.stderr)
-    reference = all(getattr(args, name) == parser.get_default(name) for name in (
-        "scale", "repeats", "workloads", "sweep", "contenders", "warm_restore", "warm_memory", "resumes"))
-    output = args.output or (os.path.join(HERE, "results", f"{args.storage}.json") if reference else os.path.join(
-        tempfile.gettempdir(), f"xtc-bench-{args.storage}-{'quick' if args.quick else 'partial'}.json"))
+def _text(results: list[dict], floor: dict[str, dict], parts: dict) -> str:
+    """The prose of a result set: the table with ratios and floors, the parts other cases' code measured, the
+    size sweep."""
+    text = table(results, floor)
+    for name, module in (("orbax_interop", bench_orbax_interop), ("hf_import", bench_hf_import),
+                         ("torch_xla_import", bench_torch_xla_import), ("dtensor", bench_dtensor)):
+        if parts.get(name) is not None:
+            text += "\n\n" + module.describe(parts[name])
+    text += sweep_summary(results)
+    if parts.get("multi_tier") is not None:
+        text += "\n\nmulti-tier: " + parts["multi_tier"]
+    if parts.get("scaling") is not None:
+        text += "\n\n" + parts["scaling"]
+    return text
+
+
+def from_legacy(old: dict, text: str) -> dict:
+    """The results document (`harness.SCHEMA`) of a result set this case wrote before the harness
+    (benchmarks/results/<storage>.json with ``results`` and ``floors``, and its .txt, `text`, kept as the prose):
+    the same measurements, its time and settings. Used to move the committed result sets onto the schema."""
+    case = harness.Case("side-by-side", "run", "", output=lambda settings: old["storage"])
+    result = harness.Result(_rows(old["results"], old["floors"]), text, old)
+    return {**harness.document(case, harness.Settings(old["repeats"], old["scale"]), result), "time": old["time"]}
+
+
+def _rows(results: list[dict], floor: dict[str, dict]) -> list[harness.Row]:
+    """The result set's rows: per workload, each contender's timed series and footprint columns (per byte of
+    state), then the machine's floors."""
+    rows = []
+    for r in results:
+        metrics = {key: harness.series(r[key], "s") for key in ("save_s", "blocked_s", "restore_s", "resume_s",
+                                                                "restore_4dev_s") if r.get(key)}
+        for phase in ("save", "restore", "resume"):
+            if r.get(f"{phase}_footprint"):
+                for key, stat in harness.footprint_metrics(r[f"{phase}_footprint"], r.get("state_bytes")).items():
+                    if key != "wall_s":
+                        metrics[f"{phase}_{key}"] = stat
+        base = next((b for b in results if b["workload"] == r["workload"] and b["contender"] == BASELINE), None)
+        params = {"fsync": r.get("fsync"), "files": r.get("files"), "exact": r.get("restore_exact")}
+        if base is not None:  # x base: times faster than torch_xla's CheckpointManager, medians
+            params.update({f"{key}_x_base": median(base[key]) / median(r[key]) for key in ("save_s", "restore_s")})
+        if r.get("distinct_shard_bytes"):  # peak+: the first save's peak host RSS above the state, per shard byte
+            params["save_peak_extra"] = r["save_peak_extra_bytes"] / r["distinct_shard_bytes"]
+        rows.append(harness.Row(r["contender"], metrics, r["workload"], params))
+    for workload, f in floor.items():
+        # resume_s of a floor is the placement alone (in-memory host data onto the resume's target, no read)
+        metrics = {("placement_s" if key == "resume_s" else key): harness.series(values, "s")
+                   for key, values in f.items() if key.endswith("_s") and values}
+        rows.append(harness.Row("floor", metrics, f"{workload}: the machine's floor"))
+    return rows
+
+
+def _case(name: str, scale: float, repeats: int, output: str, **options: object) -> str:
+    """Another case run by the harness in a process of its own (it starts its own servers); blocks, returns its
+    text. Raises RuntimeError with the end of its stderr if it fails."""
+    cmd = [sys.executable, "-m", "benchmarks", name, "--scale", str(scale), "--repeats", str(repeats),
+           "--output", output, *(f"--set={k}={v}" for k, v in options.items())]
+    proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=dict(os.environ), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the case {name} (run by side-by-side) failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout.strip()
+
+
+# The workloads measured by other cases' code (their result in the raw document under the key), and whether they
+# run only on local files (their contenders write local files).
+PARTS = {"orbax-interop": ("orbax_interop", True), "hf-import": ("hf_import", True),
+         "torch_xla-import": ("torch_xla_import", True), "dtensor": ("dtensor", True),
+         "multi-tier": ("multi_tier", False), "scale": ("scaling", True)}
+
+
+def _run_workloads(args: types.SimpleNamespace, beside: Callable[[str], str]) -> tuple[list, dict, dict]:
+    """Every workload of `args` in turn (blocks for the whole run): the per-contender results, the floors and
+    the parts run by other benchmarks' code; the cases run in processes of their own write their result sets at
+    ``beside(SUFFIX)``."""
     contenders = args.contenders.split(",")
     env = dict(os.environ)
     if args.events:
@@ -369,125 +392,91 @@ def main() -> None:
         env.update(server.environment)
         os.environ.update(server.environment)  # for the object store floor
         contenders = [c for c in contenders if c not in ("torch.save", "orbax")]  # local files only
-    results, floor, interop, hf_import, torch_xla_import, multi_tier, scaling = [], {}, None, None, None, None, None
-    dtensor = None
+    results: list[dict] = []
+    floor: dict[str, dict] = {}
+    parts: dict = {key: None for key, _ in PARTS.values()}
     try:
         with tempfile.TemporaryDirectory(prefix="xtc-bench-", dir=os.environ.get("XTC_BENCH_DIR")) as workdir:
             base = base or workdir
             for workload in args.workloads.split(","):
-                if workload == "orbax-interop":
-                    if server is None:  # Orbax writes local files here
-                        print("running the Orbax interop restore ...", file=sys.stderr, flush=True)
-                        interop = bench_orbax_interop.measure(args.scale, args.repeats, workdir)
-                    continue
-                if workload == "size-sweep":
-                    for gib in (float(g) * args.scale for g in args.sweep.split(",")):
-                        label = f"large-{gib:g}GiB"
-                        sized = argparse.Namespace(**{**vars(args), "scale": gib})
-                        floor[label] = floors(workloads.spec_bytes("large", gib), workdir, args.repeats)
-                        for contender in SWEEP_CONTENDERS:
-                            print(f"running {contender} on {label} ({args.storage}) ...", file=sys.stderr, flush=True)
-                            results.append({**run_worker(contender, "large", sized, base, env), "workload": label,
-                                            "sweep_gib": gib})
-                    continue
-                if workload == "multi-tier":  # its own process: it starts its own object store
-                    print("running the multi-tier benchmark ...", file=sys.stderr, flush=True)
-                    multi_tier = subprocess.run(
-                        [sys.executable, os.path.join(HERE, "bench_multi_tier.py"), "--scale", str(args.scale),
-                         "--repeats", str(max(args.repeats, 5)), "--loop-steps", "10", "--persistent", args.storage],
-                        env=dict(os.environ), capture_output=True, text=True, check=True).stdout.strip()
-                    continue
-                if workload == "scale":  # its own jobs of processes, on local disk and its own GCS emulator
-                    if server is None:
-                        print("running the scale benchmark ...", file=sys.stderr, flush=True)
-                        scaling = subprocess.run(
-                            [sys.executable, os.path.join(HERE, "bench_scale.py"), "--scale", str(args.scale),
-                             "--repeats", str(args.repeats), "--output", os.path.splitext(output)[0] + "-scale.json"],
-                            env=dict(os.environ), capture_output=True, text=True, check=True).stdout.strip()
-                    continue
-                if workload == "torch_xla-import":
-                    if server is None:  # torch_xla's manager writes local files here
-                        print("running the torch_xla import ...", file=sys.stderr, flush=True)
-                        torch_xla_import = bench_torch_xla_import.measure(args.scale, max(args.repeats, 7), workdir,
-                                                                          warm_memory=args.warm_memory)
-                    continue
-                if workload == "dtensor":
-                    if server is None:  # DCP's FileSystemWriter writes local files here
-                        print("running the DTensor benchmark ...", file=sys.stderr, flush=True)
-                        dtensor = bench_dtensor.measure(args.scale, max(args.repeats, 7), workdir,
-                                                        warm_memory=args.warm_memory)
-                    continue
-                if workload == "hf-import":
-                    if server is None:  # local safetensors files
-                        print("running the Hugging Face import ...", file=sys.stderr, flush=True)
-                        hf_import = bench_hf_import.measure(args.scale, args.repeats, workdir, args.warm_memory)
-                    continue
-                nbytes = workloads.spec_bytes(workload, args.scale)
-                floor[workload] = floors(nbytes, workdir, args.repeats)
-                if server is not None:
-                    floor[workload].update(object_store_floors(nbytes, base, args.repeats))
-                resumed = workload in RESUME_WORKLOADS and args.resumes > 0
-                kept = {}
-                for contender in contenders:
-                    print(f"running {contender} on {workload} ({args.storage}) ...", file=sys.stderr, flush=True)
-                    on4 = workload == "model" and contender in RESTORE_ON_4
-                    keep = on4 or (resumed and contender in RESUME_CONTENDERS)
-                    result = run_worker(contender, workload, args, base, env, keep=keep)
-                    results.append(result)
-                    if keep:
-                        kept[contender] = result
-                if resumed:  # fresh processes, page cache evicted; alternated ABBA so that all see the same machine
-                    print(f"resuming {workload} {args.resumes} times ...", file=sys.stderr, flush=True)
-                    order = [c for c in kept if c in RESUME_CONTENDERS] + [PLACEMENT]
-                    for contender in fresh_process.abba(order, args.resumes):
-                        if args.warm_memory:
-                            footprint.warm_memory(2 * nbytes)
-                        resumed_once = run_worker(contender, workload, args, base, env, resume=True)
-                        into = floor[workload] if contender == PLACEMENT else kept[contender]
-                        into.setdefault("resume_s", []).extend(resumed_once["restore_s"])
-                        into.setdefault("resume_footprint", []).append(resumed_once["footprint"])
-                for contender, result in kept.items():
-                    if workload == "model" and contender in RESTORE_ON_4:
-                        result["restore_4dev_s"] = run_worker(contender, workload, args, base, env, devices=4,
-                                                              restore_only=True)["restore_s"]
-                    elif "://" not in base:
-                        shutil.rmtree(os.path.join(base, f"{contender}-{workload}"), ignore_errors=True)
+                if workload in PARTS:
+                    key, local_only = PARTS[workload]
+                    if server is None or not local_only:
+                        parts[key] = _part(workload, args, workdir, beside)
+                elif workload == "size-sweep":
+                    _size_sweep(args, workdir, base, env, results, floor)
+                else:
+                    _contenders_on(workload, contenders, args, workdir, base, env, server is not None, results,
+                                   floor)
     finally:
         if server is not None:
             server.stop()
-    text = table(results, floor)
-    if interop is not None:
-        text += "\n\n" + bench_orbax_interop.describe(interop)
-    if hf_import is not None:
-        text += "\n\n" + bench_hf_import.describe(hf_import)
-    if torch_xla_import is not None:
-        text += "\n\n" + bench_torch_xla_import.describe(torch_xla_import)
-    if dtensor is not None:
-        text += "\n\n" + bench_dtensor.describe(dtensor)
-    text += sweep_summary(results)
-    if multi_tier is not None:
-        text += "\n\nmulti-tier: " + multi_tier
-    if scaling is not None:
-        text += "\n\n" + scaling
-    print(text)
-    os.makedirs(os.path.dirname(output), exist_ok=True)
-    with open(output, "w") as f:
-        json.dump({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "scale": args.scale, "repeats": args.repeats,
-                   "storage": args.storage, "floors": floor, "results": results, "orbax_interop": interop,
-                   "hf_import": hf_import, "torch_xla_import": torch_xla_import, "dtensor": dtensor,
-                   "multi_tier": multi_tier,
-                   "scaling": scaling}, f, indent=1)
-    stem = os.path.splitext(output)[0]
-    with open(stem + ".txt", "w") as f:
-        f.write(text + "\n")
-    written = [output, stem + ".txt"]
-    try:
-        plot(results, stem + ".png")
-        written.append(stem + ".png")
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
-    print("\nwritten " + ", ".join(written))
+    return results, floor, parts
+
+
+def _part(workload: str, args: types.SimpleNamespace, workdir: str, beside: Callable[[str], str]) -> object:
+    """A workload another case measures: in this process (its `measure`) or, for those that start their own
+    servers, as that case in a process of its own (its text). Blocks."""
+    print(f"running the {workload} benchmark ...", file=sys.stderr, flush=True)
+    warm = {"warm_memory": "1" if args.warm_memory else "0"}
+    if workload == "multi-tier":
+        return _case("multi-tier", args.scale, max(args.repeats, 5), beside("-multi-tier.json"), loop_steps=10,
+                     persistent=args.storage)
+    if workload == "scale":
+        return _case("scale", args.scale, args.repeats, beside("-scale.json"))
+    module, repeats = {"orbax-interop": (bench_orbax_interop, args.repeats), "hf-import": (bench_hf_import,
+                                                                                          args.repeats),
+                       "torch_xla-import": (bench_torch_xla_import, max(args.repeats, 7)),
+                       "dtensor": (bench_dtensor, max(args.repeats, 7))}[workload]
+    return module.measure(harness.Settings(repeats, args.scale, options=warm, workdir=workdir))
+
+
+def _size_sweep(args: types.SimpleNamespace, workdir: str, base: str, env: dict, results: list, floor: dict) -> None:
+    """The large workload at each size of ``args.sweep`` (GiB times the scale), in process, for xtc and
+    torch_xla; appends to `results` and `floor`."""
+    for gib in (float(g) * args.scale for g in args.sweep.split(",")):
+        label = f"large-{gib:g}GiB"
+        sized = types.SimpleNamespace(**{**vars(args), "scale": gib})
+        floor[label] = floors(workloads.spec_bytes("large", gib), workdir, args.repeats)
+        for contender in SWEEP_CONTENDERS:
+            print(f"running {contender} on {label} ({args.storage}) ...", file=sys.stderr, flush=True)
+            results.append({**run_worker(contender, "large", sized, base, env), "workload": label, "sweep_gib": gib})
+
+
+def _contenders_on(workload: str, contenders: list[str], args: types.SimpleNamespace, workdir: str, base: str,
+                   env: dict, object_store: bool, results: list, floor: dict) -> None:
+    """The machine's floors for `workload`, then each contender in a fresh process (saves and in-process
+    restores), the resumes alternated ABBA, the restores onto 4 devices; appends to `results` and `floor`."""
+    nbytes = workloads.spec_bytes(workload, args.scale)
+    floor[workload] = floors(nbytes, workdir, args.repeats)
+    if object_store:
+        floor[workload].update(object_store_floors(nbytes, base, args.repeats))
+    resumed = workload in RESUME_WORKLOADS and args.resumes > 0
+    kept = {}
+    for contender in contenders:
+        print(f"running {contender} on {workload} ({args.storage}) ...", file=sys.stderr, flush=True)
+        keep = (workload == "model" and contender in RESTORE_ON_4) or (resumed and contender in RESUME_CONTENDERS)
+        result = run_worker(contender, workload, args, base, env, keep=keep)
+        results.append(result)
+        if keep:
+            kept[contender] = result
+    if resumed:  # fresh processes, page cache evicted; alternated ABBA so that all see the same machine
+        print(f"resuming {workload} {args.resumes} times ...", file=sys.stderr, flush=True)
+        order = [c for c in kept if c in RESUME_CONTENDERS] + [PLACEMENT]
+        for contender in harness.alternate(order, args.resumes):
+            if args.warm_memory:
+                footprint.warm_memory(2 * nbytes)
+            resumed_once = run_worker(contender, workload, args, base, env, resume=True)
+            into = floor[workload] if contender == PLACEMENT else kept[contender]
+            into.setdefault("resume_s", []).extend(resumed_once["restore_s"])
+            into.setdefault("resume_footprint", []).append(resumed_once["footprint"])
+    for contender, result in kept.items():
+        if workload == "model" and contender in RESTORE_ON_4:
+            result["restore_4dev_s"] = run_worker(contender, workload, args, base, env, devices=4,
+                                                  restore_only=True)["restore_s"]
+        elif "://" not in base:
+            shutil.rmtree(os.path.join(base, f"{contender}-{workload}"), ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(case="side-by-side")

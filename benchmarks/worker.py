@@ -1,17 +1,20 @@
 """Runs one contender on one workload in this process and prints one JSON line of measurements.
 
-usage: worker.py CONTENDER WORKLOAD --scale S --repeats N --dir DIR
-Run by run.py in a fresh process per contender so that peak memory is the contender's own.
+usage: worker.py --worker CONTENDER WORKLOAD SCALE REPEATS DIR FLAGS
+FLAGS: comma-separated, any of keep (keep the last step for a restore-only run), warm_restore (one uncounted
+restore before the timed ones), restore_only (only restore the kept step, e.g. in a process with another device
+count), resume (evict the kept step from the page cache, build the target, restore it once; the step stays for
+the next resume). DIR: a local directory, gs:// or s3://bucket/prefix. Run by run.py (`harness.fresh`) in a
+fresh process per contender so that peak memory is the contender's own; prints its answer as one JSON line.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import sys
 import time
+import types
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
@@ -28,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import contenders  # noqa: E402
 import footprint  # noqa: E402
 import fresh_process  # noqa: E402
+import harness  # noqa: E402
 import workloads  # noqa: E402
 
 from xla_tensorstore_ckpt import storage  # noqa: E402
@@ -86,22 +90,21 @@ def _placement(target: dict):
     return place
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("contender")
-    parser.add_argument("workload", choices=workloads.WORKLOADS)
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", required=True, help="a local directory, gs:// or s3://bucket/prefix")
-    parser.add_argument("--keep", action="store_true", help="keep the last step for a --restore-only run")
-    parser.add_argument("--warm-restore", action="store_true", help="one uncounted restore before the timed ones")
-    parser.add_argument("--restore-only", action="store_true",
-                        help="only restore the kept step (e.g. in a process with another device count)")
-    parser.add_argument("--resume", action="store_true",
-                        help="a resume: evict the kept step from the page cache, build the target, restore it once; "
-                        "the step stays for the next resume")
-    args = parser.parse_args()
+def worker(contender: str, workload: str, scale: str, repeats: str, directory: str, flags: str) -> dict:
+    """One contender on one workload in this process (the arguments as the usage above says); its answer."""
+    if workload not in workloads.WORKLOADS:
+        raise ValueError(f"no workload {workload!r} (known: {', '.join(workloads.WORKLOADS)})")
+    given = set(flags.split(",")) - {""}
+    unknown = given - {"keep", "warm_restore", "restore_only", "resume"}
+    if unknown:
+        raise ValueError(f"unknown worker flag(s) {sorted(unknown)}")
+    args = types.SimpleNamespace(contender=contender, workload=workload, scale=float(scale), repeats=int(repeats),
+                                 dir=directory, **{flag: flag in given for flag in ("keep", "warm_restore",
+                                                                                    "restore_only", "resume")})
+    return _run(args)
 
+
+def _run(args: types.SimpleNamespace) -> dict:
     entries, _ = workloads.specs(args.workload, args.scale)
     restore_specs = {name: spec for name, _, _, _, spec in entries}
     devices = xr.global_runtime_device_count()
@@ -135,9 +138,8 @@ def main() -> None:
     if args.resume and args.contender == PLACEMENT:
         target = workloads.build_target(args.workload, args.scale)
         measures, _ = footprint.measure(_placement(target))
-        print("RESULT " + json.dumps({"contender": PLACEMENT, "workload": args.workload,
-                                      "restore_s": [measures["wall_s"]], "footprint": measures}), flush=True)
-        return
+        return {"contender": PLACEMENT, "workload": args.workload, "restore_s": [measures["wall_s"]],
+                "footprint": measures}
     if args.resume:
         fresh_process.evict(args.dir)
         contender = contenders.CONTENDERS[args.contender](root)
@@ -146,8 +148,7 @@ def main() -> None:
         result = {"contender": contender.name, "workload": args.workload, "restore_s": [measures["wall_s"]],
                   "footprint": measures}
         contender.close()
-        print("RESULT " + json.dumps(result), flush=True)
-        return
+        return result
     if args.restore_only:
         contender = contenders.CONTENDERS[args.contender](root)
         result = {"contender": contender.name, "workload": args.workload, "devices": devices, "restore_s": []}
@@ -156,8 +157,7 @@ def main() -> None:
         result["restore_footprint"] = measured
         contender.close()
         storage.location(args.dir).delete_tree()
-        print("RESULT " + json.dumps(result), flush=True)
-        return
+        return result
 
     if "://" not in args.dir:
         shutil.rmtree(args.dir, ignore_errors=True)
@@ -199,8 +199,8 @@ def main() -> None:
     contender.close()
     if not args.keep:
         storage.location(args.dir).delete_tree()
-    print("RESULT " + json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

@@ -81,8 +81,8 @@ def test_the_command_line_verifies_them(root, capsys):
 
 # ------------------------------------------------------------- format 2, written before metadata checksums
 
-GOLDEN_V2 = os.path.join(os.path.dirname(__file__), "golden", "v2-unchecked")  # golden/make_v2_unchecked.py
-import make_v2_unchecked  # noqa: E402
+GOLDEN_V2 = os.path.join(os.path.dirname(__file__), "golden", "v2-unchecked")  # golden/make_v2.py unchecked
+import make_v2  # noqa: E402
 
 
 @pytest.fixture
@@ -96,15 +96,15 @@ def test_format_2_steps_without_checksums_still_restore(unchecked_root):
         assert '"crc32c"' not in f.read()  # the fixture predates the checksums: nothing to verify
     with xtc.CheckpointManager(unchecked_root, xtc.CheckpointManagerOptions(save_interval_steps=1)) as manager:
         assert manager.all_steps() == [1, 2] and manager.metadata(1).metrics == {"loss": 0.5}
-        model = {k: torch.zeros_like(v) for k, v in make_v2_unchecked.model_state(1).items()}
+        model = {k: torch.zeros_like(v) for k, v in make_v2.model_state("unchecked", 1).items()}
         loader, extra = {"position": 0, "epoch": 0}, {"name": "", "tokens": 0, "lr": 0.0, "pair": [0, ""]}
         assert manager.restore(1, model=model, data_loader=loader, extra=extra) == 1
-        assert_trees_equal(model, make_v2_unchecked.model_state(1))
-        assert loader == make_v2_unchecked.loader_state(1)
-        assert extra == dict(make_v2_unchecked.extra_state(), pair=[1, "two"])  # a tuple is updated as a list
+        assert_trees_equal(model, make_v2.model_state("unchecked", 1))
+        assert loader == make_v2.loader_state(1)
+        assert extra == dict(make_v2.extra_state(), pair=[1, "two"])  # a tuple is updated as a list
         assert manager.restore("latest", model=model, data_loader=loader) == 2
-        assert_trees_equal(model, make_v2_unchecked.model_state(2))
-        assert loader == make_v2_unchecked.loader_state(2)
+        assert_trees_equal(model, make_v2.model_state("unchecked", 2))
+        assert loader == make_v2.loader_state(2)
 
 
 def test_the_command_line_verifies_format_2_steps_without_checksums(unchecked_root, capsys):
@@ -114,8 +114,7 @@ def test_the_command_line_verifies_format_2_steps_without_checksums(unchecked_ro
 
 # ------------------------------------------------------------------------------ format 2, zstd-compressed chunks
 
-GOLDEN_ZSTD = os.path.join(os.path.dirname(__file__), "golden", "v2-zstd")  # golden/make_v2_zstd.py
-import make_v2_zstd  # noqa: E402
+GOLDEN_ZSTD = os.path.join(os.path.dirname(__file__), "golden", "v2-zstd")  # golden/make_v2.py zstd
 
 
 @pytest.fixture
@@ -129,7 +128,7 @@ def test_zstd_compressed_steps_restore_bit_for_bit_and_verify(zstd_root, capsys)
     with xtc.CheckpointManager(zstd_root, xtc.CheckpointManagerOptions(save_interval_steps=1)) as manager:
         assert manager.all_steps() == [1, 2]
         for step in (1, 2):
-            expected = make_v2_zstd.model_state(step)
+            expected = make_v2.model_state("zstd", step)
             model = {k: torch.zeros_like(v) for k, v in expected.items()}
             assert manager.restore(step, model=model) == step
             assert_trees_equal(model, expected)
@@ -143,5 +142,5 @@ def test_zstd_compressed_steps_restore_onto_another_mesh(zstd_root):
     mesh = make_mesh((2, 4), ("a", "b"))
     for step in (1, 2):
         w = sharded(torch.zeros(10, 6), mesh, ("b", "a"))  # resharded: chunks read in parts
-        out = xtc.restore(zstd_root / str(step) / "model", {**make_v2_zstd.model_state(step), "w": w})
-        assert torch.equal(out["w"].cpu(), make_v2_zstd.model_state(step)["w"])
+        out = xtc.restore(zstd_root / str(step) / "model", {**make_v2.model_state("zstd", step), "w": w})
+        assert torch.equal(out["w"].cpu(), make_v2.model_state("zstd", step)["w"])
