@@ -1,20 +1,87 @@
-"""Many runs of one test script, each a process of its own, for the price of one import (tests/scripts/forking.py)."""
+"""Many runs of one test script, each a process of its own, for the price of one import: a server per script
+(tests/scripts/forking.py) imports it once and forks a process per run, for every test of a pytest process."""
 
 from __future__ import annotations
 
+import atexit
+import collections
 import json
 import os
+import selectors
 import subprocess
 import sys
 import tempfile
 
 FORKING = os.path.join(os.path.dirname(__file__), "scripts", "forking.py")
+# What a job's batch sets itself: the servers differ only by the rest of their environment.
+PER_BATCH = ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Servers kept per pytest process, the least recently used closed first: tests of one module run together, and
+# each server holds torch imported (a few hundred MB).
+MAX_SERVERS = 3
+
+
+class _Server:
+    """A forking.py process serving batches of runs of `script`, started with `env`."""
+
+    def __init__(self, python: str, script: str, env: dict) -> None:
+        self.stderr = tempfile.TemporaryFile()
+        self.process = subprocess.Popen([python, FORKING, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self.stderr, env=env, text=True)
+
+    def run(self, batch: dict, timeout: float) -> list[int]:
+        """Send `batch`, wait for its exit statuses (the event: the server's answer line). Raises RuntimeError if
+        the server died, subprocess.TimeoutExpired (the server killed) past `timeout`."""
+        try:
+            self.process.stdin.write(json.dumps(batch) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # the server died: told below
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout):
+                self.close(kill=True)
+                raise subprocess.TimeoutExpired(self.process.args, timeout)
+        line = self.process.stdout.readline()
+        if not line:
+            self.close(kill=True)
+            self.stderr.seek(0)
+            raise RuntimeError(f"the forking runner failed:\n{self.stderr.read().decode(errors='replace')[-3000:]}")
+        return json.loads(line)["returncodes"]
+
+    def close(self, *, kill: bool = False) -> None:
+        if kill:
+            self.process.kill()
+        else:
+            self.process.stdin.close()
+        self.process.wait()
+        self.process.stdout.close()
+        self.stderr.close()
+
+
+_servers: collections.OrderedDict[tuple, _Server] = collections.OrderedDict()
+
+
+def _server(python: str, script: str, env: dict) -> _Server:
+    key = (python, script, tuple(sorted((k, v) for k, v in env.items() if k not in PER_BATCH)))
+    server = _servers.pop(key, None)
+    if server is None or server.process.poll() is not None:
+        server = _Server(python, script, env)
+    _servers[key] = server
+    while len(_servers) > MAX_SERVERS:
+        _servers.popitem(last=False)[1].close()
+    return server
+
+
+@atexit.register
+def _close_all() -> None:
+    while _servers:
+        _servers.popitem()[1].close()
 
 
 def run_forked(script: str, argvs: list[list[str]], *, parallel: int = 2, env: dict | None = None,
                job_envs: list[dict[str, str]] | None = None, timeout: float = 900,
                python: str = sys.executable) -> list[subprocess.CompletedProcess]:
-    """Run ``script ARGV`` for each of `argvs` (at most `parallel` at once), each in a fork of one process that
+    """Run ``script ARGV`` for each of `argvs` (at most `parallel` at once), each in a fork of a server that
     imported the script once (with `env`; run by `python`, another stack's interpreter for a cross-stack test),
     each run with its entry of `job_envs` added to its environment; their exit statuses and output, as
     `subprocess.run` would give them. Blocks until every run has ended (a kill is an end: the event waited
@@ -25,12 +92,8 @@ def run_forked(script: str, argvs: list[list[str]], *, parallel: int = 2, env: d
     with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
         jobs = [{"argv": [str(a) for a in argv], "env": job_env, "out": os.path.join(tmp, f"{i}.out"),
                  "err": os.path.join(tmp, f"{i}.err")} for i, (argv, job_env) in enumerate(zip(argvs, job_envs))]
-        proc = subprocess.run([python, FORKING, script, str(parallel)],
-                              input="".join(json.dumps(job) + "\n" for job in jobs), capture_output=True, text=True,
-                              env=env, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the forking runner failed:\n{proc.stderr[-3000:]}")
-        codes = [json.loads(line)["returncode"] for line in proc.stdout.splitlines()]
+        server = _server(python, os.path.abspath(script), env)
+        codes = server.run({"parallel": parallel, "env": env, "jobs": jobs}, timeout)
         return [subprocess.CompletedProcess([script, *job["argv"]], code, open(job["out"]).read(),
                                             open(job["err"]).read()) for job, code in zip(jobs, codes)]
 

@@ -1,10 +1,13 @@
 """Runs a script's `main()` once per job, each run in a fresh fork of this process, which imported the script (and
 torch, tensorstore and this library with it) once: a crash matrix of 30 runs pays for one import, not 30.
 
-usage: forking.py SCRIPT PARALLEL
-stdin: one JSON job per line, {"argv": [...], "env": {...}, "out": path, "err": path} (env, optional: added to
-the run's environment)
-stdout: one JSON line per job, in job order: {"returncode": n} (negative: killed by that signal)
+usage: forking.py SCRIPT
+stdin: one JSON batch per line, {"parallel": n, "env": {...}, "jobs": [{"argv": [...], "env": {...}, "out": path,
+"err": path}, ...]}: the batch's jobs run at most `parallel` at once, each with the batch's environment and its
+own `env` (optional) added; this process serves batch after batch until stdin ends, so a test module's many jobs
+pay for one import (tests/forked.py keeps the server).
+stdout: one JSON line per batch once all its jobs have ended: {"returncodes": [n, ...]} in job order (negative:
+killed by that signal)
 
 A forked child is a process of its own, as a subprocess would be: it can kill itself mid-save (SIGKILL), and
 nothing it does reaches this process. Its output goes through pipes, which this process copies to the job's
@@ -56,21 +59,34 @@ def run_child(fn: Callable[[], object], out: int, err: int | None = None) -> NoR
     os._exit(code)
 
 
-def _child(module, job: dict, out: int, err: int, inherited: list[int]) -> NoReturn:
+def _child(module, env: dict, job: dict, out: int, err: int, inherited: list[int]) -> NoReturn:
     for fd in inherited:
         os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)  # not the server's own stdin, which carries its batches
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(job.get("env", {}))
     sys.argv = [module.__file__, *job["argv"]]
     run_child(module.main, out, err)
 
 
 def main() -> None:
-    script, parallel = sys.argv[1], int(sys.argv[2])
+    script = sys.argv[1]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     spec = importlib.util.spec_from_file_location("forked_script", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    jobs = [json.loads(line) for line in sys.stdin if line.strip()]
+    for line in sys.stdin:
+        if line.strip():
+            batch = json.loads(line)
+            codes = run_batch(module, batch["jobs"], batch["parallel"], batch["env"])
+            print(json.dumps({"returncodes": codes}), flush=True)
+
+
+def run_batch(module, jobs: list[dict], parallel: int, env: dict) -> list[int]:
+    """Run `jobs` in forks of this process, at most `parallel` at once; their exit statuses, in job order."""
     codes: dict[int, int] = {}
     poller = select.poll()
     copies: dict[int, int] = {}  # a pipe's read end -> the job file it is copied to
@@ -80,7 +96,7 @@ def main() -> None:
         (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(module, jobs[index], out_w, err_w, [out_r, err_r, *copies, *copies.values(), *exits])
+            _child(module, env, jobs[index], out_w, err_w, [out_r, err_r, *copies, *copies.values(), *exits])
         os.close(out_w)
         os.close(err_w)
         for read_end, path in ((out_r, jobs[index]["out"]), (err_r, jobs[index]["err"])):
@@ -110,8 +126,7 @@ def main() -> None:
                 codes[index] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
                 if waiting:
                     start(waiting.pop(0))
-    for index in range(len(jobs)):
-        print(json.dumps({"returncode": codes[index]}), flush=True)
+    return [codes[index] for index in range(len(jobs))]
 
 
 if __name__ == "__main__":
