@@ -6,30 +6,38 @@ seconds, and restore time, on two real training workloads at small scale (CPU te
 (b) RL: a bf16 decoder trained at a small learning rate (AdamW, bf16 parameters, as RL post-training runs);
     the fraction of weight elements that changed is measured at every step; each step saves the model.
     Goal: a delta step writes <= 10 % of a full step's bytes, and a restore through 4 deltas costs <= 1.5x a
-    full restore (chains 0/1/4/8 are measured).
+    full restore (chains 0/1/4/8 are measured, those the steps reach).
 
-Each variant (full, incremental, incremental + delta) runs the same training from the same seed with a
-CheckpointManager of its own (synchronous saves, fsync on: the library's defaults otherwise); figures are medians
-over the steps after the first (>= 7 with the default --steps). Restores read the step into new CPU tensors
-(`xtc.restore`), medians of --repeats, with the page cache warm, then cold (every step of the run evicted from it
-before each restore: a restart on a fresh host). Local disk only.
+Both decoders have 4 layers of width 512 x `--scale` (a multiple of 16). Each variant (full, incremental,
+incremental + delta) runs in a fresh process the same training from the same seed with a CheckpointManager of its
+own (synchronous saves, fsync on: the library's defaults otherwise), ``--set steps`` steps, one save each; figures
+are medians over the steps after the first (>= 7 with the default 9 steps). Restores read the step into new CPU
+tensors (`xtc.restore`), `--repeats` of them, with the page cache warm, then cold (every step of the variant's run
+evicted from it before each restore: a restart on a fresh host). Local disk only (``--set dir``: where, default
+the harness's temporary directory).
 
-    python benchmarks/bench_incremental.py [--steps 9] [--repeats 7] [--rl-dim 512] [--dir DIR] [--json OUT]
+    python -m benchmarks incremental [--repeats 7] [--scale 1] [--set steps=9] [--set dir=DIR]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
-import xla_tensorstore_ckpt as xtc
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
+from fresh_process import evict  # noqa: E402
+
+import xla_tensorstore_ckpt as xtc  # noqa: E402
+
+VARIANTS = (("lora", ("full", "incremental")), ("rl", ("full", "incremental", "delta")))
+CHAINS = (0, 1, 4, 8)
 
 VOCAB = 256
 RL_LR = 5e-6  # RL post-training learning rates are 1e-6 to 1e-5
@@ -91,50 +99,40 @@ def _train_step(model: Decoder, optimizer: torch.optim.Optimizer, step: int) -> 
     optimizer.step()
 
 
+
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def _evict(root: str) -> None:
-    """Drop every file under `root` from the page cache (clean pages: the saves synced them), as on a fresh host."""
-    for d, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _restore_seconds(path: str, repeats: int, root: str) -> dict:
-    """Medians of `repeats` restores of `path` into new tensors, page cache warm, and as many with every step
-    under `root` evicted first (cold: the restore of a restart on a fresh host); wall and CPU seconds (this
-    process, all its threads: under a loaded machine CPU is the steadier)."""
+    """`repeats` restores of `path` into new tensors, page cache warm, and as many with every step under `root`
+    evicted first (cold: the restore of a restart on a fresh host); wall and CPU seconds (this process, all its
+    threads: under a loaded machine CPU is the steadier), each run and their medians."""
     out = {}
     for mode in ("warm", "cold"):
         walls, cpus = [], []
         for _ in range(repeats):
             if mode == "cold":
-                _evict(root)
+                evict(root)
             begun, cpu = time.perf_counter(), time.process_time()
             xtc.restore(path)
             walls.append(time.perf_counter() - begun)
             cpus.append(time.process_time() - cpu)
-        out[mode] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
+        out[mode] = {"wall": harness.median(walls), "cpu": harness.median(cpus), "walls": walls, "cpus": cpus}
     return out
 
 
-def run(workload: str, variant: str, root: str, steps: int, rl_dim: int = 512) -> dict:
-    """Train `steps` steps, saving every step; per-step bytes, wall and CPU seconds (and for RL the fraction
-    of weight elements changed)."""
+def train(workload: str, variant: str, root: str, steps: int, width: int) -> list[dict]:
+    """Train `steps` steps, saving every step under `root`; per-step bytes, wall and CPU seconds (and for RL the
+    fraction of weight elements changed)."""
     torch.manual_seed(0)
     if workload == "lora":
-        model = Decoder(512, 4, rank=8)
+        model = Decoder(width, 4, rank=8)
         for name, p in model.named_parameters():
             p.requires_grad_("lora" in name)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     else:
-        model = Decoder(rl_dim, 4).to(torch.bfloat16)
+        model = Decoder(width, 4).to(torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=RL_LR, weight_decay=0.0)
     options = xtc.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=None, async_save=False,
                                            save_rng=False, incremental=variant != "full", delta=variant == "delta",
@@ -155,51 +153,33 @@ def run(workload: str, variant: str, root: str, steps: int, rl_dim: int = 512) -
             rows.append({"step": step, "bytes": _dir_bytes(os.path.join(root, str(step))),
                          "save_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
                          "changed": changed})
-    return {"rows": rows}
+    return rows
+
+
+def worker(workload: str, variant: str, root: str, steps_: str, width_: str, repeats_: str) -> dict:
+    """One variant's run in a fresh process (`harness.fresh`): its steps, then its restores (RL: by the delta
+    chain's length, step k+1 of the run having chain k; LoRA: the last step)."""
+    steps, repeats = int(steps_), int(repeats_)
+    out = {"rows": train(workload, variant, root, steps, int(width_))}
+    if workload == "rl":
+        out["restore_s"] = {str(chain): _restore_seconds(os.path.join(root, str(chain + 1), "model"), repeats, root)
+                            for chain in CHAINS if chain + 1 <= steps}
+    else:
+        out["restore_s"] = {"last": _restore_seconds(os.path.join(root, str(steps), "model"), repeats, root)}
+    return out
 
 
 def _median(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows[1:])
+    return harness.median(r[key] for r in rows[1:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=9)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--rl-dim", type=int, default=512, help="the RL decoder's width (512: 26 MB of bf16)")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    base = tempfile.mkdtemp(prefix="bench-incr-", dir=args.dir)
-    results = {}
-    try:
-        for workload, variants in (("lora", ("full", "incremental")), ("rl", ("full", "incremental", "delta"))):
-            for variant in variants:
-                root = os.path.join(base, workload, variant)
-                out = run(workload, variant, root, args.steps, args.rl_dim)
-                if workload == "rl":  # restore cost by chain length: step k+1 of the delta run has chain k
-                    out["restore_s"] = {chain: _restore_seconds(os.path.join(root, str(chain + 1), "model"),
-                                                                args.repeats, root)
-                                        for chain in (0, 1, 4, 8) if chain + 1 <= args.steps}
-                else:
-                    out["restore_s"] = {"last": _restore_seconds(os.path.join(root, str(args.steps), "model"),
-                                                                 args.repeats, root)}
-                results[f"{workload}/{variant}"] = out
-                shutil.rmtree(root)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    _print(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-
-
-def _print(results: dict) -> None:
-    print(f"{'workload/variant':22} {'bytes/step':>12} {'vs full':>8} {'save s':>8} {'CPU s':>7} "
-          f"{'changed':>8}  restore (chain: warm wall s, CPU s, CPU x full; cold wall s, x full)")
+def table(results: dict) -> list[str]:
+    """The lines of the result set's own table: per variant bytes per step, their share of the full variant's,
+    save wall and CPU seconds, the fraction of elements changed, and the restores against the full variant's."""
+    lines = [f"{'workload/variant':22} {'bytes/step':>12} {'vs full':>8} {'save s':>8} {'CPU s':>7} "
+             f"{'changed':>8}  restore (chain: warm wall s, CPU s, CPU x full; cold wall s, x full)"]
     for name, out in results.items():
-        workload = name.split("/")[0]
-        full = results[f"{workload}/full"]
+        full = results[f"{name.split('/')[0]}/full"]
         rows = out["rows"]
         changed = [r["changed"] for r in rows[1:] if r["changed"] is not None]
         restore = ", ".join(
@@ -207,10 +187,62 @@ def _print(results: dict) -> None:
             f"{v['cold']['wall']:.4f} ({v['cold']['wall'] / f[k]['cold']['wall']:.2f}x)"
             for k, v in out["restore_s"].items() for f in [full["restore_s"]])
         share = _median(rows, "bytes") / _median(full["rows"], "bytes")
-        print(f"{name:22} {_median(rows, 'bytes'):>12,.0f} {share:>8.4f} "
-              f"{_median(rows, 'save_s'):>8.4f} {_median(rows, 'cpu_s'):>7.4f} "
-              f"{(f'{statistics.median(changed):.4f}' if changed else '-'):>8}  {restore}")
+        lines.append(f"{name:22} {_median(rows, 'bytes'):>12,.0f} {share:>8.4f} "
+                     f"{_median(rows, 'save_s'):>8.4f} {_median(rows, 'cpu_s'):>7.4f} "
+                     f"{(f'{harness.median(changed):.4f}' if changed else '-'):>8}  {restore}")
+    return lines
+
+
+def result(results: dict, note: str = "") -> harness.Result:
+    """The result set of the variants' answers (`worker`'s, by ``workload/variant``): a row per variant of its
+    steps after the first (bytes, save wall and CPU, percent of elements changed), a row per restore (warm and
+    cold wall and CPU) with its ratios to the full variant's; the text is `table`'s, after `note`."""
+    rows = []
+    for name, out in results.items():
+        full, steps = results[f"{name.split('/')[0]}/full"], out["rows"][1:]
+        metrics = {"step_bytes": harness.series([r["bytes"] for r in steps], "B"),
+                   "save_s": harness.series([r["save_s"] for r in steps], "s"),
+                   "save_cpu_s": harness.series([r["cpu_s"] for r in steps], "s")}
+        if any(r["changed"] is not None for r in steps):
+            metrics["changed"] = harness.series([100 * r["changed"] for r in steps], "%")
+        rows.append(harness.Row(name, metrics, "steps after the first", {
+            "of_full": _median(out["rows"], "bytes") / _median(full["rows"], "bytes")}))
+    for name, out in results.items():
+        full = results[f"{name.split('/')[0]}/full"]["restore_s"]
+        for chain, modes in out["restore_s"].items():
+            metrics = {f"{mode}_{what}_s": harness.series(modes[mode][what + "s"], "s")
+                       for mode in ("warm", "cold") for what in ("wall", "cpu")}
+            ratios = {"warm_cpu_x_full": modes["warm"]["cpu"] / full[chain]["warm"]["cpu"],
+                      "cold_wall_x_full": modes["cold"]["wall"] / full[chain]["cold"]["wall"]}
+            label = f"{name} " + ("last step" if chain == "last" else f"chain {chain}")
+            rows.append(harness.Row(label, metrics, "restores", ratios))
+    return harness.Result(rows, "\n".join(([note] if note else []) + table(results)), results)
+
+
+def width(scale: float) -> int:
+    """The decoders' width at `scale`: 512 at 1, a multiple of 16 (4 heads), at least 32."""
+    return max(32, round(512 * scale / 16) * 16)
+
+
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `incremental`: each workload's variants one after the other, each in a fresh process."""
+    steps = settings.option("steps", 9)
+    base = tempfile.mkdtemp(prefix="xtc-incremental-", dir=settings.option("dir", "") or settings.workdir)
+    results = {}
+    try:
+        for workload, variants in VARIANTS:
+            for variant in variants:
+                root = os.path.join(base, workload, variant)
+                results[f"{workload}/{variant}"] = harness.fresh(
+                    __file__, workload, variant, root, steps, width(settings.scale), settings.repeats,
+                    what=f"the {variant} run of {workload}")
+                shutil.rmtree(root)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    note = (f"decoders of width {width(settings.scale)}, {steps} steps; medians of the {steps - 1} steps after the "
+            f"first (bytes, save), of {settings.repeats} restores")
+    return result(results, note)
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

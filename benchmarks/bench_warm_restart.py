@@ -5,65 +5,60 @@ have them), for a step written around the page cache (``direct_io``, the persist
 it (``SaveOptions.page_cache``, the local tier's default), beside torch_xla's CheckpointManager (DCP through
 fsspec: buffered writes, then fsync) where torch_xla is installed.
 
-CPU tensors, one process: every variant saves the same state (`--mib` MiB of float32 in 16 tensors) with fsync,
-then restores it in place into preallocated tensors (as a resumed trainer does), warm then cold; medians of
-`--repeats` (a fresh step each time). A restart in a fresh process adds the same interpreter and import time to
-every variant, so it is left out.
+CPU tensors: every contender, in a fresh process of its own, saves the same state (256 MiB x `--scale` of float32
+in 16 tensors) with fsync, then restores it in place into preallocated tensors (as a resumed trainer does), warm
+then cold, every restore compared with `torch.equal`; `--repeats` fresh steps each, after one uncounted (imports,
+plan caches), medians. A restart in a fresh process adds the same interpreter and import time to every
+contender, so it is left out.
 
-    python benchmarks/bench_warm_restart.py [--mib 256] [--repeats 7] [--dir DIR] [--json OUT]
+    python -m benchmarks warm-restart [--repeats 7] [--scale 1] [--set dir=DIR]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import importlib.util
 import os
 import shutil
-import statistics
+import socket
+import sys
 import tempfile
 import time
 
-import torch
-
-import xla_tensorstore_ckpt as xtc
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
+from fresh_process import evict  # noqa: E402
 
 TENSORS = 16
-
-
-def _evict(path: str) -> None:
-    """Drop every file under `path` from the page cache (clean pages: the save synced them)."""
-    for d, _, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+PHASES = (("save", "save (fsync)"), ("warm", "restore after save"), ("cold", "restore, fresh host"))
+NAMES = {"direct": "xtc direct_io", "cached": "xtc page_cache", "torch_xla": "torch_xla manager"}
 
 
 class Ours:
     def __init__(self, root: str, page_cache: bool):
         self.root, self.page_cache = root, page_cache
-        self.name = "xtc page_cache" if page_cache else "xtc direct_io"
 
     def save(self, step: int, state: dict) -> None:
+        import xla_tensorstore_ckpt as xtc
+
         xtc.save(os.path.join(self.root, str(step)), state, options=xtc.SaveOptions(page_cache=self.page_cache))
 
     def restore(self, step: int, target: dict) -> dict:
+        import xla_tensorstore_ckpt as xtc
+
         return xtc.restore(os.path.join(self.root, str(step)), target)
 
 
 class TorchXla:
-    name = "torch_xla manager"
-
     def __init__(self, root: str):
         import torch.distributed as dist
         from torch_xla.experimental.distributed_checkpoint import CheckpointManager
 
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29533")
-            dist.init_process_group("gloo", rank=0, world_size=1)
+        if not dist.is_initialized():  # DCP needs a process group, even of one
+            with socket.socket() as s:  # a free port: other jobs may run beside this one
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         self.root = root
         self.manager = CheckpointManager(root, save_interval=1, chkpt_on_preemption=False)
 
@@ -75,67 +70,74 @@ class TorchXla:
         return target
 
 
-def _timed(action, *args, check: dict | None = None) -> tuple[float, float]:
-    """Wall and CPU seconds of `action(*args)`; with `check`, what it returns must equal it, tensor by tensor."""
+def _timed(action, *args, check: dict | None = None) -> tuple[float, float]:  # noqa: ANN001 - a bound method
+    """Wall and CPU seconds of `action(*args)`; with `check`, what it returns must equal it, tensor by tensor
+    (raises RuntimeError otherwise)."""
+    import torch
+
     wall, cpu = time.perf_counter(), time.process_time()
     out = action(*args)
     seconds = time.perf_counter() - wall, time.process_time() - cpu
     if check is not None and not all(torch.equal(out[k], v) for k, v in check.items()):
-        raise RuntimeError("a restore returned other values than were saved")
+        raise RuntimeError(f"a restore of step {args[0]} returned other values than were saved")
     return seconds
 
 
-def run(contender, state: dict, repeats: int) -> dict:
-    rows = []
-    for step in range(repeats + 1):  # the first, uncounted, warms up imports and plan caches
-        target = {k: torch.empty_like(v) for k, v in state.items()}
-        save = _timed(contender.save, step, state)
-        warm = _timed(contender.restore, step, target, check=state)
-        _evict(os.path.join(contender.root, str(step)))
-        cold = _timed(contender.restore, step, target, check=state)
-        shutil.rmtree(os.path.join(contender.root, str(step)), ignore_errors=True)
-        if step:
-            rows.append({"save": save, "warm": warm, "cold": cold})
-    return {k: {"wall": statistics.median(r[k][0] for r in rows), "cpu": statistics.median(r[k][1] for r in rows)}
-            for k in ("save", "warm", "cold")}
+def worker(contender: str, root: str, mib_: str, repeats_: str) -> dict:
+    """One contender in a fresh process (`harness.fresh`): `repeats` steps saved, restored warm and cold, after an
+    uncounted first; per phase the walls and CPU seconds and their medians."""
+    import torch
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    rows = args.mib * (1 << 20) // (TENSORS * 4096 * 4)
+    rows_per_tensor = max(1, int(float(mib_) * (1 << 20)) // (TENSORS * 4096 * 4))
     g = torch.Generator().manual_seed(0)
-    state = {f"w{i}": torch.randn(rows, 4096, generator=g) for i in range(TENSORS)}
-    base = tempfile.mkdtemp(prefix="bench-warm-", dir=args.dir)
+    state = {f"w{i}": torch.randn(rows_per_tensor, 4096, generator=g) for i in range(TENSORS)}
+    runner = TorchXla(root) if contender == "torch_xla" else Ours(root, contender == "cached")
+    runs: dict[str, list] = {phase: [] for phase, _ in PHASES}
+    for step in range(int(repeats_) + 1):  # the first, uncounted, warms up imports and plan caches
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        save = _timed(runner.save, step, state)
+        warm = _timed(runner.restore, step, target, check=state)
+        evict(os.path.join(root, str(step)))
+        cold = _timed(runner.restore, step, target, check=state)
+        shutil.rmtree(os.path.join(root, str(step)), ignore_errors=True)
+        if step:
+            for phase, seconds in (("save", save), ("warm", warm), ("cold", cold)):
+                runs[phase].append(seconds)
+    return {phase: {"wall": harness.median(w for w, _ in r), "cpu": harness.median(c for _, c in r),
+                    "walls": [w for w, _ in r], "cpus": [c for _, c in r]} for phase, r in runs.items()}
+
+
+def result(raw: dict, note: str = "") -> harness.Result:
+    """The result set of the contenders' answers (``raw["results"]``, by name; ``raw["mib"]``): a row per contender
+    (wall and CPU seconds of each phase); the text is the table of medians, GiB/s and CPU seconds, after `note`."""
+    gib = raw["mib"] / 1024
+    rows = [harness.Row(name, {f"{phase}_{what}_s": harness.series(r[phase][what + "s"], "s")
+                               for phase, _ in PHASES for what in ("wall", "cpu")})
+            for name, r in raw["results"].items()]
+    lines = [note] if note else []
+    lines += [f"{raw['mib']:g} MiB, medians of {raw['repeats']}: seconds (GiB/s), CPU seconds",
+              f"{'variant':20} " + " ".join(f"{title:>{w}}" for (_, title), w in zip(PHASES, (22, 24, 24)))]
+    for name, r in raw["results"].items():
+        cells = [f"{r[k]['wall']:.3f} ({gib / r[k]['wall']:.2f}) {r[k]['cpu']:.2f}" for k, _ in PHASES]
+        lines.append(f"{name:20} {cells[0]:>22} {cells[1]:>24} {cells[2]:>24}")
+    return harness.Result(rows, "\n".join(lines), raw)
+
+
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `warm-restart`: ours around and through the page cache, then torch_xla's manager where it is
+    installed, each contender in a fresh process."""
+    mib = 256 * settings.scale
+    contenders = ["direct", "cached"] + (["torch_xla"] if importlib.util.find_spec("torch_xla") else [])
+    base = tempfile.mkdtemp(prefix="xtc-warm-restart-", dir=settings.option("dir", "") or settings.workdir)
     results = {}
     try:
-        contenders = [lambda: Ours(os.path.join(base, "direct"), False),
-                      lambda: Ours(os.path.join(base, "cached"), True)]
-        try:
-            import torch_xla  # noqa: F401
-
-            contenders.append(lambda: TorchXla(os.path.join(base, "torch_xla")))
-        except ImportError:
-            pass
-        for make in contenders:
-            contender = make()
-            results[contender.name] = run(contender, state, args.repeats)
+        for contender in contenders:
+            results[NAMES[contender]] = harness.fresh(__file__, contender, os.path.join(base, contender), mib,
+                                                      settings.repeats, what=f"the {NAMES[contender]} run")
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    gib = args.mib / 1024
-    print(f"{args.mib} MiB, medians of {args.repeats}: seconds (GiB/s), CPU seconds")
-    print(f"{'variant':20} {'save (fsync)':>22} {'restore after save':>24} {'restore, fresh host':>24}")
-    for name, r in results.items():
-        cells = [f"{r[k]['wall']:.3f} ({gib / r[k]['wall']:.2f}) {r[k]['cpu']:.2f}" for k in ("save", "warm", "cold")]
-        print(f"{name:20} {cells[0]:>22} {cells[1]:>24} {cells[2]:>24}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"mib": args.mib, "repeats": args.repeats, "results": results}, f, indent=1)
+    return result({"mib": mib, "repeats": settings.repeats, "results": results})
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main(worker)

@@ -1,36 +1,37 @@
 """A zstd-compressed item restored by this library's direct chunk reader against tensorstore's reader (which read
 every compressed array before the direct reader decoded zstd), and against the same item raw (issue 65, item 6).
 
-State: a 4-layer, width-512 decoder (benchmarks/bench_incremental.py) after 3 AdamW steps, its float32 weights and
-moments (150 MB); saved raw and at zstd level 3, then restored into new CPU tensors `--repeats` times per mode
-(page cache warm: the restore's own cost), medians of wall and CPU seconds, the modes alternating twice. Every
-restore is compared bit for bit.
+State: a 4-layer decoder of width 512 x `--scale` (benchmarks/bench_incremental.py) after 3 AdamW steps, its
+float32 weights and moments (150 MB at scale 1); saved raw and at zstd level 3, then restored into new CPU tensors
+`--repeats` times per mode (page cache warm: the restore's own cost), in this process, the modes taking turns ABBA
+for ``--set rounds`` rounds; medians of wall and CPU seconds per round and over every restore. Every restore is
+compared bit for bit.
 
-    python benchmarks/bench_zstd_restore.py [--repeats 7] [--dir DIR]
+    python -m benchmarks zstd-restore [--repeats 7] [--scale 1] [--set rounds=2] [--set dir=DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 
-import torch
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
 
-import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt.arrays import local_chunks
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_incremental import VOCAB, Decoder  # noqa: E402
+# (item, reader): the raw item and the zstd one through the direct reader, the zstd one through tensorstore's.
+MODES = ("raw direct", "zstd direct", "zstd tensorstore")
 
 
-def _trained_state() -> dict:
+def _trained_state(width: int) -> dict:
+    import torch
+    from bench_incremental import VOCAB, Decoder
+
     torch.manual_seed(0)
-    model = Decoder(512, 4)
+    model = Decoder(width, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, VOCAB, (8, 65), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
@@ -43,7 +44,14 @@ def _trained_state() -> dict:
     return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}, "optimizer": moments}
 
 
-def _restore(path: str, state: dict, repeats: int, through_tensorstore: bool) -> tuple[float, float]:
+def _restore(path: str, state: dict, repeats: int, through_tensorstore: bool) -> tuple[list, list]:
+    """`repeats` restores of `path`, wall and CPU seconds of each; raises RuntimeError if one differs from
+    `state`."""
+    import torch
+
+    import xla_tensorstore_ckpt as xtc
+    from xla_tensorstore_ckpt.arrays import local_chunks
+
     real = local_chunks._layout
     if through_tensorstore:  # the reader as it was: compressed arrays handed to tensorstore
         local_chunks._layout = lambda raw, meta: None if real(raw, meta) == "zstd" else real(raw, meta)
@@ -58,27 +66,41 @@ def _restore(path: str, state: dict, repeats: int, through_tensorstore: bool) ->
                 raise RuntimeError(f"{path} restored other values than were saved")
     finally:
         local_chunks._layout = real
-    return statistics.median(walls), statistics.median(cpus)
+    return walls, cpus
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--dir", default=None)
-    args = parser.parse_args()
-    state = _trained_state()
-    root = tempfile.mkdtemp(prefix="bench-zstd-restore-", dir=args.dir)
+def run(settings: harness.Settings) -> harness.Result:
+    """The case `zstd-restore`: the state trained and saved twice, then the modes' restores ABBA, in this
+    process (the tensorstore mode patches the reader's choice)."""
+    import bench_incremental
+
+    import xla_tensorstore_ckpt as xtc
+
+    width = bench_incremental.width(settings.scale)
+    state = _trained_state(width)
+    nbytes = sum(v.numel() * v.element_size() for part in state.values() for v in part.values())
+    root = tempfile.mkdtemp(prefix="xtc-zstd-restore-", dir=settings.option("dir", "") or settings.workdir)
+    lines = [f"width {width}: {nbytes / 1e6:.0f} MB of float32, zstd level "
+             f"{xtc.SaveOptions.compression_level}; medians of {settings.repeats} warm "
+             "restores per turn, in the order run"]
     try:
         xtc.save(os.path.join(root, "raw"), state)
         xtc.save(os.path.join(root, "zstd"), state, options=xtc.SaveOptions(compression="zstd"))
-        modes = (("raw", "direct", False), ("zstd", "direct", False), ("zstd", "tensorstore", True))
-        for _ in range(2):
-            for item, reader, through in modes:
-                wall, cpu = _restore(os.path.join(root, item), state, args.repeats, through)
-                print(f"{item:5} {reader:12} wall {wall:.3f} s  CPU {cpu:.3f} s")
+
+        def one(mode: str, _round: int) -> tuple[list, list]:
+            item, reader = mode.split()
+            walls, cpus = _restore(os.path.join(root, item), state, settings.repeats, reader == "tensorstore")
+            lines.append(f"{item:5} {reader:12} wall {harness.median(walls):.3f} s  CPU {harness.median(cpus):.3f} s")
+            return walls, cpus
+
+        runs = harness.alternated(MODES, settings.option("rounds", 2), one)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    rows = [harness.Row(mode, {"wall_s": harness.series([w for walls, _ in runs[mode] for w in walls], "s"),
+                               "cpu_s": harness.series([c for _, cpus in runs[mode] for c in cpus], "s")})
+            for mode in MODES]
+    return harness.Result(rows, "\n".join(lines), {"bytes": nbytes, "width": width, "runs": runs})
 
 
 if __name__ == "__main__":
-    main()
+    harness.worker_main()

@@ -61,6 +61,14 @@ CASES: dict[str, Case] = {case.name: case for case in (
     Case("torch_xla-import", "bench_torch_xla_import", "torch_xla's checkpoints restored by it and by this library",
          options={"workloads": "large,model", "warm_memory": "0"}, quick_options={"workloads": "large"},
          quick_repeats=2, quick_scale=0.02),
+    Case("incremental", "bench_incremental", "incremental and delta steps against full ones: bytes per step, save, "
+         "restore by chain length", options={"steps": "9", "dir": ""}, quick_options={"steps": "3"},
+         quick_scale=0.25),
+    Case("warm-restart", "bench_warm_restart", "a restore right after the save and on a fresh host, written around "
+         "the page cache or through it, against torch_xla's manager", options={"dir": ""}),
+    Case("zstd-restore", "bench_zstd_restore", "a zstd item restored by the direct chunk reader against "
+         "tensorstore's, and raw", options={"rounds": "2", "dir": ""}, quick_options={"rounds": "1"},
+         quick_scale=0.25),
     Case("multihost", "bench_multihost", "one global state saved by 1 and by 4 processes, fresh jobs ABBA",
          options={"processes": "1,4"}, quick_scale=0.02),
     Case("multi-tier", "bench_multi_tier", "a local tier before the persistent one: save() blocking, resume, a loop;"

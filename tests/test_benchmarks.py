@@ -133,3 +133,29 @@ def test_docs_performance_tables_are_those_its_results_json_generate():
         text = f.read()
     assert text.count("<!-- bench:table ") >= 3
     assert report.rewrite(text) == text  # `python -m benchmarks.report` was run after the JSON last changed
+
+
+def test_committed_result_sets_of_the_schema_are_valid_and_their_text_is_their_rendering():
+    docs = {}
+    for name in sorted(os.listdir(harness.RESULTS)):
+        if name.endswith(".json"):
+            with open(os.path.join(harness.RESULTS, name)) as f:
+                doc = json.load(f)
+            if isinstance(doc, dict) and doc.get("schema") == harness.SCHEMA:
+                docs[name] = doc
+    assert {"incremental.json", "warm-restart.json"} <= set(docs)  # converted from the scripts' own JSON
+    for name, doc in docs.items():
+        harness.validate(doc)
+        with open(os.path.join(harness.RESULTS, name.removesuffix(".json") + ".txt")) as f:
+            assert f.read() == harness.render(doc), name
+
+
+def test_only_the_harness_parses_a_command_line():
+    benchmarks = os.path.join(ROOT, "benchmarks")
+    parsing = []
+    for name in sorted(os.listdir(benchmarks)):
+        if name.endswith(".py"):
+            with open(os.path.join(benchmarks, name)) as f:
+                if "argparse" in f.read():
+                    parsing.append(name)
+    assert parsing == ["harness.py"]
