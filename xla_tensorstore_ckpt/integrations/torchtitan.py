@@ -327,7 +327,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
             wanted = set(targets["model"])
             restored = checkpointer.restore_item(
                 loc, targets["model"], options=self._restore_options,
-                key_map=lambda name: name[6:] if name.startswith("model.") and name[6:] in wanted else None)
+                key_map=lambda name: key if (key := name.removeprefix("model.")) != name and key in wanted else None)
             self.states[MODEL].load_state_dict(restored)
             return
         loader = targets.pop("loader", None)
