@@ -97,12 +97,15 @@ class ByteCounter:
 
 
 class PathCounts:
-    """What local reads did, by path: cache probes (and how many found the bytes cached), and the reads and bytes
-    that went around the page cache (direct) or through it (buffered). `local_reads.COUNTS` counts this
-    process's since it started; restores report the difference over their reads (``restore_finished``'s
-    ``paths``); tests read it to see which path ran. Thread-safe."""
+    """What array reads did, by path: cache probes (and how many found the bytes cached), the local reads and
+    bytes that went around the page cache (direct) or through it (buffered), the chunks `local_chunks` read
+    itself (on the restoring thread, ``chunks_inline``, or on its worker threads, ``chunks_on_workers``) and the
+    regions read through tensorstore (``tensorstore_regions``). `local_reads.COUNTS` counts this process's since
+    it started; restores report the difference over their reads (``restore_finished``'s ``paths``); tests read
+    it to see which path ran. Thread-safe."""
 
-    FIELDS = ("cache_probes", "cached_probes", "direct_reads", "direct_bytes", "buffered_reads", "buffered_bytes")
+    FIELDS = ("cache_probes", "cached_probes", "direct_reads", "direct_bytes", "buffered_reads", "buffered_bytes",
+              "chunks_inline", "chunks_on_workers", "tensorstore_regions")
 
     def __init__(self) -> None:
         self._counts = dict.fromkeys(self.FIELDS, 0)

@@ -41,7 +41,7 @@ from ..errors import CorruptCheckpointError, StorageError
 from ..records import ArrayMetadata, ArrayStore
 from . import zstd
 from .base import ArrayReader, ByteCounter, Empty, Index, Opening, Picked, Ready, index_box
-from .local_reads import ALIGN, WINDOW_BYTES, open_for_runs, read_runs, read_window
+from .local_reads import ALIGN, COUNTS, WINDOW_BYTES, open_for_runs, read_runs, read_window
 from .ocdbt import StoredValue, ocdbt_index
 from .tensorstore_io import TensorstoreReader
 
@@ -232,6 +232,7 @@ class LocalChunkArray:
                 needed.setdefault(position, []).append(region)
         reads = {r: RegionRead(self, outs[r]) for r in regions}
         inline = self.stored_bytes < INLINE_CHUNK_BYTES
+        COUNTS.add(**{"chunks_inline" if inline else "chunks_on_workers": len(needed)})
         for position, users in needed.items():
             targets = [(r, outs[r]) for r in users]
             future = _read_now(self._read_chunk, position, targets) if inline else \
