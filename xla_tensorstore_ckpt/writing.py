@@ -35,12 +35,16 @@ class Writes:
     """The writes a process started for one item: the futures to wait for, and what they create (relative to
     the item directory), which a save that syncs makes durable once they are done: `files`, and `trees`
     (directories whose every file is this process's, such as its OCDBT store). For an incremental save, also
-    `whole`: the arrays it wrote whole although the base has them, and why (told in ``save_written``)."""
+    `whole`: the arrays it wrote whole although the base has them, and why. `chunks` and `chunk_bytes`: the
+    chunks whose writes it started and their bytes before any compression (all three told in
+    ``save_written``)."""
 
     pending: list[arrays.Pending]
     files: list[str]
     trees: list[str]
     whole: dict[str, str] = field(default_factory=dict)
+    chunks: int = 0
+    chunk_bytes: int = 0
 
     @staticmethod
     def combined(by_item: Mapping[str, Writes]) -> Writes:
@@ -48,7 +52,8 @@ class Writes:
         return Writes([p for w in by_item.values() for p in w.pending],
                       [f"{item}/{f}" for item, w in by_item.items() for f in w.files],
                       [f"{item}/{t}" for item, w in by_item.items() for t in w.trees],
-                      {f"{item}/{a}": why for item, w in by_item.items() for a, why in w.whole.items()})
+                      {f"{item}/{a}": why for item, w in by_item.items() for a, why in w.whole.items()},
+                      sum(w.chunks for w in by_item.values()), sum(w.chunk_bytes for w in by_item.values()))
 
 
 def write_staged(loc: storage.Location, plan: SavePlan, staged: Staged, options: SaveOptions, *,
@@ -182,6 +187,8 @@ class ChunkWriter:
         else:
             out = self._write_tensorstore(group, data)
         self.batches += 1
+        self.writes.chunks += sum(len(chunks) for chunks in data)
+        self.writes.chunk_bytes += sum(chunk.nbytes for chunks in data for chunk in chunks)
         self.writes.pending.extend(out)
         return out
 
