@@ -125,14 +125,15 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
             begun = time.perf_counter()
             into = _readable_into(wanted) if release_targets else {}
             paths: Counter[str] = Counter()
-            local_before = LOCAL_READS.snapshot()
+            local_before, calls_before = LOCAL_READS.snapshot(), storage.CALLS.snapshot()
             values = read_arrays(loc, reader, jobs, options, take, release_targets=release_targets,
                                  exchange=exchange, into=into, events=events, paths=paths)
             fetched = reader.fetched_bytes()
         finally:
             reader.close()  # every read has finished: read_arrays waits for them, also on errors
         details = {"arrays": len(jobs), "storage_bytes": fetched,
-                   "paths": {**{name: paths[name] for name in _PATHS}, **LOCAL_READS.since(local_before)}}
+                   "paths": {**{name: paths[name] for name in _PATHS}, **LOCAL_READS.since(local_before),
+                             **storage.CALLS.since(calls_before)}}
         if exchange is not None:
             details.update(peer_bytes_sent=exchange.sent_bytes, peer_bytes_received=exchange.received_bytes,
                            plan="derived" if exchange.derived else "gathered",
