@@ -20,8 +20,7 @@ from safetensors.torch import save_file
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, events, storage
-from xla_tensorstore_ckpt.arrays import byte_ranges
+from xla_tensorstore_ckpt import cli, events, storage, tunables
 from xla_tensorstore_ckpt.errors import (
     CorruptCheckpointError,
     KeyMismatchError,
@@ -139,7 +138,7 @@ def test_object_stores_serve_ranged_reads(hf_dir, mesh_4x2, scheme, request):
     assert paths["ranged_reads"] and paths["ranged_read_bytes"] >= sum(v.nbytes for v in expected.values())
 
 
-def test_each_shard_reads_only_its_byte_ranges(tmp_path, monkeypatch):
+def test_each_shard_reads_only_its_byte_ranges(tmp_path):
     """A column shard of a row-major matrix is one range per row; with merging off, exactly its bytes are read."""
     g = torch.Generator().manual_seed(1)
     matrix = torch.randn(64, 256, generator=g)
@@ -147,17 +146,16 @@ def test_each_shard_reads_only_its_byte_ranges(tmp_path, monkeypatch):
     save_file({"w": matrix}, str(data))
     remote = storage.location(f"memory://ranges-{os.getpid()}")
     remote.write("model.safetensors", data.read_bytes())
-    monkeypatch.setattr(byte_ranges, "MERGE_GAP_BYTES", 0)
     column = ((0, 64), (64, 128))  # the second of four column shards
     target = {"w": ShardedArray.target((64, 256), torch.float32, (64, 64), [column])}
     paths = Paths()
-    restored = paths.restore(str(remote), target)
+    with tunables.overridden(merge_gap_bytes=0):
+        restored = paths.restore(str(remote), target)
     assert paths["ranged_reads"] == 64 and paths["ranged_read_bytes"] == 64 * 64 * 4  # a request per row
     assert paths["whole_reads"] == 0
     (index, shard), = restored["w"].shards
     assert index == column and torch.equal(shard, matrix[:, 64:128])
     # With merging (the default), the rows come in one request of the span they cover.
-    monkeypatch.setattr(byte_ranges, "MERGE_GAP_BYTES", 1 << 20)
     paths = Paths()
     paths.restore(str(remote), target)
     assert paths["ranged_reads"] == 1 and paths["ranged_read_bytes"] == (63 * 256 + 64) * 4

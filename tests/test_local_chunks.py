@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import events
+from xla_tensorstore_ckpt import events, tunables
 from xla_tensorstore_ckpt.arrays import local_chunks, ocdbt
 
 PLAIN = xtc.SaveOptions(use_ocdbt=False, single_file_max_bytes=0)  # a file per chunk
@@ -57,7 +57,7 @@ def test_small_chunks_are_read_on_the_restoring_thread(tmp_path, layout_name):
     state = {"small": _values((64, 64), torch.float32), "large": _values((1024, 512), torch.float32)}
     xtc.save(tmp_path / "ck", state, options=LAYOUTS[layout_name])
     meta = xtc.metadata(tmp_path / "ck")
-    assert math.prod(meta["large"].chunk_shape) * 4 >= local_chunks.INLINE_CHUNK_BYTES  # else nothing to see
+    assert math.prod(meta["large"].chunk_shape) * 4 >= tunables.get("inline_chunk_bytes")  # else nothing to see
     paths = Paths()
     out = paths.restore(tmp_path / "ck", {k: torch.zeros_like(v) for k, v in state.items()})
     assert all(torch.equal(out[k], v) for k, v in state.items())
@@ -70,8 +70,10 @@ def test_small_chunks_are_read_on_the_restoring_thread(tmp_path, layout_name):
 def reading_thread(request, monkeypatch):
     """Read the (small) chunks of a test on the restoring thread, or on the worker threads as large ones are."""
     if request.param == "workers":
-        monkeypatch.setattr(local_chunks, "INLINE_CHUNK_BYTES", 0)
-    return request.param
+        with tunables.overridden(inline_chunk_bytes=0):
+            yield request.param
+    else:
+        yield request.param
 
 
 @pytest.fixture
@@ -101,13 +103,13 @@ GRIDS = {  # shape, saved chunk grid, restored shard grid
 @pytest.mark.parametrize("grid", list(GRIDS))
 def test_every_region_holds_the_saved_values(tmp_path, monkeypatch, counted, reading_thread, layout_name,
                                               dtype, grid):
-    monkeypatch.setattr(local_chunks, "PIECE_BYTES", 40)  # several pieces per chunk, and rows split across them
     shape, saved, restored = GRIDS[grid]
     full = _values(shape, dtype)
     xtc.save(tmp_path / "ck", {"a": xtc.ShardedArray.from_tensor(full, saved, xtc.ShardedArray.grid(shape, saved))},
              options=LAYOUTS[layout_name])
     indices = xtc.ShardedArray.grid(shape, restored)
-    out = counted.restore(tmp_path / "ck", {"a": xtc.ShardedArray.target(shape, dtype, restored, indices)})
+    with tunables.overridden(chunk_piece_bytes=40):  # several pieces per chunk, and rows split across them
+        out = counted.restore(tmp_path / "ck", {"a": xtc.ShardedArray.target(shape, dtype, restored, indices)})
     assert [i for i, _ in out["a"].shards] == indices
     for index, data in out["a"].shards:
         assert torch.equal(data, full[_slices(index)]), index

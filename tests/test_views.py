@@ -17,7 +17,7 @@ from conftest import object_store
 from hf_files import write_hf_dir
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, convert, inspection, storage, views
+from xla_tensorstore_ckpt import cli, convert, inspection, storage, tunables, views
 from xla_tensorstore_ckpt.errors import UsageError
 from xla_tensorstore_ckpt.records import SavedSharding
 from xla_tensorstore_ckpt.views import histogram, layout, report
@@ -326,15 +326,15 @@ def test_plots_need_matplotlib_only_when_asked(root):
     assert plots.histogram(summary).axes and plots.layout(views.layout_view(str(root / "2"), "model/norm")).axes
 
 
-def test_chunks_added_on_threads_give_the_same_summary(tmp_path, monkeypatch):
+def test_chunks_added_on_threads_give_the_same_summary(tmp_path):
     full = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
     full[:16] = 0
     xtc.save(tmp_path / "item", {"w": xtc.ShardedArray.from_tensor(full, (16, 24), xtc.ShardedArray.grid((64, 48),
                                                                                                         (16, 24)))})
     checkpoint = inspection.open_checkpoint(str(tmp_path / "item"))
     serial = histogram.array_summary(checkpoint, "w")  # 3 KiB chunks: binned on the reading thread
-    monkeypatch.setattr(histogram, "INLINE_BYTES", 0)
-    parallel = histogram.array_summary(checkpoint, "w")
+    with tunables.overridden(histogram_inline_bytes=0):
+        parallel = histogram.array_summary(checkpoint, "w")
     whole = histogram.ValueSketch()
     whole.add(full.numpy())
     expected = histogram.summarize("w", "float32", (64, 48), whole)
