@@ -11,7 +11,9 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
 * ``save_written`` (per tier): this process's writes are durable (`seconds` since staging; `nbytes` written
   by this process, as chunk bytes before any compression; `files`: files it created, or OCDBT stores;
   `details["chunks"]` and `details["chunk_bytes"]`: the chunks whose writes it issued and their bytes before
-  compression (an incremental save's only those it wrote, not those the base holds); for an
+  compression (an incremental save's only those it wrote, not those the base holds);
+  `details["peak_staged_bytes"]`: where staging and writing interleave (synchronous saves, asynchronous ones
+  with `max_host_bytes`), the most staged bytes whose writes were not yet waited for, else 0; for an
   incremental save, `details["written_whole"]`: ``"<item>/<array>"`` -> why, each array this process wrote whole
   although the base step has it, such as a dtype or chunk shape change).
 * ``save_committed`` (per tier): the step is committed (`seconds`: the commit itself; `details["total_seconds"]`

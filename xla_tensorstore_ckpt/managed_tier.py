@@ -91,6 +91,7 @@ class ManagedTier:
             step_events.emit(events.SAVE_WRITTEN, seconds=phases["written"] - begun, nbytes=save.write_bytes,
                              files=len(writes.files) + len(writes.trees),
                              details={"chunks": writes.chunks, "chunk_bytes": writes.chunk_bytes,
+                                      "peak_staged_bytes": writes.peak_staged_bytes,
                                       **({"written_whole": dict(writes.whole)} if writes.whole else {})})
 
         try:
