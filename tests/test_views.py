@@ -270,21 +270,19 @@ def upload(local: str, remote: storage.Location) -> str:
     return str(remote)
 
 
-def test_report_reads_each_array_of_the_shown_step_once(root, monkeypatch):
+def test_report_reads_each_array_of_the_shown_step_once(root):
     from xla_tensorstore_ckpt import scans
 
-    walks: list[tuple[str, str]] = []
-    walk = scans.iter_chunks
-
-    def counted(checkpoint, item, meta, **kwargs):
-        walks.append((os.path.basename(str(checkpoint.location)), f"{item}/{meta.path}"))
-        return walk(checkpoint, item, meta, **kwargs)
-
+    before = scans.WALKED.snapshot()
     expected = [s.to_json() for s in views.stats_view(str(root / "2"), bins=report.ReportOptions().bins)]
-    monkeypatch.setattr(scans, "iter_chunks", counted)
+    alone = scans.WALKED.since(before)
+    assert alone["arrays"] == len(expected)
+    before = scans.WALKED.snapshot()
     data = report.report_data(str(root))
-    assert data["diff"]["b"] == 2 and sorted(walks) == sorted(set(walks))  # no array walked twice
-    assert {key for step, key in walks if step == "2"} == {e["key"] for e in expected}
+    # The diff reads steps 1 and 2 (the same arrays), and step 2's statistics come from its reads: each array of
+    # either step is walked once, none again for the statistics.
+    assert data["diff"]["a"] == 1 and data["diff"]["b"] == 2
+    assert scans.WALKED.since(before) == {name: 2 * n for name, n in alone.items()}
     assert sorted(data["stats"], key=lambda s: s["key"]) == sorted(expected, key=lambda s: s["key"])
 
 
