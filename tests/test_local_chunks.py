@@ -52,8 +52,9 @@ def _chunk_count(meta):
 
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_small_chunks_are_read_on_the_restoring_thread(tmp_path, layout_name):
-    """Chunks under `INLINE_CHUNK_BYTES` are read at once by the thread that restores (worker threads would hold
-    the GIL against it); larger ones on the reader's worker threads. Nothing goes through tensorstore."""
+    """Chunks under ``inline_chunk_bytes`` (`tunables`) are read at once by the thread that restores (worker
+    threads would hold the GIL against it); larger ones on the reader's worker threads. Nothing goes through
+    tensorstore."""
     state = {"small": _values((64, 64), torch.float32), "large": _values((1024, 512), torch.float32)}
     xtc.save(tmp_path / "ck", state, options=LAYOUTS[layout_name])
     meta = xtc.metadata(tmp_path / "ck")
