@@ -15,7 +15,7 @@ import torch
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import events, tunables
-from xla_tensorstore_ckpt.arrays import local_chunks, ocdbt
+from xla_tensorstore_ckpt.arrays import local_reads, ocdbt
 
 PLAIN = xtc.SaveOptions(use_ocdbt=False, single_file_max_bytes=0)  # a file per chunk
 LAYOUTS = {"ocdbt": xtc.SaveOptions(), "directories": PLAIN}
@@ -242,28 +242,21 @@ def test_an_ocdbt_reference_outside_the_item_is_refused(tmp_path, where):
         ocdbt._indirect(storage.location(tmp_path), where)
 
 
-def test_a_restore_leaves_no_data_file_open(tmp_path, reading_thread, monkeypatch):
-    """The data files the reads keep open are closed when the restore ends, also when it fails. Only the
-    descriptors this library opened count: tensorstore's reads of the OCDBT manifest close theirs on its own
-    threads, after their results are delivered."""
+def test_a_restore_leaves_no_data_file_open(tmp_path, reading_thread):
+    """The data files the reads keep open are closed when the restore ends, also when it fails (the counts of
+    `local_reads.COUNTS`, which ``restore_finished`` reports)."""
     item = _save(tmp_path, xtc.SaveOptions())
-    opened, closed = [], set()
-    real_open, real_close = local_chunks._open_sized, os.close
-    monkeypatch.setattr(local_chunks, "_open_sized", lambda path: opened.append(real_open(path)) or opened[-1])
-    monkeypatch.setattr(os, "close", lambda fd: closed.add(fd) or real_close(fd))
-
-    def still_open():  # fd numbers are reused, so a descriptor counts as closed once os.close saw it
-        return [fd for fd, _ in opened if fd not in closed]
-
+    before = local_reads.COUNTS.snapshot()
     xtc.restore(item)
-    assert opened and still_open() == []
+    files = local_reads.COUNTS.since(before)
+    assert files["files_opened"] and files["files_closed"] == files["files_opened"]
     data_file = _data_files(item)[-1]
     _rewrite(data_file, lambda d: d[:len(d) // 2] + bytes([d[len(d) // 2] ^ 0x01]) + d[len(d) // 2 + 1:])
-    opened.clear()
-    closed.clear()
+    before = local_reads.COUNTS.snapshot()
     with pytest.raises(xtc.CorruptCheckpointError):
         xtc.restore(item)
-    assert opened and still_open() == []
+    files = local_reads.COUNTS.since(before)
+    assert files["files_opened"] and files["files_closed"] == files["files_opened"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["read-into-targets", "cast"])

@@ -39,7 +39,8 @@ given back), ``own_buffer_bytes``, ``into_target_bytes``, and of this process's 
 (`arrays.base.PathCounts`) ``cache_probes``, ``cached_probes``, ``direct_reads``/``direct_bytes`` (local reads
 around the page cache), ``buffered_reads``/``buffered_bytes`` (through it), ``chunks_inline`` and
 ``chunks_on_workers`` (chunks this library read from local files itself, on the restoring thread or on its reading
-threads), ``tensorstore_regions`` (regions read through tensorstore), and of its storage calls (`storage.CALLS`)
+threads), ``tensorstore_regions`` (regions read through tensorstore), ``files_opened``/``files_closed`` (data files
+those chunk reads opened and closed), and of its storage calls (`storage.CALLS`)
 ``whole_reads``/``whole_read_bytes`` (whole files, `Location.read`) and ``ranged_reads``/``ranged_read_bytes``
 (byte ranges, `Location.read_range`); `details["storage_bytes"]`: what the reader fetched from storage for them,
 None where it cannot tell; with single-replica reads also `details["plan"]`, ``"derived"`` from the shardings or

@@ -100,12 +100,13 @@ class PathCounts(storage.Counts):
     """What array reads did, by path: cache probes (and how many found the bytes cached), the local reads and
     bytes that went around the page cache (direct) or through it (buffered), the chunks `local_chunks` read
     itself (on the restoring thread, ``chunks_inline``, or on its worker threads, ``chunks_on_workers``) and the
-    regions read through tensorstore (``tensorstore_regions``). `local_reads.COUNTS` counts this process's since
-    it started; restores report the difference over their reads (``restore_finished``'s ``paths``); tests read
-    it to see which path ran. Thread-safe."""
+    regions read through tensorstore (``tensorstore_regions``), and the data files `local_chunks` opened and
+    closed (``files_opened``, ``files_closed``: equal once a restore ends). `local_reads.COUNTS` counts this
+    process's since it started; restores report the difference over their reads (``restore_finished``'s
+    ``paths``); tests read it to see which path ran. Thread-safe."""
 
     FIELDS = ("cache_probes", "cached_probes", "direct_reads", "direct_bytes", "buffered_reads", "buffered_bytes",
-              "chunks_inline", "chunks_on_workers", "tensorstore_regions")
+              "chunks_inline", "chunks_on_workers", "tensorstore_regions", "files_opened", "files_closed")
 
 
 class Ready:

@@ -402,6 +402,7 @@ class _Reader:
     def __exit__(self, *exc_info: object) -> None:
         if self._fd is not None and self.source.files is None:
             os.close(self._fd)
+            COUNTS.add(files_closed=1)
         self._fd = None
 
     def read_into(self, buffers: list, at: int, *, checksummed: int = 0) -> int:
@@ -452,6 +453,7 @@ class _OpenFiles:
         with self._lock:
             for fd, _ in self._open.values():
                 os.close(fd)
+            COUNTS.add(files_closed=len(self._open))
             self._open.clear()
 
 
@@ -464,6 +466,7 @@ def _open_sized(path: str) -> tuple[int, int]:
         os.close(fd)
         raise OSError(errno.EINVAL, f"{path} is not a regular file")
     os.set_blocking(fd, True)
+    COUNTS.add(files_opened=1)
     return fd, info.st_size
 
 
