@@ -18,7 +18,7 @@ from helpers import assert_trees_equal, cpu_state, train_steps, xla_net
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, layout, staging, writing
+from xla_tensorstore_ckpt import arrays, events, layout
 
 
 def async_options(**kw):
@@ -102,24 +102,22 @@ def test_background_error_is_reraised_with_step_and_cause(tmp_path, where):
     assert 2 not in xtc.CheckpointManager(tmp_path, async_options()).all_steps()
 
 
-def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path, monkeypatch):
-    events = []
-    real_stage = staging.fetch_sources
+def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path):
+    heard = []
 
     def commits(operation, path, count):
         if operation == "write" and path.endswith(layout.CHECKPOINT_METADATA):
             time.sleep(0.3)  # a slow commit: a save that did not wait for it would stage meanwhile
-            events.append(("committing", path.split("/")[-2].split(".")[0]))
+            heard.append(("committing", path.split("/")[-2].split(".")[0]))
 
-    def tracking_stage(batch, *, copy_cpu):
-        events.append(("staging", None))
-        return real_stage(batch, copy_cpu=copy_cpu)
+    def staged(event):  # told on the saving thread once the step's shards are staged
+        if event.kind == events.SAVE_STAGED:
+            heard.append(("staged", str(event.step)))
 
-    monkeypatch.setattr(staging, "fetch_sources", tracking_stage)
-    with xtc.CheckpointManager(hooked(tmp_path, commits), async_options(save_rng=False)) as mgr:
+    with xtc.CheckpointManager(hooked(tmp_path, commits), async_options(save_rng=False, listeners=(staged,))) as mgr:
         mgr.save(1, extra={"t": torch.ones(4)})
         mgr.save(2, extra={"t": torch.ones(4)})
-    assert events == [("staging", None), ("committing", "1"), ("staging", None), ("committing", "2")]
+    assert heard == [("staged", "1"), ("committing", "1"), ("staged", "2"), ("committing", "2")]
 
 
 def test_max_pending_saves_allows_overlap(tmp_path):
@@ -134,33 +132,18 @@ def test_max_pending_saves_allows_overlap(tmp_path):
         assert mgr.all_steps() == [1, 2]
 
 
-def test_max_host_bytes_streams_the_save(tmp_path, monkeypatch):
-    issued, waited = {}, []
-    in_flight_peaks = []
-    real_write, real_wait_all = writing.ChunkWriter.write, arrays.wait_all
-
-    def tracking_write(self, group, data):
-        pending = real_write(self, group, data)
-        issued[id(pending[-1])] = sum(d.nbytes for chunks in data for d in chunks)
-        outstanding = sum(issued.values()) - sum(waited)
-        in_flight_peaks.append(outstanding)
-        return pending
-
-    def tracking_wait_all(pending):
-        result = real_wait_all(pending)
-        waited.extend(issued.pop(id(p), 0) for p in pending)
-        return result
-
-    monkeypatch.setattr(writing.ChunkWriter, "write", tracking_write)
-    monkeypatch.setattr(arrays, "wait_all", tracking_wait_all)
+def test_max_host_bytes_streams_the_save(tmp_path):
+    heard = []
     state = {f"t{i}": torch.randn(256, 256) for i in range(16)}  # 16 x 256 KiB = 4 MiB
     cap = 1 << 20
-    options = async_options(max_host_bytes=cap, save_rng=False,
+    options = async_options(max_host_bytes=cap, save_rng=False, listeners=(heard.append,),
                             save_options=xtc.SaveOptions(host_batch_bytes=256 << 10))
     with xtc.CheckpointManager(tmp_path, options) as mgr:
         mgr.save(1, model=state)
         mgr.wait_until_finished()
-        assert max(in_flight_peaks) <= cap + (256 << 10)
+        (written,) = [e for e in heard if e.kind == events.SAVE_WRITTEN]
+        assert written.details["chunk_bytes"] == 4 << 20  # all of it written,
+        assert 256 << 10 <= written.details["peak_staged_bytes"] <= cap + (256 << 10)  # never more staged than this
         assert_trees_equal(xtc.restore(tmp_path / "1" / "model"), state)
 
 

@@ -236,29 +236,37 @@ def test_truncated_single_file_array_is_corrupt(tmp_path):
         xtc.restore(tmp_path / "ck")
 
 
-def test_restore_pauses_the_garbage_collector_and_restores_its_state(tmp_path, monkeypatch):
+def test_restore_pauses_the_garbage_collector_and_restores_its_state(tmp_path):
     """Planning thousands of reads creates many small live records; the cyclic collector is paused meanwhile
     (it would walk every object of the process again and again) and left as it was found."""
     import gc
 
-    from xla_tensorstore_ckpt.arrays.local_chunks import LocalChunkArray
+    from xla_tensorstore_ckpt import events
 
     xtc.save(tmp_path / "ck", {"a": torch.ones(4), "b": torch.zeros(3)})
     seen = []
-    real_read = LocalChunkArray.read
-    monkeypatch.setattr(LocalChunkArray, "read", lambda *args: seen.append(gc.isenabled()) or real_read(*args))
+
+    def watching(event):  # listeners run on the thread doing the work, as the reads are started
+        if event.kind == events.RESTORE_BATCH_ISSUED:
+            seen.append(gc.isenabled())
+
+    watched = xtc.RestoreOptions(listeners=(watching,))
     assert gc.isenabled()
-    xtc.restore(tmp_path / "ck")
-    assert seen == [False, False] and gc.isenabled()
+    xtc.restore(tmp_path / "ck", options=watched)
+    assert seen == [False] and gc.isenabled()
     gc.disable()
     try:
         xtc.restore(tmp_path / "ck")
         assert not gc.isenabled()  # a caller that had disabled it keeps it disabled
     finally:
         gc.enable()
-    monkeypatch.setattr(LocalChunkArray, "read", lambda *args: (_ for _ in ()).throw(OSError("disk gone")))
-    with pytest.raises(OSError):
-        xtc.restore(tmp_path / "ck")
+
+    def failing(event):  # fails the restore while its reads are under way
+        if event.kind == events.RESTORE_BATCH_ISSUED:
+            raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        xtc.restore(tmp_path / "ck", options=xtc.RestoreOptions(listeners=(failing,)))
     assert gc.isenabled()
 
 

@@ -53,24 +53,17 @@ def test_chunk_grid_is_the_shard_grid_and_metadata_names_mesh_and_spec(tmp_path,
     assert chunk_files(tmp_path / "ck" / "w") == ["c/0/0"]  # all 8 chunks in one file: one writer holds them
 
 
-def test_replicas_are_written_once(tmp_path, mesh_4x2, monkeypatch):
-    written = []
-    from xla_tensorstore_ckpt import writing
+def test_replicas_are_written_once(tmp_path, mesh_4x2):
+    from xla_tensorstore_ckpt import events
 
-    real_write = writing.ChunkWriter.write
-
-    def spy(self, group, data):
-        written.extend((p.meta.path, w.region) for p in group for w in p.writes)
-        return real_write(self, group, data)
-
-    monkeypatch.setattr(writing.ChunkWriter, "write", spy)
+    heard = []
     src = torch.randn(8, 6)
     state = {"rows": sharded(src, mesh_4x2, ("x", None)), "full": sharded(src, mesh_4x2, (None, None)),
              "plain": sharded(src, None, None)}
-    xtc.save(tmp_path / "ck", state)
-    names = [n for n, _ in written]
-    assert names.count("rows") == 4 and names.count("full") == 1 and names.count("plain") == 1
-    assert len(set(written)) == len(written)
+    xtc.save(tmp_path / "ck", state, options=xtc.SaveOptions(listeners=(heard.append,)))
+    (written,) = [e for e in heard if e.kind == events.SAVE_WRITTEN]
+    assert written.details["chunks"] == 4 + 1 + 1  # rows' four shards; one of each replicated array
+    assert written.details["chunk_bytes"] == 3 * src.nbytes == written.nbytes
     assert xtc.metadata(tmp_path / "ck")["rows"].chunk_shape == (2, 6)
     assert_trees_equal(xtc.restore(tmp_path / "ck"), {"rows": src, "full": src, "plain": src})
 
@@ -201,29 +194,30 @@ def test_restore_onto_another_mesh_is_exact(tmp_path, saved_mesh, saved_spec, ta
     assert torch.equal(target["w"].cpu(), torch.zeros(*shape))
 
 
-def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4, monkeypatch):
+def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4):
     """Through tensorstore (here memory://), a small array whose local shards tile it is read in one region;
     from local files, each stored chunk is read once, whichever target shards it feeds."""
-    from xla_tensorstore_ckpt.arrays.local_chunks import LocalChunkArray
-    from xla_tensorstore_ckpt.arrays.tensorstore_io import TensorstoreArray
+    from xla_tensorstore_ckpt import events
+
+    def restored_with_paths(path):
+        heard = []
+        out = xtc.restore(path, target, options=xtc.RestoreOptions(listeners=(heard.append,)))
+        (finished,) = [e for e in heard if e.kind == events.RESTORE_FINISHED]
+        return out, finished.details["paths"]
 
     src = torch.randn(16, 8)
     target = {"w": sharded(torch.zeros(16, 8), mesh_2x4, ("b", "a"))}
     xtc.save("memory://reads-once/ck", {"w": sharded(src, mesh_4x2, ("x", "y"))})
-    regions = []
-    real_read = TensorstoreArray.read
-    monkeypatch.setattr(TensorstoreArray, "read", lambda self, reads, empty: regions.extend(reads) or real_read(
-        self, reads, empty))
-    assert torch.equal(xtc.restore("memory://reads-once/ck", target)["w"].cpu(), src)
-    assert regions == [((0, 16), (0, 8))]
+    out, paths = restored_with_paths("memory://reads-once/ck")
+    assert torch.equal(out["w"].cpu(), src)
+    assert paths["tensorstore_regions"] == 1  # the whole array, once
+    assert paths["chunks_inline"] + paths["chunks_on_workers"] == 0
 
     xtc.save(tmp_path / "ck", {"w": sharded(src, mesh_4x2, ("x", "y"))})
-    chunks = []
-    real_chunk = LocalChunkArray._read_chunk
-    monkeypatch.setattr(LocalChunkArray, "_read_chunk", lambda self, position, targets: chunks.append(position)
-                        or real_chunk(self, position, targets))
-    assert torch.equal(xtc.restore(tmp_path / "ck", target)["w"].cpu(), src)
-    assert sorted(chunks) == [(i, j) for i in range(4) for j in range(2)]
+    out, paths = restored_with_paths(tmp_path / "ck")
+    assert torch.equal(out["w"].cpu(), src)
+    assert paths["chunks_inline"] + paths["chunks_on_workers"] == 4 * 2  # each stored chunk once
+    assert paths["tensorstore_regions"] == 0
 
 
 def test_reads_cover_exactly_the_local_shards():

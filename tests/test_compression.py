@@ -5,8 +5,10 @@ chunk reads decompress them too), damage still found, and bad options refused.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+from collections import Counter
 
 import crc32c
 import numpy as np
@@ -19,8 +21,8 @@ from helpers import DTYPES, assert_trees_equal, ocdbt_data_files, options, rando
 from numcodecs import Zstd
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli
-from xla_tensorstore_ckpt.arrays import direct_ocdbt, local_chunks
+from xla_tensorstore_ckpt import cli, events
+from xla_tensorstore_ckpt.arrays import direct_ocdbt
 
 ZSTD = xtc.SaveOptions(compression="zstd")
 LAYOUTS = {"direct-ocdbt": ZSTD, "tensorstore-ocdbt": xtc.SaveOptions(compression="zstd", direct_io=False),
@@ -85,19 +87,23 @@ def test_direct_and_tensorstore_compressed_saves_decode_alike(tmp_path):
     assert torch.equal(out["w"].cpu(), w) and torch.equal(out["b"], state["b"])
 
 
-def test_compressed_chunks_are_read_directly_single_file_arrays_by_tensorstore_and_zarr_python(tmp_path,
-                                                                                               monkeypatch):
+def test_compressed_chunks_are_read_directly_single_file_arrays_by_tensorstore_and_zarr_python(tmp_path):
     full = torch.arange(64.0).reshape(8, 8)
     single_file = xtc.ShardedArray.from_tensor(full, (4, 4), xtc.ShardedArray.grid((8, 8), (4, 4)))
     xtc.save(tmp_path / "ck", {"a": single_file, "b": full}, options=LAYOUTS["directories"])
     assert json.loads((tmp_path / "ck" / "a" / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"] \
         == ORBAX_CODECS  # zarr's sharding codec around the same chain: Orbax's layout
-    opened = []
-    real = local_chunks.LocalChunkArray
-    monkeypatch.setattr(local_chunks, "LocalChunkArray",
-                        lambda *a, **kw: opened.append((a[1].path, kw)) or real(*a, **kw))
-    out = xtc.restore(tmp_path / "ck")
-    assert opened == [("b", {"compressed": True})] and torch.equal(out["a"], full) and torch.equal(out["b"], full)
+    paths = Counter()
+
+    def listener(event):
+        if event.kind == events.RESTORE_FINISHED:
+            paths.update(event.details["paths"])
+
+    out = xtc.restore(tmp_path / "ck", options=xtc.RestoreOptions(listeners=(listener,)))
+    assert torch.equal(out["a"], full) and torch.equal(out["b"], full)
+    chunks_of_b = math.prod(-(-n // c) for n, c in zip((8, 8), xtc.metadata(tmp_path / "ck")["b"].chunk_shape))
+    assert paths["chunks_inline"] + paths["chunks_on_workers"] == chunks_of_b  # b's zstd chunks, read here
+    assert paths["tensorstore_regions"] == 1  # a, the single-file array
     assert np.array_equal(zarr.open_array(str(tmp_path / "ck" / "b"), mode="r")[:], full.numpy())
 
 

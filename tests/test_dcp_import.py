@@ -10,6 +10,7 @@ import fractions
 import json
 import os
 import pickle
+from collections import Counter
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, storage, tree
+from xla_tensorstore_ckpt import cli, events, storage, tree
 from xla_tensorstore_ckpt.errors import CorruptCheckpointError, KeyMismatchError, ShapeMismatchError
 
 HERE = os.path.dirname(__file__)
@@ -198,7 +199,7 @@ def test_a_two_process_job_with_dtensors_restores_onto_a_mesh(tmp_path, mesh_4x2
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
 @pytest.mark.xla
-def test_object_stores_read_byte_ranges(dcp_dir, mesh_4x2, scheme, request, monkeypatch):
+def test_object_stores_read_byte_ranges(dcp_dir, mesh_4x2, scheme, request):
     path, state = dcp_dir
     if scheme == "gs":
         request.getfixturevalue("gcs_emulator_server")
@@ -209,16 +210,20 @@ def test_object_stores_read_byte_ranges(dcp_dir, mesh_4x2, scheme, request, monk
     for name in os.listdir(path):
         with open(os.path.join(path, name), "rb") as f:
             remote.write(name, f.read())
-    whole = []
-    read = storage.Location.read
-    monkeypatch.setattr(storage.Location, "read", lambda self, name: whole.append(name) or read(self, name))
+    paths = Counter()
+
+    def listener(event):
+        if event.kind == events.RESTORE_FINISHED:
+            paths.update(event.details["paths"])
+
     target = {"model": {k: sharded(torch.zeros(v.shape), mesh_4x2, ("x",) + (None,) * (v.dim() - 1))
                         for k, v in state["model"].items()}}
-    restored = xtc.restore(str(remote), target, key_map=MODEL_ONLY)
+    restored = xtc.restore(str(remote), target, key_map=MODEL_ONLY, options=xtc.RestoreOptions(listeners=(listener,)))
     torch_xla.sync()
     for key, value in state["model"].items():
         assert torch.equal(restored["model"][key].cpu(), value), key
-    assert not [n for n in whole if n.endswith(".distcp")]  # tensor chunks and values: ranged reads only
+    assert paths["whole_reads"] == 0  # tensor chunks and values: ranged reads only
+    assert paths["ranged_read_bytes"] >= sum(v.nbytes for v in state["model"].values())
     assert_same(xtc.restore(str(remote)), state)
 
 

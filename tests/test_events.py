@@ -69,6 +69,7 @@ def test_item_saves_and_restores_tell_their_listeners(tmp_path):
     xtc.save(tmp_path / "item", state(1), options=xtc.SaveOptions(listeners=(recorder,)))
     assert recorder.kinds() == [events.SAVE_STARTED, events.SAVE_WRITTEN, events.SAVE_COMMITTED]
     assert recorder.events[1].nbytes == STATE_BYTES and recorder.events[1].path == str(tmp_path / "item")
+    assert recorder.events[1].details["chunk_bytes"] == STATE_BYTES and recorder.events[1].details["chunks"] >= 2
     recorder.events.clear()
     xtc.restore(tmp_path / "item", options=xtc.RestoreOptions(listeners=(recorder,)))
     assert recorder.kinds() == [events.RESTORE_PLANNED, events.RESTORE_BATCH_ISSUED, events.RESTORE_BUILT,
@@ -79,7 +80,8 @@ def test_item_saves_and_restores_tell_their_listeners(tmp_path):
     assert sorted(e.details["key"] for e in built) == ["b", "w"] and {e.details["target"] for e in built} == {"cpu"}
     paths = finished.details["paths"]  # a restore that is not in place: CPU results own their buffers
     assert (paths["batches"], paths["own_buffer_bytes"], paths["arena_bytes"]) == (1, STATE_BYTES, 0)
-    assert {"read_ahead", "into_target_bytes", "cache_probes", "direct_bytes", "buffered_bytes"} <= set(paths)
+    assert {"read_ahead", "into_target_bytes", "cache_probes", "direct_bytes", "buffered_bytes", "chunks_inline",
+            "chunks_on_workers", "tensorstore_regions", "whole_reads", "ranged_read_bytes"} <= set(paths)
 
 
 def test_json_lines_and_log_listeners(tmp_path, caplog):

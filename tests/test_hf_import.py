@@ -10,6 +10,7 @@ import os
 import struct
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -19,8 +20,7 @@ from safetensors.torch import save_file
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, storage
-from xla_tensorstore_ckpt.arrays import byte_ranges
+from xla_tensorstore_ckpt import cli, events, storage, tunables
 from xla_tensorstore_ckpt.errors import (
     CorruptCheckpointError,
     KeyMismatchError,
@@ -35,6 +35,18 @@ RESTORE_ELSEWHERE = os.path.join(os.path.dirname(__file__), "scripts", "restore_
 @pytest.fixture
 def hf_dir(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
     return str(tmp_path / "hf"), write_hf_dir(str(tmp_path / "hf"))
+
+
+class Paths(Counter):
+    """A listener summing the ``paths`` of each ``restore_finished`` it hears: which reads the restore made."""
+
+    def __call__(self, event):
+        if event.kind == events.RESTORE_FINISHED:
+            self.update(event.details["paths"])
+
+    def restore(self, *args, **kwargs):
+        """`xtc.restore` told to this listener."""
+        return xtc.restore(*args, options=xtc.RestoreOptions(listeners=(self,)), **kwargs)
 
 
 def mesh_target(expected: dict[str, torch.Tensor], mesh, *, dtype: torch.dtype | None = None) -> dict:
@@ -107,7 +119,7 @@ def test_restores_onto_4_devices_in_another_process(hf_dir, tmp_path):
 
 @pytest.mark.parametrize("scheme", ["memory", "gs", "s3"])
 @pytest.mark.xla
-def test_object_stores_serve_ranged_reads(hf_dir, mesh_4x2, scheme, request, monkeypatch):
+def test_object_stores_serve_ranged_reads(hf_dir, mesh_4x2, scheme, request):
     path, expected = hf_dir
     if scheme == "gs":
         request.getfixturevalue("gcs_emulator_server")
@@ -120,18 +132,13 @@ def test_object_stores_serve_ranged_reads(hf_dir, mesh_4x2, scheme, request, mon
     for name in os.listdir(path):
         with open(os.path.join(path, name), "rb") as f:
             remote.write(name, f.read())
-    whole, ranged = [], []
-    read, read_range = storage.Location.read, storage.Location.read_range
-    monkeypatch.setattr(storage.Location, "read", lambda self, name: whole.append(name) or read(self, name))
-    monkeypatch.setattr(storage.Location, "read_range", lambda self, name, start, stop: ranged.append(name) or
-                        read_range(self, name, start, stop))
-    assert_restored(xtc.restore(str(remote), mesh_target(expected, mesh_4x2)), expected)
-    assert not [name for name in whole if name.endswith(".safetensors")]  # never a whole file
-    assert {name for name in ranged if name.endswith(".safetensors")} == {n for n in os.listdir(path)
-                                                                          if n.endswith(".safetensors")}
+    paths = Paths()
+    assert_restored(paths.restore(str(remote), mesh_target(expected, mesh_4x2)), expected)
+    assert paths["whole_reads"] == 0  # never a whole file: every tensor's bytes came in ranged reads
+    assert paths["ranged_reads"] and paths["ranged_read_bytes"] >= sum(v.nbytes for v in expected.values())
 
 
-def test_each_shard_reads_only_its_byte_ranges(tmp_path, monkeypatch):
+def test_each_shard_reads_only_its_byte_ranges(tmp_path):
     """A column shard of a row-major matrix is one range per row; with merging off, exactly its bytes are read."""
     g = torch.Generator().manual_seed(1)
     matrix = torch.randn(64, 256, generator=g)
@@ -139,32 +146,19 @@ def test_each_shard_reads_only_its_byte_ranges(tmp_path, monkeypatch):
     save_file({"w": matrix}, str(data))
     remote = storage.location(f"memory://ranges-{os.getpid()}")
     remote.write("model.safetensors", data.read_bytes())
-    ranges: list[tuple[int, int]] = []
-    real = type(remote.backend).read_range
-
-    def recording(self, path, start, stop):
-        ranges.append((start, stop))
-        return real(self, path, start, stop)
-
-    monkeypatch.setattr(type(remote.backend), "read_range", recording)
-    monkeypatch.setattr(byte_ranges, "MERGE_GAP_BYTES", 0)
-    header_reads = len(ranges)
-    meta = xtc.metadata(str(remote))["w"]
-    header_reads = len(ranges) - header_reads
     column = ((0, 64), (64, 128))  # the second of four column shards
     target = {"w": ShardedArray.target((64, 256), torch.float32, (64, 64), [column])}
-    before = len(ranges)
-    restored = xtc.restore(str(remote), target)
-    data_reads = ranges[before + header_reads:]  # the restore reads the headers again, then the shard
-    assert len(data_reads) == 64 and all(stop - start == 64 * 4 for start, stop in data_reads)
-    assert sorted(start for start, _ in data_reads) == [meta.offset + (row * 256 + 64) * 4 for row in range(64)]
+    paths = Paths()
+    with tunables.overridden(merge_gap_bytes=0):
+        restored = paths.restore(str(remote), target)
+    assert paths["ranged_reads"] == 64 and paths["ranged_read_bytes"] == 64 * 64 * 4  # a request per row
+    assert paths["whole_reads"] == 0
     (index, shard), = restored["w"].shards
     assert index == column and torch.equal(shard, matrix[:, 64:128])
     # With merging (the default), the rows come in one request of the span they cover.
-    monkeypatch.setattr(byte_ranges, "MERGE_GAP_BYTES", 1 << 20)
-    before = len(ranges)
-    xtc.restore(str(remote), target)
-    assert len(ranges[before + header_reads:]) == 1
+    paths = Paths()
+    paths.restore(str(remote), target)
+    assert paths["ranged_reads"] == 1 and paths["ranged_read_bytes"] == (63 * 256 + 64) * 4
 
 
 def test_key_map_renames_and_reports_key_and_shape_mismatches(hf_dir):

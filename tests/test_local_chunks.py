@@ -5,16 +5,17 @@ error naming the array, the chunk and the file."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt.arrays import local_chunks, ocdbt
-from xla_tensorstore_ckpt.arrays.local_chunks import LocalChunkArray
-from xla_tensorstore_ckpt.arrays.tensorstore_io import TensorstoreArray
+from xla_tensorstore_ckpt import events, tunables
+from xla_tensorstore_ckpt.arrays import local_reads, ocdbt
 
 PLAIN = xtc.SaveOptions(use_ocdbt=False, single_file_max_bytes=0)  # a file per chunk
 LAYOUTS = {"ocdbt": xtc.SaveOptions(), "directories": PLAIN}
@@ -33,43 +34,57 @@ def _slices(index):
     return tuple(slice(a, b) for a, b in index)
 
 
-@pytest.mark.parametrize("layout_name", list(LAYOUTS))
-def test_small_chunks_are_read_on_the_restoring_thread(tmp_path, monkeypatch, layout_name):
-    """Chunks under `INLINE_CHUNK_BYTES` are read at once by the thread that restores (worker threads would hold
-    the GIL against it); larger ones on the reader's worker threads. Nothing goes through tensorstore."""
-    import threading
+class Paths(Counter):
+    """A listener summing the ``paths`` of each ``restore_finished`` it hears: which paths the reads took."""
 
+    def __call__(self, event):
+        if event.kind == events.RESTORE_FINISHED:
+            self.update(event.details["paths"])
+
+    def restore(self, *args, **kwargs):
+        """`xtc.restore` told to this listener."""
+        return xtc.restore(*args, options=xtc.RestoreOptions(listeners=(self,)), **kwargs)
+
+
+def _chunk_count(meta):
+    return math.prod(-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape))
+
+
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+def test_small_chunks_are_read_on_the_restoring_thread(tmp_path, layout_name):
+    """Chunks under ``inline_chunk_bytes`` (`tunables`) are read at once by the thread that restores (worker
+    threads would hold the GIL against it); larger ones on the reader's worker threads. Nothing goes through
+    tensorstore."""
     state = {"small": _values((64, 64), torch.float32), "large": _values((1024, 512), torch.float32)}
     xtc.save(tmp_path / "ck", state, options=LAYOUTS[layout_name])
-    threads, tensorstore_reads = {}, []
-    real_chunk, real_read = LocalChunkArray._read_chunk, TensorstoreArray.read
-    monkeypatch.setattr(LocalChunkArray, "_read_chunk", lambda self, position, targets: threads.setdefault(
-        self.meta.path, threading.current_thread()) and real_chunk(self, position, targets))
-    monkeypatch.setattr(TensorstoreArray, "read", lambda *args: tensorstore_reads.append(args) or real_read(*args))
-    out = xtc.restore(tmp_path / "ck", {k: torch.zeros_like(v) for k, v in state.items()})
+    meta = xtc.metadata(tmp_path / "ck")
+    assert math.prod(meta["large"].chunk_shape) * 4 >= tunables.get("inline_chunk_bytes")  # else nothing to see
+    paths = Paths()
+    out = paths.restore(tmp_path / "ck", {k: torch.zeros_like(v) for k, v in state.items()})
     assert all(torch.equal(out[k], v) for k, v in state.items())
-    assert threads["small"] is threading.main_thread() and threads["large"] is not threading.main_thread()
-    assert tensorstore_reads == []
+    assert paths["chunks_inline"] == _chunk_count(meta["small"])
+    assert paths["chunks_on_workers"] == _chunk_count(meta["large"])
+    assert paths["tensorstore_regions"] == 0
 
 
 @pytest.fixture(params=["inline", "workers"])
 def reading_thread(request, monkeypatch):
     """Read the (small) chunks of a test on the restoring thread, or on the worker threads as large ones are."""
     if request.param == "workers":
-        monkeypatch.setattr(local_chunks, "INLINE_CHUNK_BYTES", 0)
-    return request.param
+        with tunables.overridden(inline_chunk_bytes=0):
+            yield request.param
+    else:
+        yield request.param
 
 
 @pytest.fixture
-def counted(monkeypatch):
-    """The chunk positions read by `local_chunks`, and the regions read through tensorstore."""
-    seen = {"chunks": [], "tensorstore": []}
-    real_chunk, real_read = LocalChunkArray._read_chunk, TensorstoreArray.read
-    monkeypatch.setattr(LocalChunkArray, "_read_chunk", lambda self, position, targets: seen["chunks"].append(
-        position) or real_chunk(self, position, targets))
-    monkeypatch.setattr(TensorstoreArray, "read", lambda self, regions, *empty: seen["tensorstore"].extend(
-        regions) or real_read(self, regions, *empty))
-    return seen
+def counted():
+    """A `Paths` listener: the chunks read by `local_chunks` and the regions read through tensorstore."""
+    return Paths()
+
+
+def _chunks_read(paths):
+    return paths["chunks_inline"] + paths["chunks_on_workers"]
 
 
 GRIDS = {  # shape, saved chunk grid, restored shard grid
@@ -89,19 +104,19 @@ GRIDS = {  # shape, saved chunk grid, restored shard grid
 @pytest.mark.parametrize("grid", list(GRIDS))
 def test_every_region_holds_the_saved_values(tmp_path, monkeypatch, counted, reading_thread, layout_name,
                                               dtype, grid):
-    monkeypatch.setattr(local_chunks, "PIECE_BYTES", 40)  # several pieces per chunk, and rows split across them
     shape, saved, restored = GRIDS[grid]
     full = _values(shape, dtype)
     xtc.save(tmp_path / "ck", {"a": xtc.ShardedArray.from_tensor(full, saved, xtc.ShardedArray.grid(shape, saved))},
              options=LAYOUTS[layout_name])
     indices = xtc.ShardedArray.grid(shape, restored)
-    out = xtc.restore(tmp_path / "ck", {"a": xtc.ShardedArray.target(shape, dtype, restored, indices)})
+    with tunables.overridden(chunk_piece_bytes=40):  # several pieces per chunk, and rows split across them
+        out = counted.restore(tmp_path / "ck", {"a": xtc.ShardedArray.target(shape, dtype, restored, indices)})
     assert [i for i, _ in out["a"].shards] == indices
     for index, data in out["a"].shards:
         assert torch.equal(data, full[_slices(index)]), index
     chunks = len(xtc.ShardedArray.grid(shape, saved))
-    assert sorted(counted["chunks"]) == sorted(set(counted["chunks"])) and len(counted["chunks"]) == chunks
-    assert counted["tensorstore"] == []
+    assert _chunks_read(counted) == chunks and counted["tensorstore_regions"] == 0  # each chunk once
+    assert counted["chunks_inline" if reading_thread == "inline" else "chunks_on_workers"] == chunks
 
 
 ZSTD_LAYOUTS = {name: dataclasses.replace(options, compression="zstd") for name, options in LAYOUTS.items()}
@@ -118,12 +133,13 @@ def test_compressed_chunks_are_decompressed_into_every_region(tmp_path, counted,
     xtc.save(tmp_path / "ck", {"a": xtc.ShardedArray.from_tensor(full, saved, xtc.ShardedArray.grid(shape, saved)),
                                "s": torch.tensor(2.5)}, options=ZSTD_LAYOUTS[layout_name])
     indices = xtc.ShardedArray.grid(shape, restored)
-    out = xtc.restore(tmp_path / "ck", {"a": xtc.ShardedArray.target(shape, torch.bfloat16, restored, indices),
-                                        "s": torch.zeros(())})
+    out = counted.restore(tmp_path / "ck", {"a": xtc.ShardedArray.target(shape, torch.bfloat16, restored, indices),
+                                            "s": torch.zeros(())})
     for index, data in out["a"].shards:
         assert torch.equal(data, full[_slices(index)]), index
     assert torch.equal(out["s"], torch.tensor(2.5))
-    assert len(counted["chunks"]) == len(xtc.ShardedArray.grid(shape, saved)) + 1 and counted["tensorstore"] == []
+    assert _chunks_read(counted) == len(xtc.ShardedArray.grid(shape, saved)) + 1
+    assert counted["tensorstore_regions"] == 0
 
 
 def test_a_compressed_chunk_of_another_size_is_an_error_naming_it(tmp_path):
@@ -144,12 +160,12 @@ def test_scalars_empty_arrays_and_cpu_targets(tmp_path, counted, layout_name):
     state = {"s": torch.tensor(2.5), "i": torch.tensor(7, dtype=torch.int64), "e": torch.zeros(0, 4),
              "w": _values((33, 17), torch.float32), "b": _values((5,), torch.bool)}
     xtc.save(tmp_path / "ck", state, options=LAYOUTS[layout_name])
-    for restored in (xtc.restore(tmp_path / "ck"), xtc.restore(tmp_path / "ck", {k: torch.ones(1).new_empty(
+    for restored in (counted.restore(tmp_path / "ck"), counted.restore(tmp_path / "ck", {k: torch.ones(1).new_empty(
             v.shape, dtype=v.dtype) for k, v in state.items()})):
         assert set(restored) == set(state)
         for key, value in state.items():
             assert restored[key].dtype == value.dtype and torch.equal(restored[key], value), key
-    assert counted["chunks"] and counted["tensorstore"] == []
+    assert _chunks_read(counted) and counted["tensorstore_regions"] == 0
 
 
 def test_other_arrays_are_read_through_tensorstore(tmp_path, counted):
@@ -157,9 +173,9 @@ def test_other_arrays_are_read_through_tensorstore(tmp_path, counted):
     full = _values((8, 8), torch.float32)
     xtc.save(tmp_path / "ck", {"a": xtc.ShardedArray.from_tensor(full, (4, 4), xtc.ShardedArray.grid((8, 8), (4, 4)))},
              options=xtc.SaveOptions(use_ocdbt=False))
-    out = xtc.restore(tmp_path / "ck")
+    out = counted.restore(tmp_path / "ck")
     assert torch.equal(out["a"], full)
-    assert counted["chunks"] == [] and counted["tensorstore"]
+    assert _chunks_read(counted) == 0 and counted["tensorstore_regions"]
 
 
 def _chunk_files(item):
@@ -226,28 +242,21 @@ def test_an_ocdbt_reference_outside_the_item_is_refused(tmp_path, where):
         ocdbt._indirect(storage.location(tmp_path), where)
 
 
-def test_a_restore_leaves_no_data_file_open(tmp_path, reading_thread, monkeypatch):
-    """The data files the reads keep open are closed when the restore ends, also when it fails. Only the
-    descriptors this library opened count: tensorstore's reads of the OCDBT manifest close theirs on its own
-    threads, after their results are delivered."""
+def test_a_restore_leaves_no_data_file_open(tmp_path, reading_thread):
+    """The data files the reads keep open are closed when the restore ends, also when it fails (the counts of
+    `local_reads.COUNTS`, which ``restore_finished`` reports)."""
     item = _save(tmp_path, xtc.SaveOptions())
-    opened, closed = [], set()
-    real_open, real_close = local_chunks._open_sized, os.close
-    monkeypatch.setattr(local_chunks, "_open_sized", lambda path: opened.append(real_open(path)) or opened[-1])
-    monkeypatch.setattr(os, "close", lambda fd: closed.add(fd) or real_close(fd))
-
-    def still_open():  # fd numbers are reused, so a descriptor counts as closed once os.close saw it
-        return [fd for fd, _ in opened if fd not in closed]
-
+    before = local_reads.COUNTS.snapshot()
     xtc.restore(item)
-    assert opened and still_open() == []
+    files = local_reads.COUNTS.since(before)
+    assert files["files_opened"] and files["files_closed"] == files["files_opened"]
     data_file = _data_files(item)[-1]
     _rewrite(data_file, lambda d: d[:len(d) // 2] + bytes([d[len(d) // 2] ^ 0x01]) + d[len(d) // 2 + 1:])
-    opened.clear()
-    closed.clear()
+    before = local_reads.COUNTS.snapshot()
     with pytest.raises(xtc.CorruptCheckpointError):
         xtc.restore(item)
-    assert opened and still_open() == []
+    files = local_reads.COUNTS.since(before)
+    assert files["files_opened"] and files["files_closed"] == files["files_opened"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["read-into-targets", "cast"])
@@ -301,27 +310,14 @@ def test_a_restore_in_place_reads_into_the_targets_memory(tmp_path):
 
 @pytest.mark.parametrize("options", [PLAIN, xtc.SaveOptions()], ids=["chunk-files", "ocdbt"])
 @pytest.mark.xla
-def test_cold_chunks_are_read_around_the_page_cache(tmp_path, monkeypatch, options, mesh_4x2, mesh_2x4):
+def test_cold_chunks_are_read_around_the_page_cache(tmp_path, options, mesh_4x2, mesh_2x4):
     """A chunk the page cache does not hold is read with O_DIRECT (a cold restore does not fill the cache with
     bytes it never reads again), bit for bit: whole chunks into their destination, and in pieces onto another
     sharding."""
     from conftest import sharded
 
-    from xla_tensorstore_ckpt.arrays import local_reads
-
     state = {"whole": _values((512, 256), torch.float32), "bf16": _values((304, 4000), torch.bfloat16, seed=1)}
     xtc.save(tmp_path / "ck", {k: sharded(v, mesh_4x2, ("x", "y")) for k, v in state.items()}, options=options)
-    seen, probes = [], []
-    real_direct, real_cached = local_reads._read_direct, local_reads._cached
-    monkeypatch.setattr(local_reads, "_read_direct", lambda *a: seen.append(real_direct(*a)) or seen[-1])
-
-    def probe(fd, start, stop):
-        cached = real_cached(fd, start, stop)
-        if os.fstat(fd).st_size > 2 * local_reads.ALIGN:  # a chunk file of a page is read twice (data, checksum)
-            probes.append(cached)
-        return cached
-
-    monkeypatch.setattr(local_reads, "_cached", probe)
     others = {k: sharded(torch.zeros_like(v), mesh_2x4, ("b", None)) for k, v in state.items()}
     for target in (None, others):
         os.sync()
@@ -330,14 +326,13 @@ def test_cold_chunks_are_read_around_the_page_cache(tmp_path, monkeypatch, optio
                 fd = os.open(os.path.join(root, name), os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
-        seen.clear()
-        probes.clear()
-        out = xtc.restore(tmp_path / "ck", target)
+        paths = Paths()
+        out = paths.restore(tmp_path / "ck", target)
         for key, value in state.items():
             assert torch.equal(out[key].cpu(), value), key
-        assert seen and all(s is not None for s in seen), seen  # read direct, and the file system took it
-        # Every read found its bytes uncached, though a chunk's checksum shares a page with the next chunk.
-        assert probes and not any(probes), probes
+        # Every read was direct (the file system took it), its probe having found the bytes uncached.
+        assert paths["direct_reads"] and paths["buffered_reads"] == 0, paths
+        assert paths["cache_probes"] and paths["cached_probes"] == 0, paths
 
 
 def test_a_restore_in_place_copies_into_overlapping_and_lazily_conjugated_targets(tmp_path):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from memory_maps import vm_flags
 
-from xla_tensorstore_ckpt import CorruptCheckpointError, StorageError
+import xla_tensorstore_ckpt as xtc
+from xla_tensorstore_ckpt import CorruptCheckpointError, StorageError, tunables
 from xla_tensorstore_ckpt.arrays import local_reads
 
 
@@ -62,9 +63,9 @@ def _paths(before: dict) -> list[str]:
 
 
 @pytest.fixture
-def small_windows(monkeypatch):
-    monkeypatch.setattr(local_reads, "WINDOW_BYTES", 16384)  # runs cross several windows
-    monkeypatch.setattr(local_reads._windows, "view", None, raising=False)
+def small_windows():
+    with tunables.overridden(read_window_bytes=16384):  # runs cross several windows (made anew at this size)
+        yield
 
 
 @pytest.mark.parametrize("probe", ["cachestat", "nowait-read"])
@@ -354,3 +355,16 @@ def test_boxes_of_a_missing_file_are_a_storage_error(tmp_path):
     with pytest.raises(StorageError, match="cannot open the test array"):
         local_reads.read_boxes(str(tmp_path / "gone"), 0, (4, 4), [(((0, 4), (0, 4)), np.zeros((4, 4)))],
                                "the test array")
+
+
+def test_tunables_are_set_for_a_block_and_checked():
+    """`tunables.overridden` sets sizes for a ``with`` block and puts them back, also on errors; unknown names and
+    values that are not sizes are refused."""
+    default = tunables.get("read_window_bytes")
+    with pytest.raises(RuntimeError), tunables.overridden(read_window_bytes=4096):
+        assert tunables.get("read_window_bytes") == 4096
+        raise RuntimeError
+    assert tunables.get("read_window_bytes") == default == tunables.DEFAULTS["read_window_bytes"]
+    for bad in ({"no_such_size": 1}, {"read_window_bytes": -1}, {"read_window_bytes": 1.5}):
+        with pytest.raises(xtc.UsageError), tunables.overridden(**bad):
+            pass

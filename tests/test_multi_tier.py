@@ -454,24 +454,21 @@ def test_older_local_steps_lose_to_a_newer_persistent_step(tmp_path, mesh):
 
 
 @pytest.mark.xla
-def test_a_step_due_for_both_tiers_is_copied_off_the_devices_once(tmp_path, mesh, monkeypatch):
-    fetched = []
-    real = staging.fetch_sources
-
-    def counting(batch, **kw):
-        fetched.extend(p.meta.path for p in batch if isinstance(p.value, torch.Tensor) and p.value.device.type == "xla")
-        return real(batch, **kw)
-
-    monkeypatch.setattr(staging, "fetch_sources", counting)
+def test_a_step_due_for_both_tiers_is_copied_off_the_devices_once(tmp_path, mesh):
     root, local = str(tmp_path / "persistent"), str(tmp_path / "local")
+    model = place(cpu_state(4), mesh)
+    state_bytes = sum(t.nbytes for t in cpu_state(4).values())
     with xtc.CheckpointManager(root, options(local)) as manager:
-        manager.save(4, model=place(cpu_state(4), mesh))
+        before = staging.FETCHED.snapshot()
+        manager.save(4, model=model)
         manager.wait_until_finished()
         assert manager.metadata(4).tiers == ("local", "persistent")
-        assert sorted(fetched) == ["b", "w"]  # once each, not once per tier
-        fetched.clear()
+        fetched = staging.FETCHED.since(before)
+        assert fetched["device_arrays"] == 2 and fetched["device_bytes"] == state_bytes  # once, not once per tier
+        before = staging.FETCHED.snapshot()
         manager.save(5, model=place(cpu_state(5), mesh))
-    assert sorted(fetched) == ["b", "w"]
+    fetched = staging.FETCHED.since(before)
+    assert fetched["device_arrays"] == 2 and fetched["device_bytes"] == state_bytes
     for directory in (root, local):
         with xtc.CheckpointManager(directory) as plain:
             model = place({"w": torch.zeros(256, 128), "b": torch.zeros(64, 32, dtype=torch.bfloat16)}, mesh)

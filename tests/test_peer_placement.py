@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import peer_copies
+from xla_tensorstore_ckpt import peer_copies, tunables
 from xla_tensorstore_ckpt.errors import UsageError
 
 
@@ -73,11 +73,16 @@ class _Exchanges:
         return Pending()
 
 
-def test_a_failed_round_waits_for_the_round_in_flight_before_raising(tmp_path, monkeypatch):
+@pytest.fixture
+def small_rounds():
+    """Rounds of 200 bytes in pieces of 100: a file of 1000 bytes takes 10 rounds."""
+    with tunables.overridden(peer_piece_bytes=100, peer_round_bytes=200):
+        yield
+
+
+def test_a_failed_round_waits_for_the_round_in_flight_before_raising(tmp_path, small_rounds):
     """Round 1 is started before round 0 is waited for; when round 0 fails, round 1's messages are waited out
     before the error is raised, so that none are left to pair up with the next transfer's on the group."""
-    monkeypatch.setattr(peer_copies, "_PIECE_BYTES", 100)
-    monkeypatch.setattr(peer_copies, "ROUND_BYTES", 200)
     files = peer_copies.StepFiles(0, 1, (("model/data", 1000),), (0,))
     transfer = peer_copies.Transfer(0, 1, files, ("model/data",))
     coordinator = _Exchanges()
@@ -86,12 +91,9 @@ def test_a_failed_round_waits_for_the_round_in_flight_before_raising(tmp_path, m
     assert coordinator.started == [0, 1] and coordinator.waited == [0, 1]
 
 
-def test_a_transfer_reuses_the_round_areas_of_the_last_one_that_succeeded(tmp_path, monkeypatch):
+def test_a_transfer_reuses_the_round_areas_of_the_last_one_that_succeeded(tmp_path, small_rounds):
     """Each local step is replicated: the transfers of a training loop receive into the same two areas instead
     of faulting in fresh ones; a failed transfer's areas (a message may still arrive in them) are not kept."""
-    monkeypatch.setattr(peer_copies, "_PIECE_BYTES", 100)
-    monkeypatch.setattr(peer_copies, "ROUND_BYTES", 200)
-    monkeypatch.setattr(peer_copies, "_kept_areas", [])
     files = peer_copies.StepFiles(0, 1, (("model/data", 1000),), (0,))
     transfer = peer_copies.Transfer(0, 1, files, ("model/data",))
 
@@ -108,12 +110,10 @@ def test_a_transfer_reuses_the_round_areas_of_the_last_one_that_succeeded(tmp_pa
     assert not {id(a) for a in received(after)} & {id(a) for a in received(failed)}
 
 
-def test_a_file_that_cannot_be_written_is_given_up_and_every_round_still_received(tmp_path, monkeypatch):
+def test_a_file_that_cannot_be_written_is_given_up_and_every_round_still_received(tmp_path, small_rounds):
     """The receiver cannot write the files (a full disk, here a file where their directory should be): it keeps
     receiving every round, since its sender would otherwise wait for it, and returns the error naming the file,
     the step and the sender, with the files marked damaged, for its caller to raise once nobody waits."""
-    monkeypatch.setattr(peer_copies, "_PIECE_BYTES", 100)
-    monkeypatch.setattr(peer_copies, "ROUND_BYTES", 200)
     files = peer_copies.StepFiles(0, 1, (("model/data", 1000), ("model/empty", 0)), (0, 0))
     transfer = peer_copies.Transfer(0, 1, files, ("model/data", "model/empty"))
     (tmp_path / "model").write_text("not a directory")

@@ -17,8 +17,8 @@ from conftest import make_mesh, sharded
 from xla_stack import sharding, torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import host_memory, restore_arenas
-from xla_tensorstore_ckpt.events import RESTORE_BATCH_ISSUED, RESTORE_BUILT
+from xla_tensorstore_ckpt import host_memory
+from xla_tensorstore_ckpt.events import RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_FINISHED
 
 pytestmark = pytest.mark.xla  # every test here needs torch_xla
 
@@ -138,24 +138,12 @@ def test_wait_transferred_returns_once_the_placed_tensor_is_on_its_devices(spec)
     assert torch.equal(placed.cpu(), value)
 
 
-def _spy_arenas(monkeypatch) -> tuple[list, list]:
-    """Record every arena buffer and every array an arena hands out (in it or not)."""
-    buffers, handed = [], []
-    real_empty, real_release = restore_arenas.Arena.empty, restore_arenas.Arena.release
-
-    def empty(arena, shape, dtype):
-        out = real_empty(arena, shape, dtype)
-        if arena._buffer is not None and not any(b is arena._buffer for b in buffers):
-            buffers.append(arena._buffer)
-        handed.append(out)
-        return out
-
-    monkeypatch.setattr(restore_arenas.Arena, "empty", empty)
-    monkeypatch.setattr(restore_arenas.Arena, "release", lambda arena: handed.append("release") or real_release(arena))
-    return buffers, handed
+def _paths_heard(into: list):
+    """A listener putting each ``restore_finished``'s ``paths`` into `into`."""
+    return lambda e: e.kind == RESTORE_FINISHED and into.append(e.details["paths"])
 
 
-def test_device_data_is_read_into_two_reused_arenas_and_host_results_own_theirs(tmp_path, monkeypatch):
+def test_device_data_is_read_into_two_reused_arenas_and_host_results_own_theirs(tmp_path):
     mesh = make_mesh((4, 2), ("x", "y"))
     torch.manual_seed(0)
     state = {f"w{i}": sharded(torch.randn(64, 512), mesh, ("x", "y")) for i in range(8)}  # 128 KiB each
@@ -163,29 +151,28 @@ def test_device_data_is_read_into_two_reused_arenas_and_host_results_own_theirs(
     state["unsharded"] = sharded(torch.randn(32, 32), None, None)
     cpu = {f"c{i}": torch.randn(64, 512) for i in range(4)}
     xtc.save(tmp_path / "ck", {**state, **cpu})
-    buffers, handed = _spy_arenas(monkeypatch)
+    heard = []
     target = {k: sharded(torch.zeros(tuple(v.shape)), mesh, ("y", "x") if k.startswith("w") else (None, None))
               if k != "unsharded" else sharded(torch.zeros(32, 32), None, None) for k, v in state.items()}
     out = xtc.restore(tmp_path / "ck", {**target, **{k: torch.zeros(64, 512) for k in cpu}},
-                      options=xtc.RestoreOptions(read_batch_bytes=256 << 10))
+                      options=xtc.RestoreOptions(read_batch_bytes=256 << 10, listeners=(_paths_heard(heard),)))
     for key, value in {**state, **cpu}.items():  # later batches reusing an arena changed nothing restored before
         assert torch.equal(out[key].cpu(), value.cpu()), key
-    assert len(buffers) == 2  # two arenas, each allocated once for the whole restore
-    in_arena = [a for a in handed if not isinstance(a, str) and any(np.shares_memory(a, b) for b in buffers)]
-    assert sum(a.nbytes for a in in_arena) == sum(v.numel() * 4 for v in state.values())  # all device data
-    for key in cpu:  # CPU results are returned as read: never arena memory
-        assert not any(np.shares_memory(out[key].numpy(), b) for b in buffers), key
+    (paths,) = heard
+    assert paths["batches"] > 2 and paths["arena_allocations"] == 2  # two arenas, each allocated once
+    assert paths["arena_frees"] == 0
+    assert paths["arena_bytes"] == sum(v.numel() * 4 for v in state.values())  # all device data
+    assert paths["own_buffer_bytes"] == sum(v.nbytes for v in cpu.values())  # CPU results: never arena memory
 
 
-def test_under_a_budget_a_tensor_larger_than_a_batch_is_read_alone_without_arenas(tmp_path, monkeypatch):
+def test_under_a_budget_a_tensor_larger_than_a_batch_is_read_alone_without_arenas(tmp_path):
     mesh = make_mesh((4, 2), ("x", "y"))
     torch.manual_seed(0)
     state = {"a_small": torch.randn(64, 256), "b_big": torch.randn(512, 512), "c_small": torch.randn(64, 256)}
     xtc.save(tmp_path / "ck", {k: sharded(v, mesh, ("x", "y")) for k, v in state.items()})
-    _, handed = _spy_arenas(monkeypatch)
-    events = []
+    events, heard = [], []
     listeners = (lambda e: e.kind == RESTORE_BATCH_ISSUED and events.append(
-        (e.details["keys"][0], e.details["buffers"] == "arena")),)
+        (e.details["keys"][0], e.details["buffers"] == "arena")), _paths_heard(heard))
     # Budget 1 MiB: batches of 256 KiB (64 KiB a small tensor); the 1 MiB tensor is a batch of its own.
     out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(tuple(v.shape)), mesh, ("y", "x"))
                                         for k, v in state.items()},
@@ -195,7 +182,9 @@ def test_under_a_budget_a_tensor_larger_than_a_batch_is_read_alone_without_arena
     # One at a time (a small batch, torch_xla's copy and the large tensor exceed the budget), the large one
     # into buffers of its own after both arenas were given up.
     assert events == [("a_small", True), ("b_big", False), ("c_small", True)]
-    assert sum(isinstance(h, str) for h in handed) == 2  # releases
+    (paths,) = heard  # a_small's arena given up for b_big, allocated again for c_small
+    assert (paths["arena_allocations"], paths["arena_frees"]) == (2, 1), paths
+    assert paths["own_buffer_bytes"] == state["b_big"].nbytes
 
 
 def _resident_bytes() -> int:

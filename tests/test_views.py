@@ -17,7 +17,7 @@ from conftest import object_store
 from hf_files import write_hf_dir
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, convert, inspection, storage, views
+from xla_tensorstore_ckpt import cli, convert, inspection, storage, tunables, views
 from xla_tensorstore_ckpt.errors import UsageError
 from xla_tensorstore_ckpt.records import SavedSharding
 from xla_tensorstore_ckpt.views import histogram, layout, report
@@ -270,21 +270,19 @@ def upload(local: str, remote: storage.Location) -> str:
     return str(remote)
 
 
-def test_report_reads_each_array_of_the_shown_step_once(root, monkeypatch):
+def test_report_reads_each_array_of_the_shown_step_once(root):
     from xla_tensorstore_ckpt import scans
 
-    walks: list[tuple[str, str]] = []
-    walk = scans.iter_chunks
-
-    def counted(checkpoint, item, meta, **kwargs):
-        walks.append((os.path.basename(str(checkpoint.location)), f"{item}/{meta.path}"))
-        return walk(checkpoint, item, meta, **kwargs)
-
+    before = scans.WALKED.snapshot()
     expected = [s.to_json() for s in views.stats_view(str(root / "2"), bins=report.ReportOptions().bins)]
-    monkeypatch.setattr(scans, "iter_chunks", counted)
+    alone = scans.WALKED.since(before)
+    assert alone["arrays"] == len(expected)
+    before = scans.WALKED.snapshot()
     data = report.report_data(str(root))
-    assert data["diff"]["b"] == 2 and sorted(walks) == sorted(set(walks))  # no array walked twice
-    assert {key for step, key in walks if step == "2"} == {e["key"] for e in expected}
+    # The diff reads steps 1 and 2 (the same arrays), and step 2's statistics come from its reads: each array of
+    # either step is walked once, none again for the statistics.
+    assert data["diff"]["a"] == 1 and data["diff"]["b"] == 2
+    assert scans.WALKED.since(before) == {name: 2 * n for name, n in alone.items()}
     assert sorted(data["stats"], key=lambda s: s["key"]) == sorted(expected, key=lambda s: s["key"])
 
 
@@ -326,15 +324,15 @@ def test_plots_need_matplotlib_only_when_asked(root):
     assert plots.histogram(summary).axes and plots.layout(views.layout_view(str(root / "2"), "model/norm")).axes
 
 
-def test_chunks_added_on_threads_give_the_same_summary(tmp_path, monkeypatch):
+def test_chunks_added_on_threads_give_the_same_summary(tmp_path):
     full = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
     full[:16] = 0
     xtc.save(tmp_path / "item", {"w": xtc.ShardedArray.from_tensor(full, (16, 24), xtc.ShardedArray.grid((64, 48),
                                                                                                         (16, 24)))})
     checkpoint = inspection.open_checkpoint(str(tmp_path / "item"))
     serial = histogram.array_summary(checkpoint, "w")  # 3 KiB chunks: binned on the reading thread
-    monkeypatch.setattr(histogram, "INLINE_BYTES", 0)
-    parallel = histogram.array_summary(checkpoint, "w")
+    with tunables.overridden(histogram_inline_bytes=0):
+        parallel = histogram.array_summary(checkpoint, "w")
     whole = histogram.ValueSketch()
     whole.add(full.numpy())
     expected = histogram.summarize("w", "float32", (64, 48), whole)

@@ -64,7 +64,9 @@ def _save(loc: storage.Location, state: Any, overwrite: bool, options: SaveOptio
             fsync=options.fsync, what=str(loc))
         written = time.perf_counter()
         item_events.emit(events.SAVE_WRITTEN, seconds=written - begun, nbytes=plan.write_bytes,
-                         files=len(writes.files) + len(writes.trees))
+                         files=len(writes.files) + len(writes.trees),
+                         details={"chunks": writes.chunks, "chunk_bytes": writes.chunk_bytes,
+                                  "peak_staged_bytes": writes.peak_staged_bytes})
         commit.commit(coordinator, target, {"": plan}, [], fsync=options.fsync, what=str(loc), publish=publish)
         item_events.emit(events.SAVE_COMMITTED, seconds=time.perf_counter() - written,
                          details={"total_seconds": time.perf_counter() - begun,

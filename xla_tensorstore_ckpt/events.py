@@ -9,7 +9,11 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
 * ``save_staged`` (asynchronous saves): the shards are off the devices and the caller may go on (`seconds`:
   the time `save` blocked for; `nbytes`: host bytes this process staged).
 * ``save_written`` (per tier): this process's writes are durable (`seconds` since staging; `nbytes` written
-  by this process, as chunk bytes before any compression; `files`: files it created, or OCDBT stores; for an
+  by this process, as chunk bytes before any compression; `files`: files it created, or OCDBT stores;
+  `details["chunks"]` and `details["chunk_bytes"]`: the chunks whose writes it issued and their bytes before
+  compression (an incremental save's only those it wrote, not those the base holds);
+  `details["peak_staged_bytes"]`: where staging and writing interleave (synchronous saves, asynchronous ones
+  with `max_host_bytes`), the most staged bytes whose writes were not yet waited for, else 0; for an
   incremental save, `details["written_whole"]`: ``"<item>/<array>"`` -> why, each array this process wrote whole
   although the base step has it, such as a dtype or chunk shape change).
 * ``save_committed`` (per tier): the step is committed (`seconds`: the commit itself; `details["total_seconds"]`
@@ -26,18 +30,23 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
 
 and of a restore (per item): ``restore_planned`` (`nbytes` this process will read, `details["arrays"]`,
 `details["chunks"]`: stored chunks its reads touch), ``restore_batch_issued`` when the reads of a batch start
-(`nbytes`; `details`: ``batch``, ``keys``, ``buffers``: ``"arena"`` or ``"own"``, ``into_targets``: the keys
-read straight into their target's memory), ``restore_built`` as each array's value is built and placed
-(`nbytes` read for it; `details`: ``key``, ``batch``, ``target``: its tensor kind), and ``restore_finished``
-(`seconds`, `nbytes` read; `details["paths"]`: which paths the reads took — ``batches``, ``read_ahead``,
-``arena_bytes``, ``own_buffer_bytes``, ``into_target_bytes``, and of this process's local file reads meanwhile
-``cache_probes``, ``cached_probes``, ``direct_reads``/``direct_bytes`` (around the page cache),
-``buffered_reads``/``buffered_bytes``; `details["storage_bytes"]`: what the reader fetched from storage for
-them, None where it cannot tell; with
-single-replica reads also `details["plan"]`, ``"derived"`` from the shardings or ``"gathered"``, and
-`details["agreements"]`: each collective phase's cost, as for ``save_committed``); with
-`local_replication`, ``peer_fetched`` when a local step (or its damaged files) came from a peer before the
-restore (`nbytes` received, `details["source"]`: the process it came from, `details["repair"]`).
+(`nbytes`; `details`: ``batch``, ``keys``, ``buffers``: ``"arena"`` or ``"own"``, ``into_targets``: the keys read
+straight into their target's memory), ``restore_built`` as each array's value is built and placed (`nbytes` read
+for it; `details`: ``key``, ``batch``, ``target``: its tensor kind), and ``restore_finished`` (`seconds`, `nbytes`
+read; `details["paths"]`: which paths the reads took — ``batches``, ``read_ahead``, ``arena_bytes`` (read into the
+two reused batch arenas, `restore_arenas`), ``arena_allocations`` and ``arena_frees`` (their buffers allocated and
+given back), ``own_buffer_bytes``, ``into_target_bytes``, and of this process's array reads meanwhile
+(`arrays.base.PathCounts`) ``cache_probes``, ``cached_probes``, ``direct_reads``/``direct_bytes`` (local reads
+around the page cache), ``buffered_reads``/``buffered_bytes`` (through it), ``chunks_inline`` and
+``chunks_on_workers`` (chunks this library read from local files itself, on the restoring thread or on its reading
+threads), ``tensorstore_regions`` (regions read through tensorstore), ``files_opened``/``files_closed`` (data files
+those chunk reads opened and closed), and of its storage calls (`storage.CALLS`)
+``whole_reads``/``whole_read_bytes`` (whole files, `Location.read`) and ``ranged_reads``/``ranged_read_bytes``
+(byte ranges, `Location.read_range`); `details["storage_bytes"]`: what the reader fetched from storage for them,
+None where it cannot tell; with single-replica reads also `details["plan"]`, ``"derived"`` from the shardings or
+``"gathered"``, and `details["agreements"]`: each collective phase's cost, as for ``save_committed``); with
+`local_replication`, ``peer_fetched`` when a local step (or its damaged files) came from a peer before the restore
+(`nbytes` received, `details["source"]`: the process it came from, `details["repair"]`).
 
 Listeners are called on the thread doing the work (a background commit thread for asynchronous saves), one
 event at a time per save or restore. A listener that raises fails what it listens to, like any error of that

@@ -90,7 +90,9 @@ class ManagedTier:
             phases["written"] = time.perf_counter()
             step_events.emit(events.SAVE_WRITTEN, seconds=phases["written"] - begun, nbytes=save.write_bytes,
                              files=len(writes.files) + len(writes.trees),
-                             details={"written_whole": dict(writes.whole)} if writes.whole else {})
+                             details={"chunks": writes.chunks, "chunk_bytes": writes.chunk_bytes,
+                                      "peak_staged_bytes": writes.peak_staged_bytes,
+                                      **({"written_whole": dict(writes.whole)} if writes.whole else {})})
 
         try:
             doomed, held = self.tier.commit(self.coordinator, save, fsync=fsync, committed_at=time.time(),

@@ -6,7 +6,7 @@ peers (`peers_of`: other failure domains), who write them under ``<local root>/p
 commit each copy on their own: a temporary directory, then ``copy.json`` (the writer, the step, every file's
 size and CRC32C) and a rename into place, so a copy cut short by a crash never looks committed. The copies
 travel on a background thread of their own (`PeerReplicator`), over a gloo group of their own, in rounds of at
-most `ROUND_BYTES` per process, the next round read and started while the one before is in flight.
+most ``peer_round_bytes`` (`tunables`) per process, the next round read and started while the one before is in flight.
 
 At a restart (`resume`), a process whose local tier lacks the chosen step fetches its own index's step from a
 process that holds it (a peer copy, or the step itself) and commits it into its local tier first
@@ -35,7 +35,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import layout, targets
+from . import layout, targets, tunables
 from .arrays.local_reads import read_runs
 from .async_save import BackgroundCommitter
 from .distributed import Coordinator, Exchange
@@ -48,11 +48,10 @@ COPY_MARKER = "copy.json"
 _PARTIAL = ".partial-"
 _WRITER = re.compile(r"[0-9]+")  # a writer's directory of copies (ASCII digits: "²".isdigit() holds)
 log = logging.getLogger("xla_tensorstore_ckpt")
-# File bytes per round of a process that sends one transfer and receives one (half for each; a process in more
-# transfers holds half of it for each). Two rounds are in flight at once, so reading, sending and writing overlap
-# (one 64 MiB round took 19 ms to read, 63 ms to travel and 30 ms to write and check, one after another).
-ROUND_BYTES = 32 << 20
-_PIECE_BYTES = 8 << 20
+# ``peer_round_bytes`` (`tunables`): file bytes per round of a process that sends one transfer and receives one
+# (half for each; a process in more transfers holds half of it for each). Two rounds are in flight at once, so
+# reading, sending and writing overlap (one 64 MiB round took 19 ms to read, 63 ms to travel and 30 ms to write
+# and check, one after another). ``peer_piece_bytes``: the largest piece a round is cut into.
 
 
 @dataclass(frozen=True)
@@ -210,7 +209,7 @@ def file_crcs(directory: str, files: Sequence[tuple[str, int]]) -> list[int | No
             continue
         crc = 0
         with open(full, "rb") as f:
-            while block := f.read(_PIECE_BYTES):
+            while block := f.read(tunables.get("peer_piece_bytes")):
                 crc = crc32c.crc32c(block, crc)
         out.append(crc)
     return out
@@ -256,8 +255,9 @@ class Transfer:
 
 def _pieces(transfer: Transfer) -> list[tuple[str, int, int]]:
     sizes = dict(transfer.files.files)
-    return [(path, start, min(_PIECE_BYTES, sizes[path] - start)) for path in transfer.paths
-            for start in range(0, max(sizes[path], 1), _PIECE_BYTES)]
+    piece = tunables.get("peer_piece_bytes")
+    return [(path, start, min(piece, sizes[path] - start)) for path in transfer.paths
+            for start in range(0, max(sizes[path], 1), piece)]
 
 
 def _rounds(pieces: list[tuple[str, int, int]], budget: int) -> list[list[tuple[str, int, int]]]:
@@ -287,7 +287,7 @@ def _read_piece(path: str, start: int, out: np.ndarray) -> bool:
 class _Buffers:
     """Two areas the rounds' pieces are cut from, one per round in flight: a transfer touches fresh memory for
     two rounds, not for every byte it moves. The areas are kept for the next transfer (`_kept_areas`, up to
-    `ROUND_BYTES` each): a resume's fetch comes right after the process starts, and faulting in fresh areas then
+    ``peer_round_bytes`` each): a resume's fetch comes right after the process starts, and faulting in fresh areas then
     was a fifth of a 64 MiB fetch here."""
 
     def __init__(self) -> None:
@@ -311,7 +311,7 @@ class _Buffers:
         """Give the areas back for the next transfer (once nothing is in flight in them)."""
         with _kept_lock:
             for area in self._areas:
-                if 0 < area.size <= ROUND_BYTES and len(_kept_areas) < 2:
+                if 0 < area.size <= tunables.get("peer_round_bytes") and len(_kept_areas) < 2:
                     _kept_areas.append(area)
         self._areas = []
 
@@ -324,16 +324,17 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
              target_dirs: Mapping[int, str], what: str) -> tuple[dict[int, list[int]], StorageError | None]:
     """Move the files of every transfer (the same list on every process): this process reads those it is the
     source of from ``source_dirs[i]`` (i: the transfer's position) and writes those it is the target of under
-    ``target_dirs[i]``, in rounds of at most `ROUND_BYTES` per process, two in flight. Returns, per transfer this
-    process took part in, the CRC32C of each of its files as written (target) or read (source; only for a
-    transfer without recorded CRC32Cs, whose receiver checks against the sender's, and 0 otherwise); and the
+    ``target_dirs[i]``, in rounds of at most ``peer_round_bytes`` (`tunables`) per process, two in flight. Returns,
+    per transfer this process took part in, the CRC32C of each of its files as written (target) or read (source;
+    only for a transfer without recorded CRC32Cs, whose receiver checks against the sender's, and 0 otherwise); and the
     `StorageError` of the first file this process could not write, or None (such a file is marked damaged, and
     every round is still received: the caller raises the error once its peers no longer wait for this process).
     Collective: every process calls it with the same `transfers`. Raises `CoordinationError` naming a peer that
     dies meanwhile."""
     me = coordinator.index
     # Every process knows every transfer, so all count the same rounds without asking each other.
-    everyone = [(i, t, _rounds(_pieces(t), max(_PIECE_BYTES, ROUND_BYTES // 2))) for i, t in enumerate(transfers)]
+    round_bytes = max(tunables.get("peer_piece_bytes"), tunables.get("peer_round_bytes") // 2)
+    everyone = [(i, t, _rounds(_pieces(t), round_bytes)) for i, t in enumerate(transfers)]
     plans = [(i, t, rounds) for i, t, rounds in everyone if me in (t.source, t.target)]
     crcs: dict[int, dict[str, int]] = {i: {} for i, _, _ in plans}
     files = _Landing(target_dirs, crcs, what, {i: t.source for i, t, _ in plans})

@@ -15,6 +15,7 @@ Only for regions whose data no result keeps: XLA placements, whose host data tor
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -24,12 +25,15 @@ _ALIGN = 64  # a cache line: what numpy's own allocations give
 class Arena:
     """Buffers for one batch of reads: `empty` hands out slices of one buffer of `capacity` bytes (allocated on
     first use) until it is full, then ordinary arrays; `reset` makes the whole buffer free again. The caller
-    resets only once nothing refers to the slices handed out (the batch is built, or its reads are abandoned)."""
+    resets only once nothing refers to the slices handed out (the batch is built, or its reads are abandoned).
+    `paths` (a restore's, told in ``restore_finished``) counts the buffers allocated (``arena_allocations``)
+    and freed (``arena_frees``)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, paths: Counter[str] | None = None):
         self.capacity = capacity
         self._buffer: np.ndarray | None = None
         self._used = 0
+        self._paths = Counter() if paths is None else paths
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An uninitialised array of `shape` and `dtype`, in the arena if it fits. Never raises for lack of
@@ -40,6 +44,7 @@ class Arena:
             return np.empty(shape, dtype=dtype)
         if self._buffer is None:
             self._buffer = np.empty(self.capacity, dtype=np.uint8)
+            self._paths["arena_allocations"] += 1
         self._used = start + nbytes
         return self._buffer[start:start + nbytes].view(dtype).reshape(shape)
 
@@ -48,5 +53,7 @@ class Arena:
 
     def release(self) -> None:
         """Free the buffer (reset, and the memory goes back to the OS); the next `empty` allocates it anew."""
+        if self._buffer is not None:
+            self._paths["arena_frees"] += 1
         self._buffer = None
         self._used = 0

@@ -51,7 +51,8 @@ PathLike = str | storage.Location
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 # What `read_arrays` counts of the paths its reads take (``restore_finished``'s ``paths``, with the local reads').
-_PATHS = ("batches", "read_ahead", "arena_bytes", "own_buffer_bytes", "into_target_bytes")
+_PATHS = ("batches", "read_ahead", "arena_bytes", "arena_allocations", "arena_frees", "own_buffer_bytes",
+          "into_target_bytes")
 
 
 def read_item(path: PathLike, target: Any = None, *, strict: bool = True, options: RestoreOptions | None = None,
@@ -125,14 +126,15 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
             begun = time.perf_counter()
             into = _readable_into(wanted) if release_targets else {}
             paths: Counter[str] = Counter()
-            local_before = LOCAL_READS.snapshot()
+            local_before, calls_before = LOCAL_READS.snapshot(), storage.CALLS.snapshot()
             values = read_arrays(loc, reader, jobs, options, take, release_targets=release_targets,
                                  exchange=exchange, into=into, events=events, paths=paths)
             fetched = reader.fetched_bytes()
         finally:
             reader.close()  # every read has finished: read_arrays waits for them, also on errors
         details = {"arrays": len(jobs), "storage_bytes": fetched,
-                   "paths": {**{name: paths[name] for name in _PATHS}, **LOCAL_READS.since(local_before)}}
+                   "paths": {**{name: paths[name] for name in _PATHS}, **LOCAL_READS.since(local_before),
+                             **storage.CALLS.since(calls_before)}}
         if exchange is not None:
             details.update(peer_bytes_sent=exchange.sent_bytes, peer_bytes_received=exchange.received_bytes,
                            plan="derived" if exchange.derived else "gathered",
@@ -322,7 +324,8 @@ class _Batches:
                  events: Emitter, paths: Counter[str]):
         self._loc, self._schedule, self._opened, self._exchange = loc, schedule, opened, exchange
         self._events, self._paths = events, paths
-        self._arenas = (restore_arenas.Arena(schedule.batch_bytes), restore_arenas.Arena(schedule.batch_bytes))
+        self._arenas = (restore_arenas.Arena(schedule.batch_bytes, paths), restore_arenas.Arena(schedule.batch_bytes,
+                                                                                                paths))
         self._issued: dict[int, list[dict]] = {}
         self._into = into or {}
         self.written_into: set[layout.KeyPath] = set()  # targets whose own memory a read was started into

@@ -30,6 +30,16 @@ from .records import ArrayMetadata, ArrayStore
 Cell = tuple[int, ...]
 
 
+class WalkCounts(storage.Counts):
+    """What `iter_chunks` walked in this process since it started (`WALKED`): arrays opened and chunks (or
+    regions) read. The views read each array once; tests read it to see that."""
+
+    FIELDS = ("arrays", "chunks")
+
+
+WALKED = WalkCounts()
+
+
 def chunk_regions(meta: ArrayMetadata) -> Iterator[tuple[Cell, grid.Index]]:
     """(chunk grid position, region) of every chunk of an array, in C order, lazily."""
     return grid.chunks(meta.shape, meta.chunk_shape)
@@ -53,7 +63,9 @@ def iter_chunks(checkpoint: Checkpoint, item: str, meta: ArrayMetadata, *, regio
         return
     cells = chunk_regions(meta) if regions is None else regions
     queue: list[tuple[Cell, arrays.PendingRead]] = []
+    WALKED.add(arrays=1)
     for cell, region in cells:
+        WALKED.add(chunks=1)
         queue.append((cell, stored.read([region])[region]))
         if len(queue) >= window:
             yield _take(queue.pop(0))

@@ -8,10 +8,21 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import grid, targets
+from . import grid, storage, targets
 from .options import SaveOptions
 from .save_plan import ArrayPlan, ChunkWrite, SavePlan
 from .tensor_layout import LocalShard
+
+
+class FetchCounts(storage.Counts):
+    """What saves copied off the devices, this process's since it started (`FETCHED`): the arrays of
+    device-bound targets (XLA tensors) whose shards were fetched, those shards, and their bytes. A save of one
+    state to several tiers fetches each shard once (`stage_shared`); tests read it to see that."""
+
+    FIELDS = ("device_arrays", "device_shards", "device_bytes")
+
+
+FETCHED = FetchCounts()
 
 
 def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tensor]]:
@@ -35,6 +46,8 @@ def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[Lo
                                 [batch[i].sources for i in where], copy=copy)
         for i, shards in zip(where, fetched):
             out[i] = dict(zip(batch[i].sources, shards))
+            if targets.of_layout(batch[i].layout).DEVICE_BOUND:
+                FETCHED.add(device_arrays=1, device_shards=len(shards), device_bytes=sum(s.nbytes for s in shards))
     return out
 
 

@@ -35,12 +35,18 @@ class Writes:
     """The writes a process started for one item: the futures to wait for, and what they create (relative to
     the item directory), which a save that syncs makes durable once they are done: `files`, and `trees`
     (directories whose every file is this process's, such as its OCDBT store). For an incremental save, also
-    `whole`: the arrays it wrote whole although the base has them, and why (told in ``save_written``)."""
+    `whole`: the arrays it wrote whole although the base has them, and why. `chunks` and `chunk_bytes`: the
+    chunks whose writes it started and their bytes before any compression; `peak_staged_bytes`: for saves that
+    stage and write interleaved (`stage_and_write`), the most staged bytes whose writes were not yet waited for
+    at any time, 0 for others (all told in ``save_written``)."""
 
     pending: list[arrays.Pending]
     files: list[str]
     trees: list[str]
     whole: dict[str, str] = field(default_factory=dict)
+    chunks: int = 0
+    chunk_bytes: int = 0
+    peak_staged_bytes: int = 0
 
     @staticmethod
     def combined(by_item: Mapping[str, Writes]) -> Writes:
@@ -48,7 +54,9 @@ class Writes:
         return Writes([p for w in by_item.values() for p in w.pending],
                       [f"{item}/{f}" for item, w in by_item.items() for f in w.files],
                       [f"{item}/{t}" for item, w in by_item.items() for t in w.trees],
-                      {f"{item}/{a}": why for item, w in by_item.items() for a, why in w.whole.items()})
+                      {f"{item}/{a}": why for item, w in by_item.items() for a, why in w.whole.items()},
+                      sum(w.chunks for w in by_item.values()), sum(w.chunk_bytes for w in by_item.values()),
+                      max((w.peak_staged_bytes for w in by_item.values()), default=0))
 
 
 def write_staged(loc: storage.Location, plan: SavePlan, staged: Staged, options: SaveOptions, *,
@@ -75,18 +83,23 @@ def stage_and_write(loc: storage.Location, plan: SavePlan, options: SaveOptions,
     return before the writes finish). On error, every started operation is waited for first."""
     out = ChunkWriter(loc, plan, writer=writer, writeback=options.fsync, direct=options.direct_io,
                       page_cache=options.page_cache, zstd_level=options.zstd_level, base=options.incremental)
-    in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
-    in_flight_bytes = 0
+    in_flight: deque[tuple[int, int, list[arrays.Pending]]] = deque()
+    in_flight_bytes = staged_bytes = 0  # as planned (what the cap is kept by), and as staged (what is reported)
     try:
         for group in grid.batches([p for p in plan.arrays if p.writes], lambda p: p.host_bytes,
                                   options.host_batch_bytes):
             group_bytes = sum(p.staged_bytes for p in group)
             while max_host_bytes is not None and in_flight and in_flight_bytes + group_bytes > max_host_bytes:
-                done_bytes, done = in_flight.popleft()
+                done_bytes, done_staged, done = in_flight.popleft()
                 arrays.wait_all(done)
                 in_flight_bytes -= done_bytes
-            in_flight.append((group_bytes, out.write(group, stage(group, copy_cpu=copy_cpu))))
+                staged_bytes -= done_staged
+            data = stage(group, copy_cpu=copy_cpu)
+            group_staged = sum(chunk.nbytes for chunks in data for chunk in chunks)
+            in_flight.append((group_bytes, group_staged, out.write(group, data)))
             in_flight_bytes += group_bytes
+            staged_bytes += group_staged
+            out.writes.peak_staged_bytes = max(out.writes.peak_staged_bytes, staged_bytes)
         out.finish()
     except BaseException:
         out.abandon()
@@ -182,6 +195,8 @@ class ChunkWriter:
         else:
             out = self._write_tensorstore(group, data)
         self.batches += 1
+        self.writes.chunks += sum(len(chunks) for chunks in data)
+        self.writes.chunk_bytes += sum(chunk.nbytes for chunks in data for chunk in chunks)
         self.writes.pending.extend(out)
         return out
 

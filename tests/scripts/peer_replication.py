@@ -34,7 +34,7 @@ import torch
 from multitier import Loader  # this directory's: the same data loader as the two-host tests
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import peer_copies
+from xla_tensorstore_ckpt import peer_copies, tunables
 
 HOSTS, ROWS, COLUMNS = 4, 16, 32
 # XTC_LAYOUT=dp: data-parallel replicas, DP=2 x FSDP=2: host h holds row shard h % 2 of two (hosts 0 and 2 alike)
@@ -68,8 +68,8 @@ def kill_before_committing_step(step: int) -> None:
 
 def main() -> None:
     if os.environ.get("XTC_PIECE_BYTES"):
-        peer_copies._PIECE_BYTES = int(os.environ["XTC_PIECE_BYTES"])
-        peer_copies.ROUND_BYTES = 4 * peer_copies._PIECE_BYTES
+        piece = int(os.environ["XTC_PIECE_BYTES"])
+        tunables.overridden(peer_piece_bytes=piece, peer_round_bytes=4 * piece).__enter__()  # for the process
     if os.environ.get("XTC_UNREADABLE"):
         readable = peer_copies._read_piece
         peer_copies._read_piece = lambda path, start, out: (

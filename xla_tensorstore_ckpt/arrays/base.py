@@ -96,31 +96,17 @@ class ByteCounter:
         return self._total
 
 
-class PathCounts:
-    """What local reads did, by path: cache probes (and how many found the bytes cached), and the reads and bytes
-    that went around the page cache (direct) or through it (buffered). `local_reads.COUNTS` counts this
+class PathCounts(storage.Counts):
+    """What array reads did, by path: cache probes (and how many found the bytes cached), the local reads and
+    bytes that went around the page cache (direct) or through it (buffered), the chunks `local_chunks` read
+    itself (on the restoring thread, ``chunks_inline``, or on its worker threads, ``chunks_on_workers``) and the
+    regions read through tensorstore (``tensorstore_regions``), and the data files `local_chunks` opened and
+    closed (``files_opened``, ``files_closed``: equal once a restore ends). `local_reads.COUNTS` counts this
     process's since it started; restores report the difference over their reads (``restore_finished``'s
     ``paths``); tests read it to see which path ran. Thread-safe."""
 
-    FIELDS = ("cache_probes", "cached_probes", "direct_reads", "direct_bytes", "buffered_reads", "buffered_bytes")
-
-    def __init__(self) -> None:
-        self._counts = dict.fromkeys(self.FIELDS, 0)
-        self._lock = threading.Lock()
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                self._counts[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-    def since(self, before: dict[str, int]) -> dict[str, int]:
-        """The counts added since `before` (a `snapshot`)."""
-        now = self.snapshot()
-        return {name: now[name] - before[name] for name in self.FIELDS}
+    FIELDS = ("cache_probes", "cached_probes", "direct_reads", "direct_bytes", "buffered_reads", "buffered_bytes",
+              "chunks_inline", "chunks_on_workers", "tensorstore_regions", "files_opened", "files_closed")
 
 
 class Ready:

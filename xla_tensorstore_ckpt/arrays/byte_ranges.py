@@ -5,8 +5,8 @@ Local files are read on a small thread pool straight into each region's buffer: 
 runs (a row-sharded region is one) with one positioned read per run (large requests: faster than page faults
 on a cold file), others (column-sharded: a run per row) copied out of a memory map of the page cache. Elsewhere
 (object stores, memory) a region is a set of byte ranges, one per contiguous run (a row-sharded region is one
-run, a column-sharded one a run per row): runs closer than `MERGE_GAP_BYTES` are fetched in one ranged request
-(the gap is read and dropped: requests, not bytes, are what remote reads pay for) of at most
+run, a column-sharded one a run per row): runs closer than ``merge_gap_bytes`` (`tunables`) are fetched in one
+ranged request (the gap is read and dropped: requests, not bytes, are what remote reads pay for) of at most
 `MAX_REQUEST_BYTES`, all in flight at once. Results are pending reads (`base.PendingRead`): `.result()` blocks and
 returns the numpy array, or raises `CheckpointError` naming the file and the key. No tensorstore here (ranged reads go
 through `storage`); no torch_xla.
@@ -20,13 +20,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .. import dtypes, storage
+from .. import dtypes, storage, tunables
 from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..records import ArrayMetadata, RawArrayMetadata
 from .base import ArrayReader, ByteCounter, Empty, Index, Picked, Ready, index_box
 from .local_reads import read_runs
 
-MERGE_GAP_BYTES = 1 << 20
 MAX_POSITIONED_READS = 16  # runs per region read with pread; more are copied out of a memory map
 MAX_REQUEST_BYTES = 16 << 20
 
@@ -173,8 +172,9 @@ def runs_between(shape: Sequence[int], box: Index, itemsize: int, offset: int, o
 
 
 def requests_of(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
-    """Runs grouped into ranged requests: (start, stop, runs) with gaps of at most `MERGE_GAP_BYTES` and spans
-    of at most `MAX_REQUEST_BYTES` (a longer run is split)."""
+    """Runs grouped into ranged requests: (start, stop, runs) with gaps of at most ``merge_gap_bytes``
+    (`tunables`) and spans of at most `MAX_REQUEST_BYTES` (a longer run is split)."""
+    merge_gap = tunables.get("merge_gap_bytes")
     pieces = []
     for source, length, target in runs:
         for at in range(0, length, MAX_REQUEST_BYTES):
@@ -184,7 +184,7 @@ def requests_of(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, list[t
     for source, length, target in pieces:
         if requests:
             start, stop, members = requests[-1]
-            if source - stop <= MERGE_GAP_BYTES and source >= stop and source + length - start <= MAX_REQUEST_BYTES:
+            if source - stop <= merge_gap and source >= stop and source + length - start <= MAX_REQUEST_BYTES:
                 members.append((source, length, target))
                 requests[-1] = (start, source + length, members)
                 continue

@@ -8,10 +8,10 @@ one contiguous block of it, else into a buffer of its own and copied out (`Local
 of some regions of an array reads each chunk they touch once, however many regions share it, with positioned
 reads (`local_reads`: around the page cache where it does not hold the chunk): straight into the destination
 where the chunk is one contiguous block of it (a restore onto the sharding it was saved with), else in pieces of
-at most `PIECE_BYTES`, each read into the reading thread's window (`local_reads.read_window`) and copied out of
-it once, to each region that needs it. The checksum is computed with the processor's CRC32C instruction (the
-`crc32c` package) as the pieces pass, and a chunk that fails it, is missing or has the wrong size is an error
-naming the array and the chunk.
+at most ``chunk_piece_bytes`` (`tunables`), each read into the reading thread's window
+(`local_reads.read_window`) and copied out of it once, to each region that needs it. The checksum is computed with
+the processor's CRC32C instruction (the `crc32c` package) as the pieces pass, and a chunk that fails it, is missing
+or has the wrong size is an error naming the array and the chunk.
 
 Why not tensorstore here: it maps the files into memory and takes a page fault per 4 KiB on every restore, warm or
 cold (a quarter of a million per GiB, at several microseconds each on a busy VM); its CRC32C is the portable one
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import crc32c
 import numpy as np
 
-from .. import bounds, dtypes, layout, storage
+from .. import bounds, dtypes, layout, storage, tunables
 from ..errors import CorruptCheckpointError, StorageError
 from ..records import ArrayMetadata, ArrayStore
 from . import zstd
 from .base import ArrayReader, ByteCounter, Empty, Index, Opening, Picked, Ready, index_box
-from .local_reads import ALIGN, WINDOW_BYTES, open_for_runs, read_runs, read_window
+from .local_reads import COUNTS, open_for_runs, read_runs, read_window
 from .ocdbt import StoredValue, ocdbt_index
 from .tensorstore_io import TensorstoreReader
 
@@ -50,8 +50,6 @@ from .tensorstore_io import TensorstoreReader
 # small tensors: 1.5-2.0 s); through tensorstore, its threads slowed that work too (0.3 s of no-op dtype casts
 # and copies, 0.06 s without them). Measured on that workload: median 1.07 s read here inline against 1.35 s
 # for format 1 (tensorstore, a directory per array). Larger chunks are mostly data, read with the GIL released.
-INLINE_CHUNK_BYTES = 512 << 10
-PIECE_BYTES = WINDOW_BYTES - 2 * ALIGN  # what a reading thread reads at once when a chunk is cut up: one read window
 _CHECKSUM_BYTES = 4
 _WORKERS = ThreadPoolExecutor(4, thread_name_prefix="xtc-chunk-read")  # reads overlap; checksums need 2 cores
 
@@ -219,9 +217,9 @@ class LocalChunkArray:
 
     def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, RegionRead]:
         """Start reading `regions` (each within the shape) into buffers from `empty`; each chunk they touch is
-        read once. Chunks of `INLINE_CHUNK_BYTES` or more are read on a small thread pool and this returns at
-        once; smaller ones are read before it returns. Errors are raised by the `RegionRead` that needs the
-        chunk."""
+        read once. Chunks of ``inline_chunk_bytes`` (`tunables`) or more are read on a small thread pool and
+        this returns at once; smaller ones are read before it returns. Errors are raised by the `RegionRead` that
+        needs the chunk."""
         outs = {r: empty(tuple(b - a for a, b in r), self._row.copy_dtype) for r in regions}
         needed: dict[tuple[int, ...], list[Index]] = {}
         for region in regions:
@@ -231,7 +229,8 @@ class LocalChunkArray:
             for position in itertools.product(*spans):
                 needed.setdefault(position, []).append(region)
         reads = {r: RegionRead(self, outs[r]) for r in regions}
-        inline = self.stored_bytes < INLINE_CHUNK_BYTES
+        inline = self.stored_bytes < tunables.get("inline_chunk_bytes")
+        COUNTS.add(**{"chunks_inline" if inline else "chunks_on_workers": len(needed)})
         for position, users in needed.items():
             targets = [(r, outs[r]) for r in users]
             future = _read_now(self._read_chunk, position, targets) if inline else \
@@ -310,7 +309,7 @@ class LocalChunkArray:
         inner = self.chunk_shape[1:]
         row_bytes = math.prod(inner) * self._row.itemsize
         rows = self.chunk_shape[0]
-        per_piece = max(1, PIECE_BYTES // max(1, row_bytes))
+        per_piece = max(1, tunables.get("chunk_piece_bytes") // max(1, row_bytes))
         checksum = 0
         for first in range(0, rows, per_piece):
             count = min(per_piece, rows - first)
@@ -403,6 +402,7 @@ class _Reader:
     def __exit__(self, *exc_info: object) -> None:
         if self._fd is not None and self.source.files is None:
             os.close(self._fd)
+            COUNTS.add(files_closed=1)
         self._fd = None
 
     def read_into(self, buffers: list, at: int, *, checksummed: int = 0) -> int:
@@ -453,6 +453,7 @@ class _OpenFiles:
         with self._lock:
             for fd, _ in self._open.values():
                 os.close(fd)
+            COUNTS.add(files_closed=len(self._open))
             self._open.clear()
 
 
@@ -465,6 +466,7 @@ def _open_sized(path: str) -> tuple[int, int]:
         os.close(fd)
         raise OSError(errno.EINVAL, f"{path} is not a regular file")
     os.set_blocking(fd, True)
+    COUNTS.add(files_opened=1)
     return fd, info.st_size
 
 

@@ -24,12 +24,12 @@ from collections.abc import Iterator, Sequence
 import crc32c
 import numpy as np
 
+from .. import tunables
 from ..errors import CorruptCheckpointError, StorageError
 from ..storage.local import is_regular
 from .base import PathCounts
 
 ALIGN = 4096  # a multiple of every logical block size O_DIRECT asks for
-WINDOW_BYTES = 8 << 20  # each thread's aligned window
 _IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per preadv
 _NUMPY_COPY_BYTES = 64 << 10  # smaller copies out of a window are cheaper as memoryview copies (no arrays made)
 _windows = threading.local()
@@ -173,7 +173,7 @@ def _copy_rows(source: _Source, offset: int, shape: tuple[int, ...], boxes: list
     if not boxes:
         return
     row_bytes = _row_bytes(shape, boxes)
-    per_window = (WINDOW_BYTES - 2 * ALIGN) // row_bytes if row_bytes else 0
+    per_window = (tunables.get("read_window_bytes") - 2 * ALIGN) // row_bytes if row_bytes else 0
     for lo, hi in _row_spans(boxes):
         if per_window == 0:  # a row larger than a window: each row is an array of one dimension less
             for r in range(lo, hi):
@@ -386,13 +386,14 @@ def copy_bytes(dest: memoryview, source: memoryview) -> None:
 
 
 def _by_window(runs: list[tuple[int, memoryview, bool]]) -> list[tuple[int, list[tuple[int, memoryview, bool]]]]:
-    """The runs (sorted) cut at the boundaries of `WINDOW_BYTES` windows aligned in the file, grouped by window,
-    in file order: (the aligned offset the window's read starts at, its parts)."""
+    """The runs (sorted) cut at the boundaries of windows (``tunables`` ``read_window_bytes``) aligned in the
+    file, grouped by window, in file order: (the aligned offset the window's read starts at, its parts)."""
+    window_bytes = tunables.get("read_window_bytes")
     groups: dict[int, list[tuple[int, memoryview, bool]]] = {}
     for source, dest, checksummed in runs:
         while len(dest):
-            base = source // WINDOW_BYTES * WINDOW_BYTES
-            take = min(len(dest), base + WINDOW_BYTES - source)
+            base = source // window_bytes * window_bytes
+            take = min(len(dest), base + window_bytes - source)
             groups.setdefault(base, []).append((source, dest[:take], checksummed))
             source, dest = source + take, dest[take:]
     return [(min(s for s, _, _ in parts) // ALIGN * ALIGN, parts) for _, parts in sorted(groups.items())]
@@ -410,22 +411,25 @@ def _fill(fd: int, view: memoryview, at: int) -> int:
 
 
 def _window(nbytes: int | None = None) -> memoryview:
-    """This thread's aligned window (`new_window`) of `WINDOW_BYTES`, made on first use; for more (a row larger
-    than a window), a larger one kept beside it, made anew only when a still larger one is needed."""
-    if nbytes is not None and nbytes > WINDOW_BYTES:
+    """This thread's aligned window (`new_window`) of ``read_window_bytes`` (`tunables`), made on first use (and
+    anew if that size changed); for more (a row larger than a window), a larger one kept beside it, made anew
+    only when a still larger one is needed."""
+    window_bytes = tunables.get("read_window_bytes")
+    if nbytes is not None and nbytes > window_bytes:
         large = getattr(_windows, "large", None)
         if large is None or len(large) < nbytes:
             _windows.large = large = new_window(-(-nbytes // ALIGN) * ALIGN)
         return large
     window = getattr(_windows, "view", None)
-    if window is None or len(window) != WINDOW_BYTES:
+    if window is None or len(window) != window_bytes:
         _windows.view = window = new_window()
     return window
 
 
 def new_window(nbytes: int | None = None) -> memoryview:
-    """An aligned window of `nbytes` (`WINDOW_BYTES`) for direct I/O: an anonymous private mapping
-    (page-aligned, and a forked child's copy never reaches the parent's), advised to use huge pages.
+    """An aligned window of `nbytes` (by default ``read_window_bytes``, `tunables`) for direct I/O: an
+    anonymous private mapping (page-aligned, and a forked child's copy never reaches the parent's), advised to use
+    huge pages.
 
     Why huge pages: a direct request is built from the buffer's pages, as segments of physically contiguous
     memory of which a disk takes a limited number, so a window of 4 KiB pages went to the disk here in
@@ -435,7 +439,8 @@ def new_window(nbytes: int | None = None) -> memoryview:
     0.47-0.55 s buffered. Windows live as long as their thread or pool, so their pages are faulted in once.
     Where the kernel gives no huge pages, the advice is ignored or refused, and the window works the same in
     small pages."""
-    window = mmap.mmap(-1, WINDOW_BYTES if nbytes is None else nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    size = tunables.get("read_window_bytes") if nbytes is None else nbytes
+    window = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         window.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):  # no MADV_HUGEPAGE here, or transparent huge pages disabled

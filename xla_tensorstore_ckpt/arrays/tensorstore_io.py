@@ -32,6 +32,7 @@ from ..records import ArrayMetadata, ArrayStore
 from ..storage import operation_context, without_spec
 from . import zstd
 from .base import ArrayReader, Empty, Index, Ready
+from .local_reads import COUNTS
 from .ocdbt import ocdbt_spec
 
 Region = tuple[slice, ...]
@@ -366,6 +367,7 @@ class TensorstoreArray:
         tensorstore allocates itself come from its worker threads' heaps, which gave every restore fresh memory
         from the OS: 1-2 GiB of page faults per GiB restored, measured, the largest cost of a restore on the
         benchmark VM. Memory allocated here is recycled from one batch (and one restore) to the next."""
+        COUNTS.add(tensorstore_regions=len(regions))
         out = {}
         for region in regions:
             view = self.tensorstore[tuple(slice(a, b) for a, b in region)]
@@ -376,6 +378,7 @@ class TensorstoreArray:
         return out
 
     def read_index(self, index: tuple[slice | int, ...]) -> Pending:
+        COUNTS.add(tensorstore_regions=1)
         view = self.tensorstore[index] if index else self.tensorstore
         return Pending(view.read(), "cannot read array", self.location)
 

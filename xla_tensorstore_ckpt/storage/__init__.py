@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 
 from ..errors import CorruptCheckpointError
-from .base import Backend, Capabilities, Location, PendingBytes, RangeNotSatisfiableError
+from .base import CALLS, Backend, Capabilities, Counts, Location, PendingBytes, RangeNotSatisfiableError
 from .gcs import GcsBackend
 from .kvstore import context, operation_context, without_spec
 from .local import LocalBackend, absolute, check_tree
 from .memory import MemoryBackend
 from .s3 import S3Backend
 
-__all__ = ["Backend", "Capabilities", "Location", "PendingBytes", "RangeNotSatisfiableError", "check_regular_files",
+__all__ = ["CALLS", "Backend", "Capabilities", "Counts", "Location", "PendingBytes", "RangeNotSatisfiableError",
+           "check_regular_files",
            "context", "is_location", "location", "operation_context", "register_backend", "without_spec"]
 
 _BACKENDS: dict[str, type[Backend]] = {}

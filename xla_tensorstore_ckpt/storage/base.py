@@ -12,6 +12,7 @@ thread-safe and raises `StorageError` naming the object.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,42 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from ..errors import StorageError
+
+
+class Counts:
+    """Thread-safe counters named by `FIELDS`: `add` from any thread; a caller takes a `snapshot` before some
+    work and `since` it after, to tell what that work did (restores report theirs in ``restore_finished``)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self._counts = dict.fromkeys(self.FIELDS, 0)
+        self._lock = threading.Lock()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def since(self, before: dict[str, int]) -> dict[str, int]:
+        """The counts added since `before` (a `snapshot`)."""
+        now = self.snapshot()
+        return {name: now[name] - before[name] for name in self.FIELDS}
+
+
+class CallCounts(Counts):
+    """What this process read through `Location`s, per call: whole-file reads (`Location.read`) and ranged
+    reads (`Location.read_range`), and their bytes (a ranged read's as asked). `storage.CALLS` counts them since
+    the process started."""
+
+    FIELDS = ("whole_reads", "whole_read_bytes", "ranged_reads", "ranged_read_bytes")
+
+
+CALLS = CallCounts()
 
 
 class RangeNotSatisfiableError(StorageError):
@@ -227,12 +264,15 @@ class Location:
         return self.backend.kvstore_spec(self.path)
 
     def read(self, name: str) -> bytes | None:
-        return self.backend.read(self._file(name))
+        data = self.backend.read(self._file(name))
+        CALLS.add(whole_reads=1, whole_read_bytes=0 if data is None else len(data))
+        return data
 
     def write(self, name: str, data: bytes, *, fsync: bool = True) -> None:
         self.backend.write(self._file(name), data, fsync=fsync)
 
     def read_range(self, name: str, start: int, stop: int) -> PendingBytes:
+        CALLS.add(ranged_reads=1, ranged_read_bytes=stop - start)
         return self.backend.read_range(self._file(name), start, stop)
 
     def local_file(self, name: str) -> str | None:

@@ -9,9 +9,9 @@ count, min, max, NaN/Inf and zero counts are exact; mean and std within about 1e
 `summaries` reads each chunk once (`scans.iter_chunks`, checksums verified) and reads ahead while the chunks
 already read are binned on `THREADS` long-lived threads (numpy releases the GIL), across array boundaries:
 the next array's first chunks are read while the last ones of this array are binned. At most `max_bytes` of
-chunks are held (half read ahead, half waiting to be binned; one chunk, if larger). Chunks under `INLINE_BYTES`
-are binned on the reading thread (a job costs more than they do). Used by ``xtckpt stats``, the report and
-`views.stats_view`; blocks; no torch_xla.
+chunks are held (half read ahead, half waiting to be binned; one chunk, if larger). Chunks under
+``histogram_inline_bytes`` (`tunables`) are binned on the reading thread (a job costs more than they do). Used by
+``xtckpt stats``, the report and `views.stats_view`; blocks; no torch_xla.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import dtypes, layout, scans
+from .. import dtypes, layout, scans, tunables
 from ..errors import CorruptCheckpointError, UsageError
 from ..inspection import Checkpoint, array_metadata
 from ..records import ArrayMetadata
@@ -34,7 +34,6 @@ from .sketch import EXACT_DTYPES, Histogram, Scratch, ValueSketch
 QUANTILES = (0.01, 0.10, 0.25, 0.50, 0.75, 0.90, 0.99)
 DEFAULT_MAX_BYTES = 64 << 20
 THREADS = 2
-INLINE_BYTES = 64 << 10
 MAX_JOBS = 4 * THREADS  # chunks waiting to be binned, at most
 READ_AHEAD = 8  # chunks of one array read ahead, at most
 RELATIVE_ERROR = 2.0 ** -8
@@ -139,7 +138,7 @@ class _Binning:
 
     def put(self, entry: _Entry, data: np.ndarray) -> None:
         """Bin `data` into `entry`'s sketch: at once if small, else on the pool once there is room."""
-        if data.nbytes < INLINE_BYTES:
+        if data.nbytes < tunables.get("histogram_inline_bytes"):
             self._add(entry.sketch, data)
             return
         while self.jobs and (self.held + data.nbytes > self.budget or len(self.jobs) >= MAX_JOBS):
