@@ -76,6 +76,20 @@ def test_a_stopped_process_is_named_by_every_other_within_the_deadline(tmp_path,
         assert line["phase"] and f"{line['phase']}: process 3 died or did not answer" in line["message"], line
 
 
+def test_a_stopped_process_0_hosting_the_side_channel_is_named_within_the_deadline(tmp_path):
+    """Process 0, which hosts the side channel (a TCPStore), stops before a save: a TCPStore client waits
+    without bound for a stopped host, so the others hung (found by the chaos run: seed 2, cycle 7). Now each
+    of them raises, by the deadline, the error naming the phase and process 0."""
+    results = launch(4, "stall", str(tmp_path / "root"), "save", "0")
+    assert results[0]["returncode"] == -9
+    for rank in (1, 2, 3):
+        r = results[rank]
+        assert r["returncode"] == 0, r["stderr"][-3000:]
+        (line,) = r["lines"]
+        assert line["error"] == "CoordinationTimeoutError" and line["missing"] == [0], line
+        assert line["phase"] and f"{line['phase']}: process 0 died or did not answer" in line["message"], line
+
+
 def test_four_processes_save_one_checkpoint(saved):
     root, lines = saved
     info = xtc.metadata(root / "item")

@@ -103,6 +103,7 @@ class GlooTransport:
         self._sequence = 0  # collectives so far: the same on every process, it keys the side channel
         self.broken: CoordinationError | None = None  # after a missed deadline the group is unusable
         self._watch = _AlarmWatch(store, index) if store is not None else None
+        self._store_silent = False  # the side channel's host stopped answering: it is not asked again
 
     def close(self) -> None:
         """Stop answering alarms (the group is being destroyed). Local; idempotent."""
@@ -170,16 +171,45 @@ class GlooTransport:
                     break
                 except RuntimeError as exc:
                     timed_out = "timed out" in str(exc).lower()
-                    if not timed_out or remaining <= SLICE_S or self._alarmed(sequence):
+                    if not timed_out or remaining <= SLICE_S or self._alarmed(sequence, remaining):
                         raise self._named(phase, sequence, exc) from exc
 
-    def _alarmed(self, sequence: int) -> bool:
-        if self._store is None:
+    def _alarmed(self, sequence: int, remaining: float) -> bool:
+        """Whether another process raised the alarm of collective `sequence`; True also if the side channel's
+        host (process 0, part of every collective) does not answer before the deadline, `remaining` seconds
+        away."""
+        if self._store is None or self._store_silent:
             return False
         try:
-            return bool(self._store.check(["alarm"]))  # any collective's: a process is gone from the group
-        except RuntimeError:  # the store's host is gone: so is the collective
+            return bool(self._ask(lambda: self._store.check(["alarm"]), remaining))  # any collective's
+        except RuntimeError:  # the store's host is gone or stopped: so is the collective
             return True
+
+    def _ask(self, call: Any, seconds: float) -> Any:
+        """`call` (one request to the side channel) answered within `seconds`, or RuntimeError. A TCPStore
+        client waits without bound for a host that is stopped (SIGSTOP, a stalled VM) rather than gone, whatever
+        its timeout: the request runs on a thread of its own, left behind if it never returns, and the host is
+        not asked again."""
+        if self._store_silent:
+            raise RuntimeError("process 0, the side channel's host, stopped answering earlier")
+        answer: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                answer["value"] = call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                answer["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="xtc-side-channel", daemon=True).start()
+        if not done.wait(max(seconds, 0.001)):
+            self._store_silent = True
+            raise RuntimeError(f"process 0, the side channel's host, did not answer within {seconds:.1f} s")
+        if "error" in answer:
+            raise answer["error"]
+        return answer["value"]
 
     def _named(self, phase: str, sequence: int, cause: Exception) -> CoordinationTimeoutError:
         """Raise the alarm of collective `sequence`, wait for the live processes to answer it, and the error
@@ -201,19 +231,23 @@ class GlooTransport:
             return [], dead
         others = [p for p in range(self.count) if p != self.index]
         answers = [f"answered/{p}" for p in others]
+        grace = min(self.timeout_s, GRACE_S)
         try:
-            first = self._store.add("alarm", 1) == 1
-            self._store.set(f"arrived/{sequence}/{self.index}", b"1")
-            self._store.set(f"answered/{self.index}", b"1")
+            first = self._ask(lambda: self._store.add("alarm", 1), grace) == 1
+            self._ask(lambda: self._store.set(f"arrived/{sequence}/{self.index}", b"1"), grace)
+            self._ask(lambda: self._store.set(f"answered/{self.index}", b"1"), grace)
             if first:  # wake every process's watcher, whatever it is doing (the failure path only)
-                self._store.multi_set([f"wake/{p}" for p in others], [str(sequence).encode()] * len(others))
+                self._ask(lambda: self._store.multi_set([f"wake/{p}" for p in others],
+                                                        [str(sequence).encode()] * len(others)), grace)
             # Looked at, not waited for: a store wait that outlasts the store's own timeout breaks its connection.
-            until = time.monotonic() + min(self.timeout_s, GRACE_S)
-            while not self._store.check(answers):
+            until = time.monotonic() + grace
+            while not self._ask(lambda: self._store.check(answers), grace):
                 if time.monotonic() > until:  # someone did not answer: ask key by key
-                    return [p for p in others if not self._store.check([f"answered/{p}"])], dead
+                    return [p for p in others
+                            if not self._ask(lambda p=p: self._store.check([f"answered/{p}"]), grace)], dead
                 time.sleep(0.05)
-            return [p for p in others if not self._store.check([f"arrived/{sequence}/{p}"])], late
+            return [p for p in others
+                    if not self._ask(lambda p=p: self._store.check([f"arrived/{sequence}/{p}"]), grace)], late
         except RuntimeError:  # the store itself does not answer: its host, process 0, is the silent one
             return [0], dead
 

@@ -90,10 +90,11 @@ def stall(root: str, when: str, stalled: int, rank: int, world: int) -> None:
     except xtc.CoordinationTimeoutError as exc:
         print(json.dumps({"rank": rank, "error": type(exc).__name__, "phase": exc.phase,
                           "missing": list(exc.missing), "message": str(exc)[:500]}), flush=True)
-    # Process 0 hosts the side channel the others name the stopped one through: it leaves when they are done.
+    # Process 0 hosts the side channel the others name the stopped one through: it leaves when they are done
+    # (process 1 does, where process 0 is the stopped one).
     with open(f"{root}/named.{rank}", "w"):
         pass
-    if rank == 0:
+    if rank == (1 if stalled == 0 else 0):
         while len([p for p in range(world) if os.path.exists(f"{root}/named.{p}")]) < world - 1:
             time.sleep(0.05)
         os.kill(pids[stalled], signal.SIGKILL)
