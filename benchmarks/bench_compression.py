@@ -125,7 +125,7 @@ def _parts(step_dir: str) -> dict[str, dict]:
     import torch
 
     import xla_tensorstore_ckpt as xtc
-    from xla_tensorstore_ckpt.tree import flatten
+    from xla_tensorstore_ckpt.core.tree import flatten
 
     parts: dict[str, dict] = {"weights": {}, "exp_avg": {}, "exp_avg_sq": {}, "other": {}}
     for item in sorted(os.listdir(step_dir)):

@@ -26,7 +26,7 @@ import jobs  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
-from xla_tensorstore_ckpt.distributed import Coordinator
+from xla_tensorstore_ckpt.multihost.distributed import Coordinator
 repeats = int(sys.argv[1])
 c = Coordinator.from_environment()
 record = {"arrays": list(range(100)), "bytes": 1 << 30, "name": "model"}

@@ -35,12 +35,15 @@ import harness  # noqa: E402
 import svg_plot  # noqa: E402
 from sim_transport import SimulatedTransport  # noqa: E402
 
-from xla_tensorstore_ckpt import dtensors, holdings, replica_plans, save_plan, wire, writer_plans  # noqa: E402
-from xla_tensorstore_ckpt.distributed import Coordinator  # noqa: E402
+from xla_tensorstore_ckpt.core.records import ArrayMetadata  # noqa: E402
+from xla_tensorstore_ckpt.core.tensor_layout import LocalShard, TensorLayout  # noqa: E402
+from xla_tensorstore_ckpt.multihost import wire  # noqa: E402
+from xla_tensorstore_ckpt.multihost.distributed import Coordinator  # noqa: E402
+from xla_tensorstore_ckpt.multihost.transport import RING_MAX  # noqa: E402
 from xla_tensorstore_ckpt.options import SaveOptions  # noqa: E402
-from xla_tensorstore_ckpt.records import ArrayMetadata  # noqa: E402
-from xla_tensorstore_ckpt.tensor_layout import LocalShard, TensorLayout  # noqa: E402
-from xla_tensorstore_ckpt.transport import RING_MAX  # noqa: E402
+from xla_tensorstore_ckpt.restores import replica_plans  # noqa: E402
+from xla_tensorstore_ckpt.saves import save_plan, writer_plans  # noqa: E402
+from xla_tensorstore_ckpt.targets import dtensors, holdings  # noqa: E402
 
 SAVED_FSDP = 32
 BATCH_BYTES = 256 << 20  # broadcast_max_bytes' default

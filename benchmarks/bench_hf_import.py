@@ -12,7 +12,7 @@ it builds the model (zeros, FSDP-sharded over the first mesh axis; untimed), the
 - xtc: ``CheckpointManager.restore("latest", model=..., init_from=<the directory>)`` on an empty root: each
   device's shard reads its own byte ranges and is swapped in batch by batch;
 - xtc-budget: the same with ``RestoreOptions(max_host_bytes=256 MiB)``: batches within the budget, and the
-  freed host memory returned to the OS after each (see xla_tensorstore_ckpt/host_memory.py).
+  freed host memory returned to the OS after each (see xla_tensorstore_ckpt/core/host_memory.py).
 
 Reported: the seconds until every tensor is on its devices, and the peak growth of the process's resident
 memory above the built model (on CPU devices the devices' buffers are host memory too, and the model's own

@@ -25,7 +25,9 @@ import harness  # noqa: E402
 import workloads  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
-from xla_tensorstore_ckpt import commit, formats, layout, save_plan, writing  # noqa: E402
+from xla_tensorstore_ckpt import formats  # noqa: E402
+from xla_tensorstore_ckpt.core import layout  # noqa: E402
+from xla_tensorstore_ckpt.saves import commit, save_plan, writing  # noqa: E402
 
 ITEM_WORK = [0.0]  # seconds the manager spends in the item-level work it shares with xtc.save
 _DEPTH = threading.local()  # timed calls nest (stage_and_write waits with wait_all): count the outermost only

@@ -59,7 +59,8 @@ from bench_async import LAYERS, loop_state_bytes, loop_width, training_loop  # n
 from object_stores import start_object_store  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
-from xla_tensorstore_ckpt import inspection, storage  # noqa: E402
+from xla_tensorstore_ckpt import storage  # noqa: E402
+from xla_tensorstore_ckpt.tools import inspection  # noqa: E402
 
 
 def median_range(values: list[float]) -> str:

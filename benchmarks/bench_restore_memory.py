@@ -33,7 +33,7 @@ def worker(workload: str, scale_: str, repeats_: str, budget_mib: str, workdir: 
     import workloads
 
     import xla_tensorstore_ckpt as xtc
-    from xla_tensorstore_ckpt import host_memory
+    from xla_tensorstore_ckpt.core import host_memory
 
     def settled() -> int:
         gc.collect()

@@ -80,7 +80,8 @@ def _save_and_restore(base: str, shape, shard_shape, index, repeats: int, cap: i
     import torch
 
     import xla_tensorstore_ckpt as xtc
-    from xla_tensorstore_ckpt import events, storage
+    from xla_tensorstore_ckpt import storage
+    from xla_tensorstore_ckpt.core import events
 
     state = {}
     for a in range(ARRAYS):

@@ -234,7 +234,7 @@ def opened_elsewhere(root: str) -> list[str]:
     import torch
 
     import xla_tensorstore_ckpt as xtc
-    from xla_tensorstore_ckpt import tree
+    from xla_tensorstore_ckpt.core import tree
 
     xtckpt = os.path.join(os.path.dirname(sys.executable), "xtckpt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(HERE),

@@ -67,7 +67,7 @@ def floor(path: str) -> None:
 
 
 def read(path: str) -> None:
-    from xla_tensorstore_ckpt import inspection, scans
+    from xla_tensorstore_ckpt.tools import inspection, scans
 
     checkpoint = inspection.open_checkpoint(path)
     for row in inspection.tree_rows(checkpoint):
@@ -93,7 +93,7 @@ def run(settings: harness.Settings) -> harness.Result:
     item = os.path.join(base, "item")
     nbytes = build(item, settings.scale) if not os.path.exists(item) else None
     if nbytes is None:
-        from xla_tensorstore_ckpt import inspection
+        from xla_tensorstore_ckpt.tools import inspection
         nbytes = sum(r.meta.nbytes for r in inspection.tree_rows(inspection.open_checkpoint(item)) if r.meta)
     load_before = os.getloadavg()
 

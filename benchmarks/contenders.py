@@ -16,7 +16,8 @@ import torch
 import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import events, storage
+from xla_tensorstore_ckpt import storage
+from xla_tensorstore_ckpt.core import events
 
 
 class Contender:

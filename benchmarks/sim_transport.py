@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from xla_tensorstore_ckpt.transport import traffic
+from xla_tensorstore_ckpt.multihost.transport import traffic
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 import tensorstore as ts
 
 from xla_tensorstore_ckpt import storage
-from xla_tensorstore_ckpt.errors import StorageError
+from xla_tensorstore_ckpt.core.errors import StorageError
 
 
 class BackendContract:

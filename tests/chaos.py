@@ -39,7 +39,7 @@ import s3_server  # noqa: E402
 from chaos_faults import BucketProxy, Model  # noqa: E402
 from chaos_jobs import BUCKET, Job, Reference, Store, XlaJob, Zygote  # noqa: E402
 
-from xla_tensorstore_ckpt import layout  # noqa: E402
+from xla_tensorstore_ckpt.core import layout  # noqa: E402
 
 
 def shown_set(steps: set) -> str:

@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gcs_emulator import free_port
 
-from xla_tensorstore_ckpt import layout
+from xla_tensorstore_ckpt.core import layout
 
 WORLD = 4  # the job's processes, one per host; host h's local steps are also on host h + 2 (local_replication=2)
 

@@ -153,7 +153,7 @@ def wait_for(operation: str, event: threading.Event) -> Hook:
 def count_bytes() -> dict:
     """Count the chunk bytes this process hands to the array writer from now on (the job scripts' check that
     each chunk is written once): ``{"bytes": n}``, updated as writes are issued."""
-    from xla_tensorstore_ckpt import writing
+    from xla_tensorstore_ckpt.saves import writing
 
     written = {"bytes": 0}
     real = writing.ChunkWriter.write

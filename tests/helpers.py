@@ -11,7 +11,8 @@ import torch
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import dtypes, events, formats, layout, storage
+from xla_tensorstore_ckpt import formats, storage
+from xla_tensorstore_ckpt.core import dtypes, events, layout
 
 CHECKSUM_BYTES = 4  # a CRC32C after each stored chunk
 

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from xla_tensorstore_ckpt import dtypes
+from xla_tensorstore_ckpt.core import dtypes
 
 TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "orbax_tool.py")
 

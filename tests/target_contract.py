@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import restoring, targets, training_state
-from xla_tensorstore_ckpt.save_plan import PlanCache, plan_save
+from xla_tensorstore_ckpt import targets
+from xla_tensorstore_ckpt.checkpoint_manager import training_state
+from xla_tensorstore_ckpt.restores import restoring
+from xla_tensorstore_ckpt.saves.save_plan import PlanCache, plan_save
 
 SHAPE = (8, 6)
 

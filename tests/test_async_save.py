@@ -18,7 +18,8 @@ from helpers import assert_trees_equal, cpu_state, train_steps, xla_net
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, events, layout
+from xla_tensorstore_ckpt import arrays
+from xla_tensorstore_ckpt.core import events, layout
 
 
 def async_options(**kw):

@@ -16,7 +16,7 @@ from backend_contract import BackendContract
 from conftest import GCS_BUCKET, S3_BUCKET
 
 from xla_tensorstore_ckpt import storage
-from xla_tensorstore_ckpt.errors import StorageError
+from xla_tensorstore_ckpt.core.errors import StorageError
 
 _unique = itertools.count()
 

@@ -11,7 +11,7 @@ from helpers import DTYPES, assert_trees_equal, ocdbt_data_files, random_tensor
 from memory_maps import vm_flags
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import layout
+from xla_tensorstore_ckpt.core import layout
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -241,7 +241,7 @@ def test_restore_pauses_the_garbage_collector_and_restores_its_state(tmp_path):
     (it would walk every object of the process again and again) and left as it was found."""
     import gc
 
-    from xla_tensorstore_ckpt import events
+    from xla_tensorstore_ckpt.core import events
 
     xtc.save(tmp_path / "ck", {"a": torch.ones(4), "b": torch.zeros(3)})
     seen = []

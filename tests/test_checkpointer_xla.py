@@ -54,7 +54,7 @@ def test_chunk_grid_is_the_shard_grid_and_metadata_names_mesh_and_spec(tmp_path,
 
 
 def test_replicas_are_written_once(tmp_path, mesh_4x2):
-    from xla_tensorstore_ckpt import events
+    from xla_tensorstore_ckpt.core import events
 
     heard = []
     src = torch.randn(8, 6)
@@ -197,7 +197,7 @@ def test_restore_onto_another_mesh_is_exact(tmp_path, saved_mesh, saved_spec, ta
 def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4):
     """Through tensorstore (here memory://), a small array whose local shards tile it is read in one region;
     from local files, each stored chunk is read once, whichever target shards it feeds."""
-    from xla_tensorstore_ckpt import events
+    from xla_tensorstore_ckpt.core import events
 
     def restored_with_paths(path):
         heard = []
@@ -222,9 +222,9 @@ def test_restore_reads_each_element_once(tmp_path, mesh_4x2, mesh_2x4):
 
 def test_reads_cover_exactly_the_local_shards():
     """On a multi-host pod a process holds only some shards; it reads their regions and nothing else."""
-    from xla_tensorstore_ckpt.read_jobs import ReadJob
-    from xla_tensorstore_ckpt.records import ArrayMetadata
-    from xla_tensorstore_ckpt.tensor_layout import LocalShard, TensorLayout
+    from xla_tensorstore_ckpt.core.records import ArrayMetadata
+    from xla_tensorstore_ckpt.core.tensor_layout import LocalShard, TensorLayout
+    from xla_tensorstore_ckpt.restores.read_jobs import ReadJob
 
     meta = ArrayMetadata("w", (16, 8), "float32", (4, 4))
 
@@ -244,9 +244,9 @@ def test_large_shards_are_read_into_their_own_buffers():
     """Shards of a large array are read one by one (each straight into the buffer that goes to its device)
     unless that would fetch a chunk more than twice; small arrays are read as one box."""
     from xla_tensorstore_ckpt import storage
-    from xla_tensorstore_ckpt.read_jobs import SMALL_READ_BYTES, ReadJob
-    from xla_tensorstore_ckpt.records import ArrayMetadata
-    from xla_tensorstore_ckpt.tensor_layout import LocalShard, TensorLayout
+    from xla_tensorstore_ckpt.core.records import ArrayMetadata
+    from xla_tensorstore_ckpt.core.tensor_layout import LocalShard, TensorLayout
+    from xla_tensorstore_ckpt.restores.read_jobs import SMALL_READ_BYTES, ReadJob
 
     rows = 4096
     assert rows * 8192 * 4 > 8 * SMALL_READ_BYTES

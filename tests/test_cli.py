@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from xla_stack import xs
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, layout
+from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt.core import layout
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "no_xla_cli.py")
 

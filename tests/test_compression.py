@@ -21,8 +21,9 @@ from helpers import DTYPES, assert_trees_equal, ocdbt_data_files, options, rando
 from numcodecs import Zstd
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, events
+from xla_tensorstore_ckpt import cli
 from xla_tensorstore_ckpt.arrays import direct_ocdbt
+from xla_tensorstore_ckpt.core import events
 
 ZSTD = xtc.SaveOptions(compression="zstd")
 LAYOUTS = {"direct-ocdbt": ZSTD, "tensorstore-ocdbt": xtc.SaveOptions(compression="zstd", direct_io=False),

@@ -18,8 +18,10 @@ from orbax_process import leaf, orbax, same
 from safetensors.torch import load_file, save_file
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, convert, formats, storage, tree
-from xla_tensorstore_ckpt.errors import CheckpointExistsError, UsageError
+from xla_tensorstore_ckpt import cli, formats, storage
+from xla_tensorstore_ckpt.core import tree
+from xla_tensorstore_ckpt.core.errors import CheckpointExistsError, UsageError
+from xla_tensorstore_ckpt.tools import convert
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")

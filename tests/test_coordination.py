@@ -12,13 +12,17 @@ import sys
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
-from xla_tensorstore_ckpt import dtensors, grid, holdings, replica_plans, save_plan, wire, writer_plans
-from xla_tensorstore_ckpt.distributed import Coordinator
-from xla_tensorstore_ckpt.errors import CoordinationError, UsageError
+from xla_tensorstore_ckpt.checkpoint_manager.peer_copies import Holdings
+from xla_tensorstore_ckpt.core import grid
+from xla_tensorstore_ckpt.core.errors import CoordinationError, UsageError
+from xla_tensorstore_ckpt.core.records import StepMetadata
+from xla_tensorstore_ckpt.multihost import wire
+from xla_tensorstore_ckpt.multihost.distributed import Coordinator
+from xla_tensorstore_ckpt.multihost.transport import recursive_doubling
 from xla_tensorstore_ckpt.options import RestoreOptions, SaveOptions
-from xla_tensorstore_ckpt.peer_copies import Holdings
-from xla_tensorstore_ckpt.records import StepMetadata
-from xla_tensorstore_ckpt.transport import recursive_doubling
+from xla_tensorstore_ckpt.restores import replica_plans
+from xla_tensorstore_ckpt.saves import save_plan, writer_plans
+from xla_tensorstore_ckpt.targets import dtensors, holdings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from sim_transport import SimulatedTransport  # noqa: E402

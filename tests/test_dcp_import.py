@@ -22,8 +22,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, events, storage, tree
-from xla_tensorstore_ckpt.errors import CorruptCheckpointError, KeyMismatchError, ShapeMismatchError
+from xla_tensorstore_ckpt import cli, storage
+from xla_tensorstore_ckpt.core import events, tree
+from xla_tensorstore_ckpt.core.errors import CorruptCheckpointError, KeyMismatchError, ShapeMismatchError
 
 HERE = os.path.dirname(__file__)
 DCP_SAVE = os.path.join(HERE, "scripts", "dcp_save.py")

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, TensorWriteData, WriteItemType
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, dtypes
+from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt.core import dtypes
 from xla_tensorstore_ckpt.dcp_storage.plans import plan_global
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "dcp_storage_job.py")

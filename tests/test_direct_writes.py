@@ -16,9 +16,9 @@ import tensorstore as ts
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import writing
 from xla_tensorstore_ckpt.arrays import direct_ocdbt
 from xla_tensorstore_ckpt.arrays.direct_ocdbt import DirectStore
+from xla_tensorstore_ckpt.saves import writing
 
 THROUGH_TENSORSTORE = xtc.SaveOptions(direct_io=False)
 

@@ -21,7 +21,8 @@ from orbax_process import leaf, orbax, same
 from safetensors.torch import load_file
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, dtypes
+from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt.core import dtypes
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "dtensor_job.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
@@ -261,7 +262,7 @@ def test_dtensor_regions_agree_with_torch_for_every_coordinate():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from xla_tensorstore_ckpt import dtensors
+    from xla_tensorstore_ckpt.targets import dtensors
 
     checked = 0
     for rows, cols in itertools.product(range(0, 11), (1, 3, 8)):

@@ -12,7 +12,7 @@ import torch
 from helpers import Recorder
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import events
+from xla_tensorstore_ckpt.core import events
 
 
 def state(step: int) -> dict:

@@ -18,7 +18,8 @@ from fault_backends import fail_on, hooked
 from helpers import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, layout
+from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt.core import layout
 
 PACKAGE = os.path.join(os.path.dirname(__file__), "..", "xla_tensorstore_ckpt")
 
@@ -195,7 +196,7 @@ def test_a_lock_naming_a_reused_pid_is_stale(tmp_path):
     import socket
     import time
 
-    from xla_tensorstore_ckpt.processes import process_start
+    from xla_tensorstore_ckpt.core.processes import process_start
 
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": "another-boot:1", "token": "ab12",
               "heartbeat": time.time()}
@@ -212,7 +213,7 @@ def test_a_lock_naming_a_reused_pid_is_stale(tmp_path):
 def test_a_lock_write_killed_midway_leaves_nothing_after_the_next_open(tmp_path):
     # A writer killed between writing the lock's temporary file and renaming it into place: the next manager of
     # the root removes that file (its writer is dead), and keeps the temporary file of a live writer.
-    from xla_tensorstore_ckpt.processes import host_tag
+    from xla_tensorstore_ckpt.core.processes import host_tag
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)

@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import formats, inspection, layout, storage
-from xla_tensorstore_ckpt.bounds import load_json
+from xla_tensorstore_ckpt import formats, storage
+from xla_tensorstore_ckpt.core import layout
+from xla_tensorstore_ckpt.core.bounds import load_json
+from xla_tensorstore_ckpt.core.records import ArrayStore, ItemManifest
 from xla_tensorstore_ckpt.formats import v2
-from xla_tensorstore_ckpt.records import ArrayStore, ItemManifest
+from xla_tensorstore_ckpt.tools import inspection
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 

@@ -20,14 +20,15 @@ from safetensors.torch import save_file
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, events, storage, tunables
-from xla_tensorstore_ckpt.errors import (
+from xla_tensorstore_ckpt import cli, storage
+from xla_tensorstore_ckpt.core import events, tunables
+from xla_tensorstore_ckpt.core.errors import (
     CorruptCheckpointError,
     KeyMismatchError,
     ShapeMismatchError,
     UnsupportedValueError,
 )
-from xla_tensorstore_ckpt.sharded_array import ShardedArray
+from xla_tensorstore_ckpt.core.sharded_array import ShardedArray
 
 RESTORE_ELSEWHERE = os.path.join(os.path.dirname(__file__), "scripts", "restore_elsewhere.py")
 

@@ -31,7 +31,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import convert, storage
+from xla_tensorstore_ckpt import storage
+from xla_tensorstore_ckpt.tools import convert
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hostile  # noqa: E402

@@ -18,8 +18,10 @@ import torch.distributed.checkpoint as dcp
 from hf_files import write_hf_dir
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import foreign_runs, layout, peer_copies, storage
+from xla_tensorstore_ckpt import storage
 from xla_tensorstore_ckpt.arrays import ocdbt
+from xla_tensorstore_ckpt.checkpoint_manager import foreign_runs, peer_copies
+from xla_tensorstore_ckpt.core import layout
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 NAMES = {"parent": "../outside", "deep-parent": "a/../../outside", "absolute": "/tmp/outside", "drive": "C:/outside",

@@ -14,9 +14,10 @@ import torch
 from helpers import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, policies
-from xla_tensorstore_ckpt.errors import CheckpointError
-from xla_tensorstore_ckpt.records import StepMetadata
+from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt.checkpoint_manager import policies
+from xla_tensorstore_ckpt.core.errors import CheckpointError
+from xla_tensorstore_ckpt.core.records import StepMetadata
 
 CHUNKS = 4  # chunks of the sharded array, 16 rows each
 

@@ -15,7 +15,7 @@ import zarr
 from helpers import DTYPES, random_tensor
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import dtypes
+from xla_tensorstore_ckpt.core import dtypes
 
 PLAIN = xtc.SaveOptions(use_ocdbt=False)
 

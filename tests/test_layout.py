@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from xla_tensorstore_ckpt import layout, storage
+from xla_tensorstore_ckpt import storage
+from xla_tensorstore_ckpt.checkpoint_manager.steps import StepIndex
+from xla_tensorstore_ckpt.core import layout
 from xla_tensorstore_ckpt.formats import v1
-from xla_tensorstore_ckpt.steps import StepIndex
 
 ROUND_TRIP = [
     "weight", "layers.0.attn.q_proj.weight", "_orig_mod.w", 0, 7, -3, "0", "007", "-1", "", ".", "..", "...",

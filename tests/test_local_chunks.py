@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import events, tunables
 from xla_tensorstore_ckpt.arrays import local_reads, ocdbt
+from xla_tensorstore_ckpt.core import events, tunables
 
 PLAIN = xtc.SaveOptions(use_ocdbt=False, single_file_max_bytes=0)  # a file per chunk
 LAYOUTS = {"ocdbt": xtc.SaveOptions(), "directories": PLAIN}
@@ -263,7 +263,8 @@ def test_a_restore_leaves_no_data_file_open(tmp_path, reading_thread):
 def test_a_restore_in_place_that_meets_damage_names_the_targets_it_left_alone(tmp_path, dtype):
     """Targets of the saved dtype are read into directly: a failed read may have written into them, and the
     error says so; targets that take a cast keep their values until their tensor is built."""
-    from xla_tensorstore_ckpt import storage, training_state
+    from xla_tensorstore_ckpt import storage
+    from xla_tensorstore_ckpt.checkpoint_manager import training_state
 
     state = {name: torch.full((64, 64), float(i + 1)) for i, name in enumerate(("a", "b", "c"))}
     xtc.save(tmp_path / "ck", state, options=PLAIN)
@@ -286,7 +287,9 @@ def test_a_restore_in_place_that_meets_damage_names_the_targets_it_left_alone(tm
 def test_a_restore_in_place_reads_into_the_targets_memory(tmp_path):
     """Host targets of the saved dtype are the reads' buffers (no second copy of the state); tied targets (one
     memory under two keys) are not, and take the last key's values as before."""
-    from xla_tensorstore_ckpt import events, storage, training_state
+    from xla_tensorstore_ckpt import storage
+    from xla_tensorstore_ckpt.checkpoint_manager import training_state
+    from xla_tensorstore_ckpt.core import events
 
     state = {"a": torch.randn(64, 32), "b": torch.randn(16), "c": torch.randn(8, 8).to(torch.bfloat16),
              "x": torch.full((4, 4), 1.0), "y": torch.full((4, 4), 2.0)}
@@ -338,7 +341,8 @@ def test_cold_chunks_are_read_around_the_page_cache(tmp_path, options, mesh_4x2,
 def test_a_restore_in_place_copies_into_overlapping_and_lazily_conjugated_targets(tmp_path):
     """Targets that overlap in memory (views of one tensor) and conjugated views are not read into: restored
     one after the other, the last key winning as before, never a race or a false checksum failure."""
-    from xla_tensorstore_ckpt import storage, training_state
+    from xla_tensorstore_ckpt import storage
+    from xla_tensorstore_ckpt.checkpoint_manager import training_state
 
     n = 1 << 20
     state = {"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0),
@@ -360,7 +364,7 @@ def test_a_restore_in_place_copies_into_overlapping_and_lazily_conjugated_target
 
 def test_a_strided_target_over_a_read_targets_memory_keeps_both_out_of_direct_reads(tmp_path):
     """A column view spans more memory than its elements: its span, not its size, decides what it overlaps."""
-    from xla_tensorstore_ckpt import restoring
+    from xla_tensorstore_ckpt.restores import restoring
 
     base = torch.zeros(8, 8)
     wanted = {("row",): base[7], ("column",): base[:, 0], ("apart",): torch.zeros(3)}

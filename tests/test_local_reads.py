@@ -12,8 +12,9 @@ import pytest
 from memory_maps import vm_flags
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import CorruptCheckpointError, StorageError, tunables
+from xla_tensorstore_ckpt import CorruptCheckpointError, StorageError
 from xla_tensorstore_ckpt.arrays import local_reads
+from xla_tensorstore_ckpt.core import tunables
 
 
 def _file(tmp_path, nbytes=200_000):

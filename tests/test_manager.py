@@ -14,7 +14,9 @@ from helpers import Net, cpu_state, options, train_steps, xla_net
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import formats, layout, policies
+from xla_tensorstore_ckpt import formats
+from xla_tensorstore_ckpt.checkpoint_manager import policies
+from xla_tensorstore_ckpt.core import layout
 
 
 def spec(t):
@@ -130,7 +132,7 @@ def read_back(*trees):
 
 @pytest.mark.xla
 def test_rng_rows_go_to_the_process_of_the_same_index_and_new_processes_derive_theirs():
-    from xla_tensorstore_ckpt import rng_state
+    from xla_tensorstore_ckpt.checkpoint_manager import rng_state
 
     seed_all(10)
     row0 = rng_state.capture(0, 2)
@@ -169,7 +171,7 @@ class _FakeCuda:
 def test_each_process_gets_its_own_cuda_generator_back(monkeypatch):
     """A DTensor job on GPUs (one device per process): each process's CUDA generator state is a row of its own
     and goes back to the process of the same index; a restore on a host without CUDA leaves it out."""
-    from xla_tensorstore_ckpt import rng_state
+    from xla_tensorstore_ckpt.checkpoint_manager import rng_state
 
     cuda = _FakeCuda()
     cuda.install(monkeypatch)
@@ -188,7 +190,7 @@ def test_each_process_gets_its_own_cuda_generator_back(monkeypatch):
 
 
 def test_a_process_that_never_initialised_cuda_saves_no_cuda_generator(monkeypatch):
-    from xla_tensorstore_ckpt import rng_state
+    from xla_tensorstore_ckpt.checkpoint_manager import rng_state
 
     cuda = _FakeCuda(initialised=False)
     cuda.install(monkeypatch)
@@ -282,7 +284,7 @@ def test_restore_in_place_swaps_batch_by_batch(tmp_path, mesh_4x2):
 def test_save_plans_and_stages_with_the_garbage_collector_paused(tmp_path, monkeypatch):
     import gc
 
-    from xla_tensorstore_ckpt import staging
+    from xla_tensorstore_ckpt.saves import staging
 
     seen = []
     real_stage = staging.fetch_sources

@@ -15,7 +15,7 @@ from helpers import assert_trees_equal
 from orbax_process import orbax
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import layout
+from xla_tensorstore_ckpt.core import layout
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "crash_save.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))

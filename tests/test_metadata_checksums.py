@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, layout
+from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt.core import layout
 from xla_tensorstore_ckpt.formats import checksums
 
 

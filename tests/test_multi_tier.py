@@ -22,9 +22,13 @@ from helpers import ocdbt_data_files
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import formats, inspection, layout, local_tier, staging, storage
-from xla_tensorstore_ckpt.steps import StepIndex
-from xla_tensorstore_ckpt.tier import Tier
+from xla_tensorstore_ckpt import formats, storage
+from xla_tensorstore_ckpt.checkpoint_manager import local_tier
+from xla_tensorstore_ckpt.checkpoint_manager.steps import StepIndex
+from xla_tensorstore_ckpt.checkpoint_manager.tier import Tier
+from xla_tensorstore_ckpt.core import layout
+from xla_tensorstore_ckpt.saves import staging
+from xla_tensorstore_ckpt.tools import inspection
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from crash_save import state_for  # noqa: E402

@@ -17,8 +17,9 @@ from conftest import make_mesh, sharded
 from orbax_process import leaf, orbax, same
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, dtypes
-from xla_tensorstore_ckpt.tree import flatten as flatten_tree
+from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt.core import dtypes
+from xla_tensorstore_ckpt.core.tree import flatten as flatten_tree
 
 sys.path.insert(0, os.path.dirname(__file__))
 import orbax_trees  # noqa: E402

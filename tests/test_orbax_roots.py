@@ -13,7 +13,7 @@ import torch
 from orbax_process import orbax
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import dtypes
+from xla_tensorstore_ckpt.core import dtypes
 
 SPECS = ["default", "items", "params,opt_state"]
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import peer_copies, tunables
-from xla_tensorstore_ckpt.errors import UsageError
+from xla_tensorstore_ckpt.checkpoint_manager import peer_copies
+from xla_tensorstore_ckpt.core import tunables
+from xla_tensorstore_ckpt.core.errors import UsageError
 
 
 def test_default_peers_are_the_farthest_processes_in_index_order():

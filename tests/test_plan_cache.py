@@ -8,7 +8,7 @@ import torch
 from conftest import sharded
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import save_plan
+from xla_tensorstore_ckpt.saves import save_plan
 
 
 def state(mesh, seed: int, spec=("x", "y"), **extra) -> dict:
@@ -80,7 +80,7 @@ def test_a_new_global_mesh_plans_afresh(mesh_4x2):
 def test_local_shards_cache_their_hash_but_do_not_carry_it_to_other_processes():
     import pickle
 
-    from xla_tensorstore_ckpt.tensor_layout import LocalShard
+    from xla_tensorstore_ckpt.core.tensor_layout import LocalShard
 
     shard = LocalShard(3, "xla:3", ((0, 4), (2, 6)), 1)
     assert hash(shard) == hash(LocalShard(3, "xla:3", ((0, 4), (2, 6)), 1)) and shard.size == 16

@@ -14,7 +14,8 @@ import pytest
 from forked import launch_job
 from helpers import CHECKSUM_BYTES, stored_chunk_bytes
 
-from xla_tensorstore_ckpt import dtypes, formats, grid, storage
+from xla_tensorstore_ckpt import formats, storage
+from xla_tensorstore_ckpt.core import dtypes, grid
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "replica_reads.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))

@@ -17,8 +17,8 @@ from conftest import make_mesh, sharded
 from xla_stack import sharding, torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import host_memory
-from xla_tensorstore_ckpt.events import RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_FINISHED
+from xla_tensorstore_ckpt.core import host_memory
+from xla_tensorstore_ckpt.core.events import RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_FINISHED
 
 pytestmark = pytest.mark.xla  # every test here needs torch_xla
 

@@ -12,8 +12,11 @@ from conftest import sharded
 from hf_files import write_hf_dir
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, events, inspection, restore_plan
-from xla_tensorstore_ckpt.sharded_array import ShardedArray
+from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt.core import events
+from xla_tensorstore_ckpt.core.sharded_array import ShardedArray
+from xla_tensorstore_ckpt.restores import restore_plan
+from xla_tensorstore_ckpt.tools import inspection
 
 
 class Bytes:

@@ -18,8 +18,9 @@ from hf_files import write_hf_dir
 from safetensors.torch import load_file
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, convert, storage
-from xla_tensorstore_ckpt.errors import CheckpointExistsError, UsageError
+from xla_tensorstore_ckpt import cli, storage
+from xla_tensorstore_ckpt.core.errors import CheckpointExistsError, UsageError
+from xla_tensorstore_ckpt.tools import convert
 
 
 def tree_digest(path) -> dict[str, str]:
@@ -214,7 +215,7 @@ def test_torch_export_into_a_directory_or_elsewhere_is_one_line(tmp_path, item):
 
 
 def test_export_functions_refuse_before_writing(tmp_path, item):
-    from xla_tensorstore_ckpt import export, inspection
+    from xla_tensorstore_ckpt.tools import export, inspection
 
     checkpoint = inspection.open_checkpoint(str(item))
     (tmp_path / "e").mkdir()

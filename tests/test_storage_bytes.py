@@ -13,7 +13,8 @@ from conftest import make_mesh, sharded
 from helpers import Recorder
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, dtypes, events, formats, storage
+from xla_tensorstore_ckpt import arrays, formats, storage
+from xla_tensorstore_ckpt.core import dtypes, events
 
 CHECKSUM_BYTES = 4  # crc32c after each chunk's elements
 

@@ -14,7 +14,8 @@ from conftest import sharded
 from helpers import assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, layout, storage
+from xla_tensorstore_ckpt import cli, storage
+from xla_tensorstore_ckpt.core import layout
 
 
 @pytest.mark.xla

@@ -18,8 +18,8 @@ from target_contract import SHAPE, TargetContract, full
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, targets
+from xla_tensorstore_ckpt.core.tensor_layout import LocalShard, TensorLayout
 from xla_tensorstore_ckpt.targets.base import copy_host, host_tensor
-from xla_tensorstore_ckpt.tensor_layout import LocalShard, TensorLayout
 
 
 @dataclass(eq=False)

@@ -22,7 +22,7 @@ from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli
-from xla_tensorstore_ckpt.errors import CheckpointNotFoundError, ItemNotFoundError
+from xla_tensorstore_ckpt.core.errors import CheckpointNotFoundError, ItemNotFoundError
 
 pytestmark = pytest.mark.xla  # every test here needs torch_xla
 

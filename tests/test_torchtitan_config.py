@@ -178,7 +178,7 @@ def test_initial_load_from_an_orbax_root_written_by_jax(tmp_path):
     import orbax_trees
     from orbax_process import orbax
 
-    from xla_tensorstore_ckpt import dtypes
+    from xla_tensorstore_ckpt.core import dtypes
 
     orbax("manager", tmp_path / "orbax")  # steps 1 and 2, items "model" and "extra"
     model = _OrbaxShaped()

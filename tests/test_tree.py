@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from xla_tensorstore_ckpt import tree
-from xla_tensorstore_ckpt.errors import CorruptCheckpointError, UnsupportedValueError
+from xla_tensorstore_ckpt.core import tree
+from xla_tensorstore_ckpt.core.errors import CorruptCheckpointError, UnsupportedValueError
 
 
 def _roundtrip(value):

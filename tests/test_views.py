@@ -17,9 +17,11 @@ from conftest import object_store
 from hf_files import write_hf_dir
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import cli, convert, inspection, storage, tunables, views
-from xla_tensorstore_ckpt.errors import UsageError
-from xla_tensorstore_ckpt.records import SavedSharding
+from xla_tensorstore_ckpt import cli, storage, views
+from xla_tensorstore_ckpt.core import tunables
+from xla_tensorstore_ckpt.core.errors import UsageError
+from xla_tensorstore_ckpt.core.records import SavedSharding
+from xla_tensorstore_ckpt.tools import convert, inspection
 from xla_tensorstore_ckpt.views import histogram, layout, report
 
 GOLDEN_ORBAX = os.path.join(os.path.dirname(__file__), "golden", "orbax-0.11", "item")
@@ -271,7 +273,7 @@ def upload(local: str, remote: storage.Location) -> str:
 
 
 def test_report_reads_each_array_of_the_shown_step_once(root):
-    from xla_tensorstore_ckpt import scans
+    from xla_tensorstore_ckpt.tools import scans
 
     before = scans.WALKED.snapshot()
     expected = [s.to_json() for s in views.stats_view(str(root / "2"), bins=report.ReportOptions().bins)]

@@ -5,10 +5,11 @@ the global array, so a checkpoint restores onto any mesh, any device count, or p
 does not import torch_xla.
 """
 
-from . import zarr_dtypes as _zarr_dtypes
+from .checkpoint_manager.manager import CheckpointManager, CheckpointManagerOptions
+from .checkpoint_manager.training_state import skip_batches
 from .checkpointer import metadata, restore, save
-from .distributed import Coordinator
-from .errors import (
+from .core import zarr_dtypes as _zarr_dtypes
+from .core.errors import (
     AsyncSaveError,
     CheckpointError,
     CheckpointExistsError,
@@ -25,13 +26,12 @@ from .errors import (
     UnsupportedValueError,
     UsageError,
 )
-from .inspection import open_array
-from .manager import CheckpointManager, CheckpointManagerOptions
+from .core.records import ArrayMetadata, SavedSharding, StepMetadata
+from .core.sharded_array import ShardedArray
+from .multihost.distributed import Coordinator
 from .options import RestoreOptions, SaveOptions
-from .records import ArrayMetadata, SavedSharding, StepMetadata
-from .restore_plan import KeyPlan, RestorePlan, plan_restore
-from .sharded_array import ShardedArray
-from .training_state import skip_batches
+from .restores.restore_plan import KeyPlan, RestorePlan, plan_restore
+from .tools.inspection import open_array
 from .version import __version__ as __version__
 
 _zarr_dtypes.register()

@@ -12,15 +12,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from . import commit, events, formats, storage, tree
-from .distributed import Coordinator, default_coordinator
-from .events import Emitter
+from . import formats, storage
+from .core import events, tree
+from .core.events import Emitter
+from .core.records import ItemManifest
 from .formats import checksums
+from .multihost.distributed import Coordinator, default_coordinator
 from .options import RestoreOptions, SaveOptions
-from .records import ItemManifest
-from .restoring import KeyMap, PathLike, read_item
-from .save_plan import plan_save
-from .writing import prepare_directory, stage_and_write
+from .restores.restoring import KeyMap, PathLike, read_item
+from .saves import commit
+from .saves.save_plan import plan_save
+from .saves.writing import prepare_directory, stage_and_write
 
 
 def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOptions | None = None,

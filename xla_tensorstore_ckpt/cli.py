@@ -17,8 +17,12 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from . import convert, export, host_memory, inspection, restore_plan, scans, storage
-from .cli_text import (
+from . import storage
+from .core import host_memory
+from .core.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UsageError
+from .restores import restore_plan
+from .tools import convert, export, inspection, scans
+from .tools.cli_text import (
     add_target_arguments,
     human_bytes,
     metrics_text,
@@ -29,7 +33,6 @@ from .cli_text import (
     table,
     time_text,
 )
-from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UsageError
 from .views import commands as views
 
 EXIT_DATA, EXIT_USAGE = 1, 2

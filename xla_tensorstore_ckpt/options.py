@@ -7,9 +7,10 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import formats, layout
+from . import formats
 from .arrays import zstd
-from .events import Listener, check_listeners
+from .core import layout
+from .core.events import Listener, check_listeners
 
 _MiB = 1 << 20
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
-from xla_tensorstore_ckpt import cli, host_memory
+from xla_tensorstore_ckpt import cli
+from xla_tensorstore_ckpt.core import host_memory
 
 
 def status_bytes(field: str) -> int:

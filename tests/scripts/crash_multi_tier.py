@@ -24,7 +24,8 @@ from crash_save import state_for  # noqa: E402
 from fault_backends import hooked  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
-from xla_tensorstore_ckpt import layout, storage  # noqa: E402
+from xla_tensorstore_ckpt import storage  # noqa: E402
+from xla_tensorstore_ckpt.core import layout  # noqa: E402
 
 STEP = 2
 

@@ -34,9 +34,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fault_backends import count_bytes, hooked, kill_at  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
-from xla_tensorstore_ckpt import save_plan  # noqa: E402
-from xla_tensorstore_ckpt.distributed import Coordinator  # noqa: E402
-from xla_tensorstore_ckpt.errors import CoordinationError  # noqa: E402
+from xla_tensorstore_ckpt.core.errors import CoordinationError  # noqa: E402
+from xla_tensorstore_ckpt.multihost.distributed import Coordinator  # noqa: E402
+from xla_tensorstore_ckpt.saves import save_plan  # noqa: E402
 
 # name -> (shape, dtype, save shard shape, restore shard shape)
 ARRAYS = {

@@ -34,7 +34,8 @@ import torch
 from multitier import Loader  # this directory's: the same data loader as the two-host tests
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import peer_copies, tunables
+from xla_tensorstore_ckpt.checkpoint_manager import peer_copies
+from xla_tensorstore_ckpt.core import tunables
 
 HOSTS, ROWS, COLUMNS = 4, 16, 32
 # XTC_LAYOUT=dp: data-parallel replicas, DP=2 x FSDP=2: host h holds row shard h % 2 of two (hosts 0 and 2 alike)

@@ -22,7 +22,8 @@ import sys
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, events
+from xla_tensorstore_ckpt import arrays
+from xla_tensorstore_ckpt.core import events
 
 WORLD = 4
 
@@ -133,7 +134,7 @@ def die_on_first_read() -> None:
         reader.open = open_
         return reader
 
-    sys.modules["xla_tensorstore_ckpt.restoring"].arrays.reader = dying
+    sys.modules["xla_tensorstore_ckpt.restores.restoring"].arrays.reader = dying
 
 
 def main() -> None:

@@ -39,8 +39,8 @@ def main() -> None:
 
     xr.use_spmd()
     import xla_tensorstore_ckpt as xtc
-    from xla_tensorstore_ckpt import tree
-    from xla_tensorstore_ckpt.records import ArrayMetadata
+    from xla_tensorstore_ckpt.core import tree
+    from xla_tensorstore_ckpt.core.records import ArrayMetadata
 
     n = xr.global_runtime_device_count()
 

@@ -21,7 +21,8 @@ import torch
 from forking import run_child  # this directory's
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import layout, scans
+from xla_tensorstore_ckpt.core import layout
+from xla_tensorstore_ckpt.tools import scans
 
 MAX_TO_KEEP, KEEP_PERIOD = 3, 10
 

@@ -10,7 +10,7 @@ import json
 import sys
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import events
+from xla_tensorstore_ckpt.core import events
 
 finished = []
 xtc.restore(sys.argv[1], options=xtc.RestoreOptions(listeners=(lambda e: e.kind == events.RESTORE_FINISHED

@@ -37,7 +37,7 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from xla_tensorstore_ckpt.events import CommitCallback  # noqa: E402
+from xla_tensorstore_ckpt.core.events import CommitCallback  # noqa: E402
 from xla_tensorstore_ckpt.integrations.torchtitan import XtcCheckpointManager  # noqa: E402
 
 SEQ, BATCH, VOCAB = 16, 2, 2048

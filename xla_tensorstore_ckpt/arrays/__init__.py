@@ -19,7 +19,7 @@ from __future__ import annotations
 import tensorstore as ts
 
 from .. import storage
-from ..records import ArrayMetadata, ArrayStore
+from ..core.records import ArrayMetadata, ArrayStore
 from . import local_chunks
 from .base import ArrayReader, Empty, Index, Opening, PendingRead, Ready, StoredArray, drain, wait_all
 from .byte_ranges import ByteRangeReader

@@ -24,9 +24,9 @@ from typing import Protocol
 import numpy as np
 
 from .. import storage
-from ..errors import CheckpointError
-from ..grid import Index
-from ..records import ArrayMetadata
+from ..core.errors import CheckpointError
+from ..core.grid import Index
+from ..core.records import ArrayMetadata
 
 Empty = Callable[[tuple[int, ...], np.dtype], np.ndarray]  # np.empty or a restore arena's: where reads put data
 

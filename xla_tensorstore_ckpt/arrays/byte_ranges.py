@@ -20,9 +20,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .. import dtypes, storage, tunables
-from ..errors import CheckpointError, CorruptCheckpointError, StorageError
-from ..records import ArrayMetadata, RawArrayMetadata
+from .. import storage
+from ..core import dtypes, tunables
+from ..core.errors import CheckpointError, CorruptCheckpointError, StorageError
+from ..core.records import ArrayMetadata, RawArrayMetadata
 from .base import ArrayReader, ByteCounter, Empty, Index, Picked, Ready, index_box
 from .local_reads import read_runs
 

@@ -31,7 +31,7 @@ from typing import NoReturn
 import crc32c
 import numpy as np
 
-from ..errors import StorageError
+from ..core.errors import StorageError
 from . import ocdbt, zstd
 from .local_reads import ALIGN, copy_bytes, new_window  # the windows direct reads use
 

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 import crc32c
 import numpy as np
 
-from .. import bounds, dtypes, layout, storage, tunables
-from ..errors import CorruptCheckpointError, StorageError
-from ..records import ArrayMetadata, ArrayStore
+from .. import storage
+from ..core import bounds, dtypes, layout, tunables
+from ..core.errors import CorruptCheckpointError, StorageError
+from ..core.records import ArrayMetadata, ArrayStore
 from . import zstd
 from .base import ArrayReader, ByteCounter, Empty, Index, Opening, Picked, Ready, index_box
 from .local_reads import COUNTS, open_for_runs, read_runs, read_window

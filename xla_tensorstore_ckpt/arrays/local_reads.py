@@ -24,8 +24,8 @@ from collections.abc import Iterator, Sequence
 import crc32c
 import numpy as np
 
-from .. import tunables
-from ..errors import CorruptCheckpointError, StorageError
+from ..core import tunables
+from ..core.errors import CorruptCheckpointError, StorageError
 from ..storage.local import is_regular
 from .base import PathCounts
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import tensorstore as ts
 
-from .. import layout, storage
-from ..errors import CorruptCheckpointError, StorageError
+from .. import storage
+from ..core import layout
+from ..core.errors import CorruptCheckpointError, StorageError
 from ..storage import operation_context, without_spec
 
 # B-tree settings as Orbax writes them: zarr metadata inline, one root node, a single-file manifest (each store

@@ -19,10 +19,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .. import dtypes, storage
-from ..errors import CheckpointError, CorruptCheckpointError, StorageError
+from .. import storage
+from ..core import dtypes
+from ..core.errors import CheckpointError, CorruptCheckpointError, StorageError
+from ..core.records import ArrayMetadata, PiecesArrayMetadata
 from ..formats import torch_zip
-from ..records import ArrayMetadata, PiecesArrayMetadata
 from .base import ArrayReader, ByteCounter, Empty, Index, Picked, index_box
 from .byte_ranges import requests_of, runs_between
 from .local_reads import read_boxes

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import tensorstore as ts
 
-from .. import bounds, dtypes, layout, storage
-from ..errors import CheckpointError, CorruptCheckpointError, StorageError
-from ..records import ArrayMetadata, ArrayStore
+from .. import storage
+from ..core import bounds, dtypes, layout
+from ..core.errors import CheckpointError, CorruptCheckpointError, StorageError
+from ..core.records import ArrayMetadata, ArrayStore
 from ..storage import operation_context, without_spec
 from . import zstd
 from .base import ArrayReader, Empty, Index, Ready

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, TensorStorageMetadata
 
-from ..errors import KeyMismatchError, ShapeMismatchError
+from ..core.errors import KeyMismatchError, ShapeMismatchError
 
 
 class DCPLoadPlanner(DefaultLoadPlanner):

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint import (
 )
 from torch.distributed.checkpoint.metadata import TensorProperties
 
-from .. import grid, layout, tree
-from ..errors import KeyMismatchError
-from ..records import ArrayMetadata, ArrayStore, ItemManifest, PiecesArrayMetadata, RawArrayMetadata
+from ..core import grid, layout, tree
+from ..core.errors import KeyMismatchError
+from ..core.records import ArrayMetadata, ArrayStore, ItemManifest, PiecesArrayMetadata, RawArrayMetadata
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from .. import dtypes, grid, layout
-from ..distributed import balance
-from ..errors import ShapeMismatchError, UnsupportedValueError
+from ..core import dtypes, grid, layout
+from ..core.errors import ShapeMismatchError, UnsupportedValueError
+from ..core.records import ArrayMetadata
 from ..formats import v2
 from ..formats.dcp import key_path
-from ..records import ArrayMetadata
+from ..multihost.distributed import balance
 
 Index = grid.Index
 

@@ -24,11 +24,12 @@ from torch.distributed.checkpoint import LoadPlan, LoadPlanner, StorageReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from .. import arrays, dtypes, grid, storage
+from .. import arrays, storage
 from ..checkpointer import read_manifest
-from ..errors import KeyMismatchError, ShapeMismatchError, UnsupportedValueError, UsageError
+from ..core import dtypes, grid
+from ..core.errors import KeyMismatchError, ShapeMismatchError, UnsupportedValueError, UsageError
+from ..core.records import OPAQUE_DCP_BYTES, ArrayMetadata
 from ..options import RestoreOptions
-from ..records import OPAQUE_DCP_BYTES, ArrayMetadata
 from .metadata import ReadIndex, dcp_metadata
 from .shared_reads import SharedReads, exchange, plan_shared
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from ..distributed import Coordinator, balance
+from ..multihost.distributed import Coordinator, balance
 
 Region = tuple[tuple[int, int], ...]
 

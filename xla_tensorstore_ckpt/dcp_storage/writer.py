@@ -25,17 +25,19 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import arrays, commit, grid, storage
-from ..distributed import Coordinator, default_coordinator
-from ..errors import UsageError
+from .. import arrays, storage
+from ..core import grid
+from ..core.errors import UsageError
+from ..core.records import OPAQUE_DCP_BYTES, ArrayMetadata, ArrayStore, ItemManifest
 from ..formats import v2
 from ..formats.dcp import nest
+from ..multihost.distributed import Coordinator, default_coordinator
 from ..options import SaveOptions
-from ..records import OPAQUE_DCP_BYTES, ArrayMetadata, ArrayStore, ItemManifest
-from ..save_plan import ArrayPlan, ChunkWrite
-from ..save_plan import SavePlan as ItemPlan
+from ..saves import commit
+from ..saves.save_plan import ArrayPlan, ChunkWrite
+from ..saves.save_plan import SavePlan as ItemPlan
+from ..saves.writing import ChunkWriter, prepare_directory
 from ..targets import cpu
-from ..writing import ChunkWriter, prepare_directory
 from .plans import ArrayWrite, GlobalPlan, RankPlan, plan_global
 
 PathLike = str | os.PathLike

@@ -13,10 +13,10 @@ name in `ITEM_FORMATS` / `STEP_FORMATS` (and `WRITERS` if this library writes it
 
 from __future__ import annotations
 
-from .. import layout
-from ..bounds import load_json
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
-from ..records import ItemManifest, StepMetadata
+from ..core import layout
+from ..core.bounds import load_json
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from ..core.records import ItemManifest, StepMetadata
 from ..storage import Location
 from ..version import __version__
 from . import dcp, orbax, safetensors, v1, v2

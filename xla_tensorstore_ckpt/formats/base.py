@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..records import ItemManifest, StepMetadata
+from ..core.records import ItemManifest, StepMetadata
 from ..storage import Location
 
 KeyPath = tuple[str | int, ...]

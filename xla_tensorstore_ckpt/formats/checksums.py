@@ -19,9 +19,9 @@ import re
 
 import crc32c
 
-from .. import layout
-from ..errors import CorruptCheckpointError
-from ..records import ItemManifest
+from ..core import layout
+from ..core.errors import CorruptCheckpointError
+from ..core.records import ItemManifest
 from ..storage import Location
 
 FIELD = "crc32c"  # in this library's object of the document: the checksum of the document itself

@@ -27,9 +27,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import bounds, dtypes, layout, tree
-from ..errors import CorruptCheckpointError, UnsupportedValueError
-from ..records import ArrayStore, ItemManifest, PieceMetadata, PiecesArrayMetadata
+from ..core import bounds, dtypes, layout, tree
+from ..core.errors import CorruptCheckpointError, UnsupportedValueError
+from ..core.records import ArrayStore, ItemManifest, PieceMetadata, PiecesArrayMetadata
 from ..storage import Location, RangeNotSatisfiableError
 from . import torch_pickle, torch_zip
 from .safetensors import row_block

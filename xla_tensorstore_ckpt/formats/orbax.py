@@ -19,9 +19,10 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import arrays, bounds, layout, tree
-from ..errors import CorruptCheckpointError
-from ..records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
+from .. import arrays
+from ..core import bounds, layout, tree
+from ..core.errors import CorruptCheckpointError
+from ..core.records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
 from ..storage import Location
 
 STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"

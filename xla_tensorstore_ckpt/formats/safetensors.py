@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import bounds, dtypes, layout
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
-from ..records import ArrayStore, ItemManifest, RawArrayMetadata
+from ..core import bounds, dtypes, layout
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
+from ..core.records import ArrayStore, ItemManifest, RawArrayMetadata
 from ..storage import Location, RangeNotSatisfiableError
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..core.errors import CorruptCheckpointError
 
 # torch.save's legacy storage classes and the element each holds (zarr dtype names).
 STORAGE_DTYPES = {"DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",

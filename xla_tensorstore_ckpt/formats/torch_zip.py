@@ -17,8 +17,8 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 
-from .. import dtypes
-from ..errors import CorruptCheckpointError, UnsupportedValueError
+from ..core import dtypes
+from ..core.errors import CorruptCheckpointError, UnsupportedValueError
 from ..storage import Location, RangeNotSatisfiableError
 from . import torch_pickle
 

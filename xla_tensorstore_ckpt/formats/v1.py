@@ -18,9 +18,9 @@ import hashlib
 import re
 from typing import Any
 
-from .. import bounds, layout, tree
-from ..errors import CorruptCheckpointError
-from ..records import OPAQUE_KINDS, ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
+from ..core import bounds, layout, tree
+from ..core.errors import CorruptCheckpointError
+from ..core.records import OPAQUE_KINDS, ArrayMetadata, ArrayStore, ItemManifest, SavedSharding, StepMetadata
 from ..storage import Location
 
 NAME = "v1"

@@ -29,10 +29,10 @@ import json
 import re
 from typing import Any
 
-from .. import layout, tree
-from ..errors import CorruptCheckpointError
+from ..core import layout, tree
+from ..core.errors import CorruptCheckpointError
+from ..core.records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
 from ..incremental import refs as item_refs
-from ..records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
 from ..storage import Location
 from . import checksums, orbax, v1
 

@@ -25,8 +25,8 @@ import numpy as np
 
 from .. import arrays, formats, storage
 from ..arrays.base import ArrayReader, Empty, Index, PendingRead, Picked, StoredArray, index_box
-from ..errors import CheckpointError, CorruptCheckpointError
-from ..records import ArrayMetadata, ArrayStore
+from ..core.errors import CheckpointError, CorruptCheckpointError
+from ..core.records import ArrayMetadata, ArrayStore
 from . import deltas, tables
 
 Own = None  # a chunk's source: the item's own store

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import layout
-from ..errors import CorruptCheckpointError
+from ..core import layout
+from ..core.errors import CorruptCheckpointError
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import crc32c
 
-from .. import arrays, dtypes, formats
+from .. import arrays, formats
 from ..arrays.chunk_hashes import chunk_hash
-from ..distributed import Coordinator
-from ..errors import CheckpointError
-from ..records import StepMetadata
+from ..core import dtypes
+from ..core.errors import CheckpointError
+from ..core.records import StepMetadata
+from ..multihost.distributed import Coordinator
 from ..storage import Location
 from . import deltas, tables
 from . import refs as refs_mod

@@ -22,9 +22,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .. import bounds, layout
 from ..arrays.chunk_hashes import ALGORITHM
-from ..errors import CorruptCheckpointError
+from ..core import bounds, layout
+from ..core.errors import CorruptCheckpointError
 from ..formats import checksums
 from ..storage import Location
 

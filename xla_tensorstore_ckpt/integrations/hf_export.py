@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-from .. import export, inspection, storage
+from .. import storage
 from ..formats import safetensors
+from ..tools import export, inspection
 
 MAX_FILE_BYTES = 5 << 30  # Hugging Face's usual shard size
 

@@ -15,8 +15,8 @@ from typing import Any
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from .. import checkpointer, storage
-from ..distributed import Coordinator
-from ..errors import CheckpointNotFoundError, UsageError
+from ..core.errors import CheckpointNotFoundError, UsageError
+from ..multihost.distributed import Coordinator
 from ..options import RestoreOptions, SaveOptions
 
 

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ..distributed import Coordinator
-from ..errors import CheckpointError
-from ..sharded_array import ShardedArray
+from ..core.errors import CheckpointError
+from ..core.sharded_array import ShardedArray
+from ..multihost.distributed import Coordinator
 
 _HEADER = struct.Struct("<II")  # key length, value length
 LAYOUT = "opaque rows per process"

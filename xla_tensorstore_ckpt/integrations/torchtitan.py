@@ -33,11 +33,13 @@ from torchtitan.components.checkpointer.base import (
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
-from .. import checkpointer, foreign_runs, formats, storage, training_state, tree
-from ..distributed import Coordinator
-from ..errors import CheckpointNotFoundError, StepNotFoundError, UsageError
+from .. import checkpointer, formats, storage
+from ..checkpoint_manager import foreign_runs, training_state
+from ..checkpoint_manager.manager import CheckpointManager
+from ..core import tree
+from ..core.errors import CheckpointNotFoundError, StepNotFoundError, UsageError
 from ..formats import safetensors
-from ..manager import CheckpointManager
+from ..multihost.distributed import Coordinator
 from ..options import CheckpointManagerOptions, RestoreOptions
 from . import hf_export, opaque_rows
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import CorruptCheckpointError
+from ..core.errors import CorruptCheckpointError
 from .base import CALLS, Backend, Capabilities, Counts, Location, PendingBytes, RangeNotSatisfiableError
 from .gcs import GcsBackend
 from .kvstore import context, operation_context, without_spec

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from ..errors import StorageError
+from ..core.errors import StorageError
 
 
 class Counts:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from functools import cache
 
-from ..errors import StorageError
+from ..core.errors import StorageError
 from .kvstore import BucketBackend
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ..errors import StorageError
+from ..core.errors import StorageError
 from .base import Backend, Capabilities, RangeNotSatisfiableError
 
 OBJECT_STORE_MAX_RETRIES = 10

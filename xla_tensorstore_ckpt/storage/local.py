@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..errors import StorageError
-from ..processes import host_tag, pid_alive
+from ..core.errors import StorageError
+from ..core.processes import host_tag, pid_alive
 from .base import Backend, Capabilities, RangeNotSatisfiableError
 
 

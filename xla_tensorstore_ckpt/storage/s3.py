@@ -18,7 +18,7 @@ import os
 import time
 from functools import cache
 
-from ..errors import StorageError
+from ..core.errors import StorageError
 from .kvstore import BucketBackend
 
 # S3 answers 409 ConditionalRequestConflict to a conditional write racing another one on the same key: retry.

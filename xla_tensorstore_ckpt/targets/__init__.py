@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import UsageError
-from ..tensor_layout import LocalShard, TensorLayout
+from ..core.errors import UsageError
+from ..core.tensor_layout import LocalShard, TensorLayout
 from . import cpu, dtensor, host, xla
 from .base import Target
 

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.autograd.graph import increment_version
 
-from .. import dtypes
-from ..holdings import Holding
-from ..tensor_layout import Index, LocalShard, TensorLayout
+from ..core import dtypes
+from ..core.tensor_layout import Index, LocalShard, TensorLayout
+from .holdings import Holding
 
 if TYPE_CHECKING:
-    from ..read_jobs import ReadJob
+    from ..restores.read_jobs import ReadJob
 
 
 class Target(Protocol):

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import holdings
-from ..holdings import Holding
-from ..tensor_layout import LocalShard, TensorLayout, full_index
+from ..core.tensor_layout import LocalShard, TensorLayout, full_index
+from . import holdings
 from .base import copy_host, host_tensor, whole_size
+from .holdings import Holding
 
 if TYPE_CHECKING:
-    from ..read_jobs import ReadJob
+    from ..restores.read_jobs import ReadJob
 
 NAME = "cpu"
 DEVICE_BOUND = False

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import dtensors, holdings
-from ..holdings import Holding
-from ..records import SavedSharding
-from ..tensor_layout import LocalShard, TensorLayout
+from ..core.records import SavedSharding
+from ..core.tensor_layout import LocalShard, TensorLayout
+from . import dtensors, holdings
 from .base import copy_host, host_tensor, whole_size
+from .holdings import Holding
 
 if TYPE_CHECKING:
-    from ..read_jobs import ReadJob
+    from ..restores.read_jobs import ReadJob
 
 NAME = "dtensor"
 DEVICE_BOUND = False  # its local tensor is built from host data and moved to its device by torch

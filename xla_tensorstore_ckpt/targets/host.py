@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import holdings
-from ..errors import UsageError
-from ..holdings import Holding
-from ..sharded_array import ShardedArray
-from ..tensor_layout import LocalShard, TensorLayout
+from ..core.errors import UsageError
+from ..core.sharded_array import ShardedArray
+from ..core.tensor_layout import LocalShard, TensorLayout
+from . import holdings
 from .base import host_tensor, whole_size
+from .holdings import Holding
 
 if TYPE_CHECKING:
-    from ..read_jobs import ReadJob
+    from ..restores.read_jobs import ReadJob
 
 NAME = "host"
 DEVICE_BOUND = False

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import holdings
-from ..errors import UsageError
-from ..holdings import Holding
-from ..records import SavedSharding
-from ..tensor_layout import LocalShard, TensorLayout, full_index
+from ..core.errors import UsageError
+from ..core.records import SavedSharding
+from ..core.tensor_layout import LocalShard, TensorLayout, full_index
+from . import holdings
 from .base import host_tensor, whole_size
+from .holdings import Holding
 
 if TYPE_CHECKING:
-    from ..read_jobs import ReadJob
+    from ..restores.read_jobs import ReadJob
 
 NAME = "xla"
 DEVICE_BOUND = True

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import inspection
-from ..inspection import Checkpoint, RestoreTarget
+from ..tools import inspection
+from ..tools.inspection import Checkpoint, RestoreTarget
 from .diff import KeyMap, LayerDiff, TensorDiff, by_layer, diff_tensors, layer_of
 from .histogram import ArraySummary, Histogram, ValueSketch, array_summary, summaries
 from .layout import Box, Layout, restore_layout, saved_layout

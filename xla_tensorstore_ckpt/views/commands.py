@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from .. import inspection
-from ..cli_text import add_target_arguments, human_bytes, parse_size, print_json, progress_bar
-from ..errors import UsageError
+from ..core.errors import UsageError
+from ..tools import inspection
+from ..tools.cli_text import add_target_arguments, human_bytes, parse_size, print_json, progress_bar
 from . import diff as diff_view
 from . import histogram, layout, report, text
 

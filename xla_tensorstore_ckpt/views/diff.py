@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import scans
-from ..errors import UsageError
-from ..inspection import Checkpoint, Progress
+from ..core.errors import UsageError
+from ..tools import scans
+from ..tools.inspection import Checkpoint, Progress
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 SORTS = ("key", "change", "layer")

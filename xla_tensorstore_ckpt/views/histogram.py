@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import dtypes, layout, scans, tunables
-from ..errors import CorruptCheckpointError, UsageError
-from ..inspection import Checkpoint, array_metadata
-from ..records import ArrayMetadata
+from ..core import dtypes, layout, tunables
+from ..core.errors import CorruptCheckpointError, UsageError
+from ..core.records import ArrayMetadata
+from ..tools import scans
+from ..tools.inspection import Checkpoint, array_metadata
 from .sketch import EXACT_DTYPES, Histogram, Scratch, ValueSketch
 
 QUANTILES = (0.01, 0.10, 0.25, 0.50, 0.75, 0.90, 0.99)

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import dtypes, grid, inspection, restore_plan, tree
-from ..errors import UsageError
-from ..inspection import Checkpoint
-from ..records import ArrayMetadata, SavedSharding
+from ..core import dtypes, grid, tree
+from ..core.errors import UsageError
+from ..core.records import ArrayMetadata, SavedSharding
+from ..restores import restore_plan
+from ..tools import inspection
+from ..tools.inspection import Checkpoint
 
 MAX_CHUNKS = 1 << 16  # chunks walked to draw one array
 MAX_DEVICES = 1 << 14

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .diff import LayerDiff
 from .histogram import ArraySummary
 from .layout import Layout

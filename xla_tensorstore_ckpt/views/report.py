@@ -22,11 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import inspection, outputs, storage
-from ..errors import CheckpointNotFoundError, UsageError
-from ..inspection import Checkpoint, Progress
-from ..records import ArrayMetadata
+from .. import storage
+from ..core.errors import CheckpointNotFoundError, UsageError
+from ..core.records import ArrayMetadata
+from ..storage import outputs
 from ..storage.local import fsync_path
+from ..tools import inspection
+from ..tools.inspection import Checkpoint, Progress
 from . import diff as diff_view
 from . import histogram, layout
 from .sketch import Scratch, ValueSketch

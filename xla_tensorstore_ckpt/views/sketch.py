@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import UsageError
+from ..core import dtypes
+from ..core.errors import UsageError
 
 BINS = 1 << 16
 SLAB = 1 << 20  # values per slab: the reused buffers are 12 MiB per thread

@@ -3,7 +3,7 @@ by the command line (`views.commands`)."""
 
 from __future__ import annotations
 
-from ..cli_text import fmt_number, human_bytes, table
+from ..tools.cli_text import fmt_number, human_bytes, table
 from .diff import TensorDiff
 from .histogram import ArraySummary, Histogram
 from .layout import Box, Layout

@@ -1,0 +1,107 @@
+"""Staging one step for the tiers it is due for: each tier's items planned (a local tier plans this process's own
+copy, with its own RNG row), each step directory cleared, and the shards copied off the devices once for all of
+them. What comes back is a `PendingSave` per tier, which the manager commits on that tier's background thread.
+
+Collective with several processes (planning the persistent tier's items, clearing its step directory, staging).
+Blocks while the shards are copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.gc_pause import paused_gc
+from ..core.records import StepMetadata
+from ..multihost.distributed import Coordinator
+from ..options import SaveOptions
+from ..saves import save_plan, staging, writing
+from . import rng_state
+from .tier import PendingSave, Tier
+from .training_state import RNG_ITEM
+
+
+@dataclass(frozen=True)
+class Destination:
+    """A tier a step goes to: its steps, the coordinator that clears its step directory from the caller's thread,
+    whether it keeps this process's own copy (a local tier) rather than the job's shared one, and its plan
+    caches (item name -> `save_plan.PlanCache`, kept by the caller across saves); with `incremental`, the step
+    references what has not changed since the tier's newest step (`incremental`)."""
+
+    tier: Tier
+    coordinator: Coordinator
+    own_copy: bool
+    plan_caches: dict[str, save_plan.PlanCache]
+    incremental: bool = False
+    delta: bool = False
+    max_chain: int = 4
+    page_cache: bool = False  # written through the page cache (`SaveOptions.page_cache`): a local tier
+
+
+def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, Any], marker: StepMetadata, *,
+          coordinator: Coordinator, options: SaveOptions, save_rng: bool, async_save: bool,
+          max_host_bytes: int | None, precondition: save_plan.Precondition | None = None) -> list[PendingSave]:
+    """Plan `states` (item name -> state tree) for every destination, clear their step directories, and begin
+    the writes: in async mode without `max_host_bytes` every shard is on the host when this returns, copied off
+    the devices once for all destinations (`staging.stage_shared`); otherwise each destination begins as
+    `writing.begin_writes` does. `marker` is completed per destination (items; for an own copy its writer, whether
+    the step also goes to a shared tier, and the shared tier's root as `marker.persistent_root` names it).
+    `precondition` (what the caller did before; `save_plan.Precondition`) is checked in the first
+    destination's planning agreement. Raises what planning and staging raise, and the precondition's error, on
+    every process."""
+    shared = any(not d.own_copy for d in destinations)
+    # Incremental saves: each tier's base, pinned against retention until the save commits or fails.
+    bases = [dataclasses.replace(d.tier.base_for(step), delta=d.delta, max_chain=d.max_chain) if d.incremental
+             else None for d in destinations]
+    opts = [dataclasses.replace(options, incremental=b, page_cache=options.page_cache or d.page_cache)
+            for d, b in zip(destinations, bases)]
+    try:
+        starts, places, plans, markers = _stage(step, destinations, states, marker, shared, coordinator, opts,
+                                                save_rng=save_rng, async_save=async_save,
+                                                max_host_bytes=max_host_bytes, precondition=precondition)
+    except BaseException:
+        for d, b in zip(destinations, bases):
+            if b is not None:
+                d.tier.unpin(b.step)
+        raise
+    return [PendingSave(step, location, final, p, start, m,
+                        base=None if b is None else (-1 if b.step is None else b.step))
+            for (location, final), p, start, m, b in zip(places, plans, starts, markers, bases)]
+
+
+def _stage(step: int, destinations: Sequence[Destination], states: Mapping[str, Any], marker: StepMetadata,
+           shared: bool, coordinator: Coordinator, opts: list[SaveOptions], *, save_rng: bool, async_save: bool,
+           max_host_bytes: int | None,
+           precondition: save_plan.Precondition | None) -> tuple[list, list, list, list]:
+    options = dataclasses.replace(opts[0], incremental=None)  # planning never depends on the base
+    with paused_gc():  # many small records live until the save is planned and staged
+        plans, places, markers = [], [], []
+        for destination in destinations:
+            items = dict(states)
+            own = destination.own_copy
+            if save_rng:  # an own copy holds its process's generators alone, whatever its index later
+                items[RNG_ITEM] = rng_state.capture(0, 1) if own else rng_state.capture(coordinator.index,
+                                                                                         coordinator.count)
+            caches = destination.plan_caches
+            plans.append(save_plan.plan_saves(items, options, coordinator, own_copy=own, caches={
+                name: caches.setdefault(name, save_plan.PlanCache()) for name in items},
+                precondition=precondition if not plans else None))
+            places.append(destination.tier.prepare(destination.coordinator, step))
+            markers.append(dataclasses.replace(marker, items=tuple(plans[-1]), persistent_copy=own and shared,
+                                               writer=coordinator.index if own else None,
+                                               persistent_root=marker.persistent_root if own else None))
+        writer = coordinator.index
+
+        def begin() -> list[Callable[[], writing.Writes]]:
+            if async_save and max_host_bytes is None:
+                staged = staging.stage_shared(plans, options)
+                return [writing.deferred_writes(location, p, s, o, writer=writer)
+                        for (location, _), p, s, o in zip(places, plans, staged, opts)]
+            return [writing.begin_writes(location, p, o, writer=writer, background=async_save,
+                                        max_host_bytes=max_host_bytes)
+                    for (location, _), p, o in zip(places, plans, opts)]
+
+        starts = coordinator.everywhere(f"staging step {step}", begin)
+    return starts, places, plans, markers
