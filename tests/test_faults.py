@@ -363,14 +363,18 @@ def test_hostile_keys_never_escape_the_root(tmp_path):
 
 def test_no_pickle_eval_or_exec_in_the_package():
     offenders = []
-    for name in sorted(os.listdir(PACKAGE)):
+    # every module, in every folder of the package
+    names = sorted(os.path.relpath(os.path.join(d, n), PACKAGE) for d, _, files in os.walk(PACKAGE) for n in files)
+    for name in names:
         if not name.endswith(".py"):
             continue
         source = open(os.path.join(PACKAGE, name)).read()
         for pattern in (r"^\s*(import|from)\s+(pickle|cPickle|dill|marshal|shelve)\b", r"\beval\(", r"\bexec\(",
                         r"torch\.load\((?![^)]*weights_only=True)", r"np\.load\([^)]*allow_pickle=True"):
             offenders += [f"{name}: {m.group(0)}" for m in re.finditer(pattern, source, re.M)]
-    assert offenders == []
+    # The one exception: the restricted unpicklers that read the pickles other tools write (DCP's metadata,
+    # torch.save blobs) and run nothing (tests/test_dcp_import.py); our format holds no pickle.
+    assert offenders == ["formats/torch_pickle.py: import pickle"]
 
 
 def test_soak_short(tmp_path):

@@ -109,7 +109,8 @@ def test_a_killed_convert_leaves_the_old_destination_and_the_next_run_cleans_up(
     assert run("convert", item, destination)[0] == 0
     before = tree_digest(destination)
     # Killed (SIGKILL, no cleanup) after its first chunk is written into the new copy.
-    script = ("import os, signal, sys\nfrom xla_tensorstore_ckpt import convert, storage\n"
+    script = ("import os, signal, sys\nfrom xla_tensorstore_ckpt import storage\n"
+              "from xla_tensorstore_ckpt.tools import convert\n"
               "kill = lambda done, total: done and os.kill(os.getpid(), signal.SIGKILL)\n"
               "convert.convert_item(storage.location(sys.argv[1]), storage.location(sys.argv[2]), overwrite=True, "
               "progress=kill, options=convert.ConvertOptions(max_host_bytes=192))\n")

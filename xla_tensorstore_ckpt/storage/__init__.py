@@ -4,6 +4,9 @@ Backends: local file systems (``/path``, ``file:///path``), ``gs://bucket/prefix
 ``memory://name``. Array
 data never passes through Python here: arrays are opened by tensorstore on `Location.kvstore_spec()` with the
 shared `context()`. See `base` for the protocol and how to add a backend.
+
+Writing a destination without losing what was there (`outputs`): one inside or around its source refused, an
+existing one kept unless replaced, the new one written beside it and swapped in at the end.
 """
 
 from __future__ import annotations

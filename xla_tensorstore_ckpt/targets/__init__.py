@@ -6,6 +6,9 @@ Each target is one module whose module-level names satisfy `base.Target`; the fi
 value owns it, and a `TensorLayout` records its target's name, so plans and read jobs find it again
 (`of_layout`). Batched calls group values by target and ask each target once. Adding a tensor kind: a module,
 and its entry in `TARGETS` (before any target that would claim its values too).
+
+Shared by the targets, the writers of a save and single-replica reads: who holds which regions of a global array,
+from a sharding alone (`holdings`), and the geometry of DTensor shardings (`dtensors`).
 """
 
 from __future__ import annotations
