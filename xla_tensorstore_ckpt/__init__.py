@@ -5,9 +5,13 @@ the global array, so a checkpoint restores onto any mesh, any device count, or p
 does not import torch_xla.
 """
 
+# `policies` and `events`: the two modules users name in their options (docs/quickstart.md), as
+# `xtc.policies.LatestN(3)` and `xtc.events.JsonLinesListener(path)`, or imported from the package by name.
+from .checkpoint_manager import policies as policies
 from .checkpoint_manager.manager import CheckpointManager, CheckpointManagerOptions
 from .checkpoint_manager.training_state import skip_batches
 from .checkpointer import metadata, restore, save
+from .core import events as events
 from .core import zarr_dtypes as _zarr_dtypes
 from .core.errors import (
     AsyncSaveError,
