@@ -14,14 +14,16 @@ from typing import Any
 
 from ..core.errors import CoordinationError, UsageError
 
-# The dataclasses that may travel: name -> the module of this package defining it (imported on first use).
-RECORDS = {"StepMetadata": "records", "Holdings": "peer_copies", "StepFiles": "peer_copies",
-           "Geometry": "replica_plans"}
+# The dataclasses that may travel: name -> the module defining it, under the package's root (imported on first
+# use, by name: the folders above this one import it, not the other way round).
+RECORDS = {"StepMetadata": "core.records", "Holdings": "checkpoint_manager.peer_copies",
+           "StepFiles": "checkpoint_manager.peer_copies", "Geometry": "restores.replica_plans"}
+_ROOT = __package__.rpartition(".")[0]
 
 
 @cache
 def _record(name: str) -> type:
-    return getattr(importlib.import_module(f"{__package__}.{RECORDS[name]}"), name)
+    return getattr(importlib.import_module(f"{_ROOT}.{RECORDS[name]}"), name)
 
 
 def encode(value: Any) -> bytes:
