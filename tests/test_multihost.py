@@ -64,10 +64,10 @@ def test_records_gathered_from_every_process_arrive_whole_small_or_large(tmp_pat
 @pytest.mark.parametrize("when", ["save", "restore"])
 def test_a_stopped_process_is_named_by_every_other_within_the_deadline(tmp_path, when):
     """Process 3 stops (SIGSTOP) before a save or a restore that the others enter: each of them raises,
-    after the deadline (coordination_timeout_s=5), the error naming the phase and process 3, instead of
+    after the deadline (coordination_timeout_s=15), the error naming the phase and process 3, instead of
     waiting for it forever (then process 0 kills it: a hang would fail launch's timeout)."""
     results = launch(4, "stall", str(tmp_path / "root"), when, "3")
-    assert results[3]["returncode"] == -9
+    assert results[3]["returncode"] == -9, results[3]["stderr"][-3000:]
     for rank in (0, 1, 2):
         r = results[rank]
         assert r["returncode"] == 0, r["stderr"][-3000:]
@@ -81,7 +81,7 @@ def test_a_stopped_process_0_hosting_the_side_channel_is_named_within_the_deadli
     without bound for a stopped host, so the others hung (found by the chaos run: seed 2, cycle 7). Now each
     of them raises, by the deadline, the error naming the phase and process 0."""
     results = launch(4, "stall", str(tmp_path / "root"), "save", "0")
-    assert results[0]["returncode"] == -9
+    assert results[0]["returncode"] == -9, results[0]["stderr"][-3000:]
     for rank in (1, 2, 3):
         r = results[rank]
         assert r["returncode"] == 0, r["stderr"][-3000:]

@@ -75,8 +75,10 @@ def state(rank: int, world: int) -> dict:
 def stall(root: str, when: str, stalled: int, rank: int, world: int) -> None:
     """See the module's usage. Exits without closing: the job's groups are unusable after a missed deadline."""
     pids = Coordinator.from_environment().all_gather(os.getpid())
+    # Long enough that the collectives before the stall never miss it on a loaded machine (running the suite's
+    # other workers beside this job): only the stopped process may be named.
     options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False,
-                                           coordination_timeout_s=5)
+                                           coordination_timeout_s=15)
     manager = xtc.CheckpointManager(root, options)
     manager.save(1, model=state(rank, world))
     if rank == stalled:

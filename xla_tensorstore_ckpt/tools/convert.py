@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .. import arrays, formats, storage
-from ..core import dtypes, grid, layout, tree
+from ..core import dtypes, grid, host_memory, layout, tree
 from ..core.errors import UsageError
 from ..core.records import ArrayMetadata, ItemManifest, StepMetadata
 from ..core.sharded_array import ShardedArray
@@ -263,6 +263,7 @@ def _copy(source: storage.Location, sources: dict[layout.KeyPath, Any], destinat
     done = 0
     in_flight: deque[tuple[int, list[arrays.Pending]]] = deque()
     in_flight_bytes = 0
+    resident_at_start = host_memory.resident_bytes()
     try:
         for batch in grid.batches(units, lambda unit: unit.nbytes, options.chunk_budget):
             batch_bytes = sum(unit.nbytes for unit in batch)
@@ -273,6 +274,10 @@ def _copy(source: storage.Location, sources: dict[layout.KeyPath, Any], destinat
                 done += finished_bytes
                 if progress:
                     progress(done, total)
+            # Freed buffers stay in glibc's heaps (one per thread that read or wrote): given back to the OS when
+            # the batch's copies would otherwise take the process past the budget, as a restore does.
+            host_memory.keep_within(resident_at_start,
+                                    options.max_host_bytes - COPIES_IN_FLIGHT * (in_flight_bytes + batch_bytes))
             in_flight.append((batch_bytes, writer.write([unit.plan for unit in batch],
                                                         _read_batch(batch, sources))))
             in_flight_bytes += batch_bytes
