@@ -18,8 +18,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
-
 from ..core import dtypes, grid, layout
 from ..core.records import ArrayMetadata
 from ..core.tensor_layout import Index
@@ -125,11 +123,7 @@ def digest(where: str, geometry: Mapping[layout.KeyPath, Geometry], needs: Needs
     for key, groups in needs.items():
         hasher.update(repr((key, geometry[key])).encode())
         if id(groups) not in seen:
-            part = hashlib.blake2b(digest_size=16)
-            for regions, procs in groups:
-                part.update(repr(regions).encode())
-                part.update(np.asarray(procs, dtype=np.int32).tobytes())
-            seen[id(groups)] = part.digest()
+            seen[id(groups)] = holdings.fingerprint(groups)
         hasher.update(seen[id(groups)])
     return int.from_bytes(hasher.digest(), "little") >> 2
 

@@ -15,11 +15,10 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
-
 from .. import targets
 from ..core import grid
 from ..core.tensor_layout import Index, TensorLayout, full_index
+from ..targets import holdings
 from ..targets.holdings import Holding
 
 
@@ -70,10 +69,6 @@ def digest(entries: Sequence[tuple[str, tuple[int, ...], str, tuple[int, ...], H
             hasher.update(b"\0gathered")
             continue
         if id(groups) not in seen:
-            part = hashlib.blake2b(digest_size=16)
-            for regions, procs in groups:
-                part.update(repr(regions).encode())
-                part.update(np.asarray(procs, dtype=np.int32).tobytes())
-            seen[id(groups)] = part.digest()
+            seen[id(groups)] = holdings.fingerprint(groups)
         hasher.update(seen[id(groups)])
     return int.from_bytes(hasher.digest(), "little") >> 2

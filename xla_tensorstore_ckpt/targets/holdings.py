@@ -9,6 +9,7 @@ stands for each (the plans' digests hash each distinct object once). Pure; no co
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from functools import lru_cache
@@ -89,3 +90,13 @@ def by_process(groups: Holding) -> Holding:
     for process in sorted(held):
         out.setdefault(tuple(sorted(held[process])), []).append(process)
     return tuple(sorted((regions, tuple(procs)) for regions, procs in out.items()))
+
+
+def fingerprint(groups: Holding) -> bytes:
+    """16 bytes standing for `groups` (their regions and processes) in the digests the processes agree on
+    (`saves.writer_plans.digest`, `restores.replica_plans.digest`); callers hash each distinct object once."""
+    part = hashlib.blake2b(digest_size=16)
+    for regions, procs in groups:
+        part.update(repr(regions).encode())
+        part.update(np.asarray(procs, dtype=np.int32).tobytes())
+    return part.digest()
