@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections import Counter
 
 import torch
 from xla_stack import torch_xla
@@ -122,3 +123,15 @@ def ocdbt_data_files(item) -> list[str]:
     stores = [os.path.join(item, n, "d") for n in os.listdir(item) if n.startswith(layout.OCDBT_PROCESS_PREFIX)]
     files = [os.path.join(d, f) for d in stores if os.path.isdir(d) for f in os.listdir(d)]
     return sorted(files, key=os.path.getsize, reverse=True)
+
+
+class Paths(Counter):
+    """A listener summing the ``paths`` of each ``restore_finished`` it hears: which reads the restore made."""
+
+    def __call__(self, event):
+        if event.kind == events.RESTORE_FINISHED:
+            self.update(event.details["paths"])
+
+    def restore(self, *args, **kwargs):
+        """`xtc.restore` told to this listener."""
+        return xtc.restore(*args, options=xtc.RestoreOptions(listeners=(self,)), **kwargs)

@@ -10,18 +10,18 @@ import os
 import struct
 import subprocess
 import sys
-from collections import Counter
 
 import pytest
 import torch
 from conftest import GCS_BUCKET, S3_BUCKET, sharded
+from helpers import Paths
 from hf_files import hf_tensors, write_hf_dir
 from safetensors.torch import save_file
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, storage
-from xla_tensorstore_ckpt.core import events, tunables
+from xla_tensorstore_ckpt.core import tunables
 from xla_tensorstore_ckpt.core.errors import (
     CorruptCheckpointError,
     KeyMismatchError,
@@ -36,18 +36,6 @@ RESTORE_ELSEWHERE = os.path.join(os.path.dirname(__file__), "scripts", "restore_
 @pytest.fixture
 def hf_dir(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
     return str(tmp_path / "hf"), write_hf_dir(str(tmp_path / "hf"))
-
-
-class Paths(Counter):
-    """A listener summing the ``paths`` of each ``restore_finished`` it hears: which reads the restore made."""
-
-    def __call__(self, event):
-        if event.kind == events.RESTORE_FINISHED:
-            self.update(event.details["paths"])
-
-    def restore(self, *args, **kwargs):
-        """`xtc.restore` told to this listener."""
-        return xtc.restore(*args, options=xtc.RestoreOptions(listeners=(self,)), **kwargs)
 
 
 def mesh_target(expected: dict[str, torch.Tensor], mesh, *, dtype: torch.dtype | None = None) -> dict:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+from helpers import Paths
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt.arrays import local_reads, ocdbt
@@ -32,18 +32,6 @@ def _values(shape, dtype, seed=0):
 
 def _slices(index):
     return tuple(slice(a, b) for a, b in index)
-
-
-class Paths(Counter):
-    """A listener summing the ``paths`` of each ``restore_finished`` it hears: which paths the reads took."""
-
-    def __call__(self, event):
-        if event.kind == events.RESTORE_FINISHED:
-            self.update(event.details["paths"])
-
-    def restore(self, *args, **kwargs):
-        """`xtc.restore` told to this listener."""
-        return xtc.restore(*args, options=xtc.RestoreOptions(listeners=(self,)), **kwargs)
 
 
 def _chunk_count(meta):
@@ -289,7 +277,6 @@ def test_a_restore_in_place_reads_into_the_targets_memory(tmp_path):
     memory under two keys) are not, and take the last key's values as before."""
     from xla_tensorstore_ckpt import storage
     from xla_tensorstore_ckpt.checkpoint_manager import training_state
-    from xla_tensorstore_ckpt.core import events
 
     state = {"a": torch.randn(64, 32), "b": torch.randn(16), "c": torch.randn(8, 8).to(torch.bfloat16),
              "x": torch.full((4, 4), 1.0), "y": torch.full((4, 4), 2.0)}
