@@ -9,17 +9,15 @@ window of requests (503s, dropped connections, truncated bodies, slow answers).
 
 from __future__ import annotations
 
-import http.client
 import os
 import random
 import shutil
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from gcs_emulator import free_port
+from gcs_emulator import answer_503, drop_connection, forward, free_port
 
 from xla_tensorstore_ckpt.core import layout
 
@@ -262,36 +260,18 @@ class BucketProxy:
                 body = self.rfile.read(length) if length else None
                 how = proxy.next_fault()
                 if how == "reset":
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
+                    drop_connection(self)
                     return
                 if how == "503":
-                    payload = b'{"error": {"code": 503, "message": "injected"}}'
-                    self.send_response(503)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
+                    answer_503(self)
                     return
                 if how == "slow":
                     time.sleep(0.3)  # the fault itself: a slow answer (nothing waits on it)
-                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                upstream.request(self.command, self.path, body=body, headers=headers)
-                response = upstream.getresponse()
-                data = response.read()
-                upstream.close()
-                self.send_response(response.status)
-                for key, value in response.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
+                _, data = forward(self, proxy.upstream_port, body)
                 if how == "truncate" and len(data) > 1:
                     self.wfile.write(data[:len(data) // 2])
                     self.wfile.flush()
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
+                    drop_connection(self)
                     return
                 self.wfile.write(data)
 

@@ -105,14 +105,50 @@ def configure_clients(url: str) -> None:
     os.environ.update(client_environment(url))
 
 
+INJECTED_503 = ("application/json", b'{"error": {"code": 503, "message": "injected"}}')
+
+
+def drop_connection(handler: BaseHTTPRequestHandler) -> None:
+    """Close the request's connection without (or in the middle of) an answer."""
+    handler.close_connection = True
+    handler.connection.shutdown(socket.SHUT_RDWR)
+
+
+def answer_503(handler: BaseHTTPRequestHandler, error: tuple[str, bytes] = INJECTED_503) -> None:
+    """Answer 503 with `error` (content type, body)."""
+    content_type, payload = error
+    handler.send_response(503)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(payload)))
+    handler.end_headers()
+    handler.wfile.write(payload)
+
+
+def forward(handler: BaseHTTPRequestHandler, upstream_port: int, body: bytes | None) -> tuple[int, bytes]:
+    """Send the request to the server on `upstream_port`, then its status line and headers back (the body's
+    length as read, not chunked); returns the status and the body, which the caller writes (or cuts short)."""
+    upstream = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+    headers = {k: v for k, v in handler.headers.items() if k.lower() not in ("host", "connection")}
+    upstream.request(handler.command, handler.path, body=body, headers=headers)
+    response = upstream.getresponse()
+    data = response.read()
+    upstream.close()
+    handler.send_response(response.status)
+    for key, value in response.getheaders():
+        if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+            handler.send_header(key, value)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    return response.status, data
+
+
 class FaultProxy:
     """An HTTP proxy on 127.0.0.1 that forwards to `upstream` but answers a fraction of requests with 503 and
     drops the connection (without answering) on another fraction, and always answers 503 to requests whose
     path contains `always_fail`. Deterministic for a given seed."""
 
     def __init__(self, upstream_port: int, *, error_rate: float = 0.1, drop_rate: float = 0.05, seed: int = 0,
-                 always_fail: str | None = None, error: tuple[str, bytes] = (
-                     "application/json", b'{"error": {"code": 503, "message": "injected"}}')):
+                 always_fail: str | None = None, error: tuple[str, bytes] = INJECTED_503):
         self.upstream_port = upstream_port
         self.always_fail = always_fail  # requests whose path contains this always get 503
         self.error = error  # content type and body of a 503
@@ -139,36 +175,19 @@ class FaultProxy:
                 if roll < proxy.drop_rate:
                     with proxy.lock:
                         proxy.counts["dropped"] += 1
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
+                    drop_connection(self)
                     return
                 if roll < proxy.drop_rate + proxy.error_rate or (
                         proxy.always_fail is not None and proxy.always_fail in self.path):
                     with proxy.lock:
                         proxy.counts["503"] += 1
-                    content_type, payload = proxy.error
-                    self.send_response(503)
-                    self.send_header("Content-Type", content_type)
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
+                    answer_503(self, proxy.error)
                     return
-                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                upstream.request(self.command, self.path, body=body, headers=headers)
-                response = upstream.getresponse()
-                data = response.read()
-                self.send_response(response.status)
-                for key, value in response.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
+                status, data = forward(self, proxy.upstream_port, body)
                 self.wfile.write(data)
-                upstream.close()
                 with proxy.lock:
                     proxy.counts["forwarded"] += 1
-                    if self.command == "GET" and 200 <= response.status < 300:
+                    if self.command == "GET" and 200 <= status < 300:
                         proxy.served_bytes += len(data)
 
             do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _handle
