@@ -16,7 +16,10 @@ restores read a just-written checkpoint from the page cache.
 
     python -m benchmarks scale [--quick] [--scale 1.0] [--repeats 7] [--set processes=1,2,4,8]
                                [--set replicas=1,2,4] [--set storage=local,gcs] [--set weak_mib=64]
-                               [--set strong_mib=256] [--set cap_mib=16]
+                               [--set strong_mib=256] [--set cap_mib=16] [--set trees=/old,/new]
+With ``--set trees=/old/checkout,/new/checkout`` every configuration's job runs once per checkout (PYTHONPATH),
+the checkouts' order alternating ABBA from one configuration to the next, and the text ends with the new/old
+ratios of save and restore times per configuration (the last tree over the first).
 The reference run (about 11 minutes here) writes benchmarks/results/scale.{json,txt,png}; --quick (1, 2 and 4
 processes, 0.1 scale, 3 repeats: a few minutes) and any other run write theirs to the temporary directory.
 """
@@ -29,6 +32,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -76,18 +80,25 @@ def _save_and_restore(base: str, shape, shard_shape, index, repeats: int, cap: i
     """Save this process's shards of the state `repeats` times under `base`, restore the last save 2 x `repeats`
     times (single-replica reads ABBA), delete what was written. `mesh`: the layout's process mesh
     (`ShardedArray.mesh`), from which every process derives the others' shards instead of gathering them."""
+    import dataclasses
+
     import memory
     import torch
 
     import xla_tensorstore_ckpt as xtc
     from xla_tensorstore_ckpt import storage
-    from xla_tensorstore_ckpt.core import events
 
+    try:
+        from xla_tensorstore_ckpt.core import events
+    except ImportError:  # a checkout from before the folders (`--set trees=`)
+        from xla_tensorstore_ckpt import events
+    # A checkout from before `ShardedArray.mesh` gathers the others' shards instead of deriving them.
+    meshed = (mesh,) if "mesh" in {f.name for f in dataclasses.fields(xtc.ShardedArray)} else ()
     state = {}
     for a in range(ARRAYS):
         data = torch.randn(shard_shape, generator=torch.Generator().manual_seed(a * 1000 + index[0][0]))
-        state[f"layer{a}"] = xtc.ShardedArray(shape, torch.float32, shard_shape, ((index, data),), mesh)
-    target = {name: xtc.ShardedArray.target(shape, torch.float32, shard_shape, [index], mesh) for name in state}
+        state[f"layer{a}"] = xtc.ShardedArray(shape, torch.float32, shard_shape, ((index, data),), *meshed)
+    target = {name: xtc.ShardedArray.target(shape, torch.float32, shard_shape, [index], *meshed) for name in state}
     state_bytes = ARRAYS * shard_shape[0] * ROW_BYTES
     written: list[int] = []
     save_options = xtc.SaveOptions(listeners=(lambda e: e.kind == events.SAVE_WRITTEN and written.append(e.nbytes),))
@@ -95,8 +106,10 @@ def _save_and_restore(base: str, shape, shard_shape, index, repeats: int, cap: i
     for r in range(repeats):
         path = f"{base}/save-{r}"
         barrier()
+        cpu = time.process_time()
         seconds, peak, _ = memory.measure(functools.partial(xtc.save, path, state, options=save_options))
-        saves.append({"seconds": seconds, "peak_extra": peak, "written": written[-1]})
+        saves.append({"seconds": seconds, "cpu": time.process_time() - cpu, "peak_extra": peak,
+                      "written": written[-1]})
         barrier()
         if r < repeats - 1 and rank == 0:
             storage.location(path).delete_tree()
@@ -107,10 +120,12 @@ def _save_and_restore(base: str, shape, shard_shape, index, repeats: int, cap: i
         options = xtc.RestoreOptions(single_replica_reads=on, broadcast_max_bytes=cap, listeners=listeners)
         gc.collect()
         barrier()
+        cpu = time.process_time()
         seconds, peak, restored = memory.measure(functools.partial(xtc.restore, path, target, options=options))
+        cpu = time.process_time() - cpu
         exact = all(torch.equal(restored[name].shards[0][1], state[name].shards[0][1]) for name in state)
         details = finished[-1]
-        restores.append({"on": on, "seconds": seconds, "peak_extra": peak - state_bytes, "exact": exact,
+        restores.append({"on": on, "seconds": seconds, "cpu": cpu, "peak_extra": peak - state_bytes, "exact": exact,
                          "storage_bytes": details["storage_bytes"], "sent": details.get("peer_bytes_sent", 0),
                          "received": details.get("peer_bytes_received", 0)})
         del restored
@@ -128,10 +143,12 @@ def summarize(answers: list[dict], processes: int, replicas: int, storage_kind: 
         per = [a[scaling] for a in answers]
         repeats = len(per[0]["saves"])
         save_s = [max(p["saves"][i]["seconds"] for p in per) for i in range(repeats)]
+        save_cpu = [sum(p["saves"][i]["cpu"] for p in per) for i in range(repeats)]
         written = [p["saves"][-1]["written"] for p in per]
         row = {"storage": storage_kind, "processes": processes, "replicas": replicas, "scaling": scaling,
                "global_bytes": per[0]["global_bytes"], "state_bytes": per[0]["state_bytes"],
-               "save_s": save_s, "written_max": max(written), "written_mean": statistics.mean(written),
+               "save_s": save_s, "save_cpu": save_cpu, "written_max": max(written),
+               "written_mean": statistics.mean(written),
                "written_total": sum(written), "save_peak_extra": max(s["peak_extra"] for p in per for s in p["saves"]),
                "cap": answers[0]["cap"], "batch": answers[0]["batch"]}
         for mode, on in (("on", True), ("off", False)):
@@ -139,6 +156,7 @@ def summarize(answers: list[dict], processes: int, replicas: int, storage_kind: 
             read = [p["restores"][runs[-1]]["storage_bytes"] for p in per]
             row[mode] = {
                 "restore_s": [max(p["restores"][i]["seconds"] for p in per) for i in runs],
+                "restore_cpu": [sum(p["restores"][i]["cpu"] for p in per) for i in runs],
                 "read_max": max(read), "read_mean": statistics.mean(read), "read_total": sum(read),
                 "sent_total": sum(p["restores"][runs[-1]]["sent"] for p in per),
                 "received_max": max(p["restores"][runs[-1]]["received"] for p in per),
@@ -188,6 +206,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compared(results: list[dict], old: str, new: str) -> str:
+    """Per configuration, `new`'s medians over `old`'s (below 1: `new` is faster): wall time of the slowest
+    process and CPU seconds of all processes, of a save and of a restore with single-replica reads on and off;
+    and the geometric mean of each column."""
+    def key(r: dict) -> tuple:
+        return r["storage"], r["scaling"], r["processes"], r["replicas"]
+
+    def figures(r: dict) -> list[float]:
+        return [harness.median(r[k]) for k in ("save_s", "save_cpu")] + [
+            harness.median(r[m][k]) for m in ("on", "off") for k in ("restore_s", "restore_cpu")]
+
+    olds = {key(r): r for r in results if r["tree"] == old}
+    names = ("save s", "cpu", "rest. on s", "cpu", "off s", "cpu")
+    lines = [f"\nnew/old: {new} over {old} (medians; below 1: faster; s: slowest process, cpu: all processes)",
+             f"{'storage':>7} {'scaling':>7} {'P':>2} {'R':>2} " + " ".join(f"{n:>10}" for n in names)]
+    columns: list[list[float]] = [[] for _ in names]
+    for r in (r for r in results if r["tree"] == new):
+        ratios = [a / b for a, b in zip(figures(r), figures(olds[key(r)]))]
+        for column, ratio in zip(columns, ratios):
+            column.append(ratio)
+        lines.append(f"{r['storage']:>7} {r['scaling']:>7} {r['processes']:>2} {r['replicas']:>2} "
+                     + " ".join(f"{x:10.2f}" for x in ratios))
+    lines.append(f"{'geometric mean':>22} " + " ".join(f"{statistics.geometric_mean(c):10.2f}" for c in columns))
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -235,7 +279,9 @@ def run(settings: harness.Settings) -> harness.Result:
              (("weak_mib", 64.0), ("strong_mib", 256.0), ("cap_mib", 16.0))]
     from object_stores import start_object_store
 
+    trees = settings.option("trees", ()) or ("",)  # "": this checkout
     results = []
+    configuration = 0
     for kind in settings.option("storage", ("local", "gcs")):
         server, bucket = start_object_store(kind)
         env = dict(os.environ, **(server.environment if server else {}))
@@ -243,15 +289,20 @@ def run(settings: harness.Settings) -> harness.Result:
             with tempfile.TemporaryDirectory(prefix="scale-", dir=settings.workdir) as tmp:
                 for processes in processes_:
                     for replicas in (r for r in replicas_ if r <= processes and processes % r == 0):
-                        print(f"{kind}: {processes} processes, R={replicas} ...", file=sys.stderr, flush=True)
-                        answers = jobs.run_job([os.path.abspath(__file__), "--worker", f"{bucket or tmp}/scale",
-                                                replicas, settings.scale, settings.repeats, *sizes], processes,
-                                               env=env)
-                        results += summarize(answers, processes, replicas, kind)
+                        for tree in (trees if configuration % 2 == 0 else trees[::-1]):  # ABBA
+                            print(f"{kind}: {processes} processes, R={replicas} {tree}...", file=sys.stderr,
+                                  flush=True)
+                            tree_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, (
+                                tree, env.get("PYTHONPATH"))))) if tree else env
+                            answers = jobs.run_job([os.path.abspath(__file__), "--worker", f"{bucket or tmp}/scale",
+                                                    replicas, settings.scale, settings.repeats, *sizes], processes,
+                                                   env=tree_env)
+                            results += [dict(r, tree=tree) for r in summarize(answers, processes, replicas, kind)]
+                        configuration += 1
         finally:
             if server is not None:
                 server.stop()
-    rows = [harness.Row(f"P={r['processes']} R={r['replicas']}",
+    rows = [harness.Row(f"P={r['processes']} R={r['replicas']}" + (f" {r['tree']}" if r["tree"] else ""),
                         {"save_s": harness.series(r["save_s"], "s"),
                          "restore_on_s": harness.series(r["on"]["restore_s"], "s"),
                          "restore_off_s": harness.series(r["off"]["restore_s"], "s")},
@@ -261,10 +312,14 @@ def run(settings: harness.Settings) -> harness.Result:
                          "sent_bytes_on": r["on"]["sent_total"], "exact": r["on"]["exact"] and r["off"]["exact"]})
             for r in results]
     text = (f"Scale: save and restore by {', '.join(map(str, processes_))} processes, DP=R x FSDP=P/R, {ARRAYS} "
-            "float32 arrays\n" + table(results))
+            "float32 arrays\n")
+    for tree in trees:
+        text += (f"\n== {tree}" if tree else "") + table([r for r in results if r["tree"] == tree])
+    if len(trees) > 1:
+        text += compared(results, trees[0], trees[-1])
     files = []
     try:
-        plot(results, settings.beside(".png"))
+        plot([r for r in results if r["tree"] == trees[-1]], settings.beside(".png"))
         files.append(settings.beside(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
