@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,14 +38,16 @@ sys.path[:0] = [p for p in (HERE, os.path.join(HERE, "scripts")) if p not in sys
 import chaos_faults  # noqa: E402
 import gcs_emulator  # noqa: E402
 import s3_server  # noqa: E402
-from chaos_faults import BucketProxy, Model  # noqa: E402
+from chaos_faults import BALLAST, BucketProxy, Model  # noqa: E402
 from chaos_jobs import BUCKET, Job, Reference, Store, XlaJob, Zygote  # noqa: E402
 
 from xla_tensorstore_ckpt.core import layout  # noqa: E402
 
+NAMING_S = 15.0  # beyond the coordination timeout, how late a process may raise after the first failure
+
 
 def shown_set(steps: set) -> str:
-    return " or ".join(str(s) for s in sorted(steps, key=lambda s: -1 if s is None else s))
+    return " or ".join(str(s) for s in sorted(steps, key=lambda s: (isinstance(s, str), -1 if s is None else s)))
 
 
 def retained_away(missing: set[int], committed: set[int], keep: int = 2) -> set[int]:
@@ -62,6 +66,29 @@ def fingerprint(files: dict[str, str], step: int) -> str:
     return hashlib.sha256(json.dumps(mine).encode()).hexdigest()
 
 
+def mount_small_file_system(path: str, size: str = "256m") -> str:
+    """Mount a file system of `size` of its own (tmpfs) at `path`, which a full disk then fills; needs root."""
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True, capture_output=True)
+    return path
+
+
+def small_file_systems_available() -> bool:
+    """Whether `mount_small_file_system` works here (root, and mounting allowed)."""
+    if os.geteuid() != 0:
+        return False
+    path = tempfile.mkdtemp(prefix="chaos-mount-")
+    try:
+        mount_small_file_system(path, "1m")
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    else:
+        subprocess.run(["umount", path], check=False)
+        return True
+    finally:
+        os.rmdir(path)
+
+
 def local_fingerprint(directory: str) -> str:
     h = hashlib.sha256()
     for path in chaos_faults.files_under(directory):
@@ -75,10 +102,14 @@ class Run:
     """One seed's run: `cycles` cycles on a fresh persistent root and fresh local tiers."""
 
     def __init__(self, seed: int, store: str, port: int, workdir: str, timeout: float, steps: int,
-                 launch, proxy: BucketProxy, world: int = 4):
+                 launch, proxy: BucketProxy, world: int = 4, full_disks: str = "fsize"):
         self.seed, self.store_kind, self.timeout, self.steps, self.world = seed, store, timeout, steps, world
         self.store = Store(store, port, f"chaos/{seed}-{os.getpid()}-{time.time_ns()}")
         self.workdir, self.local_base = workdir, os.path.join(workdir, "local")
+        # With "tmpfs", each host's local tier is a file system of its own, which a full disk fills (ENOSPC);
+        # with "fsize" a full disk is a limit on the size of the process's files (EFBIG).
+        self.mounts = [mount_small_file_system(os.path.join(self.local_base, f"host{h}"))
+                       for h in range(world)] if full_disks == "tmpfs" else []
         self.launch, self.proxy = launch, proxy  # launch(argv, directory): a `Job` (or an `XlaJob`)
         self.reference = Reference(launch, workdir, world)
         self.model = Model(world)
@@ -93,7 +124,13 @@ class Run:
     def repro(self, cycle: int) -> str:
         return (f"PYTHONPATH={os.path.dirname(HERE)} {sys.executable} {os.path.abspath(__file__)} --seed {self.seed} "
                 f"--cycles {cycle + 1} --store {self.store_kind} --timeout {self.timeout:g} --steps {self.steps}"
-                + (" --xla" if self.world == 1 else ""))
+                f" --full-disks {'tmpfs' if self.mounts else 'fsize'}" + (" --xla" if self.world == 1 else ""))
+
+    def close(self) -> None:
+        """Unmount the hosts' file systems (`full_disks="tmpfs"`)."""
+        for path in self.mounts:
+            subprocess.run(["umount", "--lazy", path], check=False)
+        self.mounts = []
 
     def cycle(self, number: int) -> list[str]:
         """Run one cycle; the problems found (empty if none)."""
@@ -113,12 +150,18 @@ class Run:
                                    "action": fault.kind}
             elif fault.kind == "wipe":
                 chaos_faults.wipe(d["host"], self.local_base, self.model)
+            elif fault.kind == "damage" and d["where"] == "persistent":
+                notes.append(f"damaged {chaos_faults.damage_persistent(fault, self.store, self.model)}")
             elif fault.kind == "damage":
                 notes.append(f"damaged {chaos_faults.damage(fault, self.local_base, self.model)}")
             elif fault.kind == "bucket":
                 self.proxy.arm({"how": d["how"], "start": d["start"], "length": d["length"]})
             elif fault.kind == "disk_full":
-                plan["fsize"] = {"rank": d["rank"], "bytes": d["bytes"], "at": d["at"], "nth": d["nth"]}
+                how = d["how"] if self.mounts else "fsize"
+                ballast = os.path.join(self.local_base, f"host{d['rank']}", BALLAST)
+                plan["fsize"] = {"rank": d["rank"], "bytes": d["bytes"], "at": d["at"], "nth": d["nth"], "how": how,
+                                 "ballast": ballast}
+                notes.append(f"full disk: {'ENOSPC' if how == 'enospc' else 'EFBIG'}")
         self._refresh_copies()
         expected = self.model.predict()
         self.reference.cover(max(s or 0 for s in expected) + self.steps)
@@ -131,9 +174,13 @@ class Run:
         except KeyboardInterrupt:  # the run is being stopped: no process of this cycle outlives it
             job.kill()
             raise
+        for host in range(self.world):  # the full disk ends with the cycle
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.local_base, f"host{host}", BALLAST))
         lines = job.lines()
         problems = self._check_run(faults, process_fault, expected, codes, lines, job.outs)
         problems += self._learn(lines)
+        notes += self._remove_damaged_persistent(expected, lines)
         self.faults.update(fault.kind for fault in faults)  # counted once the cycle has run (not if stopped)
         shown = "; ".join(f.describe() for f in faults) + "".join(f"; {n}" for n in notes)
         errors = sorted({f"{x['type']}: {x['error'][:300]}" for rank in lines for x in rank if "error" in x})
@@ -184,6 +231,9 @@ class Run:
         if len(resumed) > 1:
             problems.append(f"the processes resumed from different steps: {shown_set(resumed)}")
         ended = [c for c in codes if c is not None]
+        if expected == {chaos_faults.FAILS} and not died and any(c != 2 for c in ended):
+            problems.append(f"the persistent step to resume from is damaged, yet not every process failed with a "
+                            f"library error (exit codes {codes})")
         if not died and any(c != 0 for c in ended) and any(c == 0 for c in ended):
             problems.append(f"a failure was raised on some processes only (exit codes {codes})")
         outcome = "hang" if None in codes else "clean" if all(c == 0 for c in codes) else \
@@ -195,8 +245,9 @@ class Run:
 
     def _check_latency(self, process_fault, lines: list[list[dict]]) -> list[str]:
         """Every process must raise soon after the first failure (a process killed or stopped, or the first error
-        raised): within two coordination timeouts and 30 s (one wait for a dead peer in a background thread, one
-        in the caller's), the stopped process aside (it raises once continued)."""
+        raised): within one coordination timeout and `NAMING_S` (the alarm's grace for naming the silent
+        processes, and slack: a process's other collectives do not wait a deadline of their own for a peer one
+        of them found dead), the stopped process aside (it raises once continued)."""
         raised = {rank: x["t"] for rank, rank_lines in enumerate(lines) for x in rank_lines if "error" in x}
         if not raised:
             return []
@@ -208,7 +259,7 @@ class Run:
             return []
         self.latencies.append(max(late.values()))
         return [f"process {rank} raised its error {seconds:.1f} s after the first failure (the coordination timeout "
-                f"is {self.timeout:g} s)" for rank, seconds in late.items() if seconds > 2 * self.timeout + 30]
+                f"is {self.timeout:g} s)" for rank, seconds in late.items() if seconds > self.timeout + NAMING_S]
 
     def _learn(self, lines: list[list[dict]]) -> list[str]:
         """Update the model from what the processes reported, then compare it with what is on disk: a step the
@@ -264,12 +315,27 @@ class Run:
         self.model.persistent = on_store & (self.model.persistent | set().union(*started))
         for step in on_store:
             now = fingerprint(objects, step)
-            if any((r, step) in recommitted for r in range(self.world)):
+            if any((r, step) in recommitted for r in range(self.world)) or step in self.model.damaged_persistent:
                 self.persistent_prints[step] = now
             elif self.persistent_prints.setdefault(step, now) != now:
                 problems.append(f"the persistent tier's committed step {step} changed")
         self.persistent_prints = {s: p for s, p in self.persistent_prints.items() if s in on_store}
+        self.model.damaged_persistent &= self.model.persistent
         return problems
+
+    def _remove_damaged_persistent(self, expected: set, lines: list[list[dict]]) -> list[str]:
+        """After a resume that failed on a damaged persistent step, delete that step, as an operator would (else
+        every later cycle fails the same way); what was removed."""
+        resumed = any("resumed" in x for rank_lines in lines for x in rank_lines)
+        if chaos_faults.FAILS not in expected or resumed or not self.model.damaged_persistent:
+            return []
+        removed = sorted(self.model.damaged_persistent)
+        for step in removed:
+            self.store.delete_step(step)
+            self.persistent_prints.pop(step, None)
+        self.model.persistent -= set(removed)
+        self.model.damaged_persistent.clear()
+        return [f"damaged persistent steps {removed} removed after the failed resume"]
 
     def _refresh_copies(self) -> None:
         for host in range(self.world):
@@ -279,12 +345,14 @@ class Run:
 
 
 def run_seeds(seeds: list[int], cycles: int, stores: list[str], ports: dict[str, int], workdir: str,
-              timeout: float, log, steps: int = 3, xla: bool = False) -> dict:
+              timeout: float, log, steps: int = 3, xla: bool = False, full_disks: str = "fsize") -> dict:
     """Run every seed (seed i on store i mod len(stores)), each cycle training `steps` steps; return the
     summary: cycles run, faults and outcomes by kind, errors by type, problems (each with its reproduction
     command), and per failed cycle the seconds from its first failure to the last process's error. `log(line,
     verbose=False)` is told of every cycle (verbose) and every problem. With `xla`, the job is the torch_xla SPMD
-    one of a single process (no peers: no stops, job kills, full disks or peer copies)."""
+    one of a single process (no peers: no stops, job kills, full disks or peer copies). `full_disks`: "tmpfs"
+    (each host's local tier a small file system of its own: a full disk is ENOSPC; needs root) or "fsize" (a
+    limit on the process's file sizes: EFBIG)."""
     summary = {"cycles": 0, "faults": collections.Counter(), "outcomes": collections.Counter(),
                "errors": collections.Counter(), "problems": [], "latencies": []}
     proxies = {kind: BucketProxy(ports[kind]) for kind in stores}
@@ -296,6 +364,7 @@ def run_seeds(seeds: list[int], cycles: int, stores: list[str], ports: dict[str,
             env.pop("PJRT_DEVICE", None)
             zygote = None if xla else Zygote(env)
             seed_dir = os.path.join(workdir, f"seed{seed}")
+            run = None
             try:
                 os.makedirs(seed_dir)
                 if zygote is None:
@@ -304,7 +373,8 @@ def run_seeds(seeds: list[int], cycles: int, stores: list[str], ports: dict[str,
                 else:
                     def launch(argv, directory, zygote=zygote):
                         return Job(zygote, argv, directory)
-                run = Run(seed, kind, ports[kind], seed_dir, timeout, steps, launch, proxies[kind], 1 if xla else 4)
+                run = Run(seed, kind, ports[kind], seed_dir, timeout, steps, launch, proxies[kind], 1 if xla else 4,
+                          "fsize" if xla else full_disks)
                 for number in range(cycles):
                     try:
                         problems = run.cycle(number)
@@ -327,6 +397,8 @@ def run_seeds(seeds: list[int], cycles: int, stores: list[str], ports: dict[str,
                 if summary.get("stopped"):
                     break
             finally:
+                if run is not None:
+                    run.close()
                 if zygote is not None:
                     zygote.close()
     finally:
@@ -345,7 +417,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps each cycle trains after its resume")
     parser.add_argument("--xla", action="store_true", help="the torch_xla SPMD job of one process")
     parser.add_argument("--workdir", help="where the local tiers and each failing cycle's output stay")
+    parser.add_argument("--full-disks", choices=("auto", "tmpfs", "fsize"), default="auto",
+                        help="a full disk: a host's own small file system filled (tmpfs: ENOSPC; needs root), or a "
+                             "file-size limit (EFBIG); auto: tmpfs where it can be mounted")
     args = parser.parse_args()
+    full_disks = args.full_disks if args.full_disks != "auto" else (
+        "tmpfs" if small_file_systems_available() else "fsize")
     seeds = [int(s) for s in args.seed.split(",")] if args.seed is not None else list(range(args.seeds))
     stores = ["gcs", "s3"] if args.store == "both" else [args.store]
     servers, ports = [], {}
@@ -361,7 +438,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped: print the summary so far, then exit
     try:
         summary = run_seeds(seeds, args.cycles, stores, ports, workdir, args.timeout,
-                            log=lambda line, verbose=False: print(line, flush=True), steps=args.steps, xla=args.xla)
+                            log=lambda line, verbose=False: print(line, flush=True), steps=args.steps, xla=args.xla,
+                            full_disks=full_disks)
     finally:
         for server in servers:
             server.stop()

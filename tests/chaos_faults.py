@@ -39,6 +39,8 @@ MOMENTS = (
 KINDS = {"kill": 30, "kill_job": 8, "stop": 6, "wipe": 10, "damage": 14, "bucket": 12, "disk_full": 6, "none": 14}
 ALONE = ("kill_job", "stop", "disk_full")  # faults a job of one process does not draw (nothing waits for it)
 PROCESS_FAULTS = ("kill", "kill_job", "stop")
+BALLAST = "ballast"  # the file that fills a host's local file system (chaos_job.fill_file_system)
+FAILS = "fails"  # a prediction: the resume fails on every process (the persistent step it must read is damaged)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ def draw(rng: random.Random, store: str, world: int = WORLD) -> list[Fault]:
             faults.append(Fault(kind, {"host": rng.randrange(world)}))
         elif kind == "damage":
             faults.append(Fault(kind, {"host": rng.randrange(world), "how": rng.choice(("flip", "truncate", "delete")),
-                                       "where": rng.choice(("own", "copy") if world > 1 else ("own",)),
+                                       "where": rng.choice(("own", "copy", "persistent") if world > 1
+                                                           else ("own", "persistent")),
                                        "pick": rng.random()}))
         elif kind == "bucket":
             faults.append(Fault(kind, {"how": rng.choice(("503", "reset", "truncate", "slow")),
@@ -76,9 +79,12 @@ def draw(rng: random.Random, store: str, world: int = WORLD) -> list[Fault]:
         elif kind == "disk_full":
             # From the start, or from the moment the host's own local step is written (its marker and the copy
             # of its peer's step it then receives meet the full disk: a peer transfer failing on one process).
+            # "fsize": no file of the process grows past `bytes` (EFBIG); "enospc": the host's local tier, a file
+            # system of its own, keeps only `bytes` free (ENOSPC for every write and directory; `Run` mounts it).
             at = rng.choice((None, "save_written", "save_committed"))
             faults.append(Fault(kind, {"rank": rng.randrange(world), "bytes": rng.choice((512, 4096, 16384)),
-                                       "at": at, "nth": rng.randint(1, 3) if at else None}))
+                                       "at": at, "nth": rng.randint(1, 3) if at else None,
+                                       "how": rng.choice(("fsize", "enospc"))}))
         else:
             faults.append(Fault("none"))
     return faults
@@ -116,6 +122,32 @@ def files_under(directory: str) -> list[str]:
     return sorted(os.path.join(d, n) for d, _, names in os.walk(directory) for n in names)
 
 
+def spoiled(data: bytes, how: str) -> bytes | None:
+    """`data` damaged as `how` says: a byte in the middle flipped, or cut in half; None: "delete"."""
+    if how == "delete":
+        return None
+    if how == "truncate":
+        return data[:len(data) // 2]
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0x5A]) + data[middle + 1:]
+
+
+def damage_persistent(fault: Fault, store, model: Model) -> str | None:
+    """Damage one object of the persistent tier's newest committed step (its markers aside: a step without them
+    is not committed, which retention and resume already handle); the object's name, or None if there is none."""
+    step = max(model.persistent, default=None)
+    if step is None:
+        return None
+    marks = {f"{step}/{layout.CHECKPOINT_METADATA}", f"{step}/{layout.COMMIT_SUCCESS}"}
+    names = sorted(n for n in store.objects() if n.startswith(f"{step}/") and n not in marks)
+    if not names:
+        return None
+    name = names[int(fault.details["pick"] * len(names))]
+    store.replace(name, spoiled(store.read(name), fault.details["how"]))
+    model.damaged_persistent.add(step)
+    return f"{store.root}/{name}"
+
+
 def damage(fault: Fault, local_base: str, model: Model) -> str | None:
     """Damage one file of a host's newest own step or peer copy (flip a byte, truncate, delete); the file, or None
     if there is nothing to damage."""
@@ -132,17 +164,13 @@ def damage(fault: Fault, local_base: str, model: Model) -> str | None:
     if not candidates:
         return None
     path = candidates[int(fault.details["pick"] * len(candidates))]
-    how = fault.details["how"]
-    if how == "delete":
+    with open(path, "rb") as f:
+        data = spoiled(f.read(), fault.details["how"])
+    if data is None:
         os.remove(path)
-    elif how == "truncate":
-        os.truncate(path, os.path.getsize(path) // 2)
     else:
-        with open(path, "r+b") as f:
-            f.seek(os.path.getsize(path) // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x5A]))
+        with open(path, "wb") as f:
+            f.write(data)
     if fault.details["where"] == "own":
         model.damaged_own[fault.details["host"]].add(key)
     else:
@@ -170,18 +198,21 @@ class Model:
     copies: list[set[tuple[int, int]]] = field(init=False)
     damaged_own: list[set[int]] = field(init=False)
     damaged_copies: list[set[tuple[int, int]]] = field(init=False)
+    damaged_persistent: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.own, self.copies = [set() for _ in range(self.world)], [set() for _ in range(self.world)]
         self.damaged_own, self.damaged_copies = [set() for _ in range(self.world)], [set() for _ in range(self.world)]
 
-    def predict(self) -> set[int | None]:
+    def predict(self) -> set[int | str | None]:
         """The steps every process may resume from: the newest local step, at least as new as the newest persistent
-        one, that every host can restore; else the newest persistent step; None if nothing is committed. More than
-        one where the harness damaged files: a damaged byte a restore never reads (an OCDBT data file holds
-        superseded nodes too) harms nothing, so each damaged step or copy may count as whole or not."""
+        one, that every host can restore; else the newest persistent step; None if nothing is committed; FAILS if
+        that persistent step is damaged (the last candidate: the restore must fail on every process, naming it).
+        More than one where the harness damaged files: a damaged byte a restore never reads (an OCDBT data file
+        holds superseded nodes too) harms nothing, so each damaged step or copy may count as whole or not."""
         damaged = [("own", h, s) for h, steps in enumerate(self.damaged_own) for s in steps]
         damaged += [("copy", h, k) for h, keys in enumerate(self.damaged_copies) for k in keys]
+        damaged += [("persistent", -1, s) for s in self.damaged_persistent]
         if len(damaged) > 6:  # too many to enumerate: the two extremes
             choices = [damaged, []]
         else:
@@ -189,10 +220,12 @@ class Model:
         out = set()
         for harmful in choices:
             out.add(self._predict({(h, s) for kind, h, s in harmful if kind == "own"},
-                                  {(h, k) for kind, h, k in harmful if kind == "copy"}))
+                                  {(h, k) for kind, h, k in harmful if kind == "copy"},
+                                  {s for kind, _, s in harmful if kind == "persistent"}))
         return out
 
-    def _predict(self, damaged_own: set[tuple[int, int]], damaged_copies: set[tuple[int, tuple[int, int]]]):
+    def _predict(self, damaged_own: set[tuple[int, int]], damaged_copies: set[tuple[int, tuple[int, int]]],
+                 damaged_persistent: set[int]):
         def intact_for(host: int, step: int) -> bool:
             if step in self.own[host] and (host, step) not in damaged_own:
                 return True
@@ -206,7 +239,7 @@ class Model:
                 break
             if all(intact_for(h, step) for h in range(self.world)):
                 return step
-        return newest
+        return FAILS if newest in damaged_persistent else newest
 
     def learn(self, rank: int, event: dict) -> None:
         """One event a process reported, in its order."""
@@ -216,10 +249,12 @@ class Model:
             self.damaged_own[rank].discard(step)  # a step saved again is whole again
         elif kind == "save_committed" and tier == "persistent":
             self.persistent.add(step)
+            self.damaged_persistent.discard(step)
         elif kind == "retention_removed":
             removed = set(event["details"].get("steps", ()))
             if tier == "persistent":
                 self.persistent -= removed
+                self.damaged_persistent -= removed
             else:
                 self.own[rank] -= removed
         elif kind == "peer_fetched":

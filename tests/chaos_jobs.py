@@ -161,13 +161,51 @@ class Store:
                 token = page.get("nextPageToken", "")
                 if not token:
                     return out
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.port}", region_name="us-east-1",
-                              aws_access_key_id="test", aws_secret_access_key="test")
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=self.prefix + "/"):
+        for page in self._s3().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=self.prefix + "/"):
             out.update({o["Key"][len(self.prefix) + 1:]: o["ETag"] for o in page.get("Contents", [])})
         return out
+
+    def read(self, name: str) -> bytes:
+        """The bytes of the object `name` (under the root)."""
+        key = f"{self.prefix}/{name}"
+        if self.kind == "gcs":
+            url = (f"http://127.0.0.1:{self.port}/download/storage/v1/b/{BUCKET}/o/"
+                   f"{urllib.parse.quote(key, safe='')}?alt=media")
+            with urllib.request.urlopen(url, timeout=60) as response:
+                return response.read()
+        return self._s3().get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+    def replace(self, name: str, data: bytes | None) -> None:
+        """Write `data` as the object `name` (under the root), or delete it (None)."""
+        key = f"{self.prefix}/{name}"
+        if self.kind == "s3":
+            if data is None:
+                self._s3().delete_object(Bucket=BUCKET, Key=key)
+            else:
+                self._s3().put_object(Bucket=BUCKET, Key=key, Body=data)
+            return
+        quoted = urllib.parse.quote(key, safe="")
+        if data is None:
+            request = urllib.request.Request(f"http://127.0.0.1:{self.port}/storage/v1/b/{BUCKET}/o/{quoted}",
+                                             method="DELETE")
+        else:
+            request = urllib.request.Request(f"http://127.0.0.1:{self.port}/upload/storage/v1/b/{BUCKET}/o?"
+                                             f"uploadType=media&name={quoted}", data=data, method="POST",
+                                             headers={"Content-Type": "application/octet-stream"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            response.read()
+
+    def delete_step(self, step: int) -> None:
+        """Delete every object of `step` (an operator removing a damaged step)."""
+        for name in self.objects():
+            if name.split("/", 1)[0] == str(step):
+                self.replace(name, None)
+
+    def _s3(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.port}", region_name="us-east-1",
+                            aws_access_key_id="test", aws_secret_access_key="test")
 
 
 class Reference:

@@ -55,6 +55,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_addoption(parser):
     parser.addoption("--hostile-cases", type=int, default=300,
                      help="how many generated hostile checkpoints tests/test_hostile_inputs.py runs (default 300)")
+    parser.addoption("--hostile-start", type=int, default=0,
+                     help="the first generated case to run (default 0): a long run split into parts runs cases "
+                          "START .. START + N - 1, the same cases a single run would")
 
 
 @pytest.fixture(scope="session")

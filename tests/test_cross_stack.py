@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -26,11 +27,24 @@ sys.path.insert(0, os.path.dirname(SCRIPT))
 import dtensor_job  # noqa: E402
 
 NEWEST = os.environ.get("XTC_NEWEST_PYTHON") or os.path.join(HERE, "..", ".venv-newest", "bin", "python")
+# `make test` installs the newest stack while this suite runs: its stamp, written once the install is done (the
+# stamp's ".failed" if the install failed).
+NEWEST_READY = os.environ.get("XTC_NEWEST_READY")
+INSTALL_WAIT_S = 1800
 
 
 @pytest.fixture(scope="module")
 def newest() -> str:
-    """The newest stack's interpreter, checked to be that stack (a newer torch, no torch_xla)."""
+    """The newest stack's interpreter, checked to be that stack (a newer torch, no torch_xla); once installed,
+    where `make test` is installing it."""
+    if NEWEST_READY:
+        waited = time.monotonic()
+        while not os.path.exists(NEWEST_READY):
+            if os.path.exists(NEWEST_READY + ".failed"):
+                pytest.fail("the newest stack's install failed (make test prints its log)")
+            if time.monotonic() - waited > INSTALL_WAIT_S:
+                pytest.fail(f"the newest stack was not installed after {INSTALL_WAIT_S} s ({NEWEST_READY})")
+            time.sleep(1)  # the install's end is the event: its stamp appears
     if not os.path.exists(NEWEST):
         pytest.skip(f"no newest-stack interpreter at {NEWEST} (make test creates it)")
     return NEWEST

@@ -3,8 +3,9 @@
 Two parts. Named cases, each a hostile file found in review (a scalar backed by a 2^40-element array, a
 ``zarr.json`` nested 100,000 deep, a 2^40-chunk grid, offsets beyond 2^63, 3,000-component key paths, look-alike
 digits, FIFOs, NUL bytes, strings that are not strings, an int4 array): every reader must refuse each with a
-library error. Then generated cases (`--hostile-cases N`, default 300): byte flips, truncations, JSON
-mutations, hostile names (paths leaving the directory, absolute, drives, NUL, over-long), removals, and FIFOs,
+library error. Then generated cases (`--hostile-cases N`, default 300, from case `--hostile-start S`, default
+0): byte flips, truncations, JSON mutations, hostile names (paths leaving the directory, absolute, drives,
+NUL, over-long), removals, and FIFOs,
 sockets and links to FIFOs in place of any file, of every format read (ours v1 and v2, OCDBT and directories,
 Orbax zarr v3 and v2, a root of steps, safetensors files and directories, DCP directories, a torch_xla
 CheckpointManager root). Every case runs every reader and CLI
@@ -311,8 +312,9 @@ def test_named_hostile_files_are_refused(seeds, harness, tmp_path, name):
 
 
 @pytest.fixture(scope="module")
-def hostile_cases(request) -> int:
-    return request.config.getoption("--hostile-cases")
+def hostile_cases(request) -> range:
+    start = request.config.getoption("--hostile-start")
+    return range(start, start + request.config.getoption("--hostile-cases"))
 
 
 @pytest.mark.timeout(0)  # scales with --hostile-cases; every case has its own limit (hostile.CASE_TIMEOUT_S)
@@ -321,7 +323,7 @@ def test_generated_hostile_checkpoints(seeds, harness, hostile_cases, tmp_path):
     outside the destination changed (see the module docstring)."""
     problems = []
     outcomes = {"ok": 0, "error": 0}
-    for n in range(hostile_cases):
+    for n in hostile_cases:
         seed = seeds[n % len(seeds)]
         work = tmp_path / f"case-{n}"
         work.mkdir()
@@ -334,9 +336,9 @@ def test_generated_hostile_checkpoints(seeds, harness, hostile_cases, tmp_path):
             for r in outcome:
                 outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
         shutil.rmtree(work)
-    print(f"{hostile_cases} hostile cases: {outcomes}")
+    print(f"{len(hostile_cases)} hostile cases ({hostile_cases.start} .. {hostile_cases.stop - 1}): {outcomes}")
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:40])
-    assert outcomes["error"] > hostile_cases, outcomes  # the mutations do reach the readers' checks
+    assert outcomes["error"] > len(hostile_cases), outcomes  # the mutations do reach the readers' checks
 
 
 KEYS = 200_000

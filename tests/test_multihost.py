@@ -65,7 +65,8 @@ def test_records_gathered_from_every_process_arrive_whole_small_or_large(tmp_pat
 def test_a_stopped_process_is_named_by_every_other_within_the_deadline(tmp_path, when):
     """Process 3 stops (SIGSTOP) before a save or a restore that the others enter: each of them raises,
     after the deadline (coordination_timeout_s=15), the error naming the phase and process 3, instead of
-    waiting for it forever (then process 0 kills it: a hang would fail launch's timeout)."""
+    waiting for it forever (then process 0 kills it: a hang would fail launch's timeout); their other
+    coordinators then raise at once."""
     results = launch(4, "stall", str(tmp_path / "root"), when, "3")
     assert results[3]["returncode"] == -9, results[3]["stderr"][-3000:]
     for rank in (0, 1, 2):
@@ -74,6 +75,10 @@ def test_a_stopped_process_is_named_by_every_other_within_the_deadline(tmp_path,
         (line,) = r["lines"]
         assert line["error"] == "CoordinationTimeoutError" and line["missing"] == [3], line
         assert line["phase"] and f"{line['phase']}: process 3 died or did not answer" in line["message"], line
+        # Another coordinator of the process (a manager's background commits have their own) does not wait a
+        # deadline of its own for the process found stopped: it raises at once, naming it.
+        assert line["then"]["missing"] == [3] and "found by another collective of this process" in \
+            line["then"]["message"], line
 
 
 def test_a_stopped_process_0_hosting_the_side_channel_is_named_within_the_deadline(tmp_path):

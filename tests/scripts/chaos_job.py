@@ -114,9 +114,16 @@ class Trigger:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def fill_disk(budget: int) -> None:
-    """This host's disk full, as far as its writes go: no file grows past `budget` bytes (EFBIG). Any thread."""
-    resource.setrlimit(resource.RLIMIT_FSIZE, (budget, resource.RLIM_INFINITY))
+def fill_disk(spec: dict) -> None:
+    """This host's disk full from now on. "enospc": its local tier's own file system filled, `bytes` left free,
+    by a file the harness removes after the cycle; "fsize": no file of this process grows past `bytes` (EFBIG).
+    Any thread."""
+    if spec["how"] == "enospc":
+        st = os.statvfs(os.path.dirname(spec["ballast"]))
+        with open(spec["ballast"], "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, max(1, st.f_bavail * st.f_frsize - spec["bytes"]))
+    else:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (spec["bytes"], resource.RLIM_INFINITY))
 
 
 class DiskFiller:
@@ -133,7 +140,7 @@ class DiskFiller:
         self.seen += 1
         if self.seen == self.spec["nth"]:
             emit(fault="disk_full", at=event.kind, tier=event.tier, step=event.step)
-            fill_disk(self.spec["bytes"])
+            fill_disk(self.spec)
 
 
 def report(event) -> None:
@@ -148,7 +155,7 @@ def run(plan: dict) -> None:
     if full is not None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # here: the main thread (writes past the budget: EFBIG)
         if full.get("at") is None:
-            fill_disk(full["bytes"])
+            fill_disk(full)
     dist.init_process_group("gloo", timeout=timedelta(seconds=plan["timeout"]))
     model, optimizer, scheduler = fsdp_model(world, "fsdp")
     data = {"position": 0, "table": table(rank, world, empty=False)}

@@ -74,7 +74,8 @@ def state(rank: int, world: int) -> dict:
 
 def stall(root: str, when: str, stalled: int, rank: int, world: int) -> None:
     """See the module's usage. Exits without closing: the job's groups are unusable after a missed deadline."""
-    pids = Coordinator.from_environment().all_gather(os.getpid())
+    other = Coordinator.from_environment()  # another coordinator of each process, as a manager's tiers have
+    pids = other.all_gather(os.getpid())
     # Long enough that the collectives before the stall never miss it on a loaded machine (running the suite's
     # other workers beside this job): only the stopped process may be named.
     options = xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False,
@@ -90,8 +91,13 @@ def stall(root: str, when: str, stalled: int, rank: int, world: int) -> None:
             manager.restore(1, model=state(rank, world))
         print(json.dumps({"rank": rank, "error": None}), flush=True)
     except xtc.CoordinationTimeoutError as exc:
+        try:  # the other coordinator does not wait for the process this one found stopped
+            other.all_gather(rank)
+            then = None
+        except xtc.CoordinationTimeoutError as again:
+            then = {"missing": list(again.missing), "message": str(again)[:500]}
         print(json.dumps({"rank": rank, "error": type(exc).__name__, "phase": exc.phase,
-                          "missing": list(exc.missing), "message": str(exc)[:500]}), flush=True)
+                          "missing": list(exc.missing), "message": str(exc)[:500], "then": then}), flush=True)
     # Process 0 hosts the side channel the others name the stopped one through: it leaves when they are done
     # (process 1 does, where process 0 is the stopped one).
     with open(f"{root}/named.{rank}", "w"):

@@ -103,6 +103,10 @@ class ManagedTier:
         except BaseException:
             if self.replicator is not None:  # the peers still expect this process in the step's replication
                 self.replicator.replicate(save.step, save.final.name, None, {})
+            if not self.is_local and self.in_flight == save.step:
+                # The step may be saved again (once there is room, say). The persistent tier's commit fails on
+                # every process alike, so they still agree on what is due; a local tier's need not, and stays.
+                self.in_flight = None
             raise
         if self.replicator is not None:
             self.replicator.replicate(save.step, save.final.name, save.final.path,

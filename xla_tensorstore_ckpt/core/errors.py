@@ -12,6 +12,17 @@ class CheckpointError(Exception):
     """Base class of every error raised by xla_tensorstore_ckpt."""
 
 
+def with_context(error: CheckpointError, context: str) -> CheckpointError:
+    """`error` with `context` before its message (``"writing step 2 at gs://b/run/2: <message>"``): an
+    exception of the same type with the same attributes, so that callers catching it see no difference. Called
+    by code that knows what a failing lower-level operation was for (a step, an item's final path, rather than
+    the temporary name being written); raise it ``from error``. Does not block or raise."""
+    wrapped = type(error).__new__(type(error))
+    wrapped.__dict__.update(error.__dict__)
+    wrapped.args = (f"{context}: {error}", *error.args[1:])
+    return wrapped
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A path holds no checkpoint (or no committed checkpoint item)."""
 

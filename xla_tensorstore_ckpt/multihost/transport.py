@@ -16,6 +16,11 @@ once, whatever the process's main thread is doing; it then waits (at most `GRACE
 that never answer are dead or stopped (SIGSTOP stops the watcher too), and every live process raises
 `CoordinationTimeoutError` naming them; a process that runs but is slow to reach the collective (under load) is
 not named, unless every process answered: then those that had not arrived (stuck elsewhere) are.
+
+Processes found dead or stopped by one collective are not waited for by the others this process has under way
+or starts later (a manager's background commits and its caller's saves run on coordinators of their own): each
+live transport of the process learns of them (`_tell_live_transports`) and raises at once, naming them, so that
+every thread of a process raises within one deadline of the failure rather than one deadline after another.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import datetime
 import functools
 import threading
 import time
+import weakref
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,6 +40,8 @@ RING_MAX = 16  # at most this many processes, gloo's all-reduce (one call into C
 SLICE_S = 0.5
 GRACE_S = 5.0
 _REDUCE_TAG = 2  # point-to-point messages of the reduction, apart from data (0) and status flags (1)
+_LIVE: weakref.WeakSet[GlooTransport] = weakref.WeakSet()  # this process's transports, told of dead peers
+_LIVE_LOCK = threading.Lock()
 
 
 class Transport(Protocol):
@@ -104,6 +112,10 @@ class GlooTransport:
         self.broken: CoordinationError | None = None  # after a missed deadline the group is unusable
         self._watch = _AlarmWatch(store, index) if store is not None else None
         self._store_silent = False  # the side channel's host stopped answering: it is not asked again
+        # Processes another collective of this process found dead or stopped (`_tell_live_transports`).
+        self.dead_elsewhere: CoordinationTimeoutError | None = None
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def close(self) -> None:
         """Stop answering alarms (the group is being destroyed). Local; idempotent."""
@@ -155,6 +167,8 @@ class GlooTransport:
         if self.broken is not None:
             raise CoordinationError(f"process {self.index}: {phase}: the process group is unusable since an "
                                     f"earlier failure ({self.broken})", process=self.broken.process)
+        if self.dead_elsewhere is not None:
+            raise self._found_dead_elsewhere(phase)
         sequence = self._sequence
         if count:
             self._sequence += 1
@@ -171,6 +185,8 @@ class GlooTransport:
                     break
                 except RuntimeError as exc:
                     timed_out = "timed out" in str(exc).lower()
+                    if timed_out and self.dead_elsewhere is not None:
+                        raise self._found_dead_elsewhere(phase) from exc
                     if not timed_out or remaining <= SLICE_S or self._alarmed(sequence, remaining):
                         raise self._named(phase, sequence, exc) from exc
 
@@ -221,12 +237,26 @@ class GlooTransport:
             f"{self.timeout_s:g} s (coordination_timeout_s): {cause}",
             phase=phase, missing=tuple(silent))
         self.broken = error
+        if silent and how == _DEAD:
+            _tell_live_transports(self, error)
+        return error
+
+    def _found_dead_elsewhere(self, phase: str) -> CoordinationTimeoutError:
+        """The error for a collective that will not wait for the processes another collective of this process
+        found dead or stopped (`dead_elsewhere`); the group is unusable after it, as after a missed deadline."""
+        found = self.dead_elsewhere
+        names = ", ".join(map(str, found.missing))
+        error = CoordinationTimeoutError(
+            f"process {self.index}: {phase}: process{'es' if len(found.missing) != 1 else ''} {names} died or did "
+            f"not answer (found by another collective of this process: {found.phase})",
+            phase=phase, missing=found.missing)
+        self.broken = error
         return error
 
     def _silent(self, sequence: int) -> tuple[list[int], str]:
         """The processes to name for the alarm of collective `sequence`, and how they failed: those whose
         watcher did not answer (dead or stopped), else, if every process runs, those that had not arrived."""
-        dead, late = "died or did not answer", "ran but had not arrived"
+        dead, late = _DEAD, "ran but had not arrived"
         if self._store is None:
             return [], dead
         others = [p for p in range(self.count) if p != self.index]
@@ -250,6 +280,20 @@ class GlooTransport:
                     if not self._ask(lambda p=p: self._store.check([f"arrived/{sequence}/{p}"]), grace)], late
         except RuntimeError:  # the store itself does not answer: its host, process 0, is the silent one
             return [0], dead
+
+
+_DEAD = "died or did not answer"
+
+
+def _tell_live_transports(origin: GlooTransport, error: CoordinationTimeoutError) -> None:
+    """Tell every other live transport of this process that `error.missing` are dead or stopped; their
+    collectives under way raise at their next slice, later ones at once. Called by the transport that found
+    them; does not block."""
+    with _LIVE_LOCK:
+        transports = list(_LIVE)
+    for transport in transports:
+        if transport is not origin and transport.dead_elsewhere is None and transport.count == origin.count:
+            transport.dead_elsewhere = error
 
 
 class _AlarmWatch:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .. import arrays, formats
 from ..core import layout
+from ..core.errors import CheckpointError, with_context
 from ..multihost.distributed import Coordinator
 from ..storage import Location
 from .save_plan import SavePlan
@@ -31,10 +32,13 @@ def finish_writes(coordinator: Coordinator, loc: Location, start: Callable[[], W
     them durable; return them. Raises on every process if one failed: its own error there,
     `CoordinationError` elsewhere."""
     def finish() -> Writes:
-        writes = start()
-        arrays.wait_all(writes.pending)
-        if fsync:
-            loc.sync_files(writes.files, writes.trees)
+        try:
+            writes = start()
+            arrays.wait_all(writes.pending)
+            if fsync:
+                loc.sync_files(writes.files, writes.trees)
+        except CheckpointError as exc:  # named by what is being saved, not only by the temporary name written
+            raise with_context(exc, f"writing {what}") from exc
         return writes
 
     return coordinator.everywhere(f"writing {what}", finish)
@@ -45,12 +49,15 @@ def commit(coordinator: Coordinator, loc: Location, items: Mapping[str, SavePlan
     """The primary finishes each item of `items` (name relative to `loc`; "" for `loc` itself), writes `final`
     (name relative to `loc`, content) in order, then calls `publish`. Raises on every process if it failed."""
     def write() -> None:
-        for name, plan in items.items():
-            finish_item(loc.child(name) if name else loc, plan, fsync=fsync)
-        for name, data in final:
-            loc.write(name, data, fsync=fsync)
-        if publish is not None:
-            publish()
+        try:
+            for name, plan in items.items():
+                finish_item(loc.child(name) if name else loc, plan, fsync=fsync)
+            for name, data in final:
+                loc.write(name, data, fsync=fsync)
+            if publish is not None:
+                publish()
+        except CheckpointError as exc:
+            raise with_context(exc, f"committing {what}") from exc
 
     coordinator.on_primary(f"committing {what}", write)
 
