@@ -76,7 +76,7 @@ def test_save_options_name_a_format_this_library_writes(name):
     assert xtc.SaveOptions().format == "v2"
 
 
-def test_a_new_format_plugs_in_through_the_registry(tmp_path, monkeypatch):
+def test_a_new_format_plugs_in_through_the_registry(tmp_path, request):
     """A toy format (its item one JSON file, ``toy.json``) added as one entry of the registry is read by restore,
     metadata and the tools, none of which know of it."""
     def claims_item(loc, doc):
@@ -90,7 +90,8 @@ def test_a_new_format_plugs_in_through_the_registry(tmp_path, monkeypatch):
     toy = types.SimpleNamespace(NAME="toy", DESCRIPTION="a toy format", FILE_SUFFIX=None, claims_item=claims_item,
                                 decode_item=decode_item,
                                 array_names=lambda paths: ["/".join(map(str, p)) for p in paths])
-    monkeypatch.setattr(formats, "ITEM_FORMATS", (*formats.ITEM_FORMATS, toy))
+    formats.register(toy)
+    request.addfinalizer(lambda: formats.unregister(toy.NAME))
     item = tmp_path / "toy_item"
     item.mkdir()
     (item / TOY_FILE).write_text(json.dumps({"step": 7, "nested": {"lr": 0.5}}))

@@ -70,9 +70,10 @@ TOY = types.SimpleNamespace(
 
 
 @pytest.fixture
-def toy(monkeypatch):
-    monkeypatch.setattr(targets, "TARGETS", (TOY, *targets.TARGETS))
-    return TOY
+def toy():
+    targets.register(TOY)
+    yield TOY
+    targets.unregister(TOY.NAME)
 
 
 def rows_of(data: torch.Tensor) -> Rows:
@@ -214,3 +215,11 @@ class TestXlaTarget(TargetContract):
 def test_every_registered_target_has_a_contract_here():
     tested = {cls.NAME for cls in TargetContract.__subclasses__()}
     assert {t.NAME for t in targets.TARGETS} <= tested
+
+
+def test_registering_a_kind_twice_or_removing_an_unknown_one_is_refused(toy):
+    with pytest.raises(xtc.UsageError, match="'rows' is already registered"):
+        targets.register(toy)
+    with pytest.raises(xtc.UsageError, match="no tensor kind 'tiles'"):
+        targets.unregister("tiles")
+    assert targets.of(rows_of(torch.zeros(2, 3))) is toy

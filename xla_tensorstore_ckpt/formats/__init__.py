@@ -8,14 +8,15 @@ and directories (`safetensors`), and torch.distributed.checkpoint directories (`
 content, never by a file name alone: the names ``_METADATA`` and ``_CHECKPOINT_METADATA`` are shared with Orbax, and
 version 1 used them with other contents. A document none claims is a `FormatVersionError` if it declares a version
 of ours newer than this reader knows, else a `CorruptCheckpointError` naming it. Adding a format: a module, and its
-name in `ITEM_FORMATS` / `STEP_FORMATS` (and `WRITERS` if this library writes it).
+name in `ITEM_FORMATS` / `STEP_FORMATS` (and `WRITERS` if this library writes it), or, for a format of items read
+from outside the package, `register(module)`.
 """
 
 from __future__ import annotations
 
 from ..core import layout
 from ..core.bounds import load_json
-from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, UsageError
 from ..core.records import ItemManifest, StepMetadata
 from ..storage import Location
 from ..version import __version__
@@ -24,7 +25,7 @@ from .base import ItemFormat, StepFormat, WriteFormat
 
 __all__ = ["ITEM_FORMATS", "STEP_FORMATS", "WRITERS", "WRITE_FORMAT", "array_names", "encode_step",
            "holds_orbax_items", "is_item", "item_files", "item_format", "read_item", "read_step", "step_files",
-           "step_format", "writer", "writer_versions"]
+           "register", "step_format", "unregister", "writer", "writer_versions"]
 
 # In the order asked: the first format that claims a document reads it.
 ITEM_FORMATS: tuple[ItemFormat, ...] = (safetensors, dcp, v2, orbax, v1)
@@ -32,6 +33,25 @@ STEP_FORMATS: tuple[StepFormat, ...] = (v2, orbax, v1)
 WRITERS: dict[str, WriteFormat] = {v2.NAME: v2}
 WRITE_FORMAT = v2.NAME  # what `SaveOptions.format` names unless told otherwise
 NEWEST_VERSION = max(f.VERSION for f in STEP_FORMATS)
+
+
+def register(fmt: ItemFormat) -> None:
+    """Add a format of items, asked after those registered so far (a document one of them claims stays
+    theirs). Called once, at import, by the code adding a format (or by a test); not thread-safe against
+    readers running meanwhile. Raises `UsageError` if a format of the same `NAME` is registered."""
+    global ITEM_FORMATS
+    if any(f.NAME == fmt.NAME for f in ITEM_FORMATS):
+        raise UsageError(f"an item format named {fmt.NAME!r} is already registered")
+    ITEM_FORMATS = (*ITEM_FORMATS, fmt)
+
+
+def unregister(name: str) -> None:
+    """Remove the item format `name` that `register` added (a test's toy format). Raises `UsageError` if there
+    is none."""
+    global ITEM_FORMATS
+    if not any(f.NAME == name for f in ITEM_FORMATS):
+        raise UsageError(f"no item format named {name!r} is registered")
+    ITEM_FORMATS = tuple(f for f in ITEM_FORMATS if f.NAME != name)
 
 
 def read_item(loc: Location) -> ItemManifest:

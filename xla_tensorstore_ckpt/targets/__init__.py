@@ -5,7 +5,8 @@ tensor (`xla`, the only module importing torch_xla, on first use), a CPU tensor 
 Each target is one module whose module-level names satisfy `base.Target`; the first in `TARGETS` that claims a
 value owns it, and a `TensorLayout` records its target's name, so plans and read jobs find it again
 (`of_layout`). Batched calls group values by target and ask each target once. Adding a tensor kind: a module,
-and its entry in `TARGETS` (before any target that would claim its values too).
+and its entry in `TARGETS` (before any target that would claim its values too), or, from outside the package,
+`register(module)`.
 
 Shared by the targets, the writers of a save and single-replica reads: who holds which regions of a global array,
 from a sharding alone (`holdings`), and the geometry of DTensor shardings (`dtensors`).
@@ -24,12 +25,30 @@ from . import cpu, dtensor, host, xla
 from .base import Target
 
 __all__ = ["TARGETS", "Target", "assign", "fetch", "is_global", "layouts", "local_memory", "named", "of",
-           "of_layout", "signatures"]
+           "of_layout", "register", "signatures", "unregister"]
 
 # In the order asked: the first target that claims a value owns it (`cpu` claims any tensor: last).
 TARGETS: tuple[Target, ...] = (host, dtensor, xla, cpu)  # type: ignore[assignment]
 
 T = TypeVar("T")
+
+
+def register(target: Target) -> None:
+    """Add a tensor kind, asked before those registered so far (the CPU target claims any tensor, so a new kind
+    must come first). Called once, at import, by the code adding a kind (or by a test); not thread-safe against
+    saves and restores running meanwhile. Raises `UsageError` if a kind of the same `NAME` is registered."""
+    global TARGETS
+    if any(t.NAME == target.NAME for t in TARGETS):
+        raise UsageError(f"a tensor kind named {target.NAME!r} is already registered")
+    TARGETS = (target, *TARGETS)
+
+
+def unregister(name: str) -> None:
+    """Remove the tensor kind `name` that `register` added (a test's toy kind). Raises `UsageError` if there is
+    none."""
+    global TARGETS
+    named(name)
+    TARGETS = tuple(t for t in TARGETS if t.NAME != name)
 
 
 def of(value: Any) -> Target | None:
