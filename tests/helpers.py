@@ -3,11 +3,14 @@ and its training steps, and the manager options most tests start from."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import subprocess
 import threading
 from collections import Counter
 
+import pytest
 import torch
 from xla_stack import torch_xla
 
@@ -135,3 +138,42 @@ class Paths(Counter):
     def restore(self, *args, **kwargs):
         """`xtc.restore` told to this listener."""
         return xtc.restore(*args, options=xtc.RestoreOptions(listeners=(self,)), **kwargs)
+
+
+# ------------------------------------------------------------------------------------- real file-system faults
+
+
+@contextlib.contextmanager
+def small_file_system(path, size: str = "32m"):
+    """A file system of its own (tmpfs, `size`) mounted at `path` for the block: a full disk is then real
+    (`fill_file_system`). Mounting needs root, as on the test machines and in CI."""
+    os.makedirs(path, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True,
+                   capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+def fill_file_system(directory, leave: int = 4096) -> str:
+    """Fill the file system of `directory` but for `leave` bytes (ENOSPC for writes past them); the filling
+    file's path: delete it to make room again."""
+    ballast = os.path.join(directory, "ballast")
+    st = os.statvfs(directory)
+    with open(ballast, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - leave)
+    return ballast
+
+
+@contextlib.contextmanager
+def undeletable(directory):
+    """Nothing in `directory` can be removed or added for the block, not even by root (the immutable flag of
+    ext4 and most Linux file systems: EPERM), while its files stay readable."""
+    subprocess.run(["chattr", "+i", str(directory)], check=True, capture_output=True)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)

@@ -6,10 +6,10 @@ again once there is room. Mounting needs root (as on the test machines and in CI
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
+from helpers import fill_file_system, small_file_system
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt.core import layout
@@ -19,25 +19,9 @@ STATE_BYTES = 1 << 20
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A 32 MiB file system of its own at tmp_path/fs; unmounted afterwards."""
-    path = tmp_path / "fs"
-    path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(path)], check=True, capture_output=True)
-    try:
+    """A 32 MiB file system of its own at tmp_path/fs."""
+    with small_file_system(tmp_path / "fs") as path:
         yield path
-    finally:
-        subprocess.run(["umount", "--lazy", str(path)], check=True)
-
-
-def fill(fs, leave: int = 4096) -> str:
-    """Fill `fs` but for `leave` bytes; the filling file's path (delete it to make room again)."""
-    ballast = os.path.join(fs, "ballast")
-    st = os.statvfs(fs)
-    with open(ballast, "wb") as f:
-        os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - leave)
-    return ballast
 
 
 def state(step: int) -> dict:
@@ -60,7 +44,7 @@ def test_a_save_into_a_full_file_system_fails_naming_the_step_and_keeps_the_comm
     with xtc.CheckpointManager(root, manager_options(async_save=async_save)) as mgr:
         mgr.save(1, extra=state(1))
         mgr.wait_until_finished()
-        ballast = fill(small_fs)
+        ballast = fill_file_system(small_fs)
         with pytest.raises(xtc.CheckpointError) as err:
             mgr.save(2, extra=state(2))
             mgr.wait_until_finished()
@@ -84,7 +68,7 @@ def test_a_full_file_system_never_replaces_an_item_and_leaves_no_temporary_copy(
     path = small_fs / "item"
     xtc.save(path, state(1))
     before = sorted(os.listdir(small_fs))
-    ballast = fill(small_fs)
+    ballast = fill_file_system(small_fs)
     with pytest.raises(xtc.CheckpointError) as err:
         xtc.save(path, state(2), overwrite=True)
     assert str(path) in str(err.value), err.value
