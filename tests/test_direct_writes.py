@@ -14,11 +14,11 @@ import subprocess
 import pytest
 import tensorstore as ts
 import torch
+from helpers import small_file_system
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt.arrays import direct_ocdbt
 from xla_tensorstore_ckpt.arrays.direct_ocdbt import DirectStore
-from xla_tensorstore_ckpt.saves import writing
 
 THROUGH_TENSORSTORE = xtc.SaveOptions(direct_io=False)
 
@@ -150,21 +150,16 @@ def _open_files() -> set[str]:
     return names
 
 
-def test_an_error_in_a_lane_fails_the_save_closes_its_files_and_commits_nothing(tmp_path, monkeypatch):
-    real = writing.arrays.encode_chunk
-
-    def failing(value, chunk_shape, zstd_level):
-        if value.size == 3 << 20:
-            raise MemoryError("no memory left to pad the chunk")
-        return real(value, chunk_shape, zstd_level)
-
-    monkeypatch.setattr(writing.arrays, "encode_chunk", failing)
+def test_an_error_in_a_lane_fails_the_save_closes_its_files_and_commits_nothing(tmp_path):
+    """The disk fills up under a lane's writes (a real ENOSPC, on a file system of its own)."""
     before = _open_files()
-    with pytest.raises(xtc.StorageError, match=r"cannot encode large/c/0: no memory left"):
-        xtc.save(tmp_path / "ck", _state(), options=xtc.SaveOptions(host_batch_bytes=1 << 10))
-    assert not [f for f in _open_files() - before if str(tmp_path) in f]
-    with pytest.raises(xtc.CheckpointError):
-        xtc.restore(tmp_path / "ck")
+    with small_file_system(tmp_path / "fs", "8m") as fs:
+        with pytest.raises(xtc.StorageError, match=r"No space left on device"):
+            xtc.save(fs / "ck", _state(), options=xtc.SaveOptions(host_batch_bytes=1 << 10))
+        assert not [f for f in _open_files() - before if str(tmp_path) in f]
+        with pytest.raises(xtc.CheckpointError):
+            xtc.restore(fs / "ck")
+        assert os.listdir(fs) == []  # the failed save's temporary directory is gone too
 
 
 @pytest.fixture(params=[4 << 20, (4 << 20) + 100], ids=["aligned", "unaligned"])

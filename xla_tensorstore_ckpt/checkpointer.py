@@ -9,11 +9,13 @@ each writes the chunks it is assigned and the primary writes ``_METADATA`` once 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from . import formats, storage
 from .core import events, tree
+from .core.errors import CheckpointError
 from .core.events import Emitter
 from .core.records import ItemManifest
 from .formats import checksums
@@ -23,6 +25,8 @@ from .restores.restoring import KeyMap, PathLike, read_item
 from .saves import commit
 from .saves.save_plan import plan_save
 from .saves.writing import prepare_directory, stage_and_write
+
+log = logging.getLogger("xla_tensorstore_ckpt")
 
 
 def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOptions | None = None,
@@ -40,7 +44,8 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOp
     `CorruptCheckpointError` if storage fails and `CoordinationError` if another process fails (then no
     ``_METADATA`` is written; `CoordinationTimeoutError`, naming the phase and the processes that did not
     arrive, past `options.coordination_timeout_s`). With `overwrite`, the new item is written beside the old
-    one and replaces it once committed: a failed save leaves the old item as it was.
+    one and replaces it once committed: a failed save leaves the old item as it was. A failed save deletes
+    what it wrote (a path that was empty is empty again).
     """
     options = options or SaveOptions()
     coordinator = coordinator or default_coordinator()
@@ -74,9 +79,20 @@ def _save(loc: storage.Location, state: Any, overwrite: bool, options: SaveOptio
                          details={"total_seconds": time.perf_counter() - begun,
                                   "agreements": coordinator.take_costs()})
     except BaseException:
-        if temporary is not None and coordinator.is_primary:
-            target.delete_tree()  # the replacement that failed; the old item is untouched
+        if coordinator.is_primary:  # every process is past its writes: the failure was agreed
+            # The replacement that failed (the old item is untouched), or what the failed save wrote into a
+            # path that was empty: a full disk gets its room back and a retry finds the path as it was.
+            _discard(target, loc)
         raise
+
+
+def _discard(written: storage.Location, loc: storage.Location) -> None:
+    """Delete `written`, the directory a failed save of `loc` wrote; a failure to delete is logged, never
+    raised over the save's own error."""
+    try:
+        written.delete_tree()
+    except CheckpointError as exc:
+        log.warning("could not delete %s, written by a failed save of %s: %s", written, loc, exc)
 
 
 def restore(path: PathLike, target: Any = None, *, strict: bool = True, key_map: KeyMap | None = None,
