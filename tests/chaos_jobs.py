@@ -92,10 +92,13 @@ class Job:
             message = self.zygote.next(0.5)  # a bounded wait only to look at the stalled process again
             if message is not None and "exit" in message and message["exit"] in self.pids:
                 codes[message["exit"]] = message["code"]
-        for pid in self.pids:
-            if pid not in codes:
-                os.kill(pid, signal.SIGKILL)
-                os.kill(pid, signal.SIGCONT)
+        hung = [(pid, out) for pid, out in zip(self.pids, self.outs) if pid not in codes]
+        for pid, _ in hung:  # every thread's stack into the process's stderr file, for the report
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGUSR1)
+        for pid, out in hung:
+            _wait_for_stacks(out + ".err")
+            os.kill(pid, signal.SIGKILL)
         return [codes.get(pid) for pid in self.pids]
 
     def kill(self) -> None:
@@ -113,6 +116,17 @@ class Job:
             with open(path) as f:
                 out.append([json.loads(x) for x in f if x.startswith("{")])
         return out
+
+
+def _wait_for_stacks(path: str, seconds: float = 10.0) -> None:
+    """Until a hung process's stack dump (faulthandler) has stopped growing in `path`, at most `seconds`."""
+    end, size = time.monotonic() + seconds, -1
+    while time.monotonic() < end:
+        now = os.path.getsize(path)
+        if now == size and "most recent call first" in open(path, errors="replace").read():
+            return
+        size = now
+        time.sleep(0.2)
 
 
 class XlaJob:

@@ -19,6 +19,7 @@ turns one of them into the fault: SIGKILL of this process or of the whole job, o
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -149,6 +150,7 @@ def report(event) -> None:
 
 def run(plan: dict) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for every stack on a hang
     with open(os.path.join(plan["pids"], str(rank)), "w") as f:
         f.write(str(os.getpid()))
     full = plan.get("fsize") if plan.get("fsize") and plan["fsize"]["rank"] == rank else None
