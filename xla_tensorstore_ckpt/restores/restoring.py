@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import arrays, formats, storage, targets
+from .. import arrays, formats, incremental, storage, targets
 from ..arrays.local_reads import COUNTS as LOCAL_READS
 from ..core import dtypes, host_memory, layout, tree
 from ..core.errors import (
@@ -99,7 +99,7 @@ def read_item(path: PathLike, target: Any = None, *, strict: bool = True, option
                 saved = renamed(saved, {}, dict(tree.flatten(target)), loc)
             wanted = ({p: None for p in saved} if target is None
                       else _match(loc, saved, dict(tree.flatten(target)), strict))
-            reader = arrays.reader(loc, manifest.store)
+            reader = incremental.reader(loc, manifest.store)
             amplification = read_jobs.max_amplification(reader.fetches_once, loc.capabilities.cheap_refetch)
             jobs = read_jobs.jobs(saved, wanted, amplification)
         except Exception as exc:
