@@ -5,9 +5,9 @@ Reading: `reader(item, store)` picks, once per item and operation, the `ArrayRea
 arrays and what its storage can do (an incremental step's item, whose arrays reference other steps, is read through
 `incremental.reader`, which builds on this one): byte ranges of files for Hugging Face tensors (`byte_ranges`), the
 pieces of DCP tensors (`pieces`, at the records `torch_zip` locates), chunk files read straight from local disk for
-this library's checksummed arrays (`local_chunks`), tensorstore for every other zarr array, on any backend
-(`tensorstore_io`). Callers see only the protocol: `reader.open(meta)` gives an `Opening`, its result a
-`StoredArray` that reads regions.
+this library's checksummed arrays (`local_chunks`, at the byte ranges `chunk_files` locates), tensorstore for every
+other zarr array, on any backend (`tensorstore_io`). Callers see only the protocol: `reader.open(meta)` gives an
+`Opening`, its result a `StoredArray` that reads regions.
 
 Writing (saves, conversions): `create`, `write`, `commit` and `new_transaction` start tensorstore operations and
 return `Pending` futures; `wait_all` and `drain` wait for them; on local disk, `DirectStore` writes a process's
