@@ -8,7 +8,7 @@ same answer (`replica_plans`): for each stored chunk anyone needs, the box of it
 reader, and batches of arrays in which the processes read, exchange and build in step. One reduction of the
 plan's digest proves every process derived the same plan.
 
-Reading (`Exchange`, driven by `restoring.read_arrays`): a process reads from storage the chunks it is the
+Reading (`Exchange`, driven by `read_batches.read_arrays`): a process reads from storage the chunks it is the
 reader of (a region of its own at once where every part anyone needs of its chunks lies within it, else each
 chunk's box), checksums verified as they are read. Then, batch by batch, every process learns whether every
 read succeeded (a reader's damaged chunk raises the same error class on every process, naming that process
