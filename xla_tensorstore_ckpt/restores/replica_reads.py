@@ -31,7 +31,8 @@ from .. import arrays, storage
 from ..core import dtypes, errors, grid, layout, tree
 from ..core.errors import CheckpointError, CoordinationError
 from ..core.tensor_layout import Index
-from ..multihost.distributed import Coordinator, copy_into
+from ..multihost.distributed import Coordinator
+from ..multihost.messages import copy_into
 from . import replica_plans
 from .read_jobs import ReadJob
 from .replica_plans import ArrayPlan
