@@ -6,14 +6,14 @@ arrays and what its storage can do (an incremental step's item, whose arrays ref
 `incremental.reader`, which builds on this one): byte ranges of files for Hugging Face tensors (`byte_ranges`), the
 pieces of DCP tensors (`pieces`, at the records `torch_zip` locates), chunk files read straight from local disk for
 this library's checksummed arrays (`local_chunks`, at the byte ranges `chunk_files` locates), tensorstore for every
-other zarr array, on any backend (`tensorstore_io`). Callers see only the protocol: `reader.open(meta)` gives an
+other zarr array, on any backend (`tensorstore_reads`). Callers see only the protocol: `reader.open(meta)` gives an
 `Opening`, its result a `StoredArray` that reads regions.
 
 Writing (saves, conversions): `create`, `write`, `commit` and `new_transaction` start tensorstore operations and
-return `Pending` futures; `wait_all` and `drain` wait for them; on local disk, `DirectStore` writes a process's
-OCDBT store itself, around the page cache (`direct_ocdbt`, values from `encode_chunk`); `merge_ocdbt` merges the
-per-process OCDBT stores of an item (`ocdbt`). Errors are `CorruptCheckpointError` (damaged or missing data) or
-`StorageError`, naming the array.
+return `Pending` futures (`tensorstore_io`); `wait_all` and `drain` wait for them; on local disk, `DirectStore`
+writes a process's OCDBT store itself, around the page cache (`direct_ocdbt`, values from `encode_chunk`);
+`merge_ocdbt` merges the per-process OCDBT stores of an item (`ocdbt`). Errors are `CorruptCheckpointError` (damaged
+or missing data) or `StorageError`, naming the array.
 """
 
 from __future__ import annotations
@@ -29,16 +29,8 @@ from .byte_ranges import ByteRangeReader
 from .direct_ocdbt import DirectStore, encode_chunk
 from .ocdbt import OCDBT_DATA_FILE_BYTES, OCDBT_LANES, merge_ocdbt
 from .pieces import PiecesReader
-from .tensorstore_io import (
-    ArrayRef,
-    Pending,
-    TensorstoreReader,
-    commit,
-    create,
-    new_transaction,
-    write,
-    zarr_metadata,
-)
+from .tensorstore_io import ArrayRef, Pending, commit, create, new_transaction, write, zarr_metadata
+from .tensorstore_reads import TensorstoreReader
 
 __all__ = ["OCDBT_DATA_FILE_BYTES", "OCDBT_LANES", "ArrayReader", "ArrayRef", "DirectStore", "Empty", "Index",
            "Opening", "Pending", "PendingRead", "Ready", "StoredArray", "TensorstoreReader", "commit", "create",

@@ -41,7 +41,7 @@ from .base import ArrayReader, ByteCounter, Empty, Index, Opening, Picked, Ready
 from .chunk_files import ChunkReads, ChunkSource, OpenFiles
 from .local_reads import COUNTS
 from .ocdbt import StoredValue, ocdbt_index
-from .tensorstore_io import TensorstoreReader
+from .tensorstore_reads import TensorstoreReader
 
 # Smaller chunks are read at once on the restoring thread. Each chunk costs some microseconds of Python: on worker
 # threads, thousands of small ones held the GIL against the restoring thread's own work and slowed it 4-7x (2,000
