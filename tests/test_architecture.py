@@ -209,7 +209,20 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     assert cycles(folder_graph(imports(pkg))) == []
 
 
-@pytest.mark.parametrize("name", ["checkpoint_manager", "arrays", "formats", "restores", "multihost"])
-def test_every_folder_says_what_it_owns(name):
-    doc = ast.get_docstring(ast.parse((ROOT / name / "__init__.py").read_text()))
-    assert doc and len(doc) > 80, f"{name}/__init__.py: its docstring says what the folder owns"
+# Folders whose `__init__` docstring does not yet name every module (issue 60, left): checked for a docstring only.
+UNNAMED_MODULES_ALLOWED = {"storage", "dcp_storage", "integrations", "views"}
+
+
+@pytest.mark.parametrize("package", sorted(
+    str(p.parent.relative_to(ROOT)) for p in ROOT.rglob("__init__.py") if p.parent != ROOT))
+def test_every_folder_says_what_it_owns(package):
+    """Each folder's `__init__` docstring says what it owns, naming each of its modules and subfolders."""
+    folder_path = ROOT / package
+    doc = ast.get_docstring(ast.parse((folder_path / "__init__.py").read_text())) or ""
+    assert len(doc) > 80, f"{package}/__init__.py: its docstring says what the folder owns"
+    if package in UNNAMED_MODULES_ALLOWED:
+        return
+    parts = [p.stem for p in folder_path.glob("*.py") if p.stem != "__init__"]
+    parts += [p.name for p in folder_path.iterdir() if (p / "__init__.py").exists()]
+    unnamed = sorted(m for m in parts if f"`{m}" not in doc)
+    assert not unnamed, f"{package}/__init__.py does not name its modules {unnamed}"

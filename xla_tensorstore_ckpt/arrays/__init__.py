@@ -12,8 +12,10 @@ other zarr array, on any backend (`tensorstore_reads`). Callers see only the pro
 Writing (saves, conversions): `create`, `write`, `commit` and `new_transaction` start tensorstore operations and
 return `Pending` futures (`tensorstore_io`); `wait_all` and `drain` wait for them; on local disk, `DirectStore`
 writes a process's OCDBT store itself, around the page cache (`direct_ocdbt`, values from `encode_chunk`);
-`merge_ocdbt` merges the per-process OCDBT stores of an item (`ocdbt`). Errors are `CorruptCheckpointError` (damaged
-or missing data) or `StorageError`, naming the array.
+`merge_ocdbt` merges the per-process OCDBT stores of an item (`ocdbt`); Orbax's zstd codec (`zstd`); the content
+hash an incremental save compares chunks by (`chunk_hashes`). Local files are read with positioned reads around a
+cold page cache (`local_reads`), which asks the kernel whether the page cache holds their bytes (`page_cache`).
+Errors are `CorruptCheckpointError` (damaged or missing data) or `StorageError`, naming the array.
 """
 
 from __future__ import annotations
