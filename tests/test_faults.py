@@ -374,7 +374,7 @@ def test_no_pickle_eval_or_exec_in_the_package():
             offenders += [f"{name}: {m.group(0)}" for m in re.finditer(pattern, source, re.M)]
     # The one exception: the restricted unpicklers that read the pickles other tools write (DCP's metadata,
     # torch.save blobs) and run nothing (tests/test_dcp_import.py); our format holds no pickle.
-    assert offenders == ["formats/torch_pickle.py: import pickle"]
+    assert offenders == ["core/torch_pickle.py: import pickle"]
 
 
 def test_soak_short(tmp_path):

@@ -13,7 +13,7 @@ from memory_maps import vm_flags
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import CorruptCheckpointError, StorageError
-from xla_tensorstore_ckpt.arrays import local_reads
+from xla_tensorstore_ckpt.arrays import local_reads, page_cache
 from xla_tensorstore_ckpt.core import tunables
 
 
@@ -44,7 +44,7 @@ def _direct_supported(path):
 def _cachestat_counts(path):
     fd = os.open(path, os.O_RDONLY)
     try:
-        return local_reads.cached_pages(fd, 0, 4096) is not None
+        return page_cache.cached_pages(fd, 0, 4096) is not None
     finally:
         os.close(fd)
 
@@ -73,7 +73,7 @@ def small_windows():
 @pytest.mark.parametrize("cache", ["cold", "warm"])
 def test_runs_read_the_same_bytes_cold_or_warm(tmp_path, monkeypatch, small_windows, cache, probe):
     if probe == "nowait-read":  # kernels before 6.5 (no cachestat)
-        monkeypatch.setattr(local_reads, "_cachestat", None)
+        monkeypatch.setattr(page_cache, "_cachestat", None)
     path, data = _file(tmp_path)
     if cache == "cold":
         _evict(path)
@@ -140,7 +140,7 @@ def test_a_file_cachestat_refuses_is_probed_and_cachestat_still_asked_for_the_ne
     another user): that read asks the old way, the next file is counted again."""
     path, data = _file(tmp_path)
     calls, probes = [], []
-    monkeypatch.setattr(local_reads, "_cachestat", _failing_cachestat(errno.EPERM, calls))
+    monkeypatch.setattr(page_cache, "_cachestat", _failing_cachestat(errno.EPERM, calls))
     real_preadv = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, at, *flags: probes.append(flags) or real_preadv(
         fd, bufs, at, *flags))
@@ -150,18 +150,18 @@ def test_a_file_cachestat_refuses_is_probed_and_cachestat_still_asked_for_the_ne
         assert bytes(out) == data[7:5007]
     assert len(calls) == 2  # asked each time: the refusal was for that file
     assert probes.count((os.RWF_NOWAIT,)) == 2
-    assert local_reads._cachestat is not None
+    assert page_cache._cachestat is not None
 
 
 def test_a_kernel_without_cachestat_is_not_asked_again(tmp_path, monkeypatch):
     path, data = _file(tmp_path)
     calls = []
-    monkeypatch.setattr(local_reads, "_cachestat", _failing_cachestat(errno.ENOSYS, calls))
+    monkeypatch.setattr(page_cache, "_cachestat", _failing_cachestat(errno.ENOSYS, calls))
     for _ in range(2):
         out = bytearray(5000)
         local_reads.read_runs(path, [(7, memoryview(out))], "the test file")
         assert bytes(out) == data[7:5007]
-    assert len(calls) == 1 and local_reads._cachestat is None
+    assert len(calls) == 1 and page_cache._cachestat is None
 
 
 def test_a_file_system_that_hides_its_cache_from_cachestat_is_probed(tmp_path, monkeypatch):
@@ -169,8 +169,8 @@ def test_a_file_system_that_hides_its_cache_from_cachestat_is_probed(tmp_path, m
     none of a warm file): such file systems are asked the old way."""
     path, data = _file(tmp_path)
     calls = []
-    monkeypatch.setattr(local_reads, "_cachestat", _failing_cachestat(errno.EPERM, calls))
-    monkeypatch.setattr(local_reads, "_unseen_by_device", {os.stat(path).st_dev: True})
+    monkeypatch.setattr(page_cache, "_cachestat", _failing_cachestat(errno.EPERM, calls))
+    monkeypatch.setattr(page_cache, "_unseen_by_device", {os.stat(path).st_dev: True})
     out = bytearray(5000)
     local_reads.read_runs(path, [(7, memoryview(out))], "the test file")
     assert bytes(out) == data[7:5007] and calls == []
@@ -178,14 +178,14 @@ def test_a_file_system_that_hides_its_cache_from_cachestat_is_probed(tmp_path, m
 
 def test_the_file_system_magic_is_read_from_fstatfs(tmp_path, monkeypatch):
     path, _ = _file(tmp_path)
-    monkeypatch.setattr(local_reads, "_unseen_by_device", {})
-    monkeypatch.setattr(local_reads, "_CACHE_UNSEEN_MAGIC", {_magic(path)})
+    monkeypatch.setattr(page_cache, "_unseen_by_device", {})
+    monkeypatch.setattr(page_cache, "_CACHE_UNSEEN_MAGIC", {_magic(path)})
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert local_reads._cache_unseen(fd)
-        monkeypatch.setattr(local_reads, "_unseen_by_device", {})
-        monkeypatch.setattr(local_reads, "_CACHE_UNSEEN_MAGIC", {0x794C7630})
-        assert local_reads._cache_unseen(fd) == (_magic(path) == 0x794C7630)
+        assert page_cache._cache_unseen(fd)
+        monkeypatch.setattr(page_cache, "_unseen_by_device", {})
+        monkeypatch.setattr(page_cache, "_CACHE_UNSEEN_MAGIC", {0x794C7630})
+        assert page_cache._cache_unseen(fd) == (_magic(path) == 0x794C7630)
     finally:
         os.close(fd)
 

@@ -121,6 +121,6 @@ def test_a_file_that_cannot_be_written_is_given_up_and_every_round_still_receive
     coordinator = _Exchanges(fail=False)
     crcs, error = peer_copies.transfer(coordinator, [transfer], {}, {0: str(tmp_path)}, "step 1")
     assert coordinator.started == coordinator.waited == list(range(10))  # 10 rounds of 100 bytes
-    assert crcs == {0: [peer_copies._DAMAGED, peer_copies._DAMAGED]}
+    assert crcs == {0: [peer_copies.file_transfer.DAMAGED, peer_copies.file_transfer.DAMAGED]}
     assert isinstance(error, xtc.StorageError)
     assert f"could not write {tmp_path / 'model' / 'data'} of step 1 received from process 0" in str(error)

@@ -57,14 +57,14 @@ def model_for(step: int | None, host: int) -> dict:
 
 def kill_before_committing_step(step: int) -> None:
     """Die (SIGKILL) when this process is about to commit a peer copy of `step` it received."""
-    commit = peer_copies._commit_dir
+    commit = peer_copies.on_disk.commit_dir
 
     def dying(partial: str, final: str, manifest):
         if manifest is not None and manifest.step == step:
             os.kill(os.getpid(), signal.SIGKILL)
         return commit(partial, final, manifest)
 
-    peer_copies._commit_dir = dying
+    peer_copies.on_disk.commit_dir = dying
 
 
 def main() -> None:
@@ -72,8 +72,8 @@ def main() -> None:
         piece = int(os.environ["XTC_PIECE_BYTES"])
         tunables.overridden(peer_piece_bytes=piece, peer_round_bytes=4 * piece).__enter__()  # for the process
     if os.environ.get("XTC_UNREADABLE"):
-        readable = peer_copies._read_piece
-        peer_copies._read_piece = lambda path, start, out: (
+        readable = peer_copies.file_transfer._read_piece
+        peer_copies.file_transfer._read_piece = lambda path, start, out: (
             os.environ["XTC_UNREADABLE"] not in path and readable(path, start, out))
     mode, root, local_base = sys.argv[1], sys.argv[2], sys.argv[3]
     kill_host = int(sys.argv[4]) if len(sys.argv) > 4 else None
@@ -84,7 +84,7 @@ def main() -> None:
         def unlistable(directory, writer, step):
             raise PermissionError(13, "Permission denied", directory)
 
-        peer_copies.list_files = unlistable
+        peer_copies.on_disk.list_files = unlistable
     def fill_disk() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ["XTC_FSIZE"].split(":")[1]), resource.RLIM_INFINITY))
 
@@ -95,14 +95,14 @@ def main() -> None:
             fill_disk()
 
     if os.environ.get("XTC_FSIZE", "").startswith(f"{host}:") and full_from is not None:
-        moving = peer_copies.transfer
+        moving = peer_copies.file_transfer.transfer
 
         def filling(coordinator, transfers, source_dirs, target_dirs, what):
             if what == f"step {full_from}":  # the replication of that step starts moving files
                 fill_disk()
             return moving(coordinator, transfers, source_dirs, target_dirs, what)
 
-        peer_copies.transfer = filling
+        peer_copies.file_transfer.transfer = filling
 
     def listen(event) -> None:
         events.append({"kind": event.kind, "tier": event.tier, "step": event.step, "nbytes": event.nbytes,

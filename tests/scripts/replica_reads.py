@@ -22,7 +22,7 @@ import sys
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays
+from xla_tensorstore_ckpt import arrays, incremental
 from xla_tensorstore_ckpt.core import events
 
 WORLD = 4
@@ -113,7 +113,7 @@ def restore(path: str, rank: int, mode: str) -> dict:
 
 
 def die_on_first_read() -> None:
-    real = arrays.reader
+    real = incremental.reader
 
     def dying(item, store, context=None):
         reader = real(item, store, context)
@@ -134,7 +134,7 @@ def die_on_first_read() -> None:
         reader.open = open_
         return reader
 
-    sys.modules["xla_tensorstore_ckpt.restores.restoring"].arrays.reader = dying
+    sys.modules["xla_tensorstore_ckpt.restores.restoring"].incremental.reader = dying
 
 
 def main() -> None:

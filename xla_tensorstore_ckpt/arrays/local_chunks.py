@@ -3,12 +3,12 @@
 A chunk of ours is its elements in C order, little-endian, followed by their CRC32C (the ``bytes`` and ``crc32c``
 codecs), in a file of its own or at a byte range of an OCDBT data file (`ocdbt.ocdbt_index` says where). A
 compressed one (``bytes``, ``zstd``, ``crc32c``: `SaveOptions.compression`, Orbax's chain) is one zstd frame then
-the frame's CRC32C: it is read whole, checked, and decompressed straight into the destination where the chunk is
-one contiguous block of it, else into a buffer of its own and copied out (`LocalChunkArray._read_compressed`). A read
-of some regions of an array reads each chunk they touch once, however many regions share it, with positioned
-reads (`local_reads`: around the page cache where it does not hold the chunk): straight into the destination
-where the chunk is one contiguous block of it (a restore onto the sharding it was saved with), else in pieces of
-at most ``chunk_piece_bytes`` (`tunables`), each read into the reading thread's window
+the frame's CRC32C: it is read whole, checked, and decompressed straight into the destination where the chunk is one
+contiguous block of it, else into a buffer of its own and copied out (`LocalChunkArray._read_compressed`). A read of
+some regions of an array reads each chunk they touch once, however many regions share it, with positioned reads
+(`chunk_files`, over `local_reads`: around the page cache where it does not hold the chunk): straight into the
+destination where the chunk is one contiguous block of it (a restore onto the sharding it was saved with), else in
+pieces of at most ``chunk_piece_bytes`` (`tunables`), each read into the reading thread's window
 (`local_reads.read_window`) and copied out of it once, to each region that needs it. The checksum is computed with
 the processor's CRC32C instruction (the `crc32c` package) as the pieces pass, and a chunk that fails it, is missing
 or has the wrong size is an error naming the array and the chunk.
@@ -22,16 +22,12 @@ tensorstore: `covers` and `LocalChunkReader.open` say which. No tensorstore is u
 
 from __future__ import annotations
 
-import errno
 import itertools
 import math
 import os
-import stat
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import crc32c
 import numpy as np
@@ -42,9 +38,10 @@ from ..core.errors import CorruptCheckpointError, StorageError
 from ..core.records import ArrayMetadata, ArrayStore
 from . import zstd
 from .base import ArrayReader, ByteCounter, Empty, Index, Opening, Picked, Ready, index_box
-from .local_reads import COUNTS, open_for_runs, read_runs, read_window
+from .chunk_files import ChunkReads, ChunkSource, OpenFiles
+from .local_reads import COUNTS
 from .ocdbt import StoredValue, ocdbt_index
-from .tensorstore_io import TensorstoreReader
+from .tensorstore_reads import TensorstoreReader
 
 # Smaller chunks are read at once on the restoring thread. Each chunk costs some microseconds of Python: on worker
 # threads, thousands of small ones held the GIL against the restoring thread's own work and slowed it 4-7x (2,000
@@ -75,7 +72,7 @@ class LocalChunkReader(ArrayReader):
         self.store = store
         self._tensorstore = tensorstore
         self._index: dict[str, StoredValue] | None = None
-        self._files = _OpenFiles()
+        self._files = OpenFiles()
         self._fetched = ByteCounter()
         self._fell_back = False  # an array read by tensorstore instead
         weakref.finalize(self, self._files.close)
@@ -113,7 +110,7 @@ class LocalChunkReader(ArrayReader):
             return self._tensorstore.open(meta)
         return Ready(LocalChunkArray(where, meta, locate, compressed=kind == "zstd"))
 
-    def _chunk_file(self, array: LocalChunkArray, key: str) -> _Source | None:
+    def _chunk_file(self, array: LocalChunkArray, key: str) -> ChunkSource | None:
         """A chunk of an array stored in a directory: a file of its own, holding exactly the chunk."""
         path = array.location.local_file(key)
         if path is None:
@@ -125,40 +122,21 @@ class LocalChunkReader(ArrayReader):
             except FileNotFoundError:
                 return None
         self._fetched.add(length)  # a chunk is located to be read, whole, once
-        return _Source(path, 0, length, whole_file=True)
+        return ChunkSource(path, 0, length, whole_file=True)
 
-    def _ocdbt_chunk(self, array: LocalChunkArray, key: str) -> _Source | None:
+    def _ocdbt_chunk(self, array: LocalChunkArray, key: str) -> ChunkSource | None:
         """A chunk of an array in the OCDBT store: inline in its B-tree, or a byte range of a data file."""
         assert self._index is not None  # built when the array was opened
         value = self._index.get(f"{array.meta.path}/{key}")
         if value is None:
             return None
         if value.inline is not None:
-            return _Source("", 0, len(value.inline), inline=value.inline)
+            return ChunkSource("", 0, len(value.inline), inline=value.inline)
         path = self.item.local_file(value.file)
         if path is None:
             return None
         self._fetched.add(value.length)  # a chunk is located to be read, whole, once
-        return _Source(path, value.offset, value.length, files=self._files)
-
-
-@dataclass(frozen=True)
-class _Source:
-    """Where one chunk's stored bytes are: `length` bytes at `offset` of the local file `file` (the whole file,
-    with `whole_file`), or `inline`."""
-
-    file: str
-    offset: int
-    length: int
-    whole_file: bool = False
-    inline: bytes | None = None
-    files: _OpenFiles | None = None  # keeps `file` open for the chunks after this one (a shared data file)
-
-    @property
-    def where(self) -> str:
-        if self.inline is not None:
-            return "inline in the array store"
-        return f"{self.file} at byte {self.offset}" if self.offset else self.file
+        return ChunkSource(path, value.offset, value.length, files=self._files)
 
 
 def _layout(raw: bytes | None, meta: ArrayMetadata) -> str | None:
@@ -204,7 +182,7 @@ class LocalChunkArray:
     reads_whole_chunks = True
 
     def __init__(self, location: storage.Location, meta: ArrayMetadata,
-                 locate: Callable[[LocalChunkArray, str], _Source | None], *, compressed: bool = False):
+                 locate: Callable[[LocalChunkArray, str], ChunkSource | None], *, compressed: bool = False):
         self.location = location
         self.meta = meta
         self.shape = meta.shape
@@ -259,7 +237,7 @@ class LocalChunkArray:
                 f"a chunk of {list(self.chunk_shape)} {self.dtype_name} ({source.where})")
         box = tuple((p * c, p * c + c) for p, c in zip(position, self.chunk_shape))
         try:
-            with _Reader(source, self, key) as reader:
+            with ChunkReads(source, self, key) as reader:
                 block = _contiguous_block(box, *targets[0]) if len(targets) == 1 else None
                 if block is not None:
                     stored = bytearray(_CHECKSUM_BYTES)
@@ -270,7 +248,7 @@ class LocalChunkArray:
             raise StorageError(f"cannot read chunk {key} of array {self.location} ({source.where}): {exc}") from exc
 
     def _read_compressed(self, key: str, position: tuple[int, ...], targets: list[tuple[Index, np.ndarray]],
-                         source: _Source) -> None:
+                         source: ChunkSource) -> None:
         """Read a compressed chunk whole (its frame and CRC32C), check it, and decompress it into the one target
         it is a contiguous block of, else into a buffer of its own, copied to each target."""
         if source.length <= _CHECKSUM_BYTES:
@@ -280,7 +258,7 @@ class LocalChunkArray:
         stored = bytearray(source.length)
         frame, checksum = memoryview(stored)[:-_CHECKSUM_BYTES], memoryview(stored)[-_CHECKSUM_BYTES:]
         try:
-            with _Reader(source, self, key) as reader:
+            with ChunkReads(source, self, key) as reader:
                 computed = reader.read_into([frame, checksum], 0, checksummed=1)
         except OSError as exc:
             raise StorageError(f"cannot read chunk {key} of array {self.location} ({source.where}): {exc}") from exc
@@ -302,8 +280,8 @@ class LocalChunkArray:
             out[tuple(slice(a - r[0], b - r[0]) for (a, b), r in zip(overlap, region))] = \
                 data[tuple(slice(a - o[0], b - o[0]) for (a, b), o in zip(overlap, box))]
 
-    def _from_pieces(self, key: str, box: Index, targets: list[tuple[Index, np.ndarray]], reader: _Reader,
-                     source: _Source) -> None:
+    def _from_pieces(self, key: str, box: Index, targets: list[tuple[Index, np.ndarray]], reader: ChunkReads,
+                     source: ChunkSource) -> None:
         """Read the chunk in pieces of whole rows (of its first dimension), each into this thread's read window
         (`local_reads.read_window`: no copy on the way), copy each piece's part of each target, and check the
         checksum over all of it."""
@@ -330,7 +308,7 @@ class LocalChunkArray:
         reader.read_into([stored], rows * row_bytes)
         self._check(key, checksum, stored, source)
 
-    def _check(self, key: str, checksum: int, stored: bytearray, source: _Source) -> None:
+    def _check(self, key: str, checksum: int, stored: bytearray, source: ChunkSource) -> None:
         expected = int.from_bytes(stored, "little")
         if checksum != expected:
             raise CorruptCheckpointError(f"array {self.location}: chunk {key} fails its CRC32C checksum "
@@ -376,99 +354,6 @@ class RegionRead:
         for future in self.futures:
             future.result()
         return self.out.view(self.dtype)
-
-
-class _Reader:
-    """Positioned reads of one chunk's stored bytes (a context manager holding the file open)."""
-
-    def __init__(self, source: _Source, array: LocalChunkArray, key: str):
-        self.source = source
-        self._what = f"array {array.location}: chunk {key}"
-        self._fd: int | None = None
-
-    def __enter__(self) -> _Reader:
-        source = self.source
-        if source.inline is not None:
-            return self
-        try:
-            self._fd, size = source.files.get(source.file) if source.files is not None else _open_sized(source.file)
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{self._what} is missing ({source.file})") from exc
-        if size != source.length if source.whole_file else size < source.offset + source.length:
-            self.__exit__()
-            raise CorruptCheckpointError(f"{self._what} should be {source.length} bytes at byte "
-                                         f"{source.offset} of {source.file}, which holds {size}")
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._fd is not None and self.source.files is None:
-            os.close(self._fd)
-            COUNTS.add(files_closed=1)
-        self._fd = None
-
-    def read_into(self, buffers: list, at: int, *, checksummed: int = 0) -> int:
-        """Fill `buffers` (writable buffers, in order) from `at` bytes into the chunk; return the CRC32C of the
-        first `checksummed` buffers' bytes (0 if none), computed as they are read."""
-        views = [memoryview(b).cast("B") for b in buffers]
-        if self.source.inline is not None:
-            checksum = 0
-            for i, view in enumerate(views):
-                view[:] = self.source.inline[at:at + len(view)]
-                at += len(view)
-                if i < checksummed:
-                    checksum = crc32c.crc32c(view, checksum)
-            return checksum
-        runs, position = [], self.source.offset + at
-        for view in views:
-            runs.append((position, view))
-            position += len(view)
-        return read_runs(self.source.file, runs, f"{self._what} ({self.source.where})", fd=self._fd,
-                         checksummed=checksummed)
-
-    def view(self, at: int, nbytes: int) -> memoryview:
-        """`nbytes` of the chunk from `at`, as a view valid until this thread's next read (`read_window`)."""
-        if self.source.inline is not None:
-            return memoryview(self.source.inline)[at:at + nbytes]
-        start = self.source.offset + at
-        return read_window(self._fd, start, start + nbytes, f"{self._what} ({self.source.where})")
-
-
-class _OpenFiles:
-    """The data files one restore has open, with their sizes; shared by its reading threads."""
-
-    def __init__(self) -> None:
-        self._open: dict[str, tuple[int, int]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, path: str) -> tuple[int, int]:
-        """The descriptor and size of `path`, opened the first time. Raises OSError."""
-        found = self._open.get(path)
-        if found is not None:
-            return found
-        with self._lock:
-            if path not in self._open:
-                self._open[path] = _open_sized(path)
-            return self._open[path]
-
-    def close(self) -> None:
-        with self._lock:
-            for fd, _ in self._open.values():
-                os.close(fd)
-            COUNTS.add(files_closed=len(self._open))
-            self._open.clear()
-
-
-def _open_sized(path: str) -> tuple[int, int]:
-    """A read-only descriptor of the regular file `path` and its size. Raises OSError (also for a FIFO or a
-    device, which a read would block on or never finish)."""
-    fd = open_for_runs(path, os.O_NONBLOCK)
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, f"{path} is not a regular file")
-    os.set_blocking(fd, True)
-    COUNTS.add(files_opened=1)
-    return fd, info.st_size
 
 
 def _contiguous_block(box: Index, region: Index, out: np.ndarray) -> memoryview | None:

@@ -1,19 +1,18 @@
 """Positioned reads of a local file into many buffers: through the page cache where it holds the bytes,
 around it (``O_DIRECT``) where it does not.
 
-A cold restore through the page cache fills it with bytes it never reads again, and on a VM that hands fresh
-memory to its hypervisor and back, filling it is most of the cost: a buffered cold read of a 2.48 GB file into
-fresh memory took 5.8-6.6 s here, a direct one 2.2-2.4 s. Direct reads need aligned offsets, lengths and
-buffers, and a tensor's bytes lie anywhere in a file, so they go through one aligned window per thread and are
-copied out. Whether the bytes are cached is asked of the kernel (``cachestat``): warm ones are read buffered.
-File systems without ``O_DIRECT`` (tmpfs) are read buffered. Used by the readers of DCP pieces, safetensors
-regions and this library's chunks (`local_chunks`); no torch, no tensorstore.
+A cold restore through the page cache fills it with bytes it never reads again, and on a VM that hands fresh memory
+to its hypervisor and back, filling it is most of the cost: a buffered cold read of a 2.48 GB file into fresh memory
+took 5.8-6.6 s here, a direct one 2.2-2.4 s. Direct reads need aligned offsets, lengths and buffers, and a tensor's
+bytes lie anywhere in a file, so they go through one aligned window per thread and are copied out. Whether the bytes
+are cached is asked of the kernel (``cachestat``, `page_cache`): warm ones are read buffered. File systems without
+``O_DIRECT`` (tmpfs) are read buffered. Used by the readers of DCP pieces, safetensors regions and this library's
+chunks (`local_chunks`); no torch, no tensorstore.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import math
 import mmap
@@ -27,6 +26,7 @@ import numpy as np
 from ..core import tunables
 from ..core.errors import CorruptCheckpointError, StorageError
 from ..storage.local import is_regular
+from . import page_cache
 from .base import PathCounts
 
 ALIGN = 4096  # a multiple of every logical block size O_DIRECT asks for
@@ -233,81 +233,14 @@ def open_for_runs(path: str, flags: int = 0) -> int:
 
 def _cached(fd: int, start: int, stop: int) -> bool:
     """Whether the page cache holds most of the file's bytes from `start` to `stop`: counted with ``cachestat``
-    (`cached_pages`), which reads nothing; where it cannot count, a ``RWF_NOWAIT`` read of one byte in the
+    (`page_cache.cached_pages`), which reads nothing; where it cannot count, a ``RWF_NOWAIT`` read of one byte in the
     middle (which fails rather than wait for the disk, but makes the kernel read that page: a restore that reads
     the same bytes again then finds it cached and reads them buffered). Not the first or last page alone: the
     reads next to these bytes may have cached them (a chunk's checksum and the next chunk's first bytes share a
     page). Where the kernel cannot say, True: read through the page cache."""
-    cached = _probe(fd, start, stop)
+    cached = page_cache.probe(fd, start, stop)
     COUNTS.add(cache_probes=1, cached_probes=int(cached))
     return cached
-
-
-def _probe(fd: int, start: int, stop: int) -> bool:
-    pages = cached_pages(fd, start, stop)
-    if pages is not None:
-        return 2 * pages * mmap.PAGESIZE >= stop - start
-    probe = bytearray(1)
-    try:
-        os.preadv(fd, [probe], (start + stop) // 2, os.RWF_NOWAIT)
-    except BlockingIOError:
-        return False
-    except OSError:  # RWF_NOWAIT not supported here (overlayfs, for one)
-        return True
-    return True
-
-
-def cached_pages(fd: int, start: int, stop: int) -> int | None:
-    """How many pages of the file's bytes from `start` to `stop` the page cache holds (``cachestat``), or None
-    where the kernel cannot count them: no ``cachestat`` (Linux before 6.5: asked no more), a file it refuses
-    (``EPERM`` for one this process could not write, on kernels since 2025), or a file system whose cache it
-    does not see (overlayfs keeps the pages under the file beneath, ZFS in a cache of its own)."""
-    call = _cachestat  # once: another thread may give it up meanwhile
-    if call is None or stop <= start or _cache_unseen(fd):
-        return None
-    span, counts = _CachestatRange(start, stop - start), _Cachestat()
-    if call(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(counts), 0) == 0:
-        return counts.nr_cache
-    if ctypes.get_errno() == errno.ENOSYS:
-        _give_up_cachestat()
-    return None
-
-
-def _give_up_cachestat() -> None:
-    global _cachestat
-    _cachestat = None
-
-
-def _cache_unseen(fd: int) -> bool:
-    """Whether `fd`'s file system keeps its cached pages where ``cachestat`` does not look; asked once per
-    device."""
-    device = os.fstat(fd).st_dev
-    unseen = _unseen_by_device.get(device)
-    if unseen is None:
-        info = ctypes.create_string_buffer(256)  # struct statfs, whose first field is the file system's magic
-        if _fstatfs is None or _fstatfs(fd, info) != 0:
-            unseen = False
-        else:
-            unseen = ctypes.c_long.from_buffer(info).value & 0xFFFFFFFF in _CACHE_UNSEEN_MAGIC
-        _unseen_by_device[device] = unseen
-    return unseen
-
-
-class _CachestatRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _Cachestat(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
-                                                     "nr_recently_evicted")]
-
-
-_CACHESTAT = 451  # the system call's number, the same on every architecture (added after the tables merged)
-_CACHE_UNSEEN_MAGIC = {0x794C7630, 0x2FC12FC1}  # overlayfs, ZFS
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_cachestat = getattr(_LIBC, "syscall", None)
-_fstatfs = getattr(_LIBC, "fstatfs", None)
-_unseen_by_device: dict[int, bool] = {}
 
 
 def _read_buffered(fd: int, runs: list[tuple[int, memoryview, bool]], where: str) -> int:

@@ -2,7 +2,7 @@
 of a DCP checkpoint, `records.PiecesArrayMetadata`): a region reads, from each piece it overlaps, the bytes of the
 overlap as raw bytes at the blob's storage record, never through ``torch.load``.
 
-Opening an array locates every piece's storage record (`formats.torch_zip.locate`: a few small reads per piece,
+Opening an array locates every piece's storage record (`torch_zip.locate`: a few small reads per piece,
 all pieces at once). A C-order piece of a local file is read once for all the regions of one `read` call that
 overlap it, a window of whole rows at a time, each region taking its box out of the window
 (`local_reads.read_boxes`; the rows' other columns are read too, a box of whole rows from a warm page cache
@@ -23,7 +23,7 @@ from .. import storage
 from ..core import dtypes
 from ..core.errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..core.records import ArrayMetadata, PiecesArrayMetadata
-from ..formats import torch_zip
+from . import torch_zip
 from .base import ArrayReader, ByteCounter, Empty, Index, Picked, index_box
 from .byte_ranges import requests_of, runs_between
 from .local_reads import read_boxes

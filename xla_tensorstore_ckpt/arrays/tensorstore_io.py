@@ -10,11 +10,11 @@ An item keeps its arrays either as one directory each or in one OCDBT key-value 
 does: each process writes its chunks into stores of its own (``ocdbt.process_<i>``, and ``ocdbt.process_<i>x<k>``
 for its other lanes), one transaction per batch, merged into the item's root store at the commit (`ocdbt`).
 
-Reading is `TensorstoreReader` (the `base.ArrayReader` for every zarr array; the picker in `arrays` chooses it
-where no faster reader applies). Functions start I/O and return at once with a `Pending` future; callers start
-many and then wait, so I/O runs concurrently on tensorstore's threads. Errors are translated to
-`CorruptCheckpointError` (checksum, missing data) or `StorageError` (the rest), with the array's location in the
-message.
+Reading is `tensorstore_reads.TensorstoreReader` (the `base.ArrayReader` for every zarr array; the picker in
+`arrays` chooses it where no faster reader applies), on the specs, futures and errors of this module. Functions
+start I/O and return at once with a `Pending` future; callers start many and then wait, so I/O runs concurrently on
+tensorstore's threads. Errors are translated to `CorruptCheckpointError` (checksum, missing data) or `StorageError`
+(the rest), with the array's location in the message.
 """
 
 from __future__ import annotations
@@ -27,13 +27,12 @@ import numpy as np
 import tensorstore as ts
 
 from .. import storage
-from ..core import bounds, dtypes, layout
-from ..core.errors import CheckpointError, CorruptCheckpointError, StorageError
-from ..core.records import ArrayMetadata, ArrayStore
-from ..storage import operation_context, without_spec
+from ..core import dtypes, layout
+from ..core.errors import CorruptCheckpointError, StorageError
+from ..core.records import ArrayStore
+from ..storage import without_spec
 from . import zstd
-from .base import ArrayReader, Empty, Index, Ready
-from .local_reads import COUNTS
+from .base import Index
 from .ocdbt import ocdbt_spec
 
 Region = tuple[slice, ...]
@@ -102,7 +101,7 @@ def _numpy_dtype(dtype_name: str) -> np.dtype:
     return dtypes.by_name(dtype_name).numpy
 
 
-def _error(action: str, loc: storage.Location, exc: Exception, *, writing: bool) -> Exception:
+def error(action: str, loc: storage.Location, exc: Exception, *, writing: bool) -> Exception:
     """A `CheckpointError` for a failed tensorstore operation: damaged or missing data found while reading is
     `CorruptCheckpointError`, anything else (and every failed write) `StorageError`. tensorstore's spec dump
     is cut from the message; the status, the file and the OS error stay."""
@@ -130,7 +129,7 @@ class Pending:
         try:
             result = self.future.result()
         except ValueError as exc:
-            raise _error(self.action, self.loc, exc, writing=self.writing) from exc
+            raise error(self.action, self.loc, exc, writing=self.writing) from exc
         return result if self.output is None else self.output
 
 
@@ -169,13 +168,13 @@ def write(store: ts.TensorStore, ref: ArrayRef, chunks: Sequence[tuple[Region, n
     if transaction is not None:
         view = store.with_transaction(transaction)
         return [Pending(view[region].write(data, can_reference_source_data_indefinitely=reference).copy,
-                        f"cannot write region {_format_region(region)} of array", loc, writing=True)
+                        f"cannot write region {format_region(region)} of array", loc, writing=True)
                 for region, data in chunks], []
     if not single_file:
-        shape = _chunk_shape(store)
+        shape = chunk_shape(store)
         keys = [layout.chunk_key(tuple(r.start // c for r, c in zip(region, shape))) for region, _ in chunks]
         pending = [Pending(store[region].write(data, can_reference_source_data_indefinitely=reference).commit,
-                           f"cannot write region {_format_region(region)} of array", loc, writing=True)
+                           f"cannot write region {format_region(region)} of array", loc, writing=True)
                    for region, data in chunks]
         if writeback:
             for key, item in zip(keys, pending):
@@ -184,7 +183,7 @@ def write(store: ts.TensorStore, ref: ArrayRef, chunks: Sequence[tuple[Region, n
     txn = ts.Transaction()
     view = store.with_transaction(txn)
     copies = [Pending(view[region].write(data, can_reference_source_data_indefinitely=reference).copy,
-                      f"cannot write region {_format_region(region)} of array", loc, writing=True)
+                      f"cannot write region {format_region(region)} of array", loc, writing=True)
               for region, data in chunks]
     commit = Pending(txn.commit_async(), "cannot write array", loc, writing=True)
     key = layout.chunk_key((0,) * store.rank)
@@ -222,184 +221,12 @@ def _submit(work) -> None:  # noqa: ANN001 - a callable of no arguments
         pass  # the interpreter is shutting down; the save's final sync decides durability anyway
 
 
-class TensorstoreReader(ArrayReader):
-    """Reads the zarr arrays (v3 or v2, in directories or an OCDBT store, on any backend) of one item through
-    tensorstore. A read decodes each chunk it touches whole; a chunk feeding several regions of one call is
-    fetched once per region (from the page cache or memory that is cheap; `ArrayReader.fetches_once` is
-    False)."""
-
-    def __init__(self, item: storage.Location, store: ArrayStore, context: ts.Context | None = None):
-        self.item, self.store = item, store
-        self._context = context
-        self._driver = item.kvstore_spec()["driver"]
-        self._bytes_read_at_start = _kvstore_bytes_read(self._driver)
-        self._checked_files = False  # the item's local files, for special files, before tensorstore opens one
-
-    @property
-    def context(self) -> ts.Context:
-        """The operation's tensorstore context, made on first use (`storage.operation_context`): making one takes
-        about 3 ms, and a restore that `local_chunks` reads whole never needs it."""
-        if self._context is None:
-            self._context = operation_context()
-        return self._context
-
-    def fetched_bytes(self) -> int | None:
-        """What tensorstore's key-value store of this item's backend read since this reader was made (its
-        ``bytes_read`` metric): the chunks, and an OCDBT store's B-tree nodes. The metric is the process's, so
-        reads of the same backend by other operations running meanwhile count too; None where the store keeps
-        no such metric (``memory://``)."""
-        now = _kvstore_bytes_read(self._driver)
-        return None if now is None else now - (self._bytes_read_at_start or 0)
-
-    def open(self, meta: ArrayMetadata) -> _Opening:
-        return self.open_name(meta.path)
-
-    def open_name(self, name: str) -> _Opening:
-        """Start opening the array stored under `name` (for readers of items whose manifest lacks the arrays'
-        metadata: Orbax's, opened to learn it).
-
-        The array's zarr metadata (``zarr.json``, or ``.zarray`` for zarr v2) is read and checked here, bounded
-        in size and depth, and handed to tensorstore as parsed JSON: tensorstore never parses a stored metadata
-        file itself (a deeply nested one crashed it). Reading a missing chunk is an error (or the fill value,
-        where the item's store says chunks equal to it were not stored)."""
-        ref = ArrayRef(self.item, name, self.store, self.context)
-        zarr3 = self.store.zarr_format == 3
-        metadata = layout.ZARR_METADATA if zarr3 else _ZARR2_METADATA
-        if self.item.local_file("") is not None:
-            # No FIFO or device where tensorstore's file driver would open a file (it would block on it): the
-            # item's OCDBT store, once per reader, or the array's directory; its metadata is read through the
-            # backend, which refuses them likewise.
-            if self.store.kind != "ocdbt":
-                storage.check_regular_files(ref.location)
-                return _Opening(ref, Ready(ref.location.read(metadata)), metadata, "zarr3" if zarr3 else "zarr")
-            if not self._checked_files:
-                storage.check_regular_files(self.item)
-                self._checked_files = True
-        try:
-            kvstore = ts.KvStore.open(ref.kvstore_spec(), context=self.context).result()
-            reading = kvstore.read(metadata)
-        except ValueError as exc:
-            raise _error("cannot open array", ref.location, exc, writing=False) from exc
-        return _Opening(ref, reading, metadata, "zarr3" if zarr3 else "zarr")
-
-
-_ZARR2_METADATA = ".zarray"
-
-
-class _Opening:
-    """An array being opened: its metadata file being read: a kvstore read, or the bytes (None: missing) read
-    already."""
-
-    __slots__ = ("ref", "reading", "name", "driver")
-
-    def __init__(self, ref: ArrayRef, reading: ts.Future | Ready, name: str, driver: str):
-        self.ref, self.reading, self.name, self.driver = ref, reading, name, driver
-
-    def result(self) -> TensorstoreArray:
-        where = f"{self.ref.location}/{self.name}"
-        try:
-            stored = self.reading.result()
-        except ValueError as exc:
-            raise _error("cannot open array", self.ref.location, exc, writing=False) from exc
-        data = stored if isinstance(self.reading, Ready) else stored.value if stored.state == "value" else None
-        if data is None:
-            raise CorruptCheckpointError(f"cannot open array {self.ref.location}: {where} is missing")
-        doc = bounds.load_json(data, where=where, max_bytes=bounds.MAX_ARRAY_JSON_BYTES,
-                               max_depth=bounds.MAX_ARRAY_JSON_DEPTH)
-        _check_zarr_grid(doc, self.driver, where)
-        spec = {"driver": self.driver, "kvstore": self.ref.kvstore_spec(), "metadata": doc, "assume_metadata": True,
-                "fill_missing_data_reads": self.ref.store.fill_missing}
-        try:
-            return TensorstoreArray(ts.open(spec, context=self.ref.context_or_default, read=True).result(),
-                                    self.ref.location)
-        except (ValueError, TypeError, OverflowError) as exc:  # the last two: numbers beyond int64
-            raise CorruptCheckpointError(f"cannot open array {self.ref.location}: {where} is malformed: "
-                                         f"{without_spec(str(exc))}"[:1000]) from exc
-
-
-def _check_zarr_grid(doc: dict, driver: str, where: str) -> None:
-    """`CorruptCheckpointError` unless the zarr metadata declares a sane shape and chunk grid (`bounds.check_grid`,
-    for the chunks inside shards too): a chunk larger than this process may allocate would abort tensorstore."""
-    shape, itemsize = doc.get("shape"), _itemsize(doc.get("dtype" if driver == "zarr" else "data_type"), driver)
-    if driver == "zarr":
-        chunks, inner = doc.get("chunks"), None
-    else:
-        grid = doc.get("chunk_grid")
-        config = grid.get("configuration") if isinstance(grid, dict) else None
-        chunks = config.get("chunk_shape") if isinstance(config, dict) else None
-        codecs = doc.get("codecs")
-        first = codecs[0] if isinstance(codecs, list) and codecs and isinstance(codecs[0], dict) else {}
-        inner = first.get("configuration", {}).get("chunk_shape", False) if first.get("name") == "sharding_indexed" \
-            and isinstance(first.get("configuration"), dict) else None
-    if not isinstance(shape, list) or not isinstance(chunks, list) or not (inner is None or isinstance(inner, list)):
-        raise CorruptCheckpointError(f"{where}: no shape and chunk shape")
-    bounds.check_grid(tuple(shape), tuple(chunks), itemsize, where, shard=inner is not None)
-    if inner is not None:
-        bounds.check_grid(tuple(shape), tuple(inner), itemsize, where)
-
-
-def _itemsize(dtype: object, driver: str) -> int:
-    """The element size of a zarr data type, as far as it is known (8 otherwise: the largest common one)."""
-    try:
-        if driver == "zarr":
-            return max(1, np.dtype(dtype).itemsize)
-        return dtypes.by_name(dtype).itemsize if isinstance(dtype, str) else 8
-    except (TypeError, ValueError, CheckpointError):
-        return 8
-
-
-class TensorstoreArray:
-    """A zarr array open for reading (`base.StoredArray`); `tensorstore` is the open tensorstore array."""
-
-    reads_whole_chunks = True
-
-    def __init__(self, array: ts.TensorStore, location: storage.Location):
-        self.tensorstore = array
-        self.location = location
-        self.shape = tuple(array.shape)
-        self.dtype_name = array.dtype.name
-        self.chunk_shape = _chunk_shape(array)
-
-    def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, Pending]:
-        """Start reading each region (only the chunks it touches, each checksum verified) into a buffer from
-        `empty`.
-
-        The buffers are allocated here, on the caller's thread, and tensorstore copies into them. Arrays
-        tensorstore allocates itself come from its worker threads' heaps, which gave every restore fresh memory
-        from the OS: 1-2 GiB of page faults per GiB restored, measured, the largest cost of a restore on the
-        benchmark VM. Memory allocated here is recycled from one batch (and one restore) to the next."""
-        COUNTS.add(tensorstore_regions=len(regions))
-        out = {}
-        for region in regions:
-            view = self.tensorstore[tuple(slice(a, b) for a, b in region)]
-            data = empty(tuple(view.shape), view.dtype.numpy_dtype)
-            future = ts.array(data, copy=False, write=True).write(view).commit
-            out[region] = Pending(future, f"cannot read region {_format_region(region)} of array", self.location,
-                                  output=data)
-        return out
-
-    def read_index(self, index: tuple[slice | int, ...]) -> Pending:
-        COUNTS.add(tensorstore_regions=1)
-        view = self.tensorstore[index] if index else self.tensorstore
-        return Pending(view.read(), "cannot read array", self.location)
-
-
-def _chunk_shape(array: ts.TensorStore) -> tuple[int, ...]:
+def chunk_shape(array: ts.TensorStore) -> tuple[int, ...]:
     """The chunk shape of an open array (the inner chunks of a single-file array); () for a 0-d array."""
     shape = array.chunk_layout.read_chunk.shape
     return tuple(shape) if shape is not None else ()
 
 
-def _format_region(region: Index | Region) -> str:
+def format_region(region: Index | Region) -> str:
     return "[" + ", ".join(f"{r.start}:{r.stop}" if isinstance(r, slice) else f"{r[0]}:{r[1]}"
                            for r in region) + "]"
-
-
-def _kvstore_bytes_read(driver: str) -> int | None:
-    """The bytes tensorstore's key-value store `driver` has read in this process (None: it keeps no
-    ``bytes_read`` metric, or has read nothing yet)."""
-    name = f"/tensorstore/kvstore/{driver}/bytes_read"
-    values = [v.get("value", 0) for m in ts.experimental_collect_matching_metrics(name) if m["name"] == name
-              for v in m.get("values", ())]
-    return sum(values) if values else None
-

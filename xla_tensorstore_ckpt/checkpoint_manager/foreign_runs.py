@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from .. import checkpointer, formats
-from ..core import layout
+from ..core import layout, torch_pickle
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, ItemNotFoundError
 from ..core.events import Emitter
-from ..formats import dcp, torch_pickle
+from ..formats import dcp
 from ..multihost.distributed import Coordinator
 from ..options import RestoreOptions
 from ..restores.restoring import KeyMap

@@ -115,7 +115,7 @@ class ArrayStore:
     fill_missing: a missing chunk reads as the fill value (Orbax checkpoints written without
         ``store_array_data_equal_to_fill_value``) instead of being an error.
     refs: an item of an incremental step: its chunk tables, and the chunks it references in base steps
-        (`incremental.refs.ItemRefs`); None for a standalone item.
+        (`formats.item_refs.ItemRefs`); None for a standalone item.
     """
 
     kind: str = "directories"

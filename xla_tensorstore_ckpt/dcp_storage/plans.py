@@ -7,7 +7,7 @@ The chunk grid of a tensor is the coarsest grid every saved chunk (every rank's 
 per dimension the gcd of the chunks' cut points, as `dtensors` chooses it for DTensors, so that uneven FSDP2
 shards (``torch.chunk``'s ceil-sized pieces, an empty last one) land in chunks of their own and no chunk has two
 writers. Chunks held by several ranks (the default planner without de-duplication) go to the least loaded
-holder (`distributed.balance`).
+holder (`balancing.balance`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..core.errors import ShapeMismatchError, UnsupportedValueError
 from ..core.records import ArrayMetadata
 from ..formats import v2
 from ..formats.dcp import key_path
-from ..multihost.distributed import balance
+from ..multihost.balancing import balance
 
 Index = grid.Index
 
@@ -152,7 +152,7 @@ def _chunk_shape(shape: tuple[int, ...], regions: list[Index]) -> tuple[int, ...
 
 def _holders(fqn: str, entry: _Tensor, chunk_shape: tuple[int, ...],
              where: str) -> list[tuple[tuple[str, Index], int, list[int]]]:
-    """((key, chunk region), bytes, ranks holding it) of every chunk of the grid, for `distributed.balance`."""
+    """((key, chunk region), bytes, ranks holding it) of every chunk of the grid, for `balancing.balance`."""
     itemsize = dtypes.by_name(entry.dtype).itemsize
     out = []
     for _, region in grid.chunks(entry.shape, chunk_shape):

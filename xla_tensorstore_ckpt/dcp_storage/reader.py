@@ -5,7 +5,7 @@ whatever state dict DCP's planner plans for (DTensors of any mesh, plain tensors
 `read_metadata` turns the item's manifest (`formats.read_item`) into DCP's `Metadata` (`metadata.dcp_metadata`:
 each array a `TensorStorageMetadata` whose chunks are the stored chunks, every other value a bytes entry);
 `read_data` reads exactly the regions the rank's read items name through the item's array reader
-(`arrays.reader`, CRC32C verified where the format stores checksums) and copies them into the planner's tensors.
+(`incremental.reader`, CRC32C verified where the format stores checksums) and copies them into the planner's tensors.
 Byte-IO reads get the opaque bytes DCP wrote (our writer's `OPAQUE_DCP_BYTES` arrays) or, for a JSON value of an
 item of ours or Orbax's, that value serialized for DCP's planner. Nothing from the checkpoint is unpickled here.
 """
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import LoadPlan, LoadPlanner, StorageReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from .. import arrays, storage
+from .. import arrays, incremental, storage
 from ..checkpointer import read_manifest
 from ..core import dtypes, grid
 from ..core.errors import KeyMismatchError, ShapeMismatchError, UnsupportedValueError, UsageError
@@ -126,7 +126,7 @@ class DCPStorageReader(StorageReader):
         if self._index is None:
             raise UsageError("DCPStorageReader.read_data called before set_up_storage_reader")
         loc = self._location()
-        reader = arrays.reader(loc, self._index.store)
+        reader = incremental.reader(loc, self._index.store)
         try:
             shared = plan.storage_data if isinstance(plan.storage_data, SharedReads) else None
             skip = shared.skip if shared is not None else frozenset()

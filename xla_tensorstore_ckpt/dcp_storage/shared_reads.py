@@ -1,6 +1,6 @@
 """Single-replica reads for `reader.DCPStorageReader` (``RestoreOptions(single_replica_reads=True)``): where DCP's
 plan has several ranks read the same stored region (replicated targets, HSDP's replicas), the coordinator's
-`prepare_global_plan` picks one of them to read it (`distributed.balance`: the least loaded holder) and the
+`prepare_global_plan` picks one of them to read it (`balancing.balance`: the least loaded holder) and the
 others receive it from that rank over the job's default process group (`distributed.Coordinator.exchange`, gloo
 point to point). Each rank gets its part as its `LoadPlan.storage_data` (`SharedReads`). Pure planning here, plus
 the exchange.
@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from ..multihost.distributed import Coordinator, balance
+from ..multihost.balancing import balance
+from ..multihost.distributed import Coordinator
 
 Region = tuple[tuple[int, int], ...]
 

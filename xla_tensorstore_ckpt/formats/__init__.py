@@ -4,12 +4,13 @@ encode them.
 
 Each format is one module implementing the protocols of `base`: this library's versions (`v1`, frozen; `v2`, Orbax's
 schema with ours inside, the one written), checkpoints Orbax wrote itself (`orbax`), Hugging Face safetensors files
-and directories (`safetensors`), and torch.distributed.checkpoint directories (`dcp`). A format is recognised by
-content, never by a file name alone: the names ``_METADATA`` and ``_CHECKPOINT_METADATA`` are shared with Orbax, and
-version 1 used them with other contents. A document none claims is a `FormatVersionError` if it declares a version
-of ours newer than this reader knows, else a `CorruptCheckpointError` naming it. Adding a format: a module, and its
-name in `ITEM_FORMATS` / `STEP_FORMATS` (and `WRITERS` if this library writes it), or, for a format of items read
-from outside the package, `register(module)`.
+and directories (`safetensors`), and torch.distributed.checkpoint directories (`dcp`); shared by them: the checksums
+of our JSON metadata files (`checksums`) and what an incremental step's item references (`item_refs`). A format is
+recognised by content, never by a file name alone: the names ``_METADATA`` and ``_CHECKPOINT_METADATA`` are shared
+with Orbax, and version 1 used them with other contents. A document none claims is a `FormatVersionError` if it
+declares a version of ours newer than this reader knows, else a `CorruptCheckpointError` naming it. Adding a format:
+a module, and its name in `ITEM_FORMATS` / `STEP_FORMATS` (and `WRITERS` if this library writes it), or, for a
+format of items read from outside the package, `register(module)`.
 """
 
 from __future__ import annotations

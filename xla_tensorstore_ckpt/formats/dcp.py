@@ -7,9 +7,9 @@ offset and length it was written at; and how the flattened keys nest) and the ``
 Each tensor chunk is a ``torch.save`` blob of that region; each bytes entry (a learning rate, the betas) a
 ``torch.save`` blob of a plain value.
 
-Read without running code from the checkpoint: ``.metadata`` through `torch_pickle`'s restricted unpickler, the
+Read without running code from the checkpoint: ``.metadata`` through `core.torch_pickle`'s restricted unpickler, the
 bytes entries likewise (plain values only: any other entry is left out of the tree, and a warning names its
-key), and tensor chunks as raw bytes at the storage record `torch_zip` finds (`arrays.pieces` reads them). Every
+key), and tensor chunks as raw bytes at the storage record `arrays.torch_zip` finds (`arrays.pieces` reads them). Every
 chunk is checked before anything is read: the chunks of a tensor must tile it (inside it, no overlaps, nothing
 uncovered), each must have a storage entry inside a plain file name of the directory, no extension
 (compression) is supported. The tree nests keys as DCP's planner recorded (``optim.state.0.exp_avg`` under
@@ -27,11 +27,11 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..core import bounds, dtypes, layout, tree
+from ..arrays import torch_zip
+from ..core import bounds, dtypes, layout, torch_pickle, tree
 from ..core.errors import CorruptCheckpointError, UnsupportedValueError
 from ..core.records import ArrayStore, ItemManifest, PieceMetadata, PiecesArrayMetadata
 from ..storage import Location, RangeNotSatisfiableError
-from . import torch_pickle, torch_zip
 from .safetensors import row_block
 
 NAME = "dcp"

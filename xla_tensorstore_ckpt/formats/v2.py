@@ -8,7 +8,7 @@ array its name, shape, dtype, chunk shape and saved sharding>}``. Arrays are nam
 (`array_names`), in one OCDBT store or one directory each, with a crc32c per chunk; scalar leaves are
 also 0-d arrays and string leaves also in ``_strings.json``, so that Orbax restores them to the same values. Our
 object ends with ``"strings_crc32c"`` (with string leaves) and ``"crc32c"``, the checksums of ``_strings.json``
-and of the file itself (`checksums`). An item of an incremental step adds ``"incremental"`` (`incremental.refs`):
+and of the file itself (`checksums`). An item of an incremental step adds ``"incremental"`` (`item_refs`):
 its chunk tables and the chunks it references in base steps; arrays with referenced chunks are ``None`` leaves
 to Orbax.
 
@@ -32,9 +32,8 @@ from typing import Any
 from ..core import layout, tree
 from ..core.errors import CorruptCheckpointError
 from ..core.records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
-from ..incremental import refs as item_refs
 from ..storage import Location
-from . import checksums, orbax, v1
+from . import checksums, item_refs, orbax, v1
 
 NAME = "v2"
 DESCRIPTION = "xla_tensorstore_ckpt format 2"
@@ -134,7 +133,7 @@ def item_files(manifest: ItemManifest, strings: dict[str, str]) -> list[tuple[st
 def encode_item(manifest: ItemManifest) -> bytes:
     mine = {"format_version": VERSION, "tree": v1.encode_tree(manifest.tree)}
     refs = manifest.store.refs
-    if refs is not None:  # an incremental step's item (incremental.refs)
+    if refs is not None:  # an incremental step's item (item_refs)
         mine["incremental"] = refs.to_json()
     if manifest.strings_crc32c is not None:
         mine[checksums.STRINGS_FIELD] = manifest.strings_crc32c

@@ -1,12 +1,13 @@
-"""Reading an item of an incremental step (`LayeredReader`, an `arrays.ArrayReader`): its own chunks from its
-own store, every referenced chunk from the step that stores it, through that step's own reader (local chunk
-reads, tensorstore, object stores alike). `arrays.reader` returns it for an item whose ``_METADATA`` records
-references (`refs`), so every reader of ours follows them: restore in every mode, ``xtckpt`` (show, stats,
-diff, verify, convert), `plan_restore`. A region that lies in one step is one read there; one spanning chunks of
-several steps is read piece by piece (each piece within one chunk) and assembled. A delta chunk (`tables`) is
-its anchor's chunk, read whole from the anchor step's own store, with the chain's frames applied in order, each
-read from the delta file of this item or of the step holding it, checked (CRC32C) and applied (`deltas`): chains
-are flattened, so no step between is opened.
+"""Reading an item of an incremental step (`LayeredReader`, an `arrays.ArrayReader`): its own chunks from its own
+store, every referenced chunk from the step that stores it, through that step's own reader (local chunk reads,
+tensorstore, object stores alike). `reader` returns it for an item whose ``_METADATA`` records references
+(`formats.item_refs`), else `arrays.reader`'s reader of the item's own arrays; every reader of ours asks `reader`,
+so all follow references: restore in every mode, ``xtckpt`` (show, stats, diff, verify, convert), `plan_restore`,
+`DCPStorageReader`, an incremental save's deltas. A region that lies in one step is one read there; one spanning
+chunks of several steps is read piece by piece (each piece within one chunk) and assembled. A delta chunk (`tables`)
+is its anchor's chunk, read whole from the anchor step's own store, with the chain's frames applied in order, each
+read from the delta file of this item or of the step holding it, checked (CRC32C) and applied (`deltas`): chains are
+flattened, so no step between is opened.
 
 A base step that is missing, or whose array differs from the one the tables describe, is a
 `CorruptCheckpointError` naming the item, the array, the step and its path.
@@ -35,6 +36,16 @@ Own = None  # a chunk's source: the item's own store
 _REBUILDS = ThreadPoolExecutor(2, thread_name_prefix="xtc-delta-rebuild")
 # Where a chunk is: (the step holding it whole, None: this item; or a delta chain `tables.Delta`)
 Where = tuple[int | None, tables.Delta | None]
+
+
+def reader(item: storage.Location, store: ArrayStore, context: object = None) -> ArrayReader:
+    """The reader of the arrays of the item at `item`, whatever the item: `LayeredReader` for an incremental
+    step's item with referenced arrays, else the reader of its own arrays (`arrays.reader`), for one operation
+    (`context`: its tensorstore context). Called by every reader of items (restores, tools, `dcp_storage`, an
+    incremental save's deltas). Does no I/O."""
+    if store.refs is not None and store.refs.arrays:
+        return LayeredReader(item, store, context)
+    return arrays.reader(item, store, context)
 
 
 class LayeredReader(ArrayReader):

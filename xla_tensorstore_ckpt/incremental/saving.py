@@ -17,15 +17,16 @@ from dataclasses import dataclass
 
 import crc32c
 
-from .. import arrays, formats
+from .. import formats
 from ..arrays.chunk_hashes import chunk_hash
 from ..core import dtypes
 from ..core.errors import CheckpointError
 from ..core.records import StepMetadata
+from ..formats import item_refs as refs_mod
+from ..formats.item_refs import ItemRefs
 from ..multihost.distributed import Coordinator
 from ..storage import Location
-from . import deltas, tables
-from . import refs as refs_mod
+from . import deltas, layered, tables
 
 logger = logging.getLogger("xla_tensorstore_ckpt")
 
@@ -102,7 +103,7 @@ class Recorder:
     def _delta(self, meta, region, array, digest: str, hit: tables.Chunk) -> tables.Chunk | None:
         """The chunk as the base's chunk's chain plus one delta, if its frame is small enough."""
         if self._reader is None:
-            self._reader = arrays.reader(self.base_item, formats.read_item(self.base_item).store)
+            self._reader = layered.reader(self.base_item, formats.read_item(self.base_item).store)
         base = self._reader.open(meta).result().read([region])[region].result()
         frame = deltas.encode(array, base)
         if len(frame) > self.options.delta_max_ratio * array.nbytes:
@@ -162,7 +163,7 @@ def commit_refs(coordinator: Coordinator, location: Location, plans: dict, marke
         for name in plans:
             item = location.child(name)
             names = sorted(n for n in item.list() if n.startswith(tables.PREFIX))
-            found[name] = refs_mod.summarize({n: tables.read(item, n) or {} for n in names}, step_dir).to_json()
+            found[name] = summarize({n: tables.read(item, n) or {} for n in names}, step_dir).to_json()
         return found
 
     found = coordinator.on_primary(f"reading the chunk tables of step {marker.step}", collect, share=True)
@@ -174,3 +175,22 @@ def commit_refs(coordinator: Coordinator, location: Location, plans: dict, marke
     bases = sorted({s for value in found.values() for s, _ in value["bases"]})
     chain = max((value["chain"] for value in found.values()), default=0)
     return out, dataclasses.replace(marker, bases=tuple(bases), chain=chain)
+
+
+def summarize(tables: dict[str, dict], step_dir) -> ItemRefs:
+    """The `ItemRefs` of an item from its processes' chunk tables (file name -> `tables.read` result);
+    `step_dir(step)` names a base step's directory. Called at the commit, on the primary."""
+    bases, arrays, chain = set(), set(), 0
+    for table in tables.values():
+        for name, entry in table.items():
+            stored = {s for _, s, _ in entry.chunks.values() if s is not None}
+            for _, _, delta in entry.chunks.values():  # a delta chain: its anchor and the steps of its frames
+                if delta is not None:
+                    stored |= {delta[0]} | {link[0] for link in delta[1] if link[0] is not None}
+                    chain = max(chain, len(delta[1]))
+                    arrays.add(name)
+            if stored:
+                bases |= stored
+                arrays.add(name)
+    return ItemRefs(tuple(sorted(tables)), tuple((s, step_dir(s)) for s in sorted(bases)), frozenset(arrays),
+                    chain)

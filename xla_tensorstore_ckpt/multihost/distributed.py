@@ -31,11 +31,10 @@ import numpy as np
 
 from ..core.errors import CoordinationError
 from . import wire
+from .messages import copy_into, message_buffers
 from .transport import GlooTransport, Transport, create_store, traffic
 
 DEFAULT_TIMEOUT_S = 600.0
-# Arrays of at least this size go between processes as messages of their own; smaller ones share one.
-DIRECT_BYTES = 1 << 20
 SLOT_BYTES = 1024  # a gathered record's slot: most records fit, longer ones take a second gather
 T = TypeVar("T")
 
@@ -208,12 +207,12 @@ class Coordinator:
 
     def exchange(self, sends: Mapping[int, Sequence[np.ndarray]], receives: Mapping[int, Sequence[np.ndarray]],
                  what: Callable[[int], str]) -> None:
-        """Point to point: send each list of arrays to its process, and receive each list from its process into
-        the arrays given (the sender's shapes and dtypes, in the sender's order). Arrays of at least
-        `DIRECT_BYTES` travel as messages of their own (without a copy where contiguous); smaller ones are
-        packed into one message per pair. Blocks until every transfer has finished. `what(process)` describes
-        what comes from `process`, for the error (`CoordinationError` naming it) if it dies or times out
-        meanwhile. Only the processes named take part."""
+        """Point to point: send each list of arrays to its process, and receive each list from its process into the
+        arrays given (the sender's shapes and dtypes, in the sender's order). Arrays of at least
+        `messages.DIRECT_BYTES` travel as messages of their own (without a copy where contiguous); smaller ones are
+        packed into one message per pair. Blocks until every transfer has finished. `what(process)` describes what
+        comes from `process`, for the error (`CoordinationError` naming it) if it dies or times out meanwhile. Only
+        the processes named take part."""
         self.start_exchange(sends, receives, what).wait()
 
     def start_exchange(self, sends: Mapping[int, Sequence[np.ndarray]], receives: Mapping[int, Sequence[np.ndarray]],
@@ -232,10 +231,10 @@ class Coordinator:
         peer = None
         try:
             for peer, arrays in sends.items():
-                for message in _messages(arrays, copy=True)[0]:
+                for message in message_buffers(arrays, copy=True)[0]:
                     works.append((peer, dist.isend(torch.from_numpy(message), peer, group=self._group)))
             for peer, arrays in receives.items():
-                messages, pending = _messages(arrays, copy=False)
+                messages, pending = message_buffers(arrays, copy=False)
                 unpack += pending
                 for message in messages:
                     works.append((peer, dist.irecv(torch.from_numpy(message), peer, group=self._group)))
@@ -315,13 +314,6 @@ def _joined(slot: np.ndarray, rest: np.ndarray | None, length: int) -> bytes:
     return data if rest is None else data + rest[:length - len(data)].tobytes()
 
 
-def copy_into(destination: np.ndarray, source: np.ndarray) -> None:
-    """Copy the elements of `source` into `destination` (same shape and dtype) as raw integers of their width:
-    numpy copies ml_dtypes' types (bfloat16, float8) element by element otherwise."""
-    raw = np.dtype(f"u{source.dtype.itemsize}") if source.dtype.itemsize in (1, 2, 4, 8) else source.dtype
-    destination.view(raw)[...] = source.view(raw)
-
-
 class Exchange:
     """Point-to-point transfers in flight (`Coordinator.start_exchange`)."""
 
@@ -340,58 +332,6 @@ class Exchange:
                 raise self._coordinator._transfer_error(peer, self._receives, self._what, exc) from exc
         for message, destination in self._unpack:
             copy_into(destination, message.view(destination.dtype).reshape(destination.shape))
-
-
-def _messages(arrays: Sequence[np.ndarray], *, copy: bool) -> tuple[list[np.ndarray], list]:
-    """The flat byte buffers `arrays` travel in: the small ones packed into one (first), then each large one.
-    Sending (`copy`): the buffers hold the data. Receiving: large contiguous arrays are received into
-    directly; the rest into new buffers, returned with their destinations to copy into after the wait.
-    Both sides cut alike: by sizes alone."""
-    arrays = [a for a in arrays if a.nbytes]
-    small = [a for a in arrays if a.nbytes < DIRECT_BYTES]
-    messages, pending = [], []
-    if small:
-        packed = np.empty(sum(a.nbytes for a in small), dtype=np.uint8)
-        offset = 0
-        for a in small:
-            part = packed[offset:offset + a.nbytes]
-            if copy:
-                copy_into(part.view(a.dtype).reshape(a.shape), a)
-            else:
-                pending.append((part, a))
-            offset += a.nbytes
-        messages.append(packed)
-    for a in arrays:
-        if a.nbytes < DIRECT_BYTES:
-            continue
-        if a.flags.c_contiguous:
-            messages.append(a.reshape(-1).view(np.uint8))
-        elif copy:
-            messages.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-        else:
-            buffer = np.empty(a.nbytes, dtype=np.uint8)
-            pending.append((buffer, a))
-            messages.append(buffer)
-    return messages, pending
-
-
-def balance(holders: Sequence[tuple[Any, int, Sequence[int]]], count: int) -> dict[Any, int]:
-    """Choose one writer per chunk: `holders` lists (chunk id, bytes, processes holding it). Chunks held by
-    one process go to it; the others go, largest first, to the least loaded holder, so bytes written spread
-    evenly. Deterministic: every process computes the same answer from the same input (in the same order)."""
-    load = [0] * count
-    writer: dict[Any, int] = {}
-    for chunk, nbytes, procs in holders:
-        if len(procs) == 1:
-            writer[chunk] = procs[0]
-            load[procs[0]] += nbytes
-    # Ties keep the order of `holders`, the same on every process (no str() of 70,000 chunk ids at 1,000 hosts).
-    shared = sorted((h for h in holders if len(h[2]) > 1), key=lambda h: -h[1])
-    for chunk, nbytes, procs in shared:
-        best = min(sorted(procs), key=load.__getitem__)
-        writer[chunk] = best
-        load[best] += nbytes
-    return writer
 
 
 class _State:

@@ -1,6 +1,6 @@
-"""What a restore reads and when: one `ReadJob` per array (the regions each target shard needs, read whole or
-as one covering box), grouped into batches by `schedule`, with the host memory that schedule needs. Computed
-from metadata alone, so the restore (`restoring.read_arrays`) and its dry run (`restore_plan`) share it.
+"""What a restore reads and when: one `ReadJob` per array (the regions each target shard needs, read whole or as one
+covering box), grouped into batches by `schedule`, with the host memory that schedule needs. Computed from metadata
+alone, so the restore (`read_batches.read_arrays`) and its dry run (`restore_plan`) share it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The plan of single-replica reads (`replica_reads`), computed alike on every process: which processes need
 which regions of each array (`Needs`: derived from the targets' shardings by `derived_needs`, or from a gather
 by `gathered_needs`), the reader of each stored chunk anyone needs (the one process that needs it or, for a
-chunk several need, the least loaded of them, largest chunks first: `distributed.balance`, as writers are
+chunk several need, the least loaded of them, largest chunks first: `balancing.balance`, as writers are
 chosen on save), what this process reads, assembles and sends (`ArrayPlan`), the batches, and a `digest` of
 the plan's inputs that the processes agree on to prove they planned alike.
 
@@ -21,7 +21,7 @@ from functools import lru_cache
 from ..core import dtypes, grid, layout
 from ..core.records import ArrayMetadata
 from ..core.tensor_layout import Index
-from ..multihost.distributed import balance
+from ..multihost.balancing import balance
 from ..targets import holdings
 from . import read_jobs
 from .read_jobs import ReadJob

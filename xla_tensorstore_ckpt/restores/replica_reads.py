@@ -8,7 +8,7 @@ same answer (`replica_plans`): for each stored chunk anyone needs, the box of it
 reader, and batches of arrays in which the processes read, exchange and build in step. One reduction of the
 plan's digest proves every process derived the same plan.
 
-Reading (`Exchange`, driven by `restoring.read_arrays`): a process reads from storage the chunks it is the
+Reading (`Exchange`, driven by `read_batches.read_arrays`): a process reads from storage the chunks it is the
 reader of (a region of its own at once where every part anyone needs of its chunks lies within it, else each
 chunk's box), checksums verified as they are read. Then, batch by batch, every process learns whether every
 read succeeded (a reader's damaged chunk raises the same error class on every process, naming that process
@@ -31,7 +31,8 @@ from .. import arrays, storage
 from ..core import dtypes, errors, grid, layout, tree
 from ..core.errors import CheckpointError, CoordinationError
 from ..core.tensor_layout import Index
-from ..multihost.distributed import Coordinator, copy_into
+from ..multihost.distributed import Coordinator
+from ..multihost.messages import copy_into
 from . import replica_plans
 from .read_jobs import ReadJob
 from .replica_plans import ArrayPlan

@@ -21,7 +21,7 @@ from typing import Any
 import ml_dtypes
 import torch
 
-from .. import arrays, formats, storage
+from .. import formats, incremental, storage
 from ..core import dtypes, tree
 from ..core.records import ArrayMetadata, ItemManifest
 from ..options import RestoreOptions
@@ -109,7 +109,7 @@ def plan_restore(path: str | storage.Location, target: Any = None, *, key_map: K
             name = tree.format_key_path(path_)
             keys.append((path_, KeyPlan(name, "unexpected", **_saved_fields(stored))))
             problems.append(f"{name}: not in the target")
-    reader = arrays.reader(loc, manifest.store)
+    reader = incremental.reader(loc, manifest.store)
     amplification = read_jobs.max_amplification(reader.fetches_once, loc.capabilities.cheap_refetch)
     reader.close()  # asked only what it fetches; it opened nothing
     planned = read_jobs.jobs(saved, matched, amplification)

@@ -26,7 +26,8 @@ from ..core.errors import UnsupportedValueError
 from ..core.records import ArrayMetadata, ArrayStore, ItemManifest
 from ..core.sharded_array import ShardedArray
 from ..core.tensor_layout import Index, LocalShard, TensorLayout
-from ..multihost.distributed import Coordinator, balance
+from ..multihost.balancing import balance
+from ..multihost.distributed import Coordinator
 from ..options import SaveOptions
 from . import writer_plans
 

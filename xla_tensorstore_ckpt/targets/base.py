@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.autograd.graph import increment_version
@@ -20,8 +20,22 @@ from ..core import dtypes
 from ..core.tensor_layout import Index, LocalShard, TensorLayout
 from .holdings import Holding
 
-if TYPE_CHECKING:
-    from ..restores.read_jobs import ReadJob
+
+class ReadJob(Protocol):
+    """What `Target.build` is told of the value it builds: a restore's `restores.read_jobs.ReadJob` is one. A
+    protocol here, so that targets, below the restore path, do not import it."""
+
+    @property
+    def reference(self) -> Any:
+        """The target leaf the value is placed like (a tensor, DTensor, ShardedArray), or None."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The restored value's dtype."""
+
+    @property
+    def layout(self) -> TensorLayout:
+        """Where the data goes: the reference's local shards, or one whole-array CPU shard."""
 
 
 class Target(Protocol):

@@ -4,17 +4,14 @@ registry's order: it claims any tensor no other target claims, and refuses to sa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..core.tensor_layout import LocalShard, TensorLayout, full_index
 from . import holdings
-from .base import copy_host, host_tensor, whole_size
+from .base import ReadJob, copy_host, host_tensor, whole_size
 from .holdings import Holding
-
-if TYPE_CHECKING:
-    from ..restores.read_jobs import ReadJob
 
 NAME = "cpu"
 DEVICE_BOUND = False

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..core.records import SavedSharding
 from ..core.tensor_layout import LocalShard, TensorLayout
 from . import dtensors, holdings
-from .base import copy_host, host_tensor, whole_size
+from .base import ReadJob, copy_host, host_tensor, whole_size
 from .holdings import Holding
-
-if TYPE_CHECKING:
-    from ..restores.read_jobs import ReadJob
 
 NAME = "dtensor"
 DEVICE_BOUND = False  # its local tensor is built from host data and moved to its device by torch

@@ -4,7 +4,7 @@ process of a multi-host job holds of an SPMD tensor, without torch_xla)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -12,11 +12,8 @@ from ..core.errors import UsageError
 from ..core.sharded_array import ShardedArray
 from ..core.tensor_layout import LocalShard, TensorLayout
 from . import holdings
-from .base import host_tensor, whole_size
+from .base import ReadJob, host_tensor, whole_size
 from .holdings import Holding
-
-if TYPE_CHECKING:
-    from ..restores.read_jobs import ReadJob
 
 NAME = "host"
 DEVICE_BOUND = False

@@ -16,7 +16,7 @@ import re
 import threading
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,11 +25,8 @@ from ..core.errors import UsageError
 from ..core.records import SavedSharding
 from ..core.tensor_layout import LocalShard, TensorLayout, full_index
 from . import holdings
-from .base import host_tensor, whole_size
+from .base import ReadJob, host_tensor, whole_size
 from .holdings import Holding
-
-if TYPE_CHECKING:
-    from ..restores.read_jobs import ReadJob
 
 NAME = "xla"
 DEVICE_BOUND = True

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import arrays, formats, storage
+from .. import arrays, formats, incremental, storage
 from ..core import dtypes, grid, host_memory, layout, tree
 from ..core.errors import UsageError
 from ..core.records import ArrayMetadata, ItemManifest, StepMetadata
@@ -152,7 +152,7 @@ def _prepare(source: storage.Location, options: ConvertOptions
 def _open_sources(source: storage.Location, manifest: ItemManifest) -> dict[layout.KeyPath, arrays.StoredArray]:
     """Every array of the source, open for reading (all opened at once; blocks). The reader closes when the
     arrays are garbage (the conversion is done with them)."""
-    reader = arrays.reader(source, manifest.store)
+    reader = incremental.reader(source, manifest.store)
     pending = {path: reader.open(meta) for path, meta in manifest.arrays()}
     return {path: opening.result() for path, opening in pending.items()}
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import arrays, formats, storage
+from .. import arrays, formats, incremental, storage
 from ..checkpoint_manager import foreign_runs, local_tier
 from ..checkpoint_manager.steps import ANY_PREFIX, StepIndex
 from ..core import layout, tree
@@ -54,7 +54,7 @@ class Checkpoint:
     def reader(self, item: str) -> arrays.ArrayReader:
         """The reader of `item`'s arrays (one per item, kept for the inspection)."""
         if item not in self._readers:
-            self._readers[item] = arrays.reader(self.item_location(item), self.manifest(item).store)
+            self._readers[item] = incremental.reader(self.item_location(item), self.manifest(item).store)
         return self._readers[item]
 
     def open(self, item: str, meta: ArrayMetadata) -> arrays.StoredArray:

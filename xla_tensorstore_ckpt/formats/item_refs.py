@@ -1,12 +1,12 @@
-"""What an item of an incremental step references, as its ``_METADATA`` records it (`ItemRefs`), and how the
-commit learns it from the writing processes' chunk tables (`collect`).
+"""What an item of an incremental step references, as its ``_METADATA`` records it (`ItemRefs`, `decode`); the
+commit learns it from the writing processes' chunk tables (`incremental.saving.summarize`).
 
 In the item's ``_METADATA``, under our object (`formats.v2`), ``"incremental": {"tables": [<the chunk tables of
 the item>], "bases": [[<step>, "<its directory name>"], ...], "arrays": [<names of arrays with chunks stored in a
 base>], "chain": <the most deltas a chunk's restore applies>}``. Every save of a manager with ``incremental``
 on records it, anchors included (``bases`` empty), so that the next save finds the tables. A reader wraps its
-reader of such an item in `layered.LayeredReader` when ``arrays`` is not empty. No formats or storage imports
-here: `formats.v2` imports this module.
+reader of such an item in `incremental.layered.LayeredReader` when ``arrays`` is not empty. Decoded by `v2`;
+here, below `incremental/`, so that the format does not import the folder that builds on it.
 """
 
 from __future__ import annotations
@@ -64,22 +64,3 @@ def _step(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(value)
     return value
-
-
-def summarize(tables: dict[str, dict], step_dir) -> ItemRefs:
-    """The `ItemRefs` of an item from its processes' chunk tables (file name -> `tables.read` result);
-    `step_dir(step)` names a base step's directory. Called at the commit, on the primary."""
-    bases, arrays, chain = set(), set(), 0
-    for table in tables.values():
-        for name, entry in table.items():
-            stored = {s for _, s, _ in entry.chunks.values() if s is not None}
-            for _, _, delta in entry.chunks.values():  # a delta chain: its anchor and the steps of its frames
-                if delta is not None:
-                    stored |= {delta[0]} | {link[0] for link in delta[1] if link[0] is not None}
-                    chain = max(chain, len(delta[1]))
-                    arrays.add(name)
-            if stored:
-                bases |= stored
-                arrays.add(name)
-    return ItemRefs(tuple(sorted(tables)), tuple((s, step_dir(s)) for s in sorted(bases)), frozenset(arrays),
-                    chain)

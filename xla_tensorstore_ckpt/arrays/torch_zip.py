@@ -17,10 +17,9 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 
-from ..core import dtypes
+from ..core import dtypes, torch_pickle
 from ..core.errors import CorruptCheckpointError, UnsupportedValueError
 from ..storage import Location, RangeNotSatisfiableError
-from . import torch_pickle
 
 # The blob's first and last bytes are fetched at once: its small records come first, its zip directory last.
 _WINDOW = 8192
