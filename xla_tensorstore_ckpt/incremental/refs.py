@@ -3,7 +3,7 @@ commit learns it from the writing processes' chunk tables (`collect`).
 
 In the item's ``_METADATA``, under our object (`formats.v2`), ``"incremental": {"tables": [<the chunk tables of
 the item>], "bases": [[<step>, "<its directory name>"], ...], "arrays": [<names of arrays with chunks stored in a
-base>], "chain": <the most deltas a chunk's restore applies>}``. Every save of a manager with ``incremental``
+base>], "chain": <the most saves since a delta chunk's anchor>}``. Every save of a manager with ``incremental``
 on records it, anchors included (``bases`` empty), so that the next save finds the tables. A reader wraps its
 reader of such an item in `layered.LayeredReader` when ``arrays`` is not empty. No formats or storage imports
 here: `formats.v2` imports this module.
@@ -21,7 +21,7 @@ from ..core.errors import CorruptCheckpointError
 class ItemRefs:
     """An item's references: its chunk tables (file names in the item), the steps holding chunks it references
     (step number, directory name beside the item's step: ``<root>/<name>/<item>``), the arrays concerned, and
-    the longest delta chain of its chunks."""
+    the deepest delta of its chunks (saves since its anchor)."""
 
     tables: tuple[str, ...]
     bases: tuple[tuple[int, str], ...] = ()
@@ -76,7 +76,7 @@ def summarize(tables: dict[str, dict], step_dir) -> ItemRefs:
             for _, _, delta in entry.chunks.values():  # a delta chain: its anchor and the steps of its frames
                 if delta is not None:
                     stored |= {delta[0]} | {link[0] for link in delta[1] if link[0] is not None}
-                    chain = max(chain, len(delta[1]))
+                    chain = max(chain, delta[2])
                     arrays.add(name)
             if stored:
                 bases |= stored
