@@ -253,7 +253,7 @@ def test_two_processes_reference_and_delta_their_own_chunks(tmp_path):
     from incremental_job import global_value
 
     results = launch_job(script, 2, str(tmp_path / "root"), str(tmp_path / "local"))
-    for rank, r in enumerate(results):
+    for r in results:
         assert r["returncode"] == 0, r["stderr"][-3000:]
         # step 3: process 0's chunk a delta on its anchor, step 1 (as step 2's was), process 1's referenced from
         # step 1: retention lets step 2 go

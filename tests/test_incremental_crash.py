@@ -24,9 +24,9 @@ from crash_save import delta_state_for, incremental_state_for  # noqa: E402
 # the tables; write:2 the item manifest, write:4 the step marker, rename_dir:1 the commit. With --max-to-keep 1,
 # retention lets step 2 go and keeps step 1 (a base of step 3): rename_dir:2 renames step 2 away, delete:1 follows.
 # With --delta (`b` moves a few elements a step), step 3's save also reads what it XORs with, the anchor's chunk
-# (every delta is taken against the anchor): read:3 step 2's manifest, read:4 step 1's (the anchor); write:1 is its
-# delta file, write:2 its table, write:5 the marker. With --max-chain 1, step 3 writes `b` whole and references step 1 only, so retention
-# lets step 2 (a delta on step 1) go.
+# (every delta is taken against the anchor): read:3 step 2's manifest, read:4 step 1's (the anchor); write:1 is
+# its delta file, write:2 its table, write:5 the marker. With --max-chain 1, step 3 writes `b` whole and
+# references step 1 only, so retention lets step 2 (a delta on step 1) go.
 KEEP1 = ["--max-to-keep", "1"]
 DELTA = ["--delta"]
 DELTA_KEEP1 = ["--delta", "--max-chain", "1", *KEEP1]
