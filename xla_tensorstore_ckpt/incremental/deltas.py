@@ -35,7 +35,7 @@ def encode(new: np.ndarray, base: np.ndarray, level: int = zstd.DEFAULT_LEVEL) -
     """The delta turning `base` into `new` (same shape and dtype)."""
     a, b = _elements(new), _elements(base)
     xor = np.bitwise_xor(a, b)
-    changed = np.flatnonzero(xor)
+    changed = _changed(xor)
     if len(changed) * SPARSE_EVERY <= len(xor) and len(xor) < 1 << 32:
         gaps = np.diff(changed, prepend=-1) - 1  # >= 0: positions strictly increase
         long = np.flatnonzero(gaps > 255)
@@ -44,6 +44,22 @@ def encode(new: np.ndarray, base: np.ndarray, level: int = zstd.DEFAULT_LEVEL) -
         return (bytes([_SPARSE8]) + struct.pack("<QQ", len(changed), len(long))
                 + zstd.compress(memoryview(payload), level))
     return bytes([_DENSE]) + zstd.compress(memoryview(xor.view(np.uint8)), level)
+
+
+def _changed(xor: np.ndarray) -> np.ndarray:
+    """The positions of `xor`'s non-zero elements, ascending. Found word by word (8 bytes: 4 bf16 elements) and
+    only then element by element in the non-zero words: with a few percent changed, a quarter of the elements
+    to scan (`np.flatnonzero` of the elements took 2/3 of a delta's encoding); each scan of a boolean mask,
+    which numpy's `nonzero` runs several times faster than over integers."""
+    per_word = 8 // xor.itemsize
+    head = len(xor) - len(xor) % per_word
+    if per_word == 1 or head == 0:
+        return np.flatnonzero(xor != 0)
+    words = np.flatnonzero(xor[:head].view(np.uint64) != 0)
+    lanes = np.flatnonzero(xor[:head].reshape(-1, per_word)[words] != 0)
+    changed = words[lanes // per_word] * per_word + lanes % per_word
+    tail = np.flatnonzero(xor[head:] != 0)
+    return np.concatenate((changed, tail + head)) if len(tail) else changed
 
 
 def apply(base: np.ndarray, delta: bytes, *, in_place: bool = False) -> np.ndarray:
