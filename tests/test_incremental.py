@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import assert_trees_equal
+from helpers import Paths, assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli
@@ -196,6 +196,44 @@ def test_delta_chain_and_damaged_delta(tmp_path):
     with pytest.raises(CheckpointError, match=r"_chunk_deltas.process_0.*array w.*damaged"):
         xtc.restore(tmp_path / "4" / "extra")
     assert cli.main(["verify", str(tmp_path / "4")]) == 1
+
+
+def test_delta_restore_reads_each_frame_once(tmp_path):
+    """A delta step deep in its chain restores bit-exact reading one frame per changed chunk, each once: the
+    restore's ``restore_finished`` event counts the ranged reads (frames) and their bytes, which are exactly the
+    step's own delta file, however many saves lie between it and its anchor."""
+    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=None, delta=True)) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, extra={"w": _sharded(_rl_weights(step))})
+        assert mgr.metadata(6).chain == 5 and mgr.metadata(6).bases == (1,)
+    frames = os.path.getsize(tmp_path / "6" / "extra" / "_chunk_deltas.process_0")
+    for restore in ("new", "in place"):
+        paths = Paths()
+        if restore == "new":
+            value = paths.restore(tmp_path / "6" / "extra")["w"]
+        else:
+            value = paths.restore(tmp_path / "6" / "extra", {"w": torch.zeros(64, 64, dtype=torch.bfloat16)})["w"]
+        assert torch.equal(value, _rl_weights(6))
+        assert paths["ranged_reads"] == CHUNKS and paths["ranged_read_bytes"] == frames  # one frame a chunk
+
+
+def test_anchor_every_writes_a_full_step_and_frees_the_older_ones(tmp_path):
+    """`anchor_every=3`: steps 1, 4 and 7 are full anchors (every chunk written, the frozen one too, nothing
+    referenced), the others reference and delta on them; once step 7 is committed, retention lets every older
+    step go."""
+    frozen = torch.randn(32, 32)
+    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1, delta=True, anchor_every=3)) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, extra={"w": _rl_weights(step), "frozen": frozen})
+            assert mgr.metadata(step).bases == (() if step in (1, 4, 7) else (3 * ((step - 1) // 3) + 1,))
+            if step == 6:
+                assert mgr.all_steps() == [4, 6]  # step 6 deltas on its anchor, 4
+        assert mgr.all_steps() == [7]
+        target = {"w": torch.zeros(64, 64, dtype=torch.bfloat16), "frozen": torch.zeros(32, 32)}
+        assert mgr.restore(7, extra=target) == 7
+    assert torch.equal(target["w"], _rl_weights(7)) and torch.equal(target["frozen"], frozen)
+    with pytest.raises(ValueError, match="anchor_every"):
+        xtc.CheckpointManagerOptions(anchor_every=0)
 
 
 @pytest.mark.parametrize("changed", [3, 40, 800, 4096])  # sparse (long gaps), sparse, sparse, dense

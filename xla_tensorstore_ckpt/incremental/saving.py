@@ -34,13 +34,13 @@ logger = logging.getLogger("xla_tensorstore_ckpt")
 class BaseStep:
     """What an incremental save compares with: the committed `step` at `location` (its step directory), or
     nothing (`step` None: an anchor, every chunk written, the tables recorded for the next save). With `delta`, a
-    changed chunk is stored as the zstd frame of its XOR with the base's chunk where that frame is at most
-    `delta_max_ratio` of the chunk and the base's chunk is read through fewer than `max_chain` deltas."""
+    changed chunk is stored as the zstd frame of its XOR with its anchor's chunk where that frame is at most
+    `delta_max_ratio` of the chunk and the anchor lies fewer than `max_chain` saves back."""
 
     step: int | None = None
     location: Location | None = None
     delta: bool = False
-    max_chain: int = 4
+    max_chain: int = 8
     delta_max_ratio: float = 0.5
 
 
