@@ -238,7 +238,7 @@ class CheckpointManagerOptions:
         frame. Off by default.
     max_chain: with ``delta``, a chunk whose anchor lies this many saves back is written whole again (a new
         anchor for that chunk): bounds how far a delta's frame grows and how long its anchor is kept. Default 8
-        (an RL-style frame after 8 saves: 1.4x the first's; docs/incremental.md).
+        (an RL-style frame after 8 saves: 1.34x the first's; docs/incremental.md).
     anchor_every: with ``incremental``, every this many saves of a tier is a full anchor step: every chunk
         written, nothing referenced, so retention can let every older step go. None (the default): no full
         anchor beyond the first; a frozen chunk stays referenced from the step that wrote it (a restore reads it
