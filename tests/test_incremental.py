@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import sys
 
+import numpy as np
 import pytest
 import torch
-from helpers import assert_trees_equal
+from helpers import Paths, assert_trees_equal
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli
@@ -177,35 +179,82 @@ def test_delta_steps_restore_bit_exact_through_chains(tmp_path):
 
 
 def test_delta_chain_and_damaged_delta(tmp_path):
+    """Each delta is taken against its chunk's anchor, not the step before: step 4 is one frame on step 1,
+    restores apply that one frame, and retention lets the delta steps between go."""
     with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1, delta=True)) as mgr:
         for step in range(1, 5):
             mgr.save(step, extra={"w": _rl_weights(step)})
-        assert mgr.all_steps() == [1, 2, 3, 4] and mgr.metadata(4).bases == (1, 2, 3)  # anchor 1, frames of 2-4
-        assert mgr.metadata(4).chain == 3
-    for step in range(1, 5):
+            assert mgr.metadata(step).chain == step - 1  # saves since the anchor, as `max_chain` counts them
+        assert mgr.all_steps() == [1, 4] and mgr.metadata(4).bases == (1,)  # anchor 1, step 4's own frame
+    for step in (1, 4):
         assert torch.equal(xtc.restore(tmp_path / str(step) / "extra")["w"], _rl_weights(step))
     assert cli.main(["verify", str(tmp_path / "4")]) == 0
-    deltas = tmp_path / "3" / "extra" / "_chunk_deltas.process_0"
+    deltas = tmp_path / "4" / "extra" / "_chunk_deltas.process_0"
     data = bytearray(deltas.read_bytes())
     data[len(data) // 2] ^= 0xFF
     deltas.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"_chunk_deltas.process_0.*array w.*damaged"):
         xtc.restore(tmp_path / "4" / "extra")
-    assert cli.main(["verify", str(tmp_path / "4")]) == 1  # verify reads the whole chain: step 3's frame too
+    assert cli.main(["verify", str(tmp_path / "4")]) == 1
 
 
-@pytest.mark.parametrize("changed", [3, 40, 4096])  # sparse, sparse, dense
+def test_delta_restore_reads_each_frame_once(tmp_path):
+    """A delta step deep in its chain restores bit-exact reading one frame per changed chunk, each once: the
+    restore's ``restore_finished`` event counts the ranged reads (frames) and their bytes, which are exactly the
+    step's own delta file, however many saves lie between it and its anchor."""
+    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=None, delta=True)) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, extra={"w": _sharded(_rl_weights(step))})
+        assert mgr.metadata(6).chain == 5 and mgr.metadata(6).bases == (1,)
+    frames = os.path.getsize(tmp_path / "6" / "extra" / "_chunk_deltas.process_0")
+    for restore in ("new", "in place"):
+        paths = Paths()
+        if restore == "new":
+            value = paths.restore(tmp_path / "6" / "extra")["w"]
+        else:
+            value = paths.restore(tmp_path / "6" / "extra", {"w": torch.zeros(64, 64, dtype=torch.bfloat16)})["w"]
+        assert torch.equal(value, _rl_weights(6))
+        assert paths["ranged_reads"] == CHUNKS and paths["ranged_read_bytes"] == frames  # one frame a chunk
+
+
+def test_anchor_every_writes_a_full_step_and_frees_the_older_ones(tmp_path):
+    """`anchor_every=3`: steps 1, 4 and 7 are full anchors (every chunk written, the frozen one too, nothing
+    referenced), the others reference and delta on them; once step 7 is committed, retention lets every older
+    step go."""
+    frozen = torch.randn(32, 32)
+    with xtc.CheckpointManager(tmp_path, _options(max_to_keep=1, delta=True, anchor_every=3)) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, extra={"w": _rl_weights(step), "frozen": frozen})
+            assert mgr.metadata(step).bases == (() if step in (1, 4, 7) else (3 * ((step - 1) // 3) + 1,))
+            if step == 6:
+                assert mgr.all_steps() == [4, 6]  # step 6 deltas on its anchor, 4
+        assert mgr.all_steps() == [7]
+        target = {"w": torch.zeros(64, 64, dtype=torch.bfloat16), "frozen": torch.zeros(32, 32)}
+        assert mgr.restore(7, extra=target) == 7
+    assert torch.equal(target["w"], _rl_weights(7)) and torch.equal(target["frozen"], frozen)
+    with pytest.raises(ValueError, match="anchor_every"):
+        xtc.CheckpointManagerOptions(anchor_every=0)
+
+
+@pytest.mark.parametrize("changed", [3, 40, 800, 4096])  # sparse (long gaps), sparse, sparse, dense
 def test_delta_encodings_round_trip_and_refuse_damage(changed):
+    from xla_tensorstore_ckpt.arrays import zstd
     from xla_tensorstore_ckpt.incremental import deltas
 
     base = torch.randn(64, 64).to(torch.bfloat16).view(torch.int16).numpy()
     new = base.copy()
     new.reshape(-1)[torch.randperm(base.size)[:changed].numpy()] += 1
     frame = deltas.encode(new, base)
-    assert (frame[0] == 1) == (changed * deltas.SPARSE_EVERY <= base.size)
+    assert frame[0] == (2 if changed * deltas.SPARSE_EVERY <= base.size else 0)
     assert (deltas.apply(base, frame) == new).all()
     with pytest.raises(ValueError):
         deltas.apply(base, frame[:-3])
+    # the sparse frames written before one-byte gaps (kind 1: uint32 gaps) still apply
+    changed_at = np.flatnonzero(new.reshape(-1) != base.reshape(-1))
+    payload = (np.diff(changed_at, prepend=0).astype(np.uint32).tobytes()
+               + (new.reshape(-1) ^ base.reshape(-1))[changed_at].tobytes())
+    old = bytes([1]) + struct.pack("<Q", len(changed_at)) + zstd.compress(memoryview(payload), 3)
+    assert (deltas.apply(base, old) == new).all()
 
 
 @pytest.mark.xla
@@ -227,8 +276,8 @@ def test_spmd_sharded_chunks_referenced_and_restored_resharded(tmp_path, mesh_4x
     table = json.loads((tmp_path / "2" / "extra" / "_chunk_hashes.process_0.json").read_text())
     chunks = table["arrays"]["w"]["chunks"]
     assert sorted(k for k, (_, step, delta) in chunks.items() if step is None and delta is None) == []
-    anchor, links = chunks["0.0"][2]  # stored as a delta on step 1's chunk
-    assert anchor == 1 and [link[0] for link in links] == [None]
+    anchor, links, depth = chunks["0.0"][2]  # stored as a delta on step 1's chunk
+    assert anchor == 1 and [link[0] for link in links] == [None] and depth == 1
     assert all(chunks[k][1] == 1 for k in chunks if k != "0.0")
 
 
@@ -242,13 +291,14 @@ def test_two_processes_reference_and_delta_their_own_chunks(tmp_path):
     from incremental_job import global_value
 
     results = launch_job(script, 2, str(tmp_path / "root"), str(tmp_path / "local"))
-    for rank, r in enumerate(results):
+    for r in results:
         assert r["returncode"] == 0, r["stderr"][-3000:]
-        # step 3: process 0's chunk a delta on step 2 (itself a delta on 1), process 1's referenced from step 1
-        assert r["lines"][-1]["persistent"] == [1, 2, 3] and r["lines"][-1]["bases"] == [1, 2]
-        # each local tier keeps its newest step and that step's chain: process 1's references step 1 only
-        assert r["lines"][-1]["local"] == ([1, 2, 3] if rank == 0 else [1, 3])
+        # step 3: process 0's chunk a delta on its anchor, step 1 (as step 2's was), process 1's referenced from
+        # step 1: retention lets step 2 go
+        assert r["lines"][-1]["persistent"] == [1, 3] and r["lines"][-1]["bases"] == [1]
+        # each local tier keeps its newest step and the anchor it references
+        assert r["lines"][-1]["local"] == [1, 3]
     assert sorted(n for n in os.listdir(tmp_path / "root" / "3" / "model") if n.startswith("_chunk_hashes")) == [
         "_chunk_hashes.process_0.json", "_chunk_hashes.process_1.json"]
-    for step in (1, 2, 3):
+    for step in (1, 3):
         assert torch.equal(xtc.restore(tmp_path / "root" / str(step) / "model")["w"], global_value(step))

@@ -232,11 +232,17 @@ class CheckpointManagerOptions:
         references the others (docs/incremental.md); retention keeps every step a kept step references. Off by
         default: every step standalone, which Orbax reads whole (`xtckpt convert --to step` makes an
         incremental step standalone). With ``local_replication > 1`` the local tier stays standalone.
-    delta: with ``incremental``, a changed chunk is stored as the zstd frame of its bitwise XOR with the base
-        step's chunk where that is at most half its size (lossless: RL-style steps that change a few percent of
-        bf16 weights); a restore applies the chain of deltas. Off by default.
-    max_chain: with ``delta``, a chunk whose base is already read through this many deltas is written whole (an
-        anchor for that chunk), which bounds what a restore applies.
+    delta: with ``incremental``, a changed chunk is stored as the zstd frame of its bitwise XOR with the chunk's
+        anchor (the step that last wrote it whole) where that is at most half its size (lossless: RL-style steps
+        that change a few percent of bf16 weights); a restore reads the anchor's chunk and applies that one
+        frame. Off by default.
+    max_chain: with ``delta``, a chunk whose anchor lies this many saves back is written whole again (a new
+        anchor for that chunk): bounds how far a delta's frame grows and how long its anchor is kept. Default 8
+        (an RL-style frame after 8 saves: 1.34x the first's; docs/incremental.md).
+    anchor_every: with ``incremental``, every this many saves of a tier is a full anchor step: every chunk
+        written, nothing referenced, so retention can let every older step go. None (the default): no full
+        anchor beyond the first; a frozen chunk stays referenced from the step that wrote it (a restore reads it
+        from there at no extra cost) and `max_chain` bounds the deltas.
     """
 
     save_interval_steps: int | None = 100
@@ -273,7 +279,8 @@ class CheckpointManagerOptions:
     listeners: tuple[Listener, ...] = ()
     incremental: bool = False
     delta: bool = False
-    max_chain: int = 4
+    max_chain: int = 8
+    anchor_every: int | None = None
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners, "CheckpointManagerOptions.listeners")
@@ -300,6 +307,7 @@ class CheckpointManagerOptions:
         if self.max_chain is None:
             raise ValueError("max_chain must be an integer >= 1, got None")
         _optional_int("max_chain", self.max_chain, 1)
+        _optional_int("anchor_every", self.anchor_every, 1)
         if self.delta is True and not self.incremental:
             raise ValueError("delta needs incremental")
         if self.local_replication > 1 and self.local_directory is None:

@@ -258,6 +258,7 @@ class CheckpointManager(RestoreSide):
                                                   plan_caches=managed.plan_caches,
                                                   incremental=self._incremental(managed),
                                                   delta=self._options.delta, max_chain=self._options.max_chain,
+                                                  anchor_every=self._options.anchor_every,
                                                   page_cache=managed.is_local and self._options.local_page_cache)
                             for managed in tiers]
             pendings = step_save.stage(

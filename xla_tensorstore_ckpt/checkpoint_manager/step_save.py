@@ -36,7 +36,8 @@ class Destination:
     plan_caches: dict[str, save_plan.PlanCache]
     incremental: bool = False
     delta: bool = False
-    max_chain: int = 4
+    max_chain: int = 8
+    anchor_every: int | None = None  # every this many saves a full anchor step (`Tier.base_for`)
     page_cache: bool = False  # written through the page cache (`SaveOptions.page_cache`): a local tier
 
 
@@ -53,7 +54,8 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
     every process."""
     shared = any(not d.own_copy for d in destinations)
     # Incremental saves: each tier's base, pinned against retention until the save commits or fails.
-    bases = [dataclasses.replace(d.tier.base_for(step), delta=d.delta, max_chain=d.max_chain) if d.incremental
+    bases = [dataclasses.replace(d.tier.base_for(step, d.anchor_every), delta=d.delta, max_chain=d.max_chain)
+             if d.incremental
              else None for d in destinations]
     opts = [dataclasses.replace(options, incremental=b, page_cache=options.page_cache or d.page_cache)
             for d, b in zip(destinations, bases)]

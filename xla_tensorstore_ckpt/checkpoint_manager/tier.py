@@ -90,12 +90,15 @@ class Tier:
             self._steps[step] = marker
         return marker
 
-    def base_for(self, step: int) -> incremental_saving.BaseStep:
+    def base_for(self, step: int, anchor_every: int | None = None) -> incremental_saving.BaseStep:
         """The base of an incremental save of `step`: the newest other committed step (pinned against retention
-        until `Tier.commit` of the save ends), or none (an anchor)."""
+        until `Tier.commit` of the save ends), or none (a full anchor step): the tier's first step, or, with
+        `anchor_every`, the save that many saves after the last full anchor (`StepMetadata.since_anchor`)."""
         with self._guard:
-            others = [s for s in self._steps if s != step]
+            others = sorted(s for s in self._steps if s != step)
             if not others:
+                return incremental_saving.BaseStep()
+            if anchor_every is not None and self._steps[max(others)].since_anchor + 1 >= anchor_every:
                 return incremental_saving.BaseStep()
             self._pins.append(max(others))
         return incremental_saving.BaseStep(max(others), self.index.location(max(others)))
@@ -194,6 +197,9 @@ class Tier:
             if save.base is not None:  # incremental: the items' references and the step's bases, from its tables
                 plans, marker = incremental_saving.commit_refs(coordinator, save.location, dict(plans), marker,
                                                                lambda s: self.index.location(s).name)
+                with self._guard:  # the base is pinned: still listed
+                    base = self._steps.get(save.base)
+                marker = dataclasses.replace(marker, since_anchor=0 if base is None else base.since_anchor + 1)
             final = formats.step_files(marker)
             publish = None if save.location == save.final else lambda: save.location.rename_to(save.final)
             commit.commit(coordinator, save.location, plans, final, fsync=fsync, what=what, publish=publish)

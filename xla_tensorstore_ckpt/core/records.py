@@ -169,5 +169,8 @@ class StepMetadata:
     tiers: tuple[str, ...] = ()
     # An incremental step: the steps holding chunks it references (`incremental`); retention keeps them.
     bases: tuple[int, ...] = ()
-    # A delta step: the most deltas a restore of one of its chunks applies to the anchor's chunk (0: none).
+    # A delta step: the most saves between one of its delta chunks and that chunk's anchor (0: none).
     chain: int = 0
+    # An incremental step: how many saves of its tier since the last full anchor step (0: this is one), which
+    # `CheckpointManagerOptions.anchor_every` bounds.
+    since_anchor: int = 0

@@ -3,7 +3,7 @@ commit learns it from the writing processes' chunk tables (`incremental.saving.s
 
 In the item's ``_METADATA``, under our object (`formats.v2`), ``"incremental": {"tables": [<the chunk tables of
 the item>], "bases": [[<step>, "<its directory name>"], ...], "arrays": [<names of arrays with chunks stored in a
-base>], "chain": <the most deltas a chunk's restore applies>}``. Every save of a manager with ``incremental``
+base>], "chain": <the most saves since a delta chunk's anchor>}``. Every save of a manager with ``incremental``
 on records it, anchors included (``bases`` empty), so that the next save finds the tables. A reader wraps its
 reader of such an item in `incremental.layered.LayeredReader` when ``arrays`` is not empty. Decoded by `v2`;
 here, below `incremental/`, so that the format does not import the folder that builds on it.
@@ -21,7 +21,7 @@ from ..core.errors import CorruptCheckpointError
 class ItemRefs:
     """An item's references: its chunk tables (file names in the item), the steps holding chunks it references
     (step number, directory name beside the item's step: ``<root>/<name>/<item>``), the arrays concerned, and
-    the longest delta chain of its chunks."""
+    the deepest delta of its chunks (saves since its anchor)."""
 
     tables: tuple[str, ...]
     bases: tuple[tuple[int, str], ...] = ()

@@ -164,8 +164,10 @@ def encode_step(marker: StepMetadata) -> bytes:
             "versions": marker.versions, "process_count": marker.process_count}
     if marker.bases:  # an incremental step: the steps it references (retention keeps them)
         mine["bases"] = list(marker.bases)
-    if marker.chain:  # a delta step: its longest chain of deltas
+    if marker.chain:  # a delta step: the most saves between a delta chunk and its anchor
         mine["chain"] = marker.chain
+    if marker.since_anchor:  # an incremental step: saves since the last full anchor step
+        mine["since_anchor"] = marker.since_anchor
     if marker.writer is not None:
         mine["local_tier"] = {"writer": marker.writer, "persistent_copy": marker.persistent_copy,
                               "persistent_root": marker.persistent_root}
@@ -203,6 +205,7 @@ def decode_step(_loc: Location, doc: dict, _step: int | None, *, where: str) -> 
                         process_count=v1.integer(mine.get("process_count", 1), where, minimum=1),
                         format_version=VERSION, bases=bases,
                         chain=v1.integer(mine.get("chain", 0), where, minimum=0),
+                        since_anchor=v1.integer(mine.get("since_anchor", 0), where, minimum=0),
                         writer=None if local is None else v1.integer(local.get("writer"), where, minimum=0),
                         persistent_copy=bool(local and local["persistent_copy"]),
                         persistent_root=None if local is None else local["persistent_root"])

@@ -211,7 +211,7 @@ class _DeltaChunk:
     def read(self, regions: Sequence[Index], empty: Empty = np.empty) -> dict[Index, PendingRead]:
         chunk = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(self.index, self.array.chunk_shape,
                                                                     self.array.shape))
-        anchor, links = self.array.where[self.index][1]
+        anchor, links, _ = self.array.where[self.index][1]
         where = f"{self.array.location}: chunk {list(self.index)}"
 
         def frames() -> list[bytes]:

@@ -35,13 +35,13 @@ logger = logging.getLogger("xla_tensorstore_ckpt")
 class BaseStep:
     """What an incremental save compares with: the committed `step` at `location` (its step directory), or
     nothing (`step` None: an anchor, every chunk written, the tables recorded for the next save). With `delta`, a
-    changed chunk is stored as the zstd frame of its XOR with the base's chunk where that frame is at most
-    `delta_max_ratio` of the chunk and the base's chunk is read through fewer than `max_chain` deltas."""
+    changed chunk is stored as the zstd frame of its XOR with its anchor's chunk where that frame is at most
+    `delta_max_ratio` of the chunk and the anchor lies fewer than `max_chain` saves back."""
 
     step: int | None = None
     location: Location | None = None
     delta: bool = False
-    max_chain: int = 4
+    max_chain: int = 8
     delta_max_ratio: float = 0.5
 
 
@@ -94,25 +94,42 @@ class Recorder:
             else:
                 hit = base.chunks.get(index)
                 if hit is not None and hit[0] == digest:
-                    chunk = hit  # unchanged: where the base has it (whole in a step, or a chain)
-                elif hit is not None and self.options.delta and len((hit[2] or (0, ()))[1]) < self.options.max_chain:
+                    chunk = hit  # unchanged: where the base has it (whole in a step, or a delta on its anchor)
+                elif hit is not None and self.options.delta and tables.depth(hit) < self.options.max_chain:
                     chunk = self._delta(meta, region, array, digest, hit) or chunk
         entry.chunks[index] = chunk
         return chunk[1] is not None or chunk[2] is not None
 
     def _delta(self, meta, region, array, digest: str, hit: tables.Chunk) -> tables.Chunk | None:
-        """The chunk as the base's chunk's chain plus one delta, if its frame is small enough."""
-        if self._reader is None:
-            self._reader = layered.reader(self.base_item, formats.read_item(self.base_item).store)
-        base = self._reader.open(meta).result().read([region])[region].result()
+        """The chunk as one delta on the anchor of the base's chunk (the step holding it whole), if its frame is
+        small enough. Each delta is taken against the anchor, never against the base's value: a restore applies
+        one frame however many saves lie between (a chain of per-step frames cost 2-3x a full restore at
+        4 frames; the elements a small learning rate moves are mostly the same ones step after step, so the
+        frame against the anchor grows slowly: docs/incremental.md). Reads the anchor's chunk from its own store
+        (blocks)."""
+        anchor = hit[2][0] if hit[2] is not None else hit[1]
+        base = self._anchor_array(anchor, meta).read([region])[region].result()
         frame = deltas.encode(array, base)
         if len(frame) > self.options.delta_max_ratio * array.nbytes:
             return None
         link = (None, tables.delta_name(self.writer), self.delta_bytes, len(frame), crc32c.crc32c(frame))
         self.frames.append(frame)
         self.delta_bytes += len(frame)
-        anchor, links = hit[2] if hit[2] is not None else (hit[1], ())
-        return (digest, None, (anchor, (*links, link)))
+        return (digest, None, (anchor, (link,), tables.depth(hit) + 1))
+
+    def _anchor_array(self, anchor: int, meta):
+        """Array `meta` in step `anchor`'s own store: the base item's own (the base is the anchor), or, through
+        the base item's references, the step it names (opened once per save)."""
+        if self._reader is None:
+            manifest = formats.read_item(self.base_item)
+            self._reader = layered.reader(self.base_item, manifest.store)
+        if anchor == self.options.step:
+            own = self._reader.own if isinstance(self._reader, layered.LayeredReader) else self._reader
+            return own.open(meta).result()
+        if not isinstance(self._reader, layered.LayeredReader):
+            raise CheckpointError(f"{self.base_item}: its table names step {anchor} as holding a chunk of "
+                                  f"{meta.path}, but the item references no other step")
+        return self._reader.base_array(anchor, meta).result()
 
     def finish(self, item: Location) -> list[str]:
         """Write this process's table (and delta file) into `item`, made durable by the commit with the
@@ -148,8 +165,8 @@ def _base_tables(item: Location, step: int) -> dict[str, tables.ArrayChunks]:
 def _resolved(chunk: tables.Chunk, step: int) -> tables.Chunk:
     digest, held, delta = chunk
     if delta is not None:
-        anchor, links = delta
-        return (digest, None, (anchor, tuple((step if s is None else s, *rest) for s, *rest in links)))
+        anchor, links, depth = delta
+        return (digest, None, (anchor, tuple((step if s is None else s, *rest) for s, *rest in links), depth))
     return (digest, step if held is None else held, None)
 
 
@@ -187,7 +204,7 @@ def summarize(tables: dict[str, dict], step_dir) -> ItemRefs:
             for _, _, delta in entry.chunks.values():  # a delta chain: its anchor and the steps of its frames
                 if delta is not None:
                     stored |= {delta[0]} | {link[0] for link in delta[1] if link[0] is not None}
-                    chain = max(chain, len(delta[1]))
+                    chain = max(chain, delta[2])
                     arrays.add(name)
             if stored:
                 bases |= stored

@@ -34,7 +34,8 @@ _HASH = re.compile(r"[0-9a-f]{32}")
 _INDEX = re.compile(r"[0-9]+(\.[0-9]+)*|")
 
 Link = tuple[int | None, str, int, int, int]  # a delta frame: (its step or None: this item, file, offset, length, crc)
-Delta = tuple[int, tuple[Link, ...]]  # (the anchor step, the frames applied to its chunk, in order)
+# (the anchor step, the frames applied to its chunk in order, how many saves since the anchor: `depth`)
+Delta = tuple[int, tuple[Link, ...], int]
 Chunk = tuple[str, int | None, Delta | None]  # (hash, the step holding it whole or None, delta chain or None)
 DELTAS = layout.CHUNK_DELTAS_PREFIX
 
@@ -47,6 +48,12 @@ def table_name(writer: int) -> str:
 def delta_name(writer: int) -> str:
     """The file of process `writer`'s delta frames in an item."""
     return f"{DELTAS}{writer}"
+
+
+def depth(chunk: Chunk) -> int:
+    """How many saves since the chunk's anchor: 0 for a chunk held whole, else its delta's depth (`max_chain`
+    bounds it)."""
+    return 0 if chunk[2] is None else chunk[2][2]
 
 
 def index_name(index: tuple[int, ...]) -> str:
@@ -67,7 +74,7 @@ class ArrayChunks:
 def encode(arrays: dict[str, ArrayChunks]) -> bytes:
     """A table's bytes. Called once per item by each process at the end of its writes."""
     body = {name: {"shape": list(a.shape), "dtype": a.dtype, "chunk_shape": list(a.chunk_shape),
-                   "chunks": {i: [h, s, None if d is None else [d[0], [list(link) for link in d[1]]]]
+                   "chunks": {i: [h, s, None if d is None else [d[0], [list(link) for link in d[1]], d[2]]]
                               for i, (h, s, d) in a.chunks.items()}}
             for name, a in arrays.items()}
     doc = {"format": FORMAT, "hash": ALGORITHM, "arrays": body}
@@ -103,8 +110,11 @@ def _array(entry: object, where: str) -> ArrayChunks:
             if delta is not None:
                 if step is not None:
                     raise ValueError(index)
-                anchor, links = delta
-                delta = (_int(anchor), tuple(_link(link, where) for link in links))
+                anchor, links, *depth = delta  # no depth: a table written before it, one save per frame
+                links = tuple(_link(link, where) for link in links)
+                delta = (_int(anchor), links, _int(depth[0]) if depth else len(links))
+                if len(depth) > 1 or not links or delta[2] < 1:
+                    raise ValueError(index)
             chunks[index] = (digest, step, delta)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{where}: malformed chunk table entry ({exc!r})") from None
