@@ -17,8 +17,9 @@ restores read a just-written checkpoint from the page cache.
     python -m benchmarks scale [--quick] [--scale 1.0] [--repeats 7] [--set processes=1,2,4,8]
                                [--set replicas=1,2,4] [--set storage=local,gcs] [--set weak_mib=64]
                                [--set strong_mib=256] [--set cap_mib=16] [--set trees=/old,/new]
-With ``--set trees=/old/checkout,/new/checkout`` every configuration's job runs once per checkout (PYTHONPATH),
-the checkouts' order alternating ABBA from one configuration to the next, and the text ends with the new/old
+With ``--set trees=/old/checkout,/new/checkout`` every configuration's job runs `rounds` times (default 1) per
+checkout (PYTHONPATH), in ABBA order, the first checkout alternating from one configuration to the next (their
+repeats pooled), and the text ends with the new/old
 ratios of save and restore times per configuration (the last tree over the first).
 The reference run (about 11 minutes here) writes benchmarks/results/scale.{json,txt,png}; --quick (1, 2 and 4
 processes, 0.1 scale, 3 repeats: a few minutes) and any other run write theirs to the temporary directory.
@@ -206,6 +207,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def merged(results: list[dict]) -> list[dict]:
+    """One row per tree and configuration: the series of its jobs (`rounds`) pooled, the rest the first's."""
+    out: dict[tuple, dict] = {}
+    for r in results:
+        key = (r["tree"], r["storage"], r["scaling"], r["processes"], r["replicas"])
+        if key not in out:
+            out[key] = {**r, "on": dict(r["on"]), "off": dict(r["off"])}
+            continue
+        row = out[key]
+        row["save_s"] = row["save_s"] + r["save_s"]
+        row["save_cpu"] = row["save_cpu"] + r["save_cpu"]
+        for mode in ("on", "off"):
+            for series in ("restore_s", "restore_cpu"):
+                row[mode][series] = row[mode][series] + r[mode][series]
+    return list(out.values())
+
+
 def compared(results: list[dict], old: str, new: str) -> str:
     """Per configuration, `new`'s medians over `old`'s (below 1: `new` is faster): wall time of the slowest
     process and CPU seconds of all processes, of a save and of a restore with single-replica reads on and off;
@@ -280,6 +298,7 @@ def run(settings: harness.Settings) -> harness.Result:
     from object_stores import start_object_store
 
     trees = settings.option("trees", ()) or ("",)  # "": this checkout
+    rounds = settings.option("rounds", 1)  # jobs per configuration and tree (ABBA), their repeats pooled
     results = []
     configuration = 0
     for kind in settings.option("storage", ("local", "gcs")):
@@ -289,7 +308,8 @@ def run(settings: harness.Settings) -> harness.Result:
             with tempfile.TemporaryDirectory(prefix="scale-", dir=settings.workdir) as tmp:
                 for processes in processes_:
                     for replicas in (r for r in replicas_ if r <= processes and processes % r == 0):
-                        for tree in (trees if configuration % 2 == 0 else trees[::-1]):  # ABBA
+                        first = trees if configuration % 2 == 0 else trees[::-1]
+                        for tree in harness.alternate(first, rounds):
                             print(f"{kind}: {processes} processes, R={replicas} {tree}...", file=sys.stderr,
                                   flush=True)
                             tree_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, (
@@ -302,6 +322,7 @@ def run(settings: harness.Settings) -> harness.Result:
         finally:
             if server is not None:
                 server.stop()
+    results = merged(results)
     rows = [harness.Row(f"P={r['processes']} R={r['replicas']}" + (f" {r['tree']}" if r["tree"] else ""),
                         {"save_s": harness.series(r["save_s"], "s"),
                          "restore_on_s": harness.series(r["on"]["restore_s"], "s"),

@@ -81,7 +81,7 @@ CASES: dict[str, Case] = {case.name: case for case in (
          reference_options=("persistent",)),
     Case("scale", "bench_scale", "save and restore by 1-8 processes, replication 1-4, single-replica reads ABBA",
          options={"processes": "1,2,4,8", "replicas": "1,2,4", "storage": "local,gcs", "weak_mib": "64",
-                  "strong_mib": "256", "cap_mib": "16", "trees": ""},
+                  "strong_mib": "256", "cap_mib": "16", "trees": "", "rounds": "1"},
          quick_repeats=3, quick_options={"processes": "1,2,4"}),
     Case("coordination-sim", "bench_coordination_sim", "the Coordinator's messages and planning CPU at 16-1,024 "
          "processes, simulated", options={"processes": "16,32,64,128,256,512,1024"},
