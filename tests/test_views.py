@@ -22,7 +22,7 @@ from xla_tensorstore_ckpt.core import tunables
 from xla_tensorstore_ckpt.core.errors import UsageError
 from xla_tensorstore_ckpt.core.records import SavedSharding
 from xla_tensorstore_ckpt.tools import convert, inspection
-from xla_tensorstore_ckpt.views import histogram, layout, report
+from xla_tensorstore_ckpt.views import histogram, layout, report, sketch
 
 GOLDEN_ORBAX = os.path.join(os.path.dirname(__file__), "golden", "orbax-0.11", "item")
 
@@ -105,6 +105,25 @@ def test_sketch_sums_keep_the_digits_of_a_narrow_spread_far_from_zero():
     expected = np.concatenate([values[:100], values[100:] + np.float32(1)]).astype(np.float64)
     assert offset.mean == pytest.approx(expected.mean(), rel=1e-12)
     assert offset.std == pytest.approx(expected.std(), rel=1e-5) and (offset.nan, offset.inf) == (1, 1)
+
+
+def test_sketch_counts_zeros_exactly_beside_tiny_values_in_their_bins():
+    """The bins around zero also hold denormals (and -0 its own bin): the zeros are counted in the values, on the
+    bincount path (more than sketch.SMALL values) and the sorting one, with the sums of values straddling zero."""
+    tiny = np.array([1e-45, -1e-45, 1e-41, -1e-41], np.float32)  # denormals in the bins of +0 and -0
+    rng = np.random.default_rng(4)
+    for size in (100, 3 * sketch.SMALL):
+        values = rng.standard_normal(size).astype(np.float32)
+        values[:8] = [0.0, -0.0, 0.0, -0.0, *tiny]
+        whole = histogram.ValueSketch()
+        whole.add(values)
+        as_float = values.astype(np.float64)
+        assert (whole.count, whole.zeros) == (size, 4)
+        assert whole.counts[0] == 4 and whole.counts[0x8000] == 4
+        assert whole.mean == pytest.approx(as_float.mean(), abs=1e-6) and whole.std == pytest.approx(as_float.std())
+        positive = histogram.ValueSketch()  # +0 and positive denormals only: the integer count of zero words
+        positive.add(np.abs(values))
+        assert positive.zeros == 4
 
 
 def test_stats_command_quantiles_and_histograms(root, capsys):
