@@ -160,6 +160,32 @@ def test_diff_per_tensor_and_per_layer(root, capsys):
     assert "[model/layers.1]" in out and "12.50%" in out
 
 
+@pytest.mark.parametrize("special", [False, True])
+def test_chunk_diff_counts_and_norms_as_float64_masks_do(special):
+    """The finite path (b - a is 0 exactly where equal, -0 equal to 0) and the masked one (NaN equal to NaN, Inf
+    to Inf) agree with the definitions computed plainly in float64."""
+    from xla_tensorstore_ckpt.tools import scans
+
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(10_000).astype(np.float32)
+    b = a.copy()
+    b[::7] += np.float32(0.25)
+    a[1], b[1] = 0.0, -0.0
+    b[2] = np.nextafter(a[2], np.float32(np.inf))  # one float32 step: differs
+    if special:
+        a[3], b[3] = np.nan, np.nan
+        a[4], b[4] = np.inf, np.inf
+        b[5] = np.nan
+    va, vb = a.astype(np.float64), b.astype(np.float64)
+    unequal = (va != vb) & ~(np.isnan(va) & np.isnan(vb))
+    delta = np.abs(vb - va)
+    expected = (float(np.square(np.nan_to_num(va)).sum()), int(unequal.sum()), float(np.nanmax(delta)),
+                float(np.nansum(np.square(vb - va))))
+    found = scans._chunk_diff(a.reshape(100, 100), b.reshape(100, 100))
+    assert found[1] == expected[1] and found[2] == expected[2]
+    assert found[0] == pytest.approx(expected[0], rel=1e-12) and found[3] == pytest.approx(expected[3], rel=1e-12)
+
+
 def test_diff_across_formats_with_a_key_map(tmp_path, capsys):
     hf = str(tmp_path / "hf")
     write_hf_dir(hf)
