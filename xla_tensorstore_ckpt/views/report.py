@@ -5,7 +5,8 @@ end the script), drawn by inline JavaScript into SVG with ``textContent`` only (
 text); nothing is fetched when it is viewed. Written under a temporary name and swapped in (`outputs`).
 
 Reads each byte once: with a diff, both steps by `scans.diff`, the shown step's statistics taken from the same
-reads (when it is one of the two); then the arrays left by `histogram.summaries`. Used by ``xtckpt report`` and
+reads (when it is one of the two); then the arrays left by `histogram.summaries`, in the tree's order (the order
+they were stored in: near sequential reads), shown largest first. Used by ``xtckpt report`` and
 `views.report_html`; blocks; no torch_xla.
 """
 
@@ -88,7 +89,10 @@ def report_data(path: str, options: ReportOptions | None = None, progress: Progr
         data["diff"] = {"a": pair[0].step, "b": pair[1].step,
                         "layers": [g.to_json() for g in diff_view.by_layer(diffs)],
                         "tensors": [d.to_json() for d in diffs]}
-    rest = [array for array in chosen if array[2] not in found]
+    # read in the tree's order (the order the arrays were stored in, so reads stay near sequential), shown largest
+    # first
+    order = {r.key: i for i, r in enumerate(arrays)}
+    rest = sorted((array for array in chosen if array[2] not in found), key=lambda array: order[array[2]])
     for done, summary in enumerate(histogram.summaries(checkpoint, rest, bins=options.bins), 1):
         found[summary.key] = summary.to_json()
         if progress:
