@@ -121,7 +121,8 @@ class Entry:
 
 class Binning:
     """Chunks binned on the pool in order of arrival, at most `budget` bytes and `MAX_JOBS` chunks waiting;
-    the arrays' summaries handed out in order as they complete."""
+    the arrays' summaries handed out in order as they complete. Used from one thread (`summaries`, the report's
+    diff observer): `put` blocks while it is full, `finished` raises what a binning job raised."""
 
     def __init__(self, budget: int, bins: int, scale: str):
         self.budget, self.bins, self.scale = budget, bins, scale
