@@ -22,7 +22,7 @@ from xla_tensorstore_ckpt.core import tunables
 from xla_tensorstore_ckpt.core.errors import UsageError
 from xla_tensorstore_ckpt.core.records import SavedSharding
 from xla_tensorstore_ckpt.tools import convert, inspection
-from xla_tensorstore_ckpt.views import histogram, layout, report
+from xla_tensorstore_ckpt.views import histogram, layout, report, sketch
 
 GOLDEN_ORBAX = os.path.join(os.path.dirname(__file__), "golden", "orbax-0.11", "item")
 
@@ -107,6 +107,25 @@ def test_sketch_sums_keep_the_digits_of_a_narrow_spread_far_from_zero():
     assert offset.std == pytest.approx(expected.std(), rel=1e-5) and (offset.nan, offset.inf) == (1, 1)
 
 
+def test_sketch_counts_zeros_exactly_beside_tiny_values_in_their_bins():
+    """The bins around zero also hold denormals (and -0 its own bin): the zeros are counted in the values, on the
+    bincount path (more than sketch.SMALL values) and the sorting one, with the sums of values straddling zero."""
+    tiny = np.array([1e-45, -1e-45, 1e-41, -1e-41], np.float32)  # denormals in the bins of +0 and -0
+    rng = np.random.default_rng(4)
+    for size in (100, 3 * sketch.SMALL):
+        values = rng.standard_normal(size).astype(np.float32)
+        values[:8] = [0.0, -0.0, 0.0, -0.0, *tiny]
+        whole = histogram.ValueSketch()
+        whole.add(values)
+        as_float = values.astype(np.float64)
+        assert (whole.count, whole.zeros) == (size, 4)
+        assert whole.counts[0] == 4 and whole.counts[0x8000] == 4
+        assert whole.mean == pytest.approx(as_float.mean(), abs=1e-6) and whole.std == pytest.approx(as_float.std())
+        positive = histogram.ValueSketch()  # +0 and positive denormals only: the integer count of zero words
+        positive.add(np.abs(values))
+        assert positive.zeros == 4
+
+
 def test_stats_command_quantiles_and_histograms(root, capsys):
     status, out, _ = run("stats", root / "2", "model/layers.0.w", "model/norm", "--json", capsys=capsys)
     assert status == 0
@@ -139,6 +158,32 @@ def test_diff_per_tensor_and_per_layer(root, capsys):
     assert layers["model/layers.1"].changed == 1 and layers["model/layers.0"].delta_l2 == 0
     status, out, _ = run("diff", root / "1", root / "2", "--sort", "layer", capsys=capsys)
     assert "[model/layers.1]" in out and "12.50%" in out
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_chunk_diff_counts_and_norms_as_float64_masks_do(special):
+    """The finite path (b - a is 0 exactly where equal, -0 equal to 0) and the masked one (NaN equal to NaN, Inf
+    to Inf) agree with the definitions computed plainly in float64."""
+    from xla_tensorstore_ckpt.tools import scans
+
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(10_000).astype(np.float32)
+    b = a.copy()
+    b[::7] += np.float32(0.25)
+    a[1], b[1] = 0.0, -0.0
+    b[2] = np.nextafter(a[2], np.float32(np.inf))  # one float32 step: differs
+    if special:
+        a[3], b[3] = np.nan, np.nan
+        a[4], b[4] = np.inf, np.inf
+        b[5] = np.nan
+    va, vb = a.astype(np.float64), b.astype(np.float64)
+    unequal = (va != vb) & ~(np.isnan(va) & np.isnan(vb))
+    delta = np.abs(vb - va)
+    expected = (float(np.square(np.nan_to_num(va)).sum()), int(unequal.sum()), float(np.nanmax(delta)),
+                float(np.nansum(np.square(vb - va))))
+    found = scans._chunk_diff(a.reshape(100, 100), b.reshape(100, 100))
+    assert found[1] == expected[1] and found[2] == expected[2]
+    assert found[0] == pytest.approx(expected[0], rel=1e-12) and found[3] == pytest.approx(expected[3], rel=1e-12)
 
 
 def test_diff_across_formats_with_a_key_map(tmp_path, capsys):

@@ -91,7 +91,7 @@ def summaries(checkpoint: Checkpoint, arrays: Iterable[Array], *, bins: int = 40
     scale, `CorruptCheckpointError` naming the chunk for damaged data."""
     if scale not in ("linear", "log"):
         raise UsageError(f"unknown histogram scale {scale!r}: linear or log")
-    binning = _Binning(max(1, max_bytes // 2), bins, scale)
+    binning = Binning(max(1, max_bytes // 2), bins, scale)
     try:
         for item, meta, key in arrays:
             entry = binning.start(key, meta)
@@ -109,7 +109,7 @@ def summaries(checkpoint: Checkpoint, arrays: Iterable[Array], *, bins: int = 40
         binning.cancel()
 
 
-class _Entry:
+class Entry:
     """An array being summarised: its sketch, its chunks still being binned, whether all were read."""
 
     __slots__ = ("key", "meta", "sketch", "pending", "walked")
@@ -119,25 +119,26 @@ class _Entry:
         self.pending, self.walked = 0, False
 
 
-class _Binning:
+class Binning:
     """Chunks binned on the pool in order of arrival, at most `budget` bytes and `MAX_JOBS` chunks waiting;
-    the arrays' summaries handed out in order as they complete."""
+    the arrays' summaries handed out in order as they complete. Used from one thread (`summaries`, the report's
+    diff observer): `put` blocks while it is full, `finished` raises what a binning job raised."""
 
     def __init__(self, budget: int, bins: int, scale: str):
         self.budget, self.bins, self.scale = budget, bins, scale
         self.scratches: queue.SimpleQueue[Scratch] = queue.SimpleQueue()  # one per thread binning at a time
         for _ in range(THREADS + 1):
             self.scratches.put(Scratch())
-        self.entries: collections.deque[_Entry] = collections.deque()
-        self.jobs: collections.deque[tuple[_Entry, concurrent.futures.Future, int]] = collections.deque()
+        self.entries: collections.deque[Entry] = collections.deque()
+        self.jobs: collections.deque[tuple[Entry, concurrent.futures.Future, int]] = collections.deque()
         self.held = 0
 
-    def start(self, key: str, meta: ArrayMetadata) -> _Entry:
-        entry = _Entry(key, meta)
+    def start(self, key: str, meta: ArrayMetadata) -> Entry:
+        entry = Entry(key, meta)
         self.entries.append(entry)
         return entry
 
-    def put(self, entry: _Entry, data: np.ndarray) -> None:
+    def put(self, entry: Entry, data: np.ndarray) -> None:
         """Bin `data` into `entry`'s sketch: at once if small, else on the pool once there is room."""
         if data.nbytes < tunables.get("histogram_inline_bytes"):
             self._add(entry.sketch, data)

@@ -5,7 +5,8 @@ end the script), drawn by inline JavaScript into SVG with ``textContent`` only (
 text); nothing is fetched when it is viewed. Written under a temporary name and swapped in (`outputs`).
 
 Reads each byte once: with a diff, both steps by `scans.diff`, the shown step's statistics taken from the same
-reads (when it is one of the two); then the arrays left by `histogram.summaries`. Used by ``xtckpt report`` and
+reads (when it is one of the two); then the arrays left by `histogram.summaries`, in the tree's order (the order
+they were stored in: near sequential reads), shown largest first. Used by ``xtckpt report`` and
 `views.report_html`; blocks; no torch_xla.
 """
 
@@ -31,7 +32,6 @@ from ..tools import inspection
 from ..tools.inspection import Checkpoint, Progress
 from . import diff as diff_view
 from . import histogram, layout
-from .sketch import Scratch, ValueSketch
 
 DEFAULT_MAX_STAT_ARRAYS = 100_000
 MAX_LAYOUTS = 64  # the largest arrays get a drawn layout
@@ -80,12 +80,19 @@ def report_data(path: str, options: ReportOptions | None = None, progress: Progr
         a, b = (inspection.open_checkpoint(root.child(s.name)) for s in pair)
         shown = str(b.location) == str(checkpoint.location)  # its arrays' statistics from the diff's reads of them
         observer = _Observer({key: meta for _, meta, key in chosen}, options.bins) if shown else None
-        diffs = diff_view.diff_tensors(a, b, include_equal=True, observe_b=observer)
-        found = observer.finish() if observer is not None else {}
+        try:
+            diffs = diff_view.diff_tensors(a, b, include_equal=True, observe_b=observer)
+            found = observer.finish() if observer is not None else {}
+        finally:
+            if observer is not None:
+                observer.cancel()
         data["diff"] = {"a": pair[0].step, "b": pair[1].step,
                         "layers": [g.to_json() for g in diff_view.by_layer(diffs)],
                         "tensors": [d.to_json() for d in diffs]}
-    rest = [array for array in chosen if array[2] not in found]
+    # read in the tree's order (the order the arrays were stored in, so reads stay near sequential), shown largest
+    # first
+    order = {r.key: i for i, r in enumerate(arrays)}
+    rest = sorted((array for array in chosen if array[2] not in found), key=lambda array: order[array[2]])
     for done, summary in enumerate(histogram.summaries(checkpoint, rest, bins=options.bins), 1):
         found[summary.key] = summary.to_json()
         if progress:
@@ -96,33 +103,43 @@ def report_data(path: str, options: ReportOptions | None = None, progress: Progr
 
 class _Observer:
     """Statistics of the shown step's arrays taken from the regions a diff reads of them, array after array
-    (`scans.diff`'s `observe_b`), so that each of their bytes is read once."""
+    (`scans.diff`'s `observe_b`), so that each of their bytes is read once; binned on `histogram`'s threads
+    (`histogram.Binning`, its bounded memory) while the diff goes on with the next regions."""
 
     def __init__(self, arrays: dict[str, ArrayMetadata], bins: int):
-        self.arrays, self.bins = arrays, bins
+        self.arrays = arrays
+        self.binning = histogram.Binning(max(1, histogram.DEFAULT_MAX_BYTES // 2), bins, "linear")
         self.key: str | None = None
-        self.sketch: ValueSketch | None = None
-        self.scratch = Scratch()
+        self.entry: histogram.Entry | None = None
         self.done: dict[str, dict] = {}
 
     def __call__(self, key: str, data: np.ndarray) -> None:
         if key != self.key:
             self._close()
-            self.key, self.sketch = key, ValueSketch() if key in self.arrays else None
-        if self.sketch is not None:
-            self.sketch.add(data, self.scratch)
+            self.key = key
+            self.entry = self.binning.start(key, self.arrays[key]) if key in self.arrays else None
+        if self.entry is not None:
+            self.binning.put(self.entry, data)
+            self._collect()
 
     def _close(self) -> None:
-        if self.sketch is not None and self.key is not None:
-            meta = self.arrays[self.key]
-            self.done[self.key] = histogram.summarize(self.key, meta.dtype, meta.shape, self.sketch,
-                                                      bins=self.bins).to_json()
-        self.sketch = None
+        if self.entry is not None:
+            self.entry.walked = True
+        self.entry = None
+
+    def _collect(self, wait: bool = False) -> None:
+        for summary in self.binning.finished(wait):
+            self.done[summary.key] = summary.to_json()
 
     def finish(self) -> dict[str, dict]:
-        """The summaries (as JSON) of the arrays the diff read whole, by key."""
+        """The summaries (as JSON) of the arrays the diff read whole, by key (waits for their binning)."""
         self._close()
+        self._collect(wait=True)
         return self.done
+
+    def cancel(self) -> None:
+        """Drop the binning not yet started (the diff failed)."""
+        self.binning.cancel()
 
 
 def _resolve(path: str, step: str | None) -> tuple[list, Checkpoint, storage.Location | None]:

@@ -4,17 +4,23 @@ mean and standard deviation.
 
 A value's bin is the top 16 bits of its float32 form (sign, exponent and the top 7 mantissa bits: one view of the
 bits, no arithmetic), so a bin spans a relative width of 2^-7; values that bfloat16 holds exactly (bfloat16,
-float8, int8, uint8, bool) each have a bin of their own. Each slab of `SLAB` values costs one pass for the bins
-(their bit patterns widened into a reused buffer, one ``np.bincount``) and, for float32, one each for min, max,
-the sum and the sum of squares; the NaN/Inf and zero counts come from the bins (the exponent-all-ones bins, the
-two bins around zero), so finite data takes no extra pass. For bfloat16 and the 8-bit types every statistic
-comes from the bins, exactly: a slab costs the bincount alone.
+float8, int8, uint8, bool) each have a bin of their own. A float32 slab of `SLAB` values costs five reading
+passes and no allocation of its size: the bins (their bit patterns widened into a reused int64 buffer, one
+``np.bincount``, whose 65,536 counts are added to the sketch whole), min, max, the sum and the sum of squares
+(one ``einsum``). NaN/Inf and zeros are looked for in the values only when the bins show them (the
+exponent-all-ones bins; the two bins around zero, then one integer count of the words that are zero), so finite
+data without zeros takes no extra pass. For bfloat16 and the 8-bit types every statistic comes from the bins,
+exactly: a slab costs the bincount alone.
 
-Sums are of ``value - shift`` (the middle of the first values seen; merged sketches re-centred), so that data
-far from zero with a narrow spread (a norm's weights near 1) keeps its digits: float32 sums per slab (numpy's
-pairwise summation: relative error near 1e-7 of the sum of magnitudes), accumulated in float64; spreads beyond
-float32's safe range are summed in float64. Used by `views.histogram`; no I/O; `add` may be called from several
-threads at once (the merge into the sketch takes its lock), each with a `Scratch` of its own.
+Exact: the count, NaN/Inf and zero counts, min and max, the bin counts. Sketched: the quantiles and histograms
+(from the bins: within a bin's width, exact for the types bfloat16 holds), the mean and standard deviation
+(float32 sums per slab, accumulated in float64: relative error near 1e-7 of the sum of magnitudes). A slab's
+sums are of its values themselves when they straddle zero or lie within their spread of it (the usual weights,
+moments, gradients), else of ``value - shift`` (the middle of the slab's range, subtracted into a reused buffer
+first) so that data far from zero with a narrow spread (a norm's weights near 1) keeps its digits; the sketch
+re-centres each slab's sums onto its own shift in float64; spreads beyond float32's safe range are summed in
+float64. Used by `views.histogram`; no I/O; `add` may be called from several threads at once (the merge into the
+sketch takes its lock), each with a `Scratch` of its own.
 """
 
 from __future__ import annotations
@@ -236,23 +242,32 @@ def _slab_part(values: np.ndarray, scratch: Scratch) -> _Part:
     return _general_part(values, scratch)
 
 
-def _bins(codes: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray]:
-    """(the bins present, their counts) of uint16 bin numbers: a bincount of them widened into this thread's
-    int64 buffer; for fewer than `SMALL`, a radix sort (a bincount zeroes and scans 65,536 bins each time)."""
+def _bins(codes: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
+    """(counts, present) of uint16 bin numbers: for `SMALL` or more, every bin's count (`present` None) by one
+    bincount of them widened into this thread's int64 buffer (added to a sketch whole: no search for the bins
+    present); for fewer, (their counts, the bins present) by a radix sort (a bincount zeroes 65,536 bins)."""
     if codes.size < SMALL:
         ordered = np.sort(codes, kind="stable")  # radix sort for 16-bit integers
         starts = np.flatnonzero(np.diff(ordered)) + 1
-        return ordered[np.r_[0, starts]].astype(np.intp), np.diff(np.r_[0, starts, codes.size])
+        return np.diff(np.r_[0, starts, codes.size]), ordered[np.r_[0, starts]].astype(np.intp)
     wide, low16, _ = scratch.buffers()
     low16[:codes.size] = codes
-    dense = np.bincount(wide[:codes.size], minlength=BINS)
-    present = np.flatnonzero(dense)
-    return present, dense[present]
+    return np.bincount(wide[:codes.size], minlength=BINS), None
+
+
+def _any_in(counts: np.ndarray, present: np.ndarray | None, first: int, stop: int) -> bool:
+    """Whether any value fell in the bins first..stop-1."""
+    if present is None:
+        return bool(counts[first:stop].any())
+    return bool(np.searchsorted(present, first) < np.searchsorted(present, stop))
 
 
 def _exact_part(codes: np.ndarray, scratch: Scratch) -> _Part:
     """Values that are exactly their bins' lower edges (bfloat16, 8-bit types): every statistic from the bins."""
-    present, counts = _bins(codes, scratch)
+    counts, present = _bins(codes, scratch)
+    if present is None:
+        present = np.flatnonzero(counts)
+        counts = counts[present]
     values = LOW[present]
     finite = np.isfinite(values)
     nan = inf = 0
@@ -271,31 +286,47 @@ def _exact_part(codes: np.ndarray, scratch: Scratch) -> _Part:
 
 def _float32_part(values: np.ndarray, scratch: Scratch) -> _Part:
     """float32 values: bins first; NaN/Inf (exponent all ones) and zeros (the two bins around zero) looked for
-    in the values only where the bins show them."""
-    present, counts = _bins(values.view(np.uint16)[_HIGH_HALF::2], scratch)
-    special = (present & 0x7F80) == 0x7F80
+    in the values only where the bins show them; then min, max, Σ and Σ² (`_sums32`), one pass each."""
+    counts, present = _bins(values.view(np.uint16)[_HIGH_HALF::2], scratch)
     nan = inf = 0
-    if special.any():
+    if _any_in(counts, present, 0x7F80, 0x8000) or _any_in(counts, present, 0xFF80, BINS):
         nan, inf = int(np.isnan(values).sum()), int(np.isinf(values).sum())
         values = values[np.isfinite(values)]
-        present, counts = present[~special], counts[~special]
+        if present is None:
+            counts[0x7F80:0x8000] = counts[0xFF80:] = 0
+        else:
+            kept = (present & 0x7F80) != 0x7F80
+            present, counts = present[kept], counts[kept]
     if not values.size:
         return _Part(counts, nan=nan, inf=inf, present=present)
     low, high = float(values.min()), float(values.max())
-    negative_zero = int(np.searchsorted(present, 0x8000))
-    near_zero = present[0] == 0 or (negative_zero < present.size and present[negative_zero] == 0x8000)
-    zeros = values.size - int(np.count_nonzero(values)) if near_zero else 0
+    zeros = 0
+    if _any_in(counts, present, 0x8000, 0x8001):  # -0 or a tiny negative: zeros are the bits 0 after the sign
+        bits = np.left_shift(values.view(np.uint32), 1, out=scratch.buffers()[2][:values.size].view(np.uint32))
+        zeros = values.size - int(np.count_nonzero(bits))
+    elif _any_in(counts, present, 0, 1):  # +0 or a tiny positive: zeros are the words 0
+        zeros = values.size - int(np.count_nonzero(values.view(np.uint32)))
+    shift, total, total_sq = _sums32(values, low, high, scratch)
+    return _Part(counts, values.size, nan, inf, zeros, low, high, shift, total, total_sq, present)
+
+
+def _sums32(values: np.ndarray, low: float, high: float, scratch: Scratch) -> tuple[float, float, float]:
+    """(shift, Σ (v - shift), Σ (v - shift)²) of finite float32 values between `low` and `high`: the shift is 0
+    when the values straddle zero or lie within their spread of it (then Σ v and Σ v² lose at most two bits to
+    the mean's cancellation, and take one reading pass each, no copy), else the middle of the range, subtracted
+    into this thread's buffer first (a norm's weights near 1 keep their digits). Float32 accumulation (numpy's
+    pairwise sum; einsum's SIMD lanes for the squares): relative error near 1e-7 of the sum of magnitudes."""
     shift = float(np.float32((low + high) / 2))
     spread = max(high - shift, shift - low)
     if spread == 0:
-        total = total_sq = 0.0
-    elif _SPREAD[0] <= spread <= _SPREAD[1]:
+        return shift, 0.0, 0.0
+    magnitude = max(abs(low), abs(high))
+    if abs(shift) <= spread and _SPREAD[0] <= magnitude <= _SPREAD[1]:
+        return 0.0, float(values.sum()), float(np.einsum("i,i->", values, values))
+    if _SPREAD[0] <= spread <= _SPREAD[1]:
         deviation = np.subtract(values, np.float32(shift), out=scratch.buffers()[2][:values.size])
-        total = float(deviation.sum())
-        total_sq = float(np.square(deviation, out=deviation).sum())
-    else:
-        total, total_sq = _sums64(values, shift)
-    return _Part(counts, values.size, nan, inf, zeros, low, high, shift, total, total_sq, present)
+        return shift, float(deviation.sum()), float(np.einsum("i,i->", deviation, deviation))
+    return (shift, *_sums64(values, shift))
 
 
 def _general_part(values: np.ndarray, scratch: Scratch) -> _Part:
@@ -311,7 +342,7 @@ def _general_part(values: np.ndarray, scratch: Scratch) -> _Part:
     if not values.size:
         return _Part(np.zeros(0, np.int64), nan=nan, inf=inf, present=np.zeros(0, np.intp))
     narrow = np.clip(values, -_F32_MAX, _F32_MAX).astype(np.float32)  # beyond float32: its extreme bins
-    present, counts = _bins(narrow.view(np.uint16)[_HIGH_HALF::2], scratch)
+    counts, present = _bins(narrow.view(np.uint16)[_HIGH_HALF::2], scratch)
     low, high = float(values.min()), float(values.max())
     shift = (low + high) / 2
     total, total_sq = _sums64(values, shift)
