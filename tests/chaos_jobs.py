@@ -5,6 +5,7 @@ directly, and the fault-free reference run's digests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -94,11 +95,13 @@ class Job:
                 codes[message["exit"]] = message["code"]
         hung = [(pid, out) for pid, out in zip(self.pids, self.outs) if pid not in codes]
         for pid, _ in hung:  # every thread's stack into the process's stderr file, for the report
-            os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGUSR1)
+            with contextlib.suppress(ProcessLookupError):  # it may end meanwhile (a stopped one, continued)
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGUSR1)
         for pid, out in hung:
             _wait_for_stacks(out + ".err")
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         return [codes.get(pid) for pid in self.pids]
 
     def kill(self) -> None:

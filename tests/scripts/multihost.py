@@ -96,8 +96,13 @@ def stall(root: str, when: str, stalled: int, rank: int, world: int) -> None:
             then = None
         except xtc.CoordinationTimeoutError as again:
             then = {"missing": list(again.missing), "message": str(again)[:500]}
+        try:  # closing does not wait for the stopped process either, even where it hosts the side channel
+            manager.close()
+        except xtc.CheckpointError:
+            pass
         print(json.dumps({"rank": rank, "error": type(exc).__name__, "phase": exc.phase,
-                          "missing": list(exc.missing), "message": str(exc)[:500], "then": then}), flush=True)
+                          "missing": list(exc.missing), "message": str(exc)[:500], "then": then,
+                          "closed": True}), flush=True)
     # Process 0 hosts the side channel the others name the stopped one through: it leaves when they are done
     # (process 1 does, where process 0 is the stopped one).
     with open(f"{root}/named.{rank}", "w"):
