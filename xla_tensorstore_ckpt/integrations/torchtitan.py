@@ -154,7 +154,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
         return started
 
     def _saved_objects(self) -> dict[str, Any]:
-        objects: dict[str, Any] = {"model": self.states[MODEL].state_dict(),
+        objects: dict[str, Any] = {"model": self._model_state(),
                                    "optimizer": self.states[OPTIMIZER].state_dict(),
                                    "lr_scheduler": self.states[LR_SCHEDULER].state_dict()}
         if self.states[DATALOADER] is not None:
@@ -164,12 +164,19 @@ class XtcCheckpointManager(BaseCheckpointManager):
             objects["extra"] = extra
         return objects
 
+    def _model_state(self) -> dict[str, Any]:
+        """The model parts' state dicts merged, as `ModelWrapper.state_dict` computes them, without its cache:
+        torchtitan keeps tensors that state-dict hooks make (a fused QKV weight split into ``wq``/``wk``/``wv``)
+        in stable storage for DCP's pinned staging buffers, at the cost of copying each into it at every save;
+        our staging copies what it saves anyway. Collective when a hook is (that split gathers the weight)."""
+        return {key: value for part in self.states[MODEL].model for key, value in part.state_dict().items()}
+
     def _save_model_only(self, step: int) -> None:
         """The last step: the model alone in ``export_dtype`` (with ``last_save_in_hf``, under Hugging Face
         names, then exported as safetensors to ``<folder>/step_<n>-hf`` by the first process). Blocks until
         committed and exported."""
         model = {key: value.to(self.export_dtype) if isinstance(value, torch.Tensor) and value.is_floating_point()
-                 else value for key, value in self.states[MODEL].state_dict().items()}
+                 else value for key, value in self._model_state().items()}
         if self.config.last_save_in_hf:
             model = self.sd_adapter.to_hf(model)
         self._manager.save(step, model=model, force=True)
