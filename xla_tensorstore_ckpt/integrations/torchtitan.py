@@ -146,8 +146,19 @@ class XtcCheckpointManager(BaseCheckpointManager):
         force = last_step or first
         if not force and not self._manager.should_save(curr_step):
             return False
-        started = self._manager.save(curr_step, force=force, **self._saved_objects())
+        previous = self.save_future
+        try:
+            started = self._manager.save(curr_step, force=force, **self._saved_objects())
+        except Exception as exc:
+            if previous is not None and not previous.done():  # it failed (an AsyncSaveError) or never ends
+                previous.set_exception(exc)
+                self.save_future = None
+            raise
         if started and config.async_mode == "async":
+            # One save is in flight at a time: a save that started waited for the previous one's commit, whose
+            # future a caller may hold (torchtitan's DCP manager resolves it at the next save too).
+            if previous is not None and not previous.done():
+                previous.set_result(None)
             self.save_future = Future()
         if last_step:
             self._wait_for_saving()
