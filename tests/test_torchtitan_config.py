@@ -38,7 +38,7 @@ def _build(folder, sd_adapter=None, model=None, **config):
         optimizers.step()
         schedulers.step()
     states = {"trainer": torch.tensor([1.25])}
-    manager = XtcCheckpointManager.Config(enable=True, folder="ckpt", interval=2, **config).build(
+    manager = XtcCheckpointManager.Config(**{"enable": True, "folder": "ckpt", "interval": 2, **config}).build(
         dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states=states,
         sd_adapter=sd_adapter, base_folder=str(folder))
     return manager, model, states
@@ -189,3 +189,48 @@ def test_initial_load_from_an_orbax_root_written_by_jax(tmp_path):
         manager.close()
     for key, value in orbax_trees.model(2).items():  # its newest step
         assert torch.equal(model.state_dict()[key], dtypes.numpy_to_tensor(value.copy())), key
+
+
+def test_what_torchtitans_own_manager_tests_check(tmp_path):
+    """The behaviours torchtitan's unit tests check of its DCP manager (tests/unit_tests/test_checkpoint.py), of
+    ours: the first step saved with enable_first_step_checkpoint whatever the interval; nothing saved with
+    load_only; a non-persistent buffer never saved; keep_latest_k keeping the newest steps; a committed step in
+    the folder resumed rather than the initial_load_path (the fault-tolerance path); and an asynchronous save's
+    future resolved once the next save has started (it waited for that commit)."""
+    root = os.path.join(tmp_path, "ckpt")
+
+    def steps() -> list[str]:
+        return sorted(name for name in os.listdir(root) if name.startswith("step_")) if os.path.isdir(root) else []
+
+    first, _, _ = _build(tmp_path, enable_first_step_checkpoint=True, async_mode="disabled")
+    assert [first.save(step) for step in (1, 2, 3)] == [True, True, False]
+    first.close()
+    assert steps() == ["step_1", "step_2"]
+
+    loading, _, _ = _build(tmp_path / "only", load_only=True)
+    assert loading.save(2) is False and loading.save(4, last_step=True) is False
+    loading.close()
+    assert not os.path.exists(tmp_path / "only" / "ckpt") or not os.listdir(tmp_path / "only" / "ckpt")
+
+    model = torch.nn.Linear(4, 2)
+    model.register_buffer("cache", torch.ones(3), persistent=False)
+    kept, _, _ = _build(tmp_path / "kept", model=model, interval=1, keep_latest_k=2, async_mode="async")
+    futures = []
+    for step in (1, 2, 3):
+        assert kept.save(step) is True
+        futures.append(kept.save_future)
+    assert futures[0].done() and futures[1].done() and not futures[2].done()
+    kept.maybe_wait_for_saving()
+    assert futures[2].done() and kept.save_future is None
+    kept.close()
+    kept_root = os.path.join(tmp_path, "kept", "ckpt")
+    assert sorted(n for n in os.listdir(kept_root) if n.startswith("step_")) == ["step_2", "step_3"]
+    assert set(xtc.restore(os.path.join(kept_root, "step_3", "model"))) == {"weight", "bias"}  # no "cache"
+
+    other = str(tmp_path / "absent")  # would raise if read: the folder's committed step comes first
+    resumed, resumed_model, _ = _build(tmp_path, initial_load_path=other, initial_load_model_only=True)
+    with torch.no_grad():
+        resumed_model[0].weight.fill_(0)
+    assert resumed.load() is True
+    assert not torch.equal(resumed_model[0].weight, torch.zeros_like(resumed_model[0].weight))
+    resumed.close()

@@ -87,10 +87,21 @@ def _stage(step: int, destinations: Sequence[Destination], states: Mapping[str, 
                 items[RNG_ITEM] = rng_state.capture(0, 1) if own else rng_state.capture(coordinator.index,
                                                                                          coordinator.count)
             caches = destination.plan_caches
+            first = precondition if not plans else None
+            # The job's tier clears its step directory in the planning's agreement rather than with a broadcast
+            # of its own (one collective less per save), once the state is validated; but a committed step
+            # being replaced is deleted only after every process has passed the precondition.
+            tier = destination.tier
+            merged = (first is not None and coordinator.distributed and not own
+                      and destination.coordinator is coordinator and step not in tier.committed())
+            if merged:
+                tier.forget(step)
+                first.action = (lambda t=tier: t.clear(step)) if coordinator.is_primary else None
+                first.what = f"{first.what}; preparing step {step} at {tier.index.location(step)}"
             plans.append(save_plan.plan_saves(items, options, coordinator, own_copy=own, caches={
-                name: caches.setdefault(name, save_plan.PlanCache()) for name in items},
-                precondition=precondition if not plans else None))
-            places.append(destination.tier.prepare(destination.coordinator, step))
+                name: caches.setdefault(name, save_plan.PlanCache()) for name in items}, precondition=first))
+            places.append(tier.places(step, first.agreed or 0) if merged
+                          else tier.prepare(destination.coordinator, step))
             markers.append(dataclasses.replace(marker, items=tuple(plans[-1]), persistent_copy=own and shared,
                                                writer=coordinator.index if own else None,
                                                persistent_root=marker.persistent_root if own else None))

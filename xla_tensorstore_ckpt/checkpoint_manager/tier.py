@@ -168,19 +168,26 @@ class Tier:
         """Clear the way for `step` (a committed one being replaced, a crashed save's leftovers); return where
         to write it and where it ends: a temporary directory renamed into place at the commit where the storage
         renames (so that no reader, Orbax included, ever sees a partial step under its name), else the step
-        directory itself, whose marker is written last."""
+        directory itself, whose marker is written last. Collective (one broadcast)."""
         final = self.index.location(step)
-
-        def clear() -> str | None:
-            if step in self.committed():
-                self.index.delete(step)
-            if not final.is_empty():
-                final.delete_tree()
-            return layout.tmp_step_name(final.name, time.time_ns()) if self.root.capabilities.renames else None
-
         self.forget(step)
-        temporary = coordinator.on_primary(f"preparing step {step} at {final}", clear, share=True)
-        return (self.root.child(temporary) if temporary else final), final
+        stamp = coordinator.on_primary(f"preparing step {step} at {final}", lambda: self.clear(step), share=True)
+        return self.places(step, stamp)
+
+    def clear(self, step: int) -> int:
+        """`prepare`'s part on the primary: clear the step's directory and return the stamp of its temporary
+        name (0: none, the storage cannot rename), which every process passes to `places`. Primary only."""
+        final = self.index.location(step)
+        if step in self.committed():
+            self.index.delete(step)
+        if not final.is_empty():
+            final.delete_tree()
+        return time.time_ns() if self.root.capabilities.renames else 0
+
+    def places(self, step: int, stamp: int) -> tuple[Location, Location]:
+        """Where `step` is written and where it ends, from the stamp `clear` returned on the primary."""
+        final = self.index.location(step)
+        return (self.root.child(layout.tmp_step_name(final.name, stamp)) if stamp else final), final
 
     def commit(self, coordinator: Coordinator, save: PendingSave, *, fsync: bool, committed_at: float,
                on_written: Callable[[writing.Writes], None] | None = None) -> list[int]:

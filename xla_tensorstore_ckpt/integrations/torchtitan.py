@@ -146,15 +146,26 @@ class XtcCheckpointManager(BaseCheckpointManager):
         force = last_step or first
         if not force and not self._manager.should_save(curr_step):
             return False
-        started = self._manager.save(curr_step, force=force, **self._saved_objects())
+        previous = self.save_future
+        try:
+            started = self._manager.save(curr_step, force=force, **self._saved_objects())
+        except Exception as exc:
+            if previous is not None and not previous.done():  # it failed (an AsyncSaveError) or never ends
+                previous.set_exception(exc)
+                self.save_future = None
+            raise
         if started and config.async_mode == "async":
+            # One save is in flight at a time: a save that started waited for the previous one's commit, whose
+            # future a caller may hold (torchtitan's DCP manager resolves it at the next save too).
+            if previous is not None and not previous.done():
+                previous.set_result(None)
             self.save_future = Future()
         if last_step:
             self._wait_for_saving()
         return started
 
     def _saved_objects(self) -> dict[str, Any]:
-        objects: dict[str, Any] = {"model": self.states[MODEL].state_dict(),
+        objects: dict[str, Any] = {"model": self._model_state(),
                                    "optimizer": self.states[OPTIMIZER].state_dict(),
                                    "lr_scheduler": self.states[LR_SCHEDULER].state_dict()}
         if self.states[DATALOADER] is not None:
@@ -164,12 +175,19 @@ class XtcCheckpointManager(BaseCheckpointManager):
             objects["extra"] = extra
         return objects
 
+    def _model_state(self) -> dict[str, Any]:
+        """The model parts' state dicts merged, as `ModelWrapper.state_dict` computes them, without its cache:
+        torchtitan keeps tensors that state-dict hooks make (a fused QKV weight split into ``wq``/``wk``/``wv``)
+        in stable storage for DCP's pinned staging buffers, at the cost of copying each into it at every save;
+        our staging copies what it saves anyway. Collective when a hook is (that split gathers the weight)."""
+        return {key: value for part in self.states[MODEL].model for key, value in part.state_dict().items()}
+
     def _save_model_only(self, step: int) -> None:
         """The last step: the model alone in ``export_dtype`` (with ``last_save_in_hf``, under Hugging Face
         names, then exported as safetensors to ``<folder>/step_<n>-hf`` by the first process). Blocks until
         committed and exported."""
         model = {key: value.to(self.export_dtype) if isinstance(value, torch.Tensor) and value.is_floating_point()
-                 else value for key, value in self.states[MODEL].state_dict().items()}
+                 else value for key, value in self._model_state().items()}
         if self.config.last_save_in_hf:
             model = self.sd_adapter.to_hf(model)
         self._manager.save(step, model=model, force=True)

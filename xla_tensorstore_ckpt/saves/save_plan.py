@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
@@ -137,14 +137,21 @@ def plan_save(state: Any, options: SaveOptions | None = None, coordinator: Coord
                       caches=None if cache is None else {"": cache})[""]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Precondition:
     """What the caller did before planning, checked in the planning's own agreement rather than one of its own:
     `error` (None: it succeeded here) is raised on every process if it is set on any (`Coordinator.everywhere`
-    semantics, naming `what`)."""
+    semantics, naming `what`).
+
+    `action`, when the agreement is collective, runs after the state is validated and before the agreement,
+    unless `error` is set here (a manager's primary clearing the step directory: what needed a broadcast of
+    its own); an exception it raises becomes `error`, and the maximum over the processes of the non-negative
+    int it returns (0 where there is none) is `agreed` once `plan_saves` returns."""
 
     what: str
     error: BaseException | None
+    action: Callable[[], int] | None = None
+    agreed: int | None = None
 
 
 def plan_saves(states: dict[str, Any], options: SaveOptions | None = None, coordinator: Coordinator | None = None,
@@ -165,8 +172,15 @@ def plan_saves(states: dict[str, Any], options: SaveOptions | None = None, coord
               for name, state in states.items()}
     misses = [int(not draft.hit) for draft in drafts.values()]
     if agreeing and precondition is not None:
-        failed, *misses = coordinator.reduce_max([int(precondition.error is not None), *misses],
-                                                 f"{precondition.what}; checking the cached save plans")
+        value = 0
+        if precondition.action is not None and precondition.error is None:
+            try:
+                value = precondition.action()
+            except Exception as exc:  # noqa: BLE001 - raised on every process by the agreement below
+                precondition.error = exc
+        failed, precondition.agreed, *misses = coordinator.reduce_max(
+            [int(precondition.error is not None), value, *misses],
+            f"{precondition.what}; checking the cached save plans")
         if failed:  # every process learns which failed and raises (statuses travel only now)
             coordinator.raise_unless_ok(precondition.error, precondition.what)
     elif agreeing and misses:
@@ -198,7 +212,7 @@ def _draft(state: Any, options: SaveOptions, coordinator: Coordinator, own_copy:
     leaves = tree.flatten(state)
     values: list[tuple[layout.KeyPath, ArrayLike]] = []
     owners: list[targets.Target] = []  # the target of each value
-    scalars: list[tuple[layout.KeyPath, torch.Tensor]] = []
+    scalar_leaves: list[tuple[layout.KeyPath, Any, str]] = []  # with the dtype the format stores them as
     string_leaves: list[tuple[layout.KeyPath, str]] = []
     for path, leaf in leaves:
         target = targets.of(leaf)
@@ -212,8 +226,9 @@ def _draft(state: Any, options: SaveOptions, coordinator: Coordinator, own_copy:
             raise UnsupportedValueError(
                 f"cannot save {tree.format_key_path(path)}: {type(leaf).__name__} is neither a tensor nor a "
                 "JSON value (int, float, str, bool, None)")
-        elif fmt.scalar_dtype(leaf) is not None:  # a JSON scalar the format also stores as a 0-d array
-            scalars.append((path, torch.tensor(leaf, dtype=dtypes.by_name(fmt.scalar_dtype(leaf)).torch)))
+        elif (dtype := fmt.scalar_dtype(leaf)) is not None:  # a JSON scalar the format also stores as a 0-d array
+            scalar_leaves.append((path, leaf, dtype))
+    scalars = _scalar_tensors(scalar_leaves)
     signatures = targets.signatures([v for _, v in values], owners)
     key = None
     if cache is not None:
@@ -221,6 +236,21 @@ def _draft(state: Any, options: SaveOptions, coordinator: Coordinator, own_copy:
                tuple((p, t.dtype) for p, t in scalars), options, coordinator.index, coordinator.count, own_copy)
     hit = key is not None and cache is not None and cache.key == key
     return _Draft(state, leaves, values, scalars, string_leaves, owners, signatures, key, cache, hit)
+
+
+def _scalar_tensors(leaves: list[tuple[layout.KeyPath, Any, str]]) -> list[tuple[layout.KeyPath, torch.Tensor]]:
+    """The 0-d tensor of each scalar leaf (path, value, the dtype the format stores it as), in order: one tensor
+    per dtype, unbound into views. An optimizer's hyperparameters are hundreds of scalar leaves per step; a
+    ``torch.tensor`` each cost ~25 us, which every asynchronous save blocked on."""
+    by_dtype: dict[str, list[int]] = {}
+    for position, (_, _, dtype) in enumerate(leaves):
+        by_dtype.setdefault(dtype, []).append(position)
+    made: list[Any] = [None] * len(leaves)
+    for dtype, where in by_dtype.items():
+        views = torch.tensor([leaves[i][1] for i in where], dtype=dtypes.by_name(dtype).torch).unbind()
+        for i, view in zip(where, views):
+            made[i] = view
+    return [(path, tensor) for (path, _, _), tensor in zip(leaves, made)]
 
 
 def _complete(draft: _Draft, hit: bool, options: SaveOptions, coordinator: Coordinator, own_copy: bool) -> SavePlan:

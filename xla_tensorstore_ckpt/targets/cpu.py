@@ -10,7 +10,7 @@ import torch
 
 from ..core.tensor_layout import LocalShard, TensorLayout, full_index
 from . import holdings
-from .base import ReadJob, copy_host, host_tensor, whole_size
+from .base import ReadJob, copy_host, host_clones, host_tensor, whole_size
 from .holdings import Holding
 
 NAME = "cpu"
@@ -47,10 +47,11 @@ def layouts(values: Sequence[torch.Tensor], signatures: Sequence[tuple] | None =
 
 def fetch(values: Sequence[torch.Tensor], layouts: Sequence[TensorLayout], wanted: Sequence[Sequence[LocalShard]],
           *, copy: bool) -> list[list[torch.Tensor]]:
-    out = []
-    for value, shards in zip(values, wanted):
-        data = value.detach().resolve_conj().resolve_neg()
-        out.append([data.clone() if copy else data] if shards else [])
+    some = [i for i, shards in enumerate(wanted) if shards]
+    data = [values[i].detach().resolve_conj().resolve_neg() for i in some]
+    out: list[list[torch.Tensor]] = [[] for _ in values]
+    for i, tensor in zip(some, host_clones(data) if copy else data):
+        out[i] = [tensor]
     return out
 
 

@@ -16,7 +16,7 @@ import torch
 from ..core.records import SavedSharding
 from ..core.tensor_layout import LocalShard, TensorLayout
 from . import dtensors, holdings
-from .base import ReadJob, copy_host, host_tensor, whole_size
+from .base import ReadJob, copy_host, host_clones, host_tensor, whole_size
 from .holdings import Holding
 
 NAME = "dtensor"
@@ -91,17 +91,22 @@ def host_copies(values: Sequence[Any], *, copy: bool) -> list[torch.Tensor]:
     and the accelerator pins, then each device is synchronized once for the batch, not once per tensor. CPU
     local tensors are views unless `copy` (a caller that returns before writing them must not see the training
     loop change them). Blocks until the copies are done."""
-    out: list[torch.Tensor] = []
+    out: list[Any] = []
+    on_cpu: list[int] = []  # copied in one batch (`host_clones`)
     devices: dict[str, torch.device] = {}
     with torch.no_grad():
         for value in values:
-            local = value.to_local().detach()
+            local = value._local_tensor.detach()  # what to_local() returns, without its autograd function
             if local.device.type == "cpu":
-                out.append(local.clone() if copy else local)
+                on_cpu.append(len(out))
+                out.append(local)
                 continue
             host = torch.empty(local.shape, dtype=local.dtype, pin_memory=copy and _pins(local.device))
             out.append(host.copy_(local, non_blocking=True))
             devices.setdefault(str(local.device), local.device)
+    if copy:
+        for i, clone in zip(on_cpu, host_clones([out[i] for i in on_cpu])):
+            out[i] = clone
     for device in devices.values():
         _synchronize(device)
     return out
