@@ -10,7 +10,7 @@ Per P: messages and bytes per process per save (the first, which chooses the wri
 shardings with one reduction of a digest, and a later one, whose plan is cached) and per restore (its agreements,
 per batch, and the point-to-point data messages of the exchange); planning CPU seconds per process
 (`time.process_time`, median of --repeats, caches cleared; the first and the last process), of the restore's plan
-and of the first save's writers (`save_plan._assign_writers`); the modelled seconds of a restore's agreements at
+and of the first save's writers (`chunk_writers.assign`); the modelled seconds of a restore's agreements at
 `alpha` 0.1 ms and 0.25 ms per message hop (the second is this machine's measured cost of one point-to-point
 operation, Python included). For comparison, what the code before issue 66 did: `statuses` all-to-all, 2 (P - 1)
 messages per batch, a gather of every process's needs, and on a first save a gather of every process's chunk list.
@@ -42,7 +42,7 @@ from xla_tensorstore_ckpt.multihost.distributed import Coordinator  # noqa: E402
 from xla_tensorstore_ckpt.multihost.transport import RING_MAX  # noqa: E402
 from xla_tensorstore_ckpt.options import SaveOptions  # noqa: E402
 from xla_tensorstore_ckpt.restores import replica_plans  # noqa: E402
-from xla_tensorstore_ckpt.saves import save_plan, writer_plans  # noqa: E402
+from xla_tensorstore_ckpt.saves import chunk_writers, writer_plans  # noqa: E402
 from xla_tensorstore_ckpt.targets import dtensors, holdings  # noqa: E402
 
 SAVED_FSDP = 32
@@ -123,7 +123,7 @@ def save_layouts(count: int, me: int) -> list[tuple[ArrayMetadata, TensorLayout,
 
 
 def first_save_plan(count: int, me: int, transport: SimulatedTransport) -> float:
-    """CPU seconds of process `me`'s writer assignment of a first save (`save_plan._assign_writers`, the
+    """CPU seconds of process `me`'s writer assignment of a first save (`chunk_writers.assign`, the
     holdings derived from the DTensor shardings as `writer_plans.holding` derives them), caches cleared."""
     dtensors.rank_regions.cache_clear()
     holdings.dtensor_groups.cache_clear()
@@ -132,7 +132,7 @@ def first_save_plan(count: int, me: int, transport: SimulatedTransport) -> float
     c = Coordinator(index=me, count=count, transport=transport)
     start = time.process_time()
     held = [holdings.dtensor_groups(*sharding, count) for _, _, sharding in local]
-    save_plan._assign_writers([(meta, lay) for meta, lay, _ in local], held, SaveOptions(), c)
+    chunk_writers.assign([(meta, lay) for meta, lay, _ in local], held, SaveOptions(), c)
     return time.process_time() - start
 
 

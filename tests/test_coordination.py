@@ -21,7 +21,7 @@ from xla_tensorstore_ckpt.multihost.distributed import Coordinator
 from xla_tensorstore_ckpt.multihost.transport import recursive_doubling
 from xla_tensorstore_ckpt.options import RestoreOptions, SaveOptions
 from xla_tensorstore_ckpt.restores import replica_plans
-from xla_tensorstore_ckpt.saves import save_plan, writer_plans
+from xla_tensorstore_ckpt.saves import chunk_writers, writer_plans
 from xla_tensorstore_ckpt.targets import dtensors, holdings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -128,7 +128,7 @@ def test_the_writers_derived_from_shardings_are_those_the_gathered_chunk_lists_g
     chunk_shape = dtensors.geometry(shape, mesh, placements, (0,) * len(mesh))[0]
     regions = dict(dtensors.rank_regions(shape, mesh, placements, tuple(range(count))))
     own = {p: tuple(c for c in grid.regions(shape, chunk_shape) if grid.contains(regions[p], c)) for p in regions}
-    (gathered,) = save_plan._gathered_holders([[("w", shape, "float32", chunk_shape, own[p])] for p in range(count)])
+    (gathered,) = chunk_writers.gathered_holders([[("w", shape, "float32", chunk_shape, own[p])] for p in range(count)])
     derived = writer_plans.chunk_holders(shape, chunk_shape, groups)
     assert derived == {chunk: tuple(procs) for chunk, procs in gathered.items()}
     assert all(writer_plans.holds_own(derived, p, own[p]) for p in range(count))

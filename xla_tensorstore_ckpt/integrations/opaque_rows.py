@@ -1,14 +1,16 @@
 """Per-process opaque byte states (a data loader's position, which torchtitan hands over already serialised) as
 one global uint8 array with a row per process: process ``i`` writes row ``i``, holding its key and its bytes,
 so a save of several processes writes each state once, by its owner, and every process can read every row
-back. Called by the torchtitan manager (`integrations.torchtitan`); `encode` is collective; nothing here runs or
-unpickles what it stores.
+back. Called by the torchtitan manager (`integrations.torchtitan`), whose data loader's state travels through
+`loader_rows` and comes back through `LoaderTarget`; `encode` is collective; nothing here runs or unpickles
+what it stores.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -65,3 +67,24 @@ def decode(saved: object, *, where: str) -> dict[str, bytes]:
                 raise CheckpointError(f"the data loader state at {where} holds two states for {key!r}")
             out[key] = value
     return out
+
+
+class LoaderTarget:
+    """The data loader as a restore target: the saved rows decoded into torchtitan's state dict
+    (``{"dp_rank_<r>": bytes, "world_size": n}``) and handed to its ``load_state_dict``."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def load_state_dict(self, saved: Any) -> None:
+        entries = decode(saved.get("rows") if isinstance(saved, dict) else None, where="data_loader")
+        state: dict[str, Any] = dict(entries)
+        state["world_size"] = saved["world_size"]
+        self.loader.load_state_dict(state)
+
+
+def loader_rows(state: dict[str, Any], coordinator: Coordinator) -> dict[str, Any]:
+    """torchtitan's data loader state (its rank's serialised position under ``dp_rank_<r>``, and the data-parallel
+    world size) as rows per process (`encode`; collective)."""
+    entries = {key: value for key, value in state.items() if isinstance(value, bytes)}
+    return {"rows": encode(entries, coordinator), "world_size": state.get("world_size")}

@@ -169,7 +169,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
                                    "optimizer": self.states[OPTIMIZER].state_dict(),
                                    "lr_scheduler": self.states[LR_SCHEDULER].state_dict()}
         if self.states[DATALOADER] is not None:
-            objects["data_loader"] = _loader_rows(self.states[DATALOADER].state_dict(), self._coordinator)
+            objects["data_loader"] = opaque_rows.loader_rows(self.states[DATALOADER].state_dict(), self._coordinator)
         extra = {name: training_state.state_of(state) for name, state in self._extra_states().items()}
         if extra:
             objects["extra"] = extra
@@ -261,7 +261,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
         if LR_SCHEDULER not in excluded:
             targets["lr_scheduler"] = self.states[LR_SCHEDULER].state_dict()
         if DATALOADER not in excluded and self.states[DATALOADER] is not None:
-            targets["loader"] = _LoaderTarget(self.states[DATALOADER])
+            targets["loader"] = opaque_rows.LoaderTarget(self.states[DATALOADER])
         # Excluded states are read too (a step's item is read whole), into copies, and not applied.
         extra = {name: copy.deepcopy(training_state.state_of(state)) if name in excluded
                  else training_state.state_of(state) for name, state in self._extra_states().items()}
@@ -377,27 +377,6 @@ class XtcCheckpointManager(BaseCheckpointManager):
     @staticmethod
     def _dcp_name(name: str) -> str:
         return {"optimizer": OPTIMIZER, "lr_scheduler": LR_SCHEDULER}.get(name, name)
-
-
-class _LoaderTarget:
-    """The data loader as a restore target: the saved rows decoded into torchtitan's state dict
-    (``{"dp_rank_<r>": bytes, "world_size": n}``) and handed to its ``load_state_dict``."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-
-    def load_state_dict(self, saved: Any) -> None:
-        entries = opaque_rows.decode(saved.get("rows") if isinstance(saved, dict) else None, where="data_loader")
-        state: dict[str, Any] = dict(entries)
-        state["world_size"] = saved["world_size"]
-        self.loader.load_state_dict(state)
-
-
-def _loader_rows(state: dict[str, Any], coordinator: Coordinator) -> dict[str, Any]:
-    """torchtitan's data loader state (its rank's serialised position under ``dp_rank_<r>``, and the data-parallel
-    world size) as rows per process (`opaque_rows`)."""
-    entries = {key: value for key, value in state.items() if isinstance(value, bytes)}
-    return {"rows": opaque_rows.encode(entries, coordinator), "world_size": state.get("world_size")}
 
 
 def _manager_options(config: XtcCheckpointManager.Config, restore_options: RestoreOptions) -> CheckpointManagerOptions:

@@ -13,23 +13,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from .. import formats, targets
-from ..core import dtypes, grid, layout, tree
+from ..core import dtypes, layout, tree
 from ..core.errors import UnsupportedValueError
 from ..core.records import ArrayMetadata, ArrayStore, ItemManifest
 from ..core.sharded_array import ShardedArray
 from ..core.tensor_layout import Index, LocalShard, TensorLayout
-from ..multihost.balancing import balance
 from ..multihost.distributed import Coordinator
 from ..options import SaveOptions
-from . import writer_plans
+from . import chunk_writers, writer_plans
 
 ArrayLike = torch.Tensor | ShardedArray  # a value some target claims (`targets`): a tensor, a DTensor, host shards
 
@@ -310,14 +309,15 @@ def _plan_arrays(values: list[tuple[layout.KeyPath, ArrayLike]], lays: list[Tens
     else:
         holdings = [writer_plans.holding(value, lay, coordinator.count, scalar=position >= len(values))
                     for position, (_, value, lay, _) in enumerate(local)]
-        chunk_shapes, writers = _assign_writers([(meta, lay) for _, _, lay, meta in local], holdings, options,
+        chunk_shapes, writers = chunk_writers.assign([(meta, lay) for _, _, lay, meta in local], holdings, options,
                                                 coordinator)
     plans = []
     for position, (path, value, lay, meta) in enumerate(local):
         meta = dataclasses.replace(meta, chunk_shape=chunk_shapes[meta.path])
         owner = {region: writers.get((meta.path, region), -1)  # -1: held elsewhere, absent from an own copy
-                 for region in _regions(meta.shape, meta.chunk_shape)}
-        writes = tuple(ChunkWrite(region, source) for region, source in _local_chunks(lay, meta.chunk_shape).items()
+                 for region in chunk_writers.grid_regions(meta.shape, meta.chunk_shape)}
+        held = chunk_writers.local_chunks(lay, meta.chunk_shape)
+        writes = tuple(ChunkWrite(region, source) for region, source in held.items()
                        if owner[region] == coordinator.index)
         sole = set(owner.values())
         single_file = (not options.use_ocdbt and len(owner) > 1 and len(sole) == 1
@@ -340,89 +340,3 @@ def _check(path: layout.KeyPath, value: ArrayLike, target: targets.Target) -> No
         dtypes.by_torch(value.dtype)
     except UnsupportedValueError as exc:
         raise UnsupportedValueError(f"cannot save {tree.format_key_path(path)}: {exc}") from None
-
-
-@lru_cache(maxsize=4096)
-def _regions(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[Index, ...]:
-    """`grid.regions`, once per grid: a model's thousands of arrays have a few dozen shapes."""
-    return tuple(grid.regions(shape, chunk_shape))
-
-
-def _local_chunks(lay: TensorLayout, chunk_shape: tuple[int, ...]) -> dict[Index, LocalShard]:
-    """The chunks whose data this process holds, each with the local shard (lowest replica) holding it."""
-    if chunk_shape == lay.chunk_shape and targets.of_layout(lay).SHARDS_ARE_CHUNKS:  # chunks are the shards
-        return {shard.index: shard for shard in lay.distinct_shards()}
-    out: dict[Index, LocalShard] = {}
-    meta_grid = _regions(lay.shape, chunk_shape)
-    for shard in lay.distinct_shards():
-        for region in meta_grid:
-            if all(sa <= a and b <= sb for (a, b), (sa, sb) in zip(region, shard.index)) and region not in out:
-                out[region] = shard
-    return out
-
-
-def _assign_writers(local: list[tuple[ArrayMetadata, TensorLayout]], holdings: list[writer_plans.Holding | None],
-                    options: SaveOptions, coordinator: Coordinator
-                    ) -> tuple[dict[str, tuple[int, ...]], dict[tuple[str, Index], int]]:
-    """The final chunk shape of every array and the process writing each chunk, identical on every process.
-
-    Who holds which chunks comes from the shardings (`holdings`, `writer_plans`: every process derives them
-    alike, and one reduction of a digest proves it); only the arrays whose layout does not tell the others'
-    chunks (a `ShardedArray`) have their chunk lists gathered, and every array's if the digests differ. The
-    chunk grid is the shard grid, except that a large array that every process holds whole (one chunk, held
-    everywhere) is cut along its first dimension into one chunk per process, so that all share its writing.
-    Collective with several processes."""
-    own = [tuple(_local_chunks(lay, meta.chunk_shape)) for meta, lay in local]
-    derived: list[Any] = []
-    for (meta, _), groups, chunks in zip(local, holdings, own):
-        held = None if groups is None else writer_plans.chunk_holders(meta.shape, meta.chunk_shape, groups)
-        derived.append(held if held is not None and writer_plans.holds_own(held, coordinator.index, chunks) else None)
-    digest = writer_plans.digest([(meta.path, meta.shape, meta.dtype, meta.chunk_shape,
-                                   groups if held is not None else None)
-                                  for (meta, _), groups, held in zip(local, holdings, derived)])
-    gather, high, low = coordinator.reduce_max([int(any(held is None for held in derived)), digest, -digest],
-                                               "agreeing on the writers of the chunks")
-    if high != -low:  # the processes derived differently (or save other trees): gather every chunk list
-        derived = [None] * len(local)
-    if gather or high != -low:
-        missing = [i for i, held in enumerate(derived) if held is None]
-        mine = [(local[i][0].path, local[i][0].shape, local[i][0].dtype, local[i][0].chunk_shape, own[i])
-                for i in missing]
-        everyone = coordinator.all_gather(mine, "choosing the writers of the chunks")
-        for i, held in zip(missing, _gathered_holders(everyone)):
-            derived[i] = held
-    chunk_shapes: dict[str, tuple[int, ...]] = {}
-    chunks: list[tuple[tuple[str, Index], int, Sequence[int]]] = []
-    for (meta, _), held in zip(local, derived):
-        regions = _regions(meta.shape, meta.chunk_shape)
-        for region in regions:
-            if not held.get(region):
-                raise UnsupportedValueError(f"chunk {region} of {meta.path} is held by no process")
-        everywhere = len(regions) == 1 and len(held[regions[0]]) == coordinator.count
-        if (coordinator.count > 1 and everywhere and meta.shape and meta.shape[0] >= coordinator.count
-                and meta.nbytes >= options.split_bytes):
-            meta = dataclasses.replace(meta, chunk_shape=(-(-meta.shape[0] // coordinator.count),
-                                                          *meta.chunk_shape[1:]))
-            regions = _regions(meta.shape, meta.chunk_shape)
-            held = dict.fromkeys(regions, tuple(range(coordinator.count)))
-        chunk_shapes[meta.path] = meta.chunk_shape
-        itemsize = dtypes.by_name(meta.dtype).itemsize
-        chunks.extend(((meta.path, region), math.prod(b - a for a, b in region) * itemsize, held[region])
-                      for region in regions)
-    return chunk_shapes, balance(chunks, coordinator.count)
-
-
-def _gathered_holders(everyone: list[list[tuple]]) -> list[dict[Index, list[int]]]:
-    """Per array of the gathered chunk lists, the processes holding each chunk. Raises `UnsupportedValueError`
-    if the processes save different arrays."""
-    reference = [entry[:4] for entry in everyone[0]]
-    out: list[dict[Index, list[int]]] = [{} for _ in reference]
-    for process, entries in enumerate(everyone):
-        if [entry[:4] for entry in entries] != reference:
-            raise UnsupportedValueError(
-                f"process {process} saves other arrays (keys, shapes, dtypes or chunking) than process 0; "
-                "every process must save the same tree")
-        for held, (_path, _shape, _dtype, _chunks, regions) in zip(out, entries):
-            for region in regions:
-                held.setdefault(region, []).append(process)
-    return out
