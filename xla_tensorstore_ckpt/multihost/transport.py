@@ -118,9 +118,14 @@ class GlooTransport:
             _LIVE.add(self)
 
     def close(self) -> None:
-        """Stop answering alarms (the group is being destroyed). Local; idempotent."""
-        if self._watch is not None:
-            self._watch.close()
+        """Stop answering alarms (the group is being destroyed). Local; idempotent. Where the side channel's host
+        (process 0) is known to be dead or stopped, its watcher is not woken (a request to it would only wait)."""
+        if self._watch is None:
+            return
+        failures = (self.broken, self.dead_elsewhere)
+        host_gone = self._store_silent or any(
+            isinstance(f, CoordinationTimeoutError) and 0 in f.missing for f in failures)
+        self._watch.close(wake=not host_gone)
 
     def reduce_max(self, values: np.ndarray, phase: str) -> np.ndarray:
         import torch
@@ -325,13 +330,13 @@ class _AlarmWatch:
         except RuntimeError:  # the store's host is gone: there is nobody left to answer
             return
 
-    def close(self) -> None:
-        """Wake the thread and let it end (it answers nothing then). Idempotent; never raises; blocks at most
-        twice `GRACE_S`: the store's host may be stopped (SIGSTOP), and a TCPStore request to a stopped host
-        waits without bound (found by the chaos run: seed 96, cycle 3, every live process hung in `close`
-        after naming a stopped process 0), so the wake-up is sent from a thread left behind if it never
-        returns."""
-        if not self._thread.is_alive():
+    def close(self, *, wake: bool = True) -> None:
+        """Wake the thread and let it end (it answers nothing then); with `wake` False (the store's host is
+        known gone), leave it blocked: it is a daemon thread. Idempotent; never raises; blocks at most twice
+        `GRACE_S`: the store's host may be stopped (SIGSTOP), and a TCPStore request to a stopped host waits
+        without bound (found by the chaos run: seed 96, cycle 3, every live process hung in `close` after naming
+        a stopped process 0), so the wake-up is sent from a thread left behind if it never returns."""
+        if not wake or not self._thread.is_alive():
             return
         sent = threading.Event()
 
