@@ -25,15 +25,14 @@ EDITABLE = flock .install.lock $(1) -m pip install --quiet --no-deps -e .
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(REQUIREMENTS) xla test | $(PY) -m pip install --quiet --no-compile -r /dev/stdin
+	$(REQUIREMENTS) xla test | $(PY) -m pip install --quiet -r /dev/stdin
 	$(call EDITABLE,$(PY))
 	touch $(STAMP)
 
 $(NEWEST_STAMP): pyproject.toml
 	test -x $(NEWEST_PY) || $(PYTHON) -m venv $(NEWEST_VENV)
 	$(NEWEST_PY) -m pip install --quiet --upgrade pip
-	( $(REQUIREMENTS) test trainers; echo 'torch==$(NEWEST_TORCH)' ) | $(NEWEST_PY) -m pip install --quiet --no-compile \
-		-r /dev/stdin
+	( $(REQUIREMENTS) test trainers; echo 'torch==$(NEWEST_TORCH)' ) | $(NEWEST_PY) -m pip install --quiet -r /dev/stdin
 	$(call EDITABLE,$(NEWEST_PY))
 	touch $(NEWEST_STAMP)
 
@@ -57,8 +56,9 @@ CHROMIUM_ONCE = flock .chromium.lock $(MAKE) --no-print-directory $(CHROMIUM)
 # The two stacks run at the same time, each on its own workers, and each prints its own summary at the end;
 # `make test-xla` or `make test-newest` runs one of them (TEST_WORKERS=0: in one process).
 # `make test` installs the newest stack while the XLA stack's suite already runs (an install mostly waits for
-# the disk; packages are not byte-compiled: a module is, once, when first imported); the XLA suite's cross-stack
-# tests wait for that install (XTC_NEWEST_READY: its stamp; the stamp's `.failed` if it failed).
+# the disk); the XLA suite's cross-stack tests wait for that install (XTC_NEWEST_READY: its stamp; the stamp's
+# `.failed` if it failed). The checkout's own modules are byte-compiled first: where PYTHONDONTWRITEBYTECODE is
+# set (as on these machines) every one of the suite's processes would compile them again.
 TEST_WORKERS ?= 2
 PYTEST_XLA := XTC_NEWEST_PYTHON=$(abspath $(NEWEST_PY)) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
 	--dist worksteal
@@ -72,7 +72,8 @@ test:
 	     $(PYTEST_NEWEST) > .test-newest.log 2>&1; echo $$? > .test-newest.rc; \
 	   else cp .install-newest.log .test-newest.log; mkdir -p $(NEWEST_VENV); touch $(NEWEST_STAMP).failed; \
 	     echo 1 > .test-newest.rc; fi ) & \
-	 if $(MAKE) --no-print-directory $(STAMP) && $(CHROMIUM_ONCE) && $(VENV)/bin/ruff check .; then \
+	 if $(MAKE) --no-print-directory $(STAMP) && $(CHROMIUM_ONCE) && $(VENV)/bin/ruff check . && \
+	     $(PY) -m compileall -q xla_tensorstore_ckpt tests benchmarks examples > /dev/null; then \
 	   XTC_NEWEST_READY=$(abspath $(NEWEST_STAMP)) $(PYTEST_XLA) > .test-xla.log 2>&1; echo $$? > .test-xla.rc; \
 	 else echo 1 > .test-xla.rc; fi; \
 	 wait
