@@ -9,13 +9,11 @@ each writes the chunks it is assigned and the primary writes ``_METADATA`` once 
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 from . import formats, storage
 from .core import events, tree
-from .core.errors import CheckpointError
 from .core.events import Emitter
 from .core.records import ItemManifest
 from .formats import checksums
@@ -25,8 +23,6 @@ from .restores.restoring import KeyMap, PathLike, read_item
 from .saves import commit
 from .saves.save_plan import plan_save
 from .saves.writing import prepare_directory, stage_and_write
-
-log = logging.getLogger("xla_tensorstore_ckpt")
 
 
 def save(path: PathLike, state: Any, *, overwrite: bool = False, options: SaveOptions | None = None,
@@ -82,17 +78,9 @@ def _save(loc: storage.Location, state: Any, overwrite: bool, options: SaveOptio
         if coordinator.is_primary:  # every process is past its writes: the failure was agreed
             # The replacement that failed (the old item is untouched), or what the failed save wrote into a
             # path that was empty: a full disk gets its room back and a retry finds the path as it was.
-            _discard(target, loc)
+            commit.discard(target, str(loc))
         raise
 
-
-def _discard(written: storage.Location, loc: storage.Location) -> None:
-    """Delete `written`, the directory a failed save of `loc` wrote; a failure to delete is logged, never
-    raised over the save's own error."""
-    try:
-        written.delete_tree()
-    except CheckpointError as exc:
-        log.warning("could not delete %s, written by a failed save of %s: %s", written, loc, exc)
 
 
 def restore(path: PathLike, target: Any = None, *, strict: bool = True, key_map: KeyMap | None = None,

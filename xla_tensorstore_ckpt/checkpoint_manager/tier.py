@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .. import formats
 from ..core import layout
-from ..core.errors import CheckpointError, StepNotFoundError
+from ..core.errors import StepNotFoundError
 from ..core.records import StepMetadata
 from ..incremental import saving as incremental_saving
 from ..multihost.distributed import Coordinator
@@ -212,7 +212,7 @@ class Tier:
             commit.commit(coordinator, save.location, plans, final, fsync=fsync, what=what, publish=publish)
         except BaseException:
             if save.location != save.final and coordinator.is_primary:
-                self._discard(save.location)
+                commit.discard(save.location, what)
             raise
         finally:
             self.unpin(save.base)
@@ -234,15 +234,6 @@ class Tier:
             logger.info("retention of %s keeps steps %s only as bases of steps %s (their chunks are referenced)",
                         self.root, newly, sorted({u for s in newly for u in held[s]}))
         return doomed, held
-
-    def _discard(self, temporary: Location) -> None:
-        """Delete the temporary directory of a save that failed (every process is past its writes: the failure
-        was agreed), so that a full disk gets its room back now rather than at the next start; a failure to
-        delete is logged, never raised over the save's own error."""
-        try:
-            temporary.delete_tree()
-        except CheckpointError as exc:
-            logger.warning("could not delete %s, the temporary directory of a failed save: %s", temporary, exc)
 
     def delete(self, step: int) -> None:
         """Delete a step's files (marker first). Primary only; not collective."""

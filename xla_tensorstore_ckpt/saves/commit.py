@@ -15,6 +15,7 @@ and block.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from .. import arrays, formats
@@ -24,6 +25,8 @@ from ..multihost.distributed import Coordinator
 from ..storage import Location
 from .save_plan import SavePlan
 from .writing import Writes
+
+logger = logging.getLogger("xla_tensorstore_ckpt")
 
 
 def finish_writes(coordinator: Coordinator, loc: Location, start: Callable[[], Writes], *, fsync: bool,
@@ -73,3 +76,13 @@ def finish_item(item: Location, plan: SavePlan, *, fsync: bool) -> None:
                 item.sync_files([layout.OCDBT_MANIFEST], trees=["d"])
     for name, data in formats.item_files(plan.manifest, plan.strings):
         item.write(name, data, fsync=fsync)
+
+
+def discard(written: Location, what: str) -> None:
+    """Delete `written`, the directory a failed save of `what` wrote, so that a full disk gets its room back at
+    once (primary only, once every process is past its writes: the failure was agreed). A failure to delete is
+    logged, never raised over the save's own error."""
+    try:
+        written.delete_tree()
+    except CheckpointError as exc:
+        logger.warning("could not delete %s, written by a failed save of %s: %s", written, what, exc)
