@@ -61,24 +61,30 @@ def test_records_gathered_from_every_process_arrive_whole_small_or_large(tmp_pat
             "CoordinationError", "taking the roots before step 3 failed on process 1: KeyError: 'root'"]), got["unmet"]
 
 
+def assert_named_by_the_others(results: list[dict], stalled: int) -> None:
+    """The stopped process was killed (by another once it was named); every other raised the error naming the
+    phase and it, its other coordinator (a manager's background commits have their own) raised at once rather
+    than wait a deadline of its own, and its manager closed."""
+    assert results[stalled]["returncode"] == -9, results[stalled]["stderr"][-3000:]
+    for rank, r in enumerate(results):
+        if rank == stalled:
+            continue
+        assert r["returncode"] == 0, r["stderr"][-3000:]
+        (line,) = r["lines"]
+        assert line["error"] == "CoordinationTimeoutError" and line["missing"] == [stalled], line
+        assert line["phase"] and f"{line['phase']}: process {stalled} died or did not answer" in line["message"], line
+        assert line["then"]["missing"] == [stalled] and "found by another collective of this process" in \
+            line["then"]["message"], line
+        assert line["closed"], line
+
+
 @pytest.mark.parametrize("when", ["save", "restore"])
 def test_a_stopped_process_is_named_by_every_other_within_the_deadline(tmp_path, when):
     """Process 3 stops (SIGSTOP) before a save or a restore that the others enter: each of them raises,
     after the deadline (coordination_timeout_s=15), the error naming the phase and process 3, instead of
     waiting for it forever (then process 0 kills it: a hang would fail launch's timeout); their other
     coordinators then raise at once."""
-    results = launch(4, "stall", str(tmp_path / "root"), when, "3")
-    assert results[3]["returncode"] == -9, results[3]["stderr"][-3000:]
-    for rank in (0, 1, 2):
-        r = results[rank]
-        assert r["returncode"] == 0, r["stderr"][-3000:]
-        (line,) = r["lines"]
-        assert line["error"] == "CoordinationTimeoutError" and line["missing"] == [3], line
-        assert line["phase"] and f"{line['phase']}: process 3 died or did not answer" in line["message"], line
-        # Another coordinator of the process (a manager's background commits have their own) does not wait a
-        # deadline of its own for the process found stopped: it raises at once, naming it.
-        assert line["then"]["missing"] == [3] and "found by another collective of this process" in \
-            line["then"]["message"], line
+    assert_named_by_the_others(launch(4, "stall", str(tmp_path / "root"), when, "3"), 3)
 
 
 def test_a_stopped_process_0_hosting_the_side_channel_is_named_within_the_deadline(tmp_path):
@@ -86,15 +92,7 @@ def test_a_stopped_process_0_hosting_the_side_channel_is_named_within_the_deadli
     without bound for a stopped host, so the others hung (found by the chaos run: seed 2, cycle 7; and in
     `close`, seed 96, cycle 3). Now each of them raises, by the deadline, the error naming the phase and
     process 0, and closes its manager."""
-    results = launch(4, "stall", str(tmp_path / "root"), "save", "0")
-    assert results[0]["returncode"] == -9, results[0]["stderr"][-3000:]
-    for rank in (1, 2, 3):
-        r = results[rank]
-        assert r["returncode"] == 0, r["stderr"][-3000:]
-        (line,) = r["lines"]
-        assert line["error"] == "CoordinationTimeoutError" and line["missing"] == [0], line
-        assert line["phase"] and f"{line['phase']}: process 0 died or did not answer" in line["message"], line
-        assert line["closed"], line  # the manager closed although its side channel's host is stopped
+    assert_named_by_the_others(launch(4, "stall", str(tmp_path / "root"), "save", "0"), 0)
 
 
 def test_four_processes_save_one_checkpoint(saved):
