@@ -10,6 +10,10 @@ import os
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ["CPU_NUM_DEVICES"] = os.environ.get("XTC_TEST_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# XLA's CPU backend spends most of a small test's time in LLVM's optimization of every graph it compiles (the demo's
+# training step: 20 s of compilation, 5 s at level 0). Tests compare runs under the same flags, bit for bit, so the
+# unoptimized code is as good a witness; subprocesses inherit it. A caller's own XLA_FLAGS win.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import importlib.util  # noqa: E402
 import itertools  # noqa: E402

@@ -13,8 +13,10 @@ import sys
 import tempfile
 
 FORKING = os.path.join(os.path.dirname(__file__), "scripts", "forking.py")
-# What a job's batch sets itself: the servers differ only by the rest of their environment.
+# What a job's batch sets itself: the servers differ only by the rest of their environment. The tests' own knobs
+# (XTC_*) are read by the scripts when they run, never at import, so one server serves them all.
 PER_BATCH = ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+PER_RUN_PREFIX = "XTC_"
 # Servers kept per pytest process, the least recently used closed first: tests of one module run together, and
 # each server holds torch imported (a few hundred MB).
 MAX_SERVERS = 3
@@ -62,7 +64,8 @@ _servers: collections.OrderedDict[tuple, _Server] = collections.OrderedDict()
 
 
 def _server(python: str, script: str, env: dict) -> _Server:
-    key = (python, script, tuple(sorted((k, v) for k, v in env.items() if k not in PER_BATCH)))
+    key = (python, script, tuple(sorted((k, v) for k, v in env.items()
+                                        if k not in PER_BATCH and not k.startswith(PER_RUN_PREFIX))))
     server = _servers.pop(key, None)
     if server is None or server.process.poll() is not None:
         server = _Server(python, script, env)

@@ -38,20 +38,24 @@ from xla_tensorstore_ckpt.checkpoint_manager import peer_copies
 from xla_tensorstore_ckpt.core import tunables
 
 HOSTS, ROWS, COLUMNS = 4, 16, 32
-# XTC_LAYOUT=dp: data-parallel replicas, DP=2 x FSDP=2: host h holds row shard h % 2 of two (hosts 0 and 2 alike)
-SHARDS = 2 if os.environ.get("XTC_LAYOUT") == "dp" else HOSTS
-SHAPE, SHARD = (SHARDS * ROWS, COLUMNS), (ROWS, COLUMNS)
+SHARD = (ROWS, COLUMNS)
+
+
+def shards() -> int:
+    """XTC_LAYOUT=dp: data-parallel replicas, DP=2 x FSDP=2: host h holds row shard h % 2 of two (hosts 0 and 2
+    alike). Read per run, not at import: one forking server serves every layout (tests/forked.py)."""
+    return 2 if os.environ.get("XTC_LAYOUT") == "dp" else HOSTS
 
 
 def global_value(step: int) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(step))
+    return torch.randn((shards() * ROWS, COLUMNS), generator=torch.Generator().manual_seed(step))
 
 
 def model_for(step: int | None, host: int) -> dict:
-    shard = host % SHARDS
+    shard = host % shards()
     index = ((shard * ROWS, (shard + 1) * ROWS), (0, COLUMNS))
     if step is None:
-        return {"w": xtc.ShardedArray.target(SHAPE, torch.float32, SHARD, [index])}
+        return {"w": xtc.ShardedArray.target((shards() * ROWS, COLUMNS), torch.float32, SHARD, [index])}
     return {"w": xtc.ShardedArray.from_tensor(global_value(step), SHARD, [index])}
 
 
