@@ -52,15 +52,17 @@ $(CHROMIUM):
 # The browser, installed once whichever of two concurrent recipes asks first (the other waits for it).
 CHROMIUM_ONCE = flock .chromium.lock $(MAKE) --no-print-directory $(CHROMIUM)
 
-# Tests run on several workers: many wait on subprocesses, servers and retries, so more workers than cores help.
-# The two stacks run at the same time, each on its own workers, and each prints its own summary at the end;
-# `make test-xla` or `make test-newest` runs one of them (TEST_WORKERS=0: in one process).
+# Tests run on several workers: many wait on subprocesses, servers and retries, so more workers than cores help
+# (a worker was busy half of the time with two per stack). The two stacks run at the same time, each on its own
+# workers, and each prints its own summary at the end; the XLA stack runs more tests and ends last, so it has one
+# worker more. `make test-xla` or `make test-newest` runs one of them (TEST_WORKERS=0: in one process).
 # `make test` installs the newest stack while the XLA stack's suite already runs (an install mostly waits for
 # the disk); the XLA suite's cross-stack tests wait for that install (XTC_NEWEST_READY: its stamp; the stamp's
 # `.failed` if it failed). The checkout's own modules are byte-compiled first: where PYTHONDONTWRITEBYTECODE is
 # set (as on these machines) every one of the suite's processes would compile them again.
 TEST_WORKERS ?= 2
-PYTEST_XLA := XTC_NEWEST_PYTHON=$(abspath $(NEWEST_PY)) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
+XLA_TEST_WORKERS ?= $(if $(filter 0,$(TEST_WORKERS)),0,$(shell expr $(TEST_WORKERS) + 1))
+PYTEST_XLA := XTC_NEWEST_PYTHON=$(abspath $(NEWEST_PY)) $(PY) -m pytest -q -p no:cacheprovider -n $(XLA_TEST_WORKERS) \
 	--dist worksteal
 # The newest stack's fuzzing runs the generated hostile cases after the XLA stack's (the same code reads both).
 PYTEST_NEWEST := $(NEWEST_PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal -m "not xla" \
