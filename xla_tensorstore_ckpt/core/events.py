@@ -39,12 +39,13 @@ the freed host memory was then returned to the OS, `core.host_memory.keep_within
 ``arena_bytes`` (read into the two reused batch arenas, `restore_arenas`), ``arena_allocations`` and ``arena_frees``
 (their buffers allocated and given back), ``own_buffer_bytes``, ``into_target_bytes``, ``memory_returns`` (batches
 after which freed host memory was returned to the OS), and of this process's array reads meanwhile
-(`arrays.base.PathCounts`) ``cache_probes``, ``cached_probes``, ``direct_reads``/``direct_bytes`` (local reads around
-the page cache), ``buffered_reads``/``buffered_bytes`` (through it), ``chunks_inline`` and ``chunks_on_workers``
-(chunks this library read from local files itself, on the restoring thread or on its reading threads),
-``tensorstore_regions`` (regions read through tensorstore), ``files_opened``/``files_closed`` (data files those chunk
-reads opened and closed), and of its storage calls (`storage.CALLS`) ``whole_reads``/``whole_read_bytes`` (whole
-files, `Location.read`) and ``ranged_reads``/``ranged_read_bytes`` (byte ranges, `Location.read_range`);
+(`arrays.base.PathCounts`) ``cache_probes``, ``cached_probes``, ``nowait_probes`` (probes that read one byte with
+``RWF_NOWAIT``, where ``cachestat`` could not count the cached pages), ``direct_reads``/``direct_bytes`` (local reads
+around the page cache), ``buffered_reads``/``buffered_bytes`` (through it), ``chunks_inline`` and
+``chunks_on_workers`` (chunks this library read from local files itself, on the restoring thread or on its reading
+threads), ``tensorstore_regions`` (regions read through tensorstore), ``files_opened``/``files_closed`` (data files
+those chunk reads opened and closed), and of its storage calls (`storage.CALLS`) ``whole_reads``/``whole_read_bytes``
+(whole files, `Location.read`) and ``ranged_reads``/``ranged_read_bytes`` (byte ranges, `Location.read_range`);
 `details["storage_bytes"]`: what the reader fetched from storage for them, None where it cannot tell; with
 single-replica reads also `details["plan"]`, ``"derived"`` from the shardings or ``"gathered"``, and
 `details["agreements"]`: each collective phase's cost, as for ``save_committed``); with `local_replication`,
