@@ -99,17 +99,11 @@ def main() -> None:
         if full_from is None:
             fill_disk()
 
-    if os.environ.get("XTC_FSIZE", "").startswith(f"{host}:") and full_from is not None:
-        moving = peer_copies.file_transfer.transfer
-
-        def filling(coordinator, transfers, source_dirs, target_dirs, what):
-            if what == f"step {full_from}":  # the replication of that step starts moving files
-                fill_disk()
-            return moving(coordinator, transfers, source_dirs, target_dirs, what)
-
-        peer_copies.file_transfer.transfer = filling
+    fills_later = os.environ.get("XTC_FSIZE", "").startswith(f"{host}:") and full_from is not None
 
     def listen(event) -> None:
+        if fills_later and event.kind == "peer_copies_started" and event.step == full_from:
+            fill_disk()  # the replication of that step starts moving files
         events.append({"kind": event.kind, "tier": event.tier, "step": event.step, "nbytes": event.nbytes,
                        "details": event.details})
 

@@ -24,6 +24,9 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
   references; `details["kept_as_bases"]`: step -> the kept steps referencing it, for each step retention keeps
   only because kept steps reference it).
 * ``retention_removed`` (per tier): steps retention deleted after a commit (`details["steps"]`).
+* ``peer_copies_started`` (local tier, with `local_replication`; on the replication thread): the files of a
+  committed local step start moving between the peers (`nbytes`: bytes this process is to receive;
+  `details["sent_bytes"]`: bytes it is to send).
 * ``peer_copies_committed`` (local tier, with `local_replication`; on the replication thread): the copies of a
   local step are committed on the peers that got them (`nbytes`: bytes this process received;
   `details["sent_bytes"]`, `details["holders"]`: writer -> the processes now holding its copy).
@@ -80,10 +83,12 @@ RESTORE_FINISHED = "restore_finished"
 RESTORE_BATCH_ISSUED = "restore_batch_issued"
 RESTORE_BUILT = "restore_built"
 RESTORE_BATCH_SETTLED = "restore_batch_settled"
+PEER_COPIES_STARTED = "peer_copies_started"
 PEER_COPIES_COMMITTED = "peer_copies_committed"
 PEER_FETCHED = "peer_fetched"
 KINDS = (SAVE_STARTED, SAVE_STAGED, SAVE_WRITTEN, SAVE_COMMITTED, RETENTION_REMOVED, RESTORE_PLANNED,
-         RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_BATCH_SETTLED, RESTORE_FINISHED, PEER_COPIES_COMMITTED,
+         RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_BATCH_SETTLED, RESTORE_FINISHED, PEER_COPIES_STARTED,
+         PEER_COPIES_COMMITTED,
          PEER_FETCHED)
 PER_ARRAY_KINDS = frozenset({RESTORE_BUILT})  # one per array: `LogListener` logs them at DEBUG
 
