@@ -21,7 +21,7 @@ import itertools  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from xla_stack import HAS_TORCH_XLA, torch_xla, xr, xs  # noqa: E402
+from xla_stack import HAS_TORCH_XLA, sharding, torch_xla, xr, xs  # noqa: E402
 
 pytest_plugins = ["cpu_durations"]  # `--cpu-durations=N`: where the suite's time budget goes
 
@@ -82,6 +82,30 @@ def sharded(cpu: torch.Tensor, mesh: xs.Mesh | None, spec: tuple | None) -> torc
         xs.mark_sharding(t, mesh, spec)
     torch_xla.sync()
     return t
+
+
+@pytest.fixture
+def xla_calls(monkeypatch) -> list:
+    """The library's calls into torch_xla's C API (the XLA target's `_X`, its one way into torch_xla: the boundary
+    tests watch), as ``(name, args, result)`` in the order they returned; a test may put entries of its own into
+    the same list (a listener's) to see the order of both. The calls themselves are torch_xla's."""
+    sharding.load()
+    real, calls = sharding._X, []
+
+    class Watched:
+        def __getattr__(self, name):
+            attribute = getattr(real, name)
+            if not callable(attribute):
+                return attribute
+
+            def call(*args, **kwargs):
+                result = attribute(*args, **kwargs)
+                calls.append((name, args, result))
+                return result
+            return call
+
+    monkeypatch.setattr(sharding, "_X", Watched())  # undone after the test: torch_xla's own again
+    return calls
 
 
 # gs:// goes to a fake-gcs-server started on first use; the clients read these variables.

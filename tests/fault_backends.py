@@ -4,8 +4,7 @@ process at a named point of a save, through the storage protocol rather than the
 Operations are named as the `Backend` methods are, with array opening as ``open_array`` (the kvstore spec is
 asked for once per array opened or created). Hooks get the operation, the path and how many times the operation
 has been called so far (1 for the first call). `hook` runs before each operation; `after`, if given, once it has
-returned (not for ``open_array``, whose work happens later, in tensorstore). `count_bytes` counts the chunk
-bytes a process writes.
+returned (not for ``open_array``, whose work happens later, in tensorstore).
 """
 
 from __future__ import annotations
@@ -148,19 +147,3 @@ def wait_for(operation: str, event: threading.Event) -> Hook:
         if op == operation:
             event.wait()
     return hook
-
-
-def count_bytes() -> dict:
-    """Count the chunk bytes this process hands to the array writer from now on (the job scripts' check that
-    each chunk is written once): ``{"bytes": n}``, updated as writes are issued."""
-    from xla_tensorstore_ckpt.saves import writing
-
-    written = {"bytes": 0}
-    real = writing.ChunkWriter.write
-
-    def counting(self, group, data):
-        written["bytes"] += sum(d.nbytes for chunks in data for d in chunks)
-        return real(self, group, data)
-
-    writing.ChunkWriter.write = counting
-    return written

@@ -158,6 +158,25 @@ def small_file_system(path, size: str = "32m"):
         subprocess.run(["umount", "--lazy", str(path)], check=True)
 
 
+@contextlib.contextmanager
+def overlay_file_system(path):
+    """An overlayfs mounted at `path` for the block (its layers beside it): a file system whose page cache
+    ``cachestat`` does not see, as in containers. Mounting needs root; skipped where the kernel refuses."""
+    layers = [f"{path}.{name}" for name in ("lower", "upper", "work")]
+    for directory in (path, *layers):
+        os.makedirs(directory, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting an overlay file system needs root")
+    mounted = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", "lowerdir={},upperdir={},workdir={}".format(
+        *layers), str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this kernel mounts no overlayfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
 def fill_file_system(directory, leave: int = 4096) -> str:
     """Fill the file system of `directory` but for `leave` bytes (ENOSPC for writes past them); the filling
     file's path: delete it to make room again."""

@@ -18,7 +18,6 @@ from helpers import assert_trees_equal, cpu_state, train_steps, xla_net
 from xla_stack import torch_xla
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays
 from xla_tensorstore_ckpt.core import events, layout
 
 
@@ -33,29 +32,24 @@ def test_async_is_the_default():
 
 
 @pytest.mark.xla
-def test_written_values_are_those_at_save_time(tmp_path, mesh_4x2, monkeypatch):
+def test_written_values_are_those_at_save_time(tmp_path, mesh_4x2):
     net = xla_net(mesh_4x2)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     train_steps(net, opt, 2)
     extra = {"buf": torch.arange(6.0), "position": 5, "nested": [torch.ones(2)]}
     expected_model = cpu_state(net)
     expected_opt = {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())}
-    gate = threading.Event()
-    real_wait_all = arrays.wait_all
-
-    def slow_wait_all(pending):  # hold the background writes until the caller has mutated everything
-        gate.wait(30)
-        return real_wait_all(pending)
-
-    monkeypatch.setattr(arrays, "wait_all", slow_wait_all)
-    with xtc.CheckpointManager(tmp_path, async_options()) as mgr:
-        assert mgr.save(2, model=net, optimizer=opt, extra=extra)
-        assert mgr.all_steps() == []  # returned before the commit
-        train_steps(net, opt, 3, seed=7)  # parameters and optimizer state change on the devices
-        extra["buf"].add_(100)
-        extra["position"] = 99
-        extra["nested"][0].mul_(-1)
-        gate.set()
+    gate = threading.Event()  # the background writes open no array (and so write nothing) until it is set
+    with xtc.CheckpointManager(hooked(tmp_path, wait_for("open_array", gate)), async_options()) as mgr:
+        try:
+            assert mgr.save(2, model=net, optimizer=opt, extra=extra)
+            assert mgr.all_steps() == []  # returned before the commit
+            train_steps(net, opt, 3, seed=7)  # parameters and optimizer state change on the devices
+            extra["buf"].add_(100)
+            extra["position"] = 99
+            extra["nested"][0].mul_(-1)
+        finally:
+            gate.set()
         mgr.wait_until_finished()
         assert mgr.all_steps() == [2]
         fresh = xla_net(mesh_4x2, seed=3)

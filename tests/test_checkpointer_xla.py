@@ -12,7 +12,6 @@ import zarr
 from conftest import make_mesh, sharded
 from helpers import assert_trees_equal, random_tensor
 from xla_stack import met, torch_xla, xs
-from xla_stack import sharding as sharding_module
 
 import xla_tensorstore_ckpt as xtc
 
@@ -142,22 +141,14 @@ def test_save_causes_no_compilation_or_execution(tmp_path, mesh_4x2, mesh_8):
     assert "TransferFromDeviceTime" in names  # it did read the shards from the devices
 
 
-def test_shards_are_fetched_in_batches(tmp_path, mesh_4x2, monkeypatch):
-    calls = []
-
-    class CountingXLAC:
-        def __getattr__(self, name):
-            real = getattr(torch_xla._XLAC, name)
-            if name in ("_get_local_shards", "_xla_get_cpu_tensors"):
-                return lambda tensors, *a: calls.append((name, len(tensors))) or real(tensors, *a)
-            return real
-
-    sharding_module.load()  # torch_xla imported: the patch replaces it, and its undoing restores it
-    monkeypatch.setattr(sharding_module, "_X", CountingXLAC())
+def test_shards_are_fetched_in_batches(tmp_path, mesh_4x2, xla_calls):
     state = {f"t{i}": sharded(torch.randn(8, 4), mesh_4x2, ("x", "y")) for i in range(20)}
     state.update({f"u{i}": sharded(torch.randn(3), None, None) for i in range(10)})
+    xla_calls.clear()
     xtc.save(tmp_path / "ck", state)
-    assert calls == [("_get_local_shards", 20), ("_xla_get_cpu_tensors", 10)]
+    fetches = [(name, len(args[0])) for name, args, _ in xla_calls
+               if name in ("_get_local_shards", "_xla_get_cpu_tensors")]
+    assert fetches == [("_get_local_shards", 20), ("_xla_get_cpu_tensors", 10)]
 
 
 RESHARD_CASES = [

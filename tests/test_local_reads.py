@@ -9,6 +9,7 @@ import subprocess
 import crc32c
 import numpy as np
 import pytest
+from helpers import overlay_file_system
 from memory_maps import vm_flags
 
 import xla_tensorstore_ckpt as xtc
@@ -56,11 +57,37 @@ def _runs(data):
     return [(at, memoryview(out)) for (at, _), out in zip(spans, outs)], outs, [data[a:a + n] for a, n in spans]
 
 
+def _nowait_probes(before: dict) -> int:
+    """How many of the cache probes since `before` read a byte with ``RWF_NOWAIT`` (``cachestat`` could not
+    count)."""
+    return local_reads.COUNTS.since(before)["nowait_probes"]
+
+
 def _paths(before: dict) -> list[str]:
     """The paths the local reads since `before` (a `COUNTS.snapshot`) took, one entry per read: what
     ``restore_finished`` reports as ``paths``."""
     since = local_reads.COUNTS.since(before)
     return ["direct"] * since["direct_reads"] + ["buffered"] * since["buffered_reads"]
+
+
+@pytest.fixture
+def refused_cachestat(monkeypatch):
+    """``refuse(code)``: from then on the test's ``cachestat`` system calls fail with errno `code`, as kernels
+    before 6.5 (ENOSYS) and since 2025 (EPERM, for a file this process could not write) answer; it returns the
+    list of the calls the kernel got (their file descriptors). The library's wrapper of the system call is the
+    boundary replaced, nothing above it."""
+    def refuse(code: int) -> list:
+        calls = []
+
+        def call(*args):
+            calls.append(args[1])
+            ctypes.set_errno(code)
+            return -1
+
+        monkeypatch.setattr(page_cache, "_cachestat", call)
+        return calls
+
+    return refuse
 
 
 @pytest.fixture
@@ -71,9 +98,9 @@ def small_windows():
 
 @pytest.mark.parametrize("probe", ["cachestat", "nowait-read"])
 @pytest.mark.parametrize("cache", ["cold", "warm"])
-def test_runs_read_the_same_bytes_cold_or_warm(tmp_path, monkeypatch, small_windows, cache, probe):
+def test_runs_read_the_same_bytes_cold_or_warm(tmp_path, refused_cachestat, small_windows, cache, probe):
     if probe == "nowait-read":  # kernels before 6.5 (no cachestat)
-        monkeypatch.setattr(page_cache, "_cachestat", None)
+        refused_cachestat(errno.ENOSYS)
     path, data = _file(tmp_path)
     if cache == "cold":
         _evict(path)
@@ -86,6 +113,11 @@ def test_runs_read_the_same_bytes_cold_or_warm(tmp_path, monkeypatch, small_wind
     assert checksum == crc32c.crc32c(b"".join(expected[:4]))  # computed window by window when direct
     direct = cache == "cold" and _direct_supported(path)
     assert _paths(before) == (["direct"] if direct else ["buffered"])
+    probes = local_reads.COUNTS.since(before)
+    if probe == "nowait-read":
+        assert probes["nowait_probes"] == probes["cache_probes"] > 0
+    elif _cachestat_counts(path):
+        assert probes["cache_probes"] > 0 and probes["nowait_probes"] == 0
     if direct:  # a cold read leaves the file out of the page cache
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -126,68 +158,60 @@ def test_cold_bytes_read_twice_are_read_direct_twice(tmp_path, small_windows):
     assert _paths(before) == ["direct", "direct"]
 
 
-def _failing_cachestat(code, calls):
-    def call(*args):
-        calls.append(args[1])
-        ctypes.set_errno(code)
-        return -1
-
-    return call
-
-
-def test_a_file_cachestat_refuses_is_probed_and_cachestat_still_asked_for_the_next(tmp_path, monkeypatch):
+def test_a_file_cachestat_refuses_is_probed_and_cachestat_still_asked_for_the_next(tmp_path, refused_cachestat):
     """Kernels since 2025 refuse cachestat (EPERM) on a file this process could not write (a checkpoint of
     another user): that read asks the old way, the next file is counted again."""
     path, data = _file(tmp_path)
-    calls, probes = [], []
-    monkeypatch.setattr(page_cache, "_cachestat", _failing_cachestat(errno.EPERM, calls))
-    real_preadv = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at, *flags: probes.append(flags) or real_preadv(
-        fd, bufs, at, *flags))
+    calls = refused_cachestat(errno.EPERM)
+    before = local_reads.COUNTS.snapshot()
     for _ in range(2):
         out = bytearray(5000)
         local_reads.read_runs(path, [(7, memoryview(out))], "the test file")
         assert bytes(out) == data[7:5007]
     assert len(calls) == 2  # asked each time: the refusal was for that file
-    assert probes.count((os.RWF_NOWAIT,)) == 2
+    assert _nowait_probes(before) == 2
     assert page_cache._cachestat is not None
 
 
-def test_a_kernel_without_cachestat_is_not_asked_again(tmp_path, monkeypatch):
+def test_a_kernel_without_cachestat_is_not_asked_again(tmp_path, refused_cachestat):
     path, data = _file(tmp_path)
-    calls = []
-    monkeypatch.setattr(page_cache, "_cachestat", _failing_cachestat(errno.ENOSYS, calls))
+    calls = refused_cachestat(errno.ENOSYS)
+    before = local_reads.COUNTS.snapshot()
     for _ in range(2):
         out = bytearray(5000)
         local_reads.read_runs(path, [(7, memoryview(out))], "the test file")
         assert bytes(out) == data[7:5007]
     assert len(calls) == 1 and page_cache._cachestat is None
+    assert _nowait_probes(before) == 2
 
 
-def test_a_file_system_that_hides_its_cache_from_cachestat_is_probed(tmp_path, monkeypatch):
+def test_a_file_system_that_hides_its_cache_from_cachestat_is_probed(tmp_path, refused_cachestat):
     """overlayfs keeps a file's pages under the file beneath, where cachestat does not look (it would count
-    none of a warm file): such file systems are asked the old way."""
-    path, data = _file(tmp_path)
-    calls = []
-    monkeypatch.setattr(page_cache, "_cachestat", _failing_cachestat(errno.EPERM, calls))
-    monkeypatch.setattr(page_cache, "_unseen_by_device", {os.stat(path).st_dev: True})
-    out = bytearray(5000)
-    local_reads.read_runs(path, [(7, memoryview(out))], "the test file")
-    assert bytes(out) == data[7:5007] and calls == []
+    none of a warm file): such file systems are asked the old way. A real overlayfs; the same read of a file on
+    the file system beneath asks cachestat."""
+    with overlay_file_system(tmp_path / "overlay") as mounted:
+        hidden, data = _file(mounted)
+        plain, _ = _file(tmp_path)
+        calls = refused_cachestat(errno.EPERM)
+        for path, asked in ((hidden, 0), (plain, 1)):
+            before = local_reads.COUNTS.snapshot()
+            out = bytearray(5000)
+            local_reads.read_runs(path, [(7, memoryview(out))], "the test file")
+            assert bytes(out) == data[7:5007]
+            assert len(calls) == asked and _nowait_probes(before) == 1, path
 
 
-def test_the_file_system_magic_is_read_from_fstatfs(tmp_path, monkeypatch):
-    path, _ = _file(tmp_path)
-    monkeypatch.setattr(page_cache, "_unseen_by_device", {})
-    monkeypatch.setattr(page_cache, "_CACHE_UNSEEN_MAGIC", {_magic(path)})
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert page_cache._cache_unseen(fd)
-        monkeypatch.setattr(page_cache, "_unseen_by_device", {})
-        monkeypatch.setattr(page_cache, "_CACHE_UNSEEN_MAGIC", {0x794C7630})
-        assert page_cache._cache_unseen(fd) == (_magic(path) == 0x794C7630)
-    finally:
-        os.close(fd)
+def test_the_file_system_magic_is_read_from_fstatfs(tmp_path):
+    with overlay_file_system(tmp_path / "overlay") as mounted:
+        hidden, _ = _file(mounted)
+        plain, _ = _file(tmp_path)
+        assert _magic(hidden) == 0x794C7630  # overlayfs
+        for path, unseen in ((hidden, True), (plain, _magic(plain) in (0x794C7630, 0x2FC12FC1))):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                assert page_cache._cache_unseen(fd) == unseen, path
+            finally:
+                os.close(fd)
 
 
 def _magic(path):

@@ -18,7 +18,12 @@ from xla_stack import sharding, torch_xla
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt.core import host_memory
-from xla_tensorstore_ckpt.core.events import RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_FINISHED
+from xla_tensorstore_ckpt.core.events import (
+    RESTORE_BATCH_ISSUED,
+    RESTORE_BATCH_SETTLED,
+    RESTORE_BUILT,
+    RESTORE_FINISHED,
+)
 
 pytestmark = pytest.mark.xla  # every test here needs torch_xla
 
@@ -41,7 +46,19 @@ def _on_mesh(module, mesh):
     return module
 
 
-def test_restore_in_place_releases_each_target_before_placing_it(tmp_path, monkeypatch):
+def _releases_and_replacements(calls: list) -> list[tuple[str, int]]:
+    """From the torch_xla calls of a restore in place (`xla_calls`): ("release", id) where a target's device data
+    was swapped for anything but a value placed from host shards, ("replace", id) where it was swapped for one."""
+    placed, swaps = set(), []
+    for name, args, result in calls:  # `calls` holds every tensor named: their ids are not reused meanwhile
+        if name == "_global_tensor_from_cpu_shards":
+            placed.add(id(result))
+        elif name == "_replace_xla_tensor":
+            swaps.append(("replace" if id(args[1]) in placed else "release", id(args[0])))
+    return swaps
+
+
+def test_restore_in_place_releases_each_target_before_placing_it(tmp_path, xla_calls):
     mesh = make_mesh((8,), ("x",))
     torch.manual_seed(0)
     saved = _on_mesh(Tied(), mesh)
@@ -52,42 +69,49 @@ def test_restore_in_place_releases_each_target_before_placing_it(tmp_path, monke
         torch.manual_seed(1)
         fresh = _on_mesh(Tied(), mesh)
         params = {name: p for name, p in fresh.named_parameters()}
-        events = []
-        real_release, real_replace = sharding._release, sharding.assign
-        monkeypatch.setattr(sharding, "_release", lambda t: events.append(("release", id(t))) or real_release(t))
-        monkeypatch.setattr(sharding, "assign", lambda targets, new: events.extend(
-            ("replace", id(t)) for t in targets) or real_replace(targets, new))
+        xla_calls.clear()
         assert manager.restore(1, model=fresh, restore_rng=False) == 1
+        swaps = _releases_and_replacements(xla_calls)
     assert {name: p for name, p in fresh.named_parameters()} == params  # the same objects
     assert fresh.head.weight is fresh.embed.weight
     for key, value in fresh.state_dict().items():
         assert torch.equal(value.cpu(), expected[key]), key
         assert sharding.specs([value]) == sharding.specs([saved.state_dict()[key]]), key
     # Every target is released, then replaced, before the next one is touched (the tied weight twice over).
-    assert len(events) == 2 * len(fresh.state_dict())
-    assert all(a[0] == "release" and b[0] == "replace" and a[1] == b[1] for a, b in zip(events[::2], events[1::2]))
+    assert len(swaps) == 2 * len(fresh.state_dict())
+    assert all(a[0] == "release" and b[0] == "replace" and a[1] == b[1] for a, b in zip(swaps[::2], swaps[1::2]))
 
 
-def _read_and_placed(event) -> list[tuple]:
-    """("read", keys) for a batch whose reads start, ("place", key) for a value built and placed."""
-    if event.kind == RESTORE_BATCH_ISSUED:
-        return [("read", tuple(event.details["keys"]))]
-    return [("place", event.details["key"])] if event.kind == RESTORE_BUILT else []
+def _steps(heard: list) -> list[tuple]:
+    """The steps of a restore, from its events and torch_xla calls in the one list `xla_calls` gives (a listener
+    puts the events there): ("read", keys) where a batch's reads start, ("place", key) for a value built and
+    placed, ("wait", tensor) where the restore waits for a transfer to the devices (torch_xla's ready callback),
+    ("trim", returned) once a batch under a budget is settled and the freed memory was checked (returned or
+    not)."""
+    steps = []
+    for entry in heard:
+        if isinstance(entry, tuple):
+            if entry[0] == "_on_ready_callback":
+                steps.append(("wait", entry[1][0]))
+        elif entry.kind == RESTORE_BATCH_ISSUED:
+            steps.append(("read", tuple(entry.details["keys"])))
+        elif entry.kind == RESTORE_BUILT:
+            steps.append(("place", entry.details["key"]))
+        elif entry.kind == RESTORE_BATCH_SETTLED:
+            steps.append(("trim", entry.details["returned_memory"]))
+    return steps
 
 
 @pytest.mark.parametrize("budget", [None, (1 << 20) - 1], ids=["read-ahead", "within-budget"])
-def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget):
+def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, xla_calls, budget):
     mesh = make_mesh((4, 2), ("x", "y"))
     state = {f"w{i}": sharded(torch.randn(256, 512), mesh, ("x", "y")) for i in range(4)}  # 512 KiB each
     xtc.save(tmp_path / "ck", state)
-    events = []
-    monkeypatch.setattr(host_memory, "keep_within", lambda start, limit: events.append(("trim",)))
-    real_wait = sharding.wait_transferred
-    monkeypatch.setattr(sharding, "wait_transferred", lambda t: events.append(("wait",)) or real_wait(t))
-    options = xtc.RestoreOptions(read_batch_bytes=512 << 10, max_host_bytes=budget,
-                                 listeners=(lambda e: events.extend(_read_and_placed(e)),))
-    out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(256, 512), mesh, ("y", "x")) for k in state},
-                      options=options)
+    options = xtc.RestoreOptions(read_batch_bytes=512 << 10, max_host_bytes=budget, listeners=(xla_calls.append,))
+    targets = {k: sharded(torch.zeros(256, 512), mesh, ("y", "x")) for k in state}
+    xla_calls.clear()
+    out = xtc.restore(tmp_path / "ck", targets, options=options)
+    events = [step[:1] if step[0] in ("wait", "trim") else step for step in _steps(xla_calls)]
     for key, value in state.items():
         assert torch.equal(out[key].cpu(), value.cpu()), key
     reads = [e for e in events if e[0] == "read"]
@@ -103,22 +127,20 @@ def test_max_host_bytes_limits_the_reads_in_flight(tmp_path, monkeypatch, budget
                           for e in (("read", (f"w{k}",)), ("place", f"w{k}"), ("wait",), ("trim",))]
 
 
-def test_under_a_budget_one_transfer_runs_while_the_next_tensor_is_placed(tmp_path, monkeypatch):
+def test_under_a_budget_one_transfer_runs_while_the_next_tensor_is_placed(tmp_path, xla_calls):
     mesh = make_mesh((4, 2), ("x", "y"))
     state = {f"w{i}": sharded(torch.randn(64, 256), mesh, ("x", "y")) for i in range(4)}  # 64 KiB each
     xtc.save(tmp_path / "ck", state)
-    events = []
-    real_wait = sharding.wait_transferred
-    monkeypatch.setattr(sharding, "wait_transferred", lambda t: events.append(("wait", t)) or real_wait(t))
-    monkeypatch.setattr(host_memory, "keep_within", lambda start, limit: events.append(("trim",)))
-    listeners = (lambda e: events.extend(p for p in _read_and_placed(e) if p[0] == "place"),)
-    out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(64, 256), mesh, ("y", "x")) for k in state},
-                      options=xtc.RestoreOptions(max_host_bytes=1 << 20, listeners=listeners))  # a 256 KiB batch
+    targets = {k: sharded(torch.zeros(64, 256), mesh, ("y", "x")) for k in state}
+    xla_calls.clear()
+    out = xtc.restore(tmp_path / "ck", targets, options=xtc.RestoreOptions(
+        max_host_bytes=1 << 20, listeners=(xla_calls.append,)))  # a 256 KiB batch
+    events = [e for e in _steps(xla_calls) if e[0] != "read"]
     for key, value in state.items():
         assert torch.equal(out[key].cpu(), value.cpu()), key
     placed = {key: out[key] for key in state}  # the values built, as the restore returns them
     # Each tensor's transfer is waited for once the next is placed; the last one's at the end of the batch.
-    assert [(e[0], e[1]) if e[0] == "place" else e[:1] for e in events] == [
+    assert [e if e[0] == "place" else e[:1] for e in events] == [
         ("place", "w0"), ("place", "w1"), ("wait",), ("place", "w2"), ("wait",), ("place", "w3"), ("wait",),
         ("wait",), ("trim",)]
     waited = [e[1] for e in events if e[0] == "wait"]
@@ -193,7 +215,9 @@ def _resident_bytes() -> int:
 
 
 @pytest.mark.skipif(sys.platform != "linux" or not ctypes.util.find_library("c"), reason="glibc only")
-def test_return_free_memory_gives_freed_heap_pages_back():
+@pytest.mark.parametrize("give_back", [host_memory.return_free_memory, lambda: host_memory.keep_within(0, 1 << 20)],
+                         ids=["return_free_memory", "keep_within-past-its-limit"])
+def test_return_free_memory_gives_freed_heap_pages_back(give_back):
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
@@ -205,26 +229,24 @@ def test_return_free_memory_gives_freed_heap_pages_back():
     for block in blocks[:-1]:  # the last one pins the heap's top: glibc does not shrink it on its own
         libc.free(block)
     freed = _resident_bytes()
-    host_memory.return_free_memory()
+    give_back()
     after = _resident_bytes()
     libc.free(blocks[-1])
     assert before - freed < 8 << 20  # glibc kept the freed 40 MiB
     assert freed - after > 32 << 20  # and gave them back
 
 
-def test_keep_within_returns_free_memory_only_past_the_limit(monkeypatch):
-    resident, trims = [100 << 20], []
-    monkeypatch.setattr(host_memory, "resident_bytes", lambda: resident[0])
-    monkeypatch.setattr(host_memory, "return_free_memory", lambda: trims.append(resident[0]))
-    host_memory.keep_within(60 << 20, 40 << 20)  # grown by exactly the limit: the next batch fits
-    assert trims == []
-    resident[0] += 1
-    host_memory.keep_within(60 << 20, 40 << 20)
-    assert trims == [resident[0]]
-    host_memory.keep_within(None, 1 << 30)  # resident memory unknown: always return it
-    resident[0] = None
-    host_memory.keep_within(60 << 20, 1 << 30)
-    assert len(trims) == 3
+def test_keep_within_returns_free_memory_only_past_the_limit():
+    assert not host_memory.past_limit(60 << 20, 100 << 20, 40 << 20)  # grown by exactly the limit: the next fits
+    assert host_memory.past_limit(60 << 20, (100 << 20) + 1, 40 << 20)
+    assert host_memory.past_limit(None, 100 << 20, 1 << 30)  # resident memory unknown: always return it
+    assert host_memory.past_limit(60 << 20, None, 1 << 30)
+    now = host_memory.resident_bytes()
+    if now is None:
+        pytest.skip("no /proc/self/statm here")
+    assert not host_memory.keep_within(now, 1 << 40)  # the process's own memory decides
+    assert host_memory.keep_within(now - (64 << 20), 32 << 20)
+    assert host_memory.keep_within(None, 1 << 40)
 
 
 def test_resident_bytes_sees_memory_being_touched():

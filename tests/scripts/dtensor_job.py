@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from fault_backends import count_bytes, hooked, kill_at  # noqa: E402
+from fault_backends import hooked, kill_at  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
 
@@ -286,7 +286,6 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mode, root = args.mode, args.root
     if mode == "save":
-        written = count_bytes()
         mesh = meshes(world)
         tree = {name: distribute_tensor(global_value(name), mesh[kind], placements(saved))
                 for name, (_, _, kind, saved, _) in ARRAYS.items()}
@@ -294,7 +293,8 @@ def main() -> None:
         seen: list = []
         xtc.save(f"{root}/item", tree, options=xtc.SaveOptions(split_bytes=1 << 20, listeners=(seen.append,)))
         committed = next(e for e in seen if e.kind == "save_committed")
-        emit(rank, bytes=written["bytes"], agreements=committed.details["agreements"])
+        written = next(e for e in seen if e.kind == "save_written")  # the chunk bytes this process wrote
+        emit(rank, bytes=written.details["chunk_bytes"], agreements=committed.details["agreements"])
     elif mode == "restore":
         mesh = meshes(world)
         target = {name: distribute_tensor(torch.zeros(shape, dtype=dtype), mesh["1d"], placements(other))

@@ -19,6 +19,7 @@ Prints one JSON line: {"rank": r, "bytes": bytes this process wrote, ...}.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from fault_backends import count_bytes, hooked, kill_at  # noqa: E402
+from fault_backends import hooked, kill_at  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
 from xla_tensorstore_ckpt.core.errors import CoordinationError  # noqa: E402
@@ -117,11 +118,12 @@ def stall(root: str, when: str, stalled: int, rank: int, world: int) -> None:
 def main() -> None:
     mode, root = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    written = count_bytes()
     options = xtc.SaveOptions(split_bytes=1 << 20)
     if mode == "save":
-        xtc.save(f"{root}/item", state(rank, world), options=options)
-        print(json.dumps({"rank": rank, "bytes": written["bytes"]}), flush=True)
+        seen: list = []
+        xtc.save(f"{root}/item", state(rank, world), options=dataclasses.replace(options, listeners=(seen.append,)))
+        written = next(e for e in seen if e.kind == "save_written")  # the chunk bytes this process wrote
+        print(json.dumps({"rank": rank, "bytes": written.details["chunk_bytes"]}), flush=True)
     elif mode == "restore":
         target = {name: xtc.ShardedArray.target(shape, dtype, restore_shards,
                                                 held_shards(name, restore_shards, rank, world, restore=True))

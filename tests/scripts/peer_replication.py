@@ -60,15 +60,20 @@ def model_for(step: int | None, host: int) -> dict:
 
 
 def kill_before_committing_step(step: int) -> None:
-    """Die (SIGKILL) when this process is about to commit a peer copy of `step` it received."""
-    commit = peer_copies.on_disk.commit_dir
+    """Die (SIGKILL) when this process is about to commit a peer copy of `step` it received: as it renames the
+    copy's directory, whose marker names the step, into place (`os.rename`, the system call, is what is
+    replaced)."""
+    rename = os.rename
 
-    def dying(partial: str, final: str, manifest):
-        if manifest is not None and manifest.step == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return commit(partial, final, manifest)
+    def dying(source, target, *args, **kwargs):
+        marker = os.path.join(source, peer_copies.on_disk.COPY_MARKER)
+        if os.path.isfile(marker):
+            with open(marker) as f:
+                if json.load(f)["step"] == step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return rename(source, target, *args, **kwargs)
 
-    peer_copies.on_disk.commit_dir = dying
+    os.rename = dying
 
 
 def main() -> None:
@@ -98,17 +103,11 @@ def main() -> None:
         if full_from is None:
             fill_disk()
 
-    if os.environ.get("XTC_FSIZE", "").startswith(f"{host}:") and full_from is not None:
-        moving = peer_copies.file_transfer.transfer
-
-        def filling(coordinator, transfers, source_dirs, target_dirs, what):
-            if what == f"step {full_from}":  # the replication of that step starts moving files
-                fill_disk()
-            return moving(coordinator, transfers, source_dirs, target_dirs, what)
-
-        peer_copies.file_transfer.transfer = filling
+    fills_later = os.environ.get("XTC_FSIZE", "").startswith(f"{host}:") and full_from is not None
 
     def listen(event) -> None:
+        if fills_later and event.kind == "peer_copies_started" and event.step == full_from:
+            fill_disk()  # the replication of that step starts moving files
         events.append({"kind": event.kind, "tier": event.tier, "step": event.step, "nbytes": event.nbytes,
                        "details": event.details})
 

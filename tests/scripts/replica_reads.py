@@ -8,8 +8,8 @@ usage: replica_reads.py save PATH                -> saves this process's shards 
        replica_reads.py manager ROOT            -> a manager saves step 1 (model: every array), a new one resumes
                                                     it in place with single-replica reads, and a third, on an
                                                     empty root, initialises from its model item (init_from)
-       replica_reads.py die PATH RANK            -> restores with single-replica reads; process RANK dies as it
-                                                    reads its first chunk
+       replica_reads.py die PATH RANK            -> restores with single-replica reads; process RANK dies once
+                                                    the reads of its first batch have started
 Prints one JSON line per restore: {"rank", "mode", "ok", "storage_bytes", "sent", "received", "error"}.
 """
 
@@ -22,7 +22,6 @@ import sys
 import torch
 
 import xla_tensorstore_ckpt as xtc
-from xla_tensorstore_ckpt import arrays, incremental
 from xla_tensorstore_ckpt.core import events
 
 WORLD = 4
@@ -97,9 +96,17 @@ def check(rank: int, restored: dict) -> bool:
     return True
 
 
-def restore(path: str, rank: int, mode: str) -> dict:
+def restore(path: str, rank: int, mode: str, *, die: bool = False) -> dict:
+    """Restore `path` onto this process's layouts; with `die`, the process exits (status 9) as soon as the reads
+    of its first batch have started."""
     finished = []
-    listener = (lambda e: e.kind == events.RESTORE_FINISHED and finished.append(e))
+
+    def listener(event: events.Event) -> None:
+        if die and event.kind == events.RESTORE_BATCH_ISSUED:
+            os._exit(9)
+        if event.kind == events.RESTORE_FINISHED:
+            finished.append(event)
+
     options = xtc.RestoreOptions(single_replica_reads=mode == "on", listeners=(listener,),
                                  broadcast_max_bytes=int(os.environ.get("BROADCAST_MAX_BYTES", 256 << 20)))
     line = {"rank": rank, "mode": mode}
@@ -110,31 +117,6 @@ def restore(path: str, rank: int, mode: str) -> dict:
     details = finished[0].details
     return {**line, "ok": check(rank, restored), "storage_bytes": details["storage_bytes"],
             "sent": details.get("peer_bytes_sent"), "received": details.get("peer_bytes_received")}
-
-
-def die_on_first_read() -> None:
-    real = incremental.reader
-
-    def dying(item, store, context=None):
-        reader = real(item, store, context)
-        real_open = reader.open
-
-        def open_(meta):
-            opening = real_open(meta)
-            stored = opening.result()
-            stored_read = stored.read
-
-            def read(regions, empty=None):
-                os._exit(9)
-                return stored_read(regions, empty)
-
-            stored.read = read
-            return arrays.Ready(stored)
-
-        reader.open = open_
-        return reader
-
-    sys.modules["xla_tensorstore_ckpt.restores.restoring"].incremental.reader = dying
 
 
 def main() -> None:
@@ -168,9 +150,7 @@ def main() -> None:
                               "storage_bytes": event.details["storage_bytes"],
                               "received": event.details["peer_bytes_received"]}), flush=True)
     elif mode == "die":
-        if rank == int(sys.argv[3]):
-            die_on_first_read()
-        print(json.dumps(restore(path, rank, "on")), flush=True)
+        print(json.dumps(restore(path, rank, "on", die=rank == int(sys.argv[3]))), flush=True)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ class ByteCounter:
 
 
 class PathCounts(storage.Counts):
-    """What array reads did, by path: cache probes (and how many found the bytes cached), the local reads and
+    """What array reads did, by path: cache probes (how many found the bytes cached, and how many asked with a
+    one-byte ``RWF_NOWAIT`` read where ``cachestat`` could not count, ``nowait_probes``), the local reads and
     bytes that went around the page cache (direct) or through it (buffered), the chunks `local_chunks` read
     itself (on the restoring thread, ``chunks_inline``, or on its worker threads, ``chunks_on_workers``) and the
     regions read through tensorstore (``tensorstore_regions``), and the data files `local_chunks` opened and
@@ -105,8 +106,9 @@ class PathCounts(storage.Counts):
     process's since it started; restores report the difference over their reads (``restore_finished``'s
     ``paths``); tests read it to see which path ran. Thread-safe."""
 
-    FIELDS = ("cache_probes", "cached_probes", "direct_reads", "direct_bytes", "buffered_reads", "buffered_bytes",
-              "chunks_inline", "chunks_on_workers", "tensorstore_regions", "files_opened", "files_closed")
+    FIELDS = ("cache_probes", "cached_probes", "nowait_probes", "direct_reads", "direct_bytes", "buffered_reads",
+              "buffered_bytes", "chunks_inline", "chunks_on_workers", "tensorstore_regions", "files_opened",
+              "files_closed")
 
 
 class Ready:

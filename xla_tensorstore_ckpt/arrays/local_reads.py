@@ -238,8 +238,8 @@ def _cached(fd: int, start: int, stop: int) -> bool:
     the same bytes again then finds it cached and reads them buffered). Not the first or last page alone: the
     reads next to these bytes may have cached them (a chunk's checksum and the next chunk's first bytes share a
     page). Where the kernel cannot say, True: read through the page cache."""
-    cached = page_cache.probe(fd, start, stop)
-    COUNTS.add(cache_probes=1, cached_probes=int(cached))
+    cached, counted = page_cache.probe(fd, start, stop)
+    COUNTS.add(cache_probes=1, cached_probes=int(cached), nowait_probes=int(not counted))
     return cached
 
 

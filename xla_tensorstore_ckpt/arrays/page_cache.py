@@ -12,20 +12,21 @@ import mmap
 import os
 
 
-def probe(fd: int, start: int, stop: int) -> bool:
-    """Whether the page cache holds most of the file's bytes from `start` to `stop` (see the module). Blocks on a
-    one-byte read at most."""
+def probe(fd: int, start: int, stop: int) -> tuple[bool, bool]:
+    """Whether the page cache holds most of the file's bytes from `start` to `stop` (see the module), and whether
+    ``cachestat`` counted them (else a one-byte ``RWF_NOWAIT`` read was asked). Blocks on a one-byte read at
+    most."""
     pages = cached_pages(fd, start, stop)
     if pages is not None:
-        return 2 * pages * mmap.PAGESIZE >= stop - start
+        return 2 * pages * mmap.PAGESIZE >= stop - start, True
     probe = bytearray(1)
     try:
         os.preadv(fd, [probe], (start + stop) // 2, os.RWF_NOWAIT)
     except BlockingIOError:
-        return False
+        return False, False
     except OSError:  # RWF_NOWAIT not supported here (overlayfs, for one)
-        return True
-    return True
+        return True, False
+    return True, False
 
 
 def cached_pages(fd: int, start: int, stop: int) -> int | None:
@@ -50,18 +51,13 @@ def _give_up_cachestat() -> None:
 
 
 def _cache_unseen(fd: int) -> bool:
-    """Whether `fd`'s file system keeps its cached pages where ``cachestat`` does not look; asked once per
-    device."""
-    device = os.fstat(fd).st_dev
-    unseen = _unseen_by_device.get(device)
-    if unseen is None:
-        info = ctypes.create_string_buffer(256)  # struct statfs, whose first field is the file system's magic
-        if _fstatfs is None or _fstatfs(fd, info) != 0:
-            unseen = False
-        else:
-            unseen = ctypes.c_long.from_buffer(info).value & 0xFFFFFFFF in _CACHE_UNSEEN_MAGIC
-        _unseen_by_device[device] = unseen
-    return unseen
+    """Whether `fd`'s file system keeps its cached pages where ``cachestat`` does not look. Asked at every probe
+    (one ``fstatfs``, as cheap as the ``fstat`` a memo by device would need): device numbers are reused by the
+    next mount, so a memo could answer for a file system that is gone."""
+    info = ctypes.create_string_buffer(256)  # struct statfs, whose first field is the file system's magic
+    if _fstatfs is None or _fstatfs(fd, info) != 0:
+        return False
+    return ctypes.c_long.from_buffer(info).value & 0xFFFFFFFF in _CACHE_UNSEEN_MAGIC
 
 
 class _CachestatRange(ctypes.Structure):
@@ -78,4 +74,3 @@ _CACHE_UNSEEN_MAGIC = {0x794C7630, 0x2FC12FC1}  # overlayfs, ZFS
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _cachestat = getattr(_LIBC, "syscall", None)
 _fstatfs = getattr(_LIBC, "fstatfs", None)
-_unseen_by_device: dict[int, bool] = {}

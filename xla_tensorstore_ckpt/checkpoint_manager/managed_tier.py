@@ -193,9 +193,13 @@ def managed_local(root: storage.Location, options: CheckpointManagerOptions, pro
             emitter.bound(step=step).emit(events.PEER_COPIES_COMMITTED, nbytes=received,
                                           details={"sent_bytes": sent, "holders": holders})
 
+        def started(step: int, sent: int, received: int) -> None:
+            emitter.bound(step=step).emit(events.PEER_COPIES_STARTED, nbytes=received, details={"sent_bytes": sent})
+
         try:
             replicator = PeerReplicator(coordinator, root.path, options.local_replication,
-                                        options.local_failure_domain, options.local_max_to_keep, replicated)
+                                        options.local_failure_domain, options.local_max_to_keep, replicated,
+                                        started)
         except BaseException:
             coordinator.close()
             raise

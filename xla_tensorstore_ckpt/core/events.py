@@ -24,6 +24,9 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
   references; `details["kept_as_bases"]`: step -> the kept steps referencing it, for each step retention keeps
   only because kept steps reference it).
 * ``retention_removed`` (per tier): steps retention deleted after a commit (`details["steps"]`).
+* ``peer_copies_started`` (local tier, with `local_replication`; on the replication thread): the files of a
+  committed local step start moving between the peers (`nbytes`: bytes this process is to receive;
+  `details["sent_bytes"]`: bytes it is to send).
 * ``peer_copies_committed`` (local tier, with `local_replication`; on the replication thread): the copies of a
   local step are committed on the peers that got them (`nbytes`: bytes this process received;
   `details["sent_bytes"]`, `details["holders"]`: writer -> the processes now holding its copy).
@@ -31,22 +34,26 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
 and of a restore (per item): ``restore_planned`` (`nbytes` this process will read, `details["arrays"]`,
 `details["chunks"]`: stored chunks its reads touch), ``restore_batch_issued`` when the reads of a batch start
 (`nbytes`; `details`: ``batch``, ``keys``, ``buffers``: ``"arena"`` or ``"own"``, ``into_targets``: the keys read
-straight into their target's memory), ``restore_built`` as each array's value is built and placed (`nbytes` read
-for it; `details`: ``key``, ``batch``, ``target``: its tensor kind), and ``restore_finished`` (`seconds`, `nbytes`
-read; `details["paths"]`: which paths the reads took — ``batches``, ``read_ahead``, ``arena_bytes`` (read into the
-two reused batch arenas, `restore_arenas`), ``arena_allocations`` and ``arena_frees`` (their buffers allocated and
-given back), ``own_buffer_bytes``, ``into_target_bytes``, and of this process's array reads meanwhile
-(`arrays.base.PathCounts`) ``cache_probes``, ``cached_probes``, ``direct_reads``/``direct_bytes`` (local reads
+straight into their target's memory), ``restore_built`` as each array's value is built and placed (`nbytes` read for
+it; `details`: ``key``, ``batch``, ``target``: its tensor kind), under `max_host_bytes` ``restore_batch_settled`` once
+a batch is built and its transfers to the devices are waited for (`details`: ``batch``, ``returned_memory``: whether
+the freed host memory was then returned to the OS, `core.host_memory.keep_within`), and ``restore_finished``
+(`seconds`, `nbytes` read; `details["paths"]`: which paths the reads took — ``batches``, ``read_ahead``,
+``arena_bytes`` (read into the two reused batch arenas, `restore_arenas`), ``arena_allocations`` and ``arena_frees``
+(their buffers allocated and given back), ``own_buffer_bytes``, ``into_target_bytes``, ``memory_returns`` (batches
+after which freed host memory was returned to the OS), and of this process's array reads meanwhile
+(`arrays.base.PathCounts`) ``cache_probes``, ``cached_probes``, ``nowait_probes`` (probes that read one byte with
+``RWF_NOWAIT``, where ``cachestat`` could not count the cached pages), ``direct_reads``/``direct_bytes`` (local reads
 around the page cache), ``buffered_reads``/``buffered_bytes`` (through it), ``chunks_inline`` and
 ``chunks_on_workers`` (chunks this library read from local files itself, on the restoring thread or on its reading
 threads), ``tensorstore_regions`` (regions read through tensorstore), ``files_opened``/``files_closed`` (data files
-those chunk reads opened and closed), and of its storage calls (`storage.CALLS`)
-``whole_reads``/``whole_read_bytes`` (whole files, `Location.read`) and ``ranged_reads``/``ranged_read_bytes``
-(byte ranges, `Location.read_range`); `details["storage_bytes"]`: what the reader fetched from storage for them,
-None where it cannot tell; with single-replica reads also `details["plan"]`, ``"derived"`` from the shardings or
-``"gathered"``, and `details["agreements"]`: each collective phase's cost, as for ``save_committed``); with
-`local_replication`, ``peer_fetched`` when a local step (or its damaged files) came from a peer before the restore
-(`nbytes` received, `details["source"]`: the process it came from, `details["repair"]`).
+those chunk reads opened and closed), and of its storage calls (`storage.CALLS`) ``whole_reads``/``whole_read_bytes``
+(whole files, `Location.read`) and ``ranged_reads``/``ranged_read_bytes`` (byte ranges, `Location.read_range`);
+`details["storage_bytes"]`: what the reader fetched from storage for them, None where it cannot tell; with
+single-replica reads also `details["plan"]`, ``"derived"`` from the shardings or ``"gathered"``, and
+`details["agreements"]`: each collective phase's cost, as for ``save_committed``); with `local_replication`,
+``peer_fetched`` when a local step (or its damaged files) came from a peer before the restore (`nbytes` received,
+`details["source"]`: the process it came from, `details["repair"]`).
 
 Listeners are called on the thread doing the work (a background commit thread for asynchronous saves), one
 event at a time per save or restore. A listener that raises fails what it listens to, like any error of that
@@ -75,10 +82,14 @@ RESTORE_PLANNED = "restore_planned"
 RESTORE_FINISHED = "restore_finished"
 RESTORE_BATCH_ISSUED = "restore_batch_issued"
 RESTORE_BUILT = "restore_built"
+RESTORE_BATCH_SETTLED = "restore_batch_settled"
+PEER_COPIES_STARTED = "peer_copies_started"
 PEER_COPIES_COMMITTED = "peer_copies_committed"
 PEER_FETCHED = "peer_fetched"
 KINDS = (SAVE_STARTED, SAVE_STAGED, SAVE_WRITTEN, SAVE_COMMITTED, RETENTION_REMOVED, RESTORE_PLANNED,
-         RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_FINISHED, PEER_COPIES_COMMITTED, PEER_FETCHED)
+         RESTORE_BATCH_ISSUED, RESTORE_BUILT, RESTORE_BATCH_SETTLED, RESTORE_FINISHED, PEER_COPIES_STARTED,
+         PEER_COPIES_COMMITTED,
+         PEER_FETCHED)
 PER_ARRAY_KINDS = frozenset({RESTORE_BUILT})  # one per array: `LogListener` logs them at DEBUG
 
 

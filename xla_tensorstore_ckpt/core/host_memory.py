@@ -70,15 +70,22 @@ def resident_bytes() -> int | None:
         return None
 
 
-def keep_within(start: int | None, limit: int) -> None:
+def keep_within(start: int | None, limit: int) -> bool:
     """Return the free memory to the OS (`return_free_memory`) if the process has grown by more than `limit`
-    bytes since it held `start` (a `resident_bytes` value), or if either is unknown. Returned pages cost a page
-    fault each when they are used again (3-5 us on the benchmark VM), so a restore under a budget trims only
-    when the next batch would not fit otherwise. Called by restores under a budget after each batch; never
-    raises."""
-    now = resident_bytes()
-    if start is None or now is None or now - start > limit:
-        return_free_memory()
+    bytes since it held `start` (a `resident_bytes` value), or if either is unknown (`past_limit`); whether it
+    did. Returned pages cost a page fault each when they are used again (3-5 us on the benchmark VM), so a
+    restore under a budget trims only when the next batch would not fit otherwise. Called by restores under a
+    budget after each batch; never raises."""
+    if not past_limit(start, resident_bytes(), limit):
+        return False
+    return_free_memory()
+    return True
+
+
+def past_limit(start: int | None, now: int | None, limit: int) -> bool:
+    """Whether resident memory `now` exceeds `start` by more than `limit` bytes, or either is unknown (None):
+    `keep_within`'s decision, apart from the process's memory."""
+    return start is None or now is None or now - start > limit
 
 
 def return_free_memory() -> None:

@@ -19,14 +19,14 @@ import torch
 from .. import arrays, storage, targets
 from ..core import dtypes, host_memory, layout, tree
 from ..core.errors import CheckpointError, CorruptCheckpointError
-from ..core.events import RESTORE_BATCH_ISSUED, RESTORE_BUILT, Emitter
+from ..core.events import RESTORE_BATCH_ISSUED, RESTORE_BATCH_SETTLED, RESTORE_BUILT, Emitter
 from ..options import RestoreOptions
 from . import read_jobs, replica_reads, restore_arenas
 from .read_jobs import ReadJob
 
 # What `read_arrays` counts of the paths its reads take (``restore_finished``'s ``paths``, with the local reads').
 PATHS = ("batches", "read_ahead", "arena_bytes", "arena_allocations", "arena_frees", "own_buffer_bytes",
-          "into_target_bytes")
+         "into_target_bytes", "memory_returns")
 
 
 def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequence[ReadJob], options: RestoreOptions,
@@ -43,7 +43,8 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
     `exchange` (single-replica reads), the batches are the ones every process agreed on, and each is settled
     with the others (`replica_reads.Exchange`) before it is built. `into`: target tensors by key path that the
     reads may fill directly (`read_item`'s restores in place). `events` hears of each batch's reads and each
-    value built (`events.RESTORE_BATCH_ISSUED`, `RESTORE_BUILT`); `paths` counts which paths they took."""
+    value built and, under a budget, of each batch settled (`events.RESTORE_BATCH_ISSUED`, `RESTORE_BUILT`,
+    `RESTORE_BATCH_SETTLED`); `paths` counts which paths they took."""
     _check_sizes(loc, jobs)
     events = events or Emitter()
     paths = Counter() if paths is None else paths
@@ -76,7 +77,9 @@ def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequenc
                 restored.add(job.key_path)
             if schedule.budget is not None:
                 transfers.settle()
-                batches.trim(k, resident_at_start)
+                returned = batches.trim(k, resident_at_start)
+                paths["memory_returns"] += returned
+                events.emit(RESTORE_BATCH_SETTLED, details={"batch": k, "returned_memory": returned})
         if exchange is not None:
             exchange.finish()
     except BaseException as exc:
@@ -160,15 +163,16 @@ class _Batches:
             del self._issued[k]
         return regions
 
-    def trim(self, k: int, resident_at_start: int | None) -> None:
-        """After batch k under a budget: give the freed host memory back unless the next batch fits beside it."""
+    def trim(self, k: int, resident_at_start: int | None) -> bool:
+        """After batch k under a budget: give the freed host memory back unless the next batch fits beside it;
+        whether it was given back."""
         schedule = self._schedule
         upcoming = 0
         if k + 1 < len(schedule.groups):
             if schedule.alone(k + 1):
                 self._arenas[k % 2].release()  # unused until after the large tensor is placed
             upcoming = schedule.staged(k + 1) + schedule.placing(k + 1)
-        host_memory.keep_within(resident_at_start, schedule.budget - upcoming)
+        return host_memory.keep_within(resident_at_start, schedule.budget - upcoming)
 
     def drain(self) -> None:
         """Wait for every array opening and read still in flight (after an error)."""

@@ -4,6 +4,7 @@ batch within `SaveOptions.host_batch_bytes`, cut into the chunks each write cove
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -17,10 +18,13 @@ from .save_plan import ArrayPlan, ChunkWrite, SavePlan
 
 class FetchCounts(storage.Counts):
     """What saves copied off the devices, this process's since it started (`FETCHED`): the arrays of
-    device-bound targets (XLA tensors) whose shards were fetched, those shards, and their bytes. A save of one
-    state to several tiers fetches each shard once (`stage_shared`); tests read it to see that."""
+    device-bound targets (XLA tensors) whose shards were fetched, those shards, and their bytes; the batches
+    staged (`fetch_sources` calls), and how many of those ran while Python's cyclic garbage collector was enabled
+    (``batches_under_gc``: saves pause it while they plan and stage, `core.gc_pause`, so 0 unless another
+    thread enabled it meanwhile). A save of one state to several tiers fetches each shard once
+    (`stage_shared`); tests read these to see that."""
 
-    FIELDS = ("device_arrays", "device_shards", "device_bytes")
+    FIELDS = ("device_arrays", "device_shards", "device_bytes", "batches", "batches_under_gc")
 
 
 FETCHED = FetchCounts()
@@ -38,6 +42,7 @@ def stage(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[list[torch.Tens
 def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[LocalShard, torch.Tensor]]:
     """The host data of the local shards each plan's writes read from (`stage`): one call per target and copy
     mode (a tensor the plan owns, a scalar leaf's, is never copied)."""
+    FETCHED.add(batches=1, batches_under_gc=int(gc.isenabled()))
     out: list[dict[LocalShard, torch.Tensor]] = [{} for _ in batch]
     for copy in (True, False):
         where = [i for i, p in enumerate(batch) if (copy_cpu and not p.owned) == copy]

@@ -26,12 +26,17 @@ class PeerReplicator:
     """Sends each committed local step of this process to its peers and commits the copies it receives, on a
     background thread of its own, in the order the steps were committed (the same on every process: whether a
     step is due for the local tier depends only on the step). Errors are kept and raised by `check` / `close`
-    like those of a background save."""
+    like those of a background save. `on_started` (step, bytes this process sends, bytes it receives) is called
+    there as a step's files start moving, `on_committed` (step, writer -> holders, sent, received) once its
+    copies are committed; what either raises fails the step's replication on every process, once its
+    collectives are done (like a full disk)."""
 
     def __init__(self, coordinator: Coordinator, local_root: str, k: int,
                  domain: Callable[[int], Hashable] | None, keep: int | None,
-                 on_committed: Callable[[int, dict[int, list[int]], int, int], None]):
+                 on_committed: Callable[[int, dict[int, list[int]], int, int], None],
+                 on_started: Callable[[int, int, int], None] = lambda step, sent, received: None):
         self._coordinator, self._root, self._keep = coordinator, local_root, keep
+        self._on_started = on_started
         self._domain = domain or (lambda process: process)
         self._peers = {p: peers_of(p, coordinator.count, k, domain) for p in range(coordinator.count)}
         self._on_committed = on_committed
@@ -58,6 +63,16 @@ class PeerReplicator:
                     break
         return shared
 
+    def _started(self, step: int, transfers: Sequence[Transfer], partials: Mapping[int, str]) -> Exception | None:
+        """Tell `on_started` that the step's files start moving; what it raised, to be raised once the step's
+        collectives no longer wait for this process."""
+        try:
+            self._on_started(step, sum(t.files.nbytes for t in transfers if t.source == self._coordinator.index),
+                             sum(transfers[i].files.nbytes for i in partials))
+        except Exception as exc:  # noqa: BLE001 - a listener's error: raised on every process after the transfer
+            return exc
+        return None
+
     def _replicate(self, step: int, step_name: str, directory: str | None, keys: Mapping[str, str]) -> None:
         c = self._coordinator
         mine = None
@@ -79,7 +94,9 @@ class PeerReplicator:
         partials = {i: on_disk.copy_dir(self._root, t.source, step_name) + f"{on_disk.PARTIAL}{time.time_ns()}"
                     for i, t in enumerate(transfers) if t.target == c.index}
         sources = {i: directory for i, t in enumerate(transfers) if t.source == c.index}
+        refused = self._started(step, transfers, partials)
         crcs_of, unwritten = file_transfer.transfer(c, transfers, sources, partials, f"step {step}")
+        unwritten = unwritten or refused
         # Each writer tells its receivers the CRC32Cs of what it read; a copy commits only if they match.
         truth = c.all_gather({i: crcs for i, crcs in crcs_of.items() if transfers[i].source == c.index},
                              f"checking the copies of step {step}")
