@@ -16,6 +16,7 @@ Called by the save (`saving.Recorder`) and by the reader (`layered`); raise `Val
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 
@@ -23,6 +24,8 @@ from ..arrays import zstd
 
 SPARSE_EVERY = 5  # sparse costs ~7.5 ns per changed element to apply, dense ~1.5 ns per element: even at 1 in 5
 _DENSE, _SPARSE, _SPARSE8 = 0, 1, 2
+_BLOCK = 1 << 15  # changed elements decoded at a time: their positions (256 KiB) stay in the CPU's cache
+_KEEP = 1 << 23  # the largest decompressed frame a thread keeps its buffer for (8 MiB)
 _ELEMENT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -32,80 +35,156 @@ def _elements(array: np.ndarray) -> np.ndarray:
 
 
 def encode(new: np.ndarray, base: np.ndarray, level: int = zstd.DEFAULT_LEVEL) -> bytes:
-    """The delta turning `base` into `new` (same shape and dtype)."""
+    """The delta turning `base` into `new` (same shape and dtype). Called by the save (`saving.Recorder`) on
+    the thread writing the chunk; blocks while it compresses."""
     a, b = _elements(new), _elements(base)
+    changed = _changed(a, b)
+    if len(changed) * SPARSE_EVERY <= len(a) and len(a) < 1 << 32:
+        return _sparse8(a, b, changed, level)
     xor = np.bitwise_xor(a, b)
-    changed = _changed(xor)
-    if len(changed) * SPARSE_EVERY <= len(xor) and len(xor) < 1 << 32:
-        gaps = np.diff(changed, prepend=-1) - 1  # >= 0: positions strictly increase
-        long = np.flatnonzero(gaps > 255)
-        payload = b"".join((xor[changed].tobytes(), long.astype(np.uint32).tobytes(),
-                            gaps[long].astype(np.uint32).tobytes(), gaps.astype(np.uint8).tobytes()))
-        return (bytes([_SPARSE8]) + struct.pack("<QQ", len(changed), len(long))
-                + zstd.compress(memoryview(payload), level))
     return bytes([_DENSE]) + zstd.compress(memoryview(xor.view(np.uint8)), level)
 
 
-def _changed(xor: np.ndarray) -> np.ndarray:
-    """The positions of `xor`'s non-zero elements, ascending. Found word by word (8 bytes: 4 bf16 elements) and
-    only then element by element in the non-zero words: with a few percent changed, a quarter of the elements
+def _sparse8(a: np.ndarray, b: np.ndarray, changed: np.ndarray, level: int) -> bytes:
+    """The sparse (kind 2) delta of the elements at `changed`, laid out in one buffer that zstd compresses:
+    the XORs gathered straight into it (never the whole chunk's XOR), then the long gaps, then the gaps."""
+    count, size = len(changed), a.itemsize
+    gaps = np.empty(count, np.intp)
+    np.subtract(changed[1:], changed[:-1], out=gaps[1:])
+    gaps[1:] -= 1
+    gaps[:1] = changed[:1]  # >= 0: positions strictly increase
+    long = np.flatnonzero(gaps > 255)
+    end = count * size
+    payload = np.empty(end + 8 * len(long) + count, np.uint8)
+    values = payload[:end].view(a.dtype)
+    np.take(a, changed, out=values, mode="clip")  # positions of `a`'s own elements: "raise" would copy first
+    np.bitwise_xor(values, np.take(b, changed, mode="clip"), out=values)
+    payload[end:end + 4 * len(long)].view(np.uint32)[:] = long
+    payload[end + 4 * len(long):end + 8 * len(long)].view(np.uint32)[:] = gaps[long]
+    np.copyto(payload[end + 8 * len(long):], gaps, casting="unsafe")  # a long gap's byte is ignored
+    return (bytes([_SPARSE8]) + struct.pack("<QQ", count, len(long))
+            + zstd.compress(memoryview(payload), level))
+
+
+def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The positions where `a` and `b` differ, ascending. Found word by word (8 bytes: 4 bf16 elements) and
+    only then element by element in the differing words: with a few percent changed, a quarter of the elements
     to scan (`np.flatnonzero` of the elements took 2/3 of a delta's encoding); each scan of a boolean mask,
-    which numpy's `nonzero` runs several times faster than over integers."""
-    per_word = 8 // xor.itemsize
-    head = len(xor) - len(xor) % per_word
+    which numpy's `nonzero` runs several times faster than over integers. The two are compared, not XORed: the
+    XOR of the whole chunk (a chunk-sized array of fresh memory, written and read again) is never made."""
+    per_word = 8 // a.itemsize
+    head = len(a) - len(a) % per_word
     if per_word == 1 or head == 0:
-        return np.flatnonzero(xor != 0)
-    words = np.flatnonzero(xor[:head].view(np.uint64) != 0)
-    lanes = np.flatnonzero(xor[:head].reshape(-1, per_word)[words] != 0)
+        return np.flatnonzero(a != b)
+    a64, b64 = a[:head].view(np.uint64), b[:head].view(np.uint64)
+    words = np.flatnonzero(a64 != b64)
+    xor = np.take(a64, words, mode="clip")
+    np.bitwise_xor(xor, np.take(b64, words, mode="clip"), out=xor)
+    lanes = np.flatnonzero(xor.view(a.dtype) != 0)
     changed = words[lanes // per_word] * per_word + lanes % per_word
-    tail = np.flatnonzero(xor[head:] != 0)
+    tail = np.flatnonzero(a[head:] != b[head:])
     return np.concatenate((changed, tail + head)) if len(tail) else changed
 
 
 def apply(base: np.ndarray, delta: bytes, *, in_place: bool = False) -> np.ndarray:
     """`base` with `delta` applied, an array of its shape and dtype: `base` itself, changed, with `in_place`
-    where it is writable and contiguous (a buffer the caller owns), else a new array."""
+    where it is writable and contiguous (a buffer the caller owns), else a new array. Called by the reader's
+    rebuild threads (`layered`); blocks while it decompresses (without the GIL) and XORs."""
     out = base if in_place and base.flags.writeable and base.flags.c_contiguous else np.array(base, order="C")
     elements = _elements(out)
-    if delta[:1] == bytes([_DENSE]):
-        xor = np.frombuffer(zstd.decompress(delta[1:], elements.nbytes), elements.dtype)
+    frame = memoryview(delta).cast("B")
+    kind = frame[0] if len(frame) else None
+    if kind == _DENSE:
+        xor = _decompressed(frame[1:], elements.nbytes).view(elements.dtype)
         np.bitwise_xor(elements, xor, out=elements)
-        return out
-    if delta[:1] == bytes([_SPARSE8]) and len(delta) >= 17:
-        _apply_sparse8(elements, delta)
-        return out
-    if delta[:1] != bytes([_SPARSE]) or len(delta) < 9:
+    elif kind == _SPARSE8 and len(frame) >= 17:
+        _apply_sparse8(elements, frame)
+    elif kind == _SPARSE and len(frame) >= 9:
+        (count,) = struct.unpack_from("<Q", frame, 1)
+        if count > len(elements):
+            raise ValueError(f"a delta of {count} elements for a chunk of {len(elements)}")
+        payload = _decompressed(frame[9:], count * (4 + elements.itemsize))
+        steps = payload[:4 * count].view(np.uint32)
+        _xor_at(elements, steps, payload[4 * count:].view(elements.dtype), first=0, plus=0)
+    else:
         raise ValueError("not a delta of a known kind")
-    (count,) = struct.unpack("<Q", delta[1:9])
-    if count > len(elements):
-        raise ValueError(f"a delta of {count} elements for a chunk of {len(elements)}")
-    payload = zstd.decompress(delta[9:], count * (4 + elements.itemsize))
-    positions = np.cumsum(np.frombuffer(payload, np.uint32, count), dtype=np.int64)
-    if count and positions[-1] >= len(elements):
-        raise ValueError("a delta's positions run past its chunk")
-    elements[positions] ^= np.frombuffer(payload, elements.dtype, count, offset=4 * count)
     return out
 
 
-def _apply_sparse8(elements: np.ndarray, delta: bytes) -> None:
-    count, nlong = struct.unpack("<QQ", delta[1:17])
+def _apply_sparse8(elements: np.ndarray, frame: memoryview) -> None:
+    count, nlong = struct.unpack_from("<QQ", frame, 1)
     if count > len(elements) or nlong > count:
         raise ValueError(f"a delta of {count} elements ({nlong} long gaps) for a chunk of {len(elements)}")
     if count == 0:  # nothing changed (a save never writes such a delta: the chunk's hash matched)
         return
-    size = elements.itemsize
-    payload = zstd.decompress(delta[17:], count * (size + 1) + 8 * nlong)
-    if len(payload) != count * (size + 1) + 8 * nlong:
-        raise ValueError("a delta's frame is not of the size its header declares")
-    positions = np.frombuffer(payload, np.uint8, count, offset=count * size + 8 * nlong).astype(np.intp)
-    if nlong:
-        at = np.frombuffer(payload, np.uint32, nlong, offset=count * size)
-        if int(at.max()) >= count:
-            raise ValueError("a delta's long gaps lie past its positions")
-        positions[at] = np.frombuffer(payload, np.uint32, nlong, offset=count * size + 4 * nlong)
-    positions += 1  # gap + 1 each; their running sum, less one, the positions
-    np.cumsum(positions, out=positions)
-    positions -= 1
-    if count and positions[-1] >= len(elements):
-        raise ValueError("a delta's positions run past its chunk")
-    elements[positions] ^= np.frombuffer(payload, elements.dtype, count)
+    values_end = count * elements.itemsize
+    payload = _decompressed(frame[17:], values_end + 8 * nlong + count)
+    long_at = payload[values_end:values_end + 4 * nlong].view(np.uint32)
+    long_gaps = payload[values_end + 4 * nlong:values_end + 8 * nlong].view(np.uint32)
+    if nlong and (int(long_at[-1]) >= count or (nlong > 1 and not (long_at[1:] > long_at[:-1]).all())):
+        raise ValueError("a delta's long gaps are out of order or lie past its positions")
+    _xor_at(elements, payload[values_end + 8 * nlong:], payload[:values_end].view(elements.dtype),
+            first=-1, plus=1, long=(long_at, long_gaps))
+
+
+def _xor_at(elements: np.ndarray, steps: np.ndarray, values: np.ndarray, *, first: int, plus: int,
+            long: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """XOR `values` into `elements` at the positions the `steps` encode: position i is `first` plus the running
+    sum of `steps[:i + 1] + plus` (`long` replaces the steps listed: positions in `steps`, values). Done a block
+    of `_BLOCK` changed elements at a time in this thread's scratch (`_SCRATCH`): the running sum is one pass
+    that widens the steps into the positions, one that adds them up, then a gather, an XOR and a scatter, every
+    pass over arrays that stay in the CPU's cache (the earlier whole-chunk numpy expression made 4-5 passes over
+    each changed element through memory, and allocated each time). The positions only grow, so checking each
+    block's last one against the chunk's end keeps every write inside it."""
+    scratch = _SCRATCH
+    if long is not None and len(long[0]):
+        cuts = np.searchsorted(long[0], np.arange(0, len(steps) + _BLOCK, _BLOCK))
+    last = first
+    for start in range(0, len(steps), _BLOCK):
+        stop = min(start + _BLOCK, len(steps))
+        at = scratch.positions[:stop - start]
+        np.add(steps[start:stop], plus, out=at, dtype=np.intp)
+        if long is not None and len(long[0]) and cuts[start // _BLOCK] < cuts[start // _BLOCK + 1]:
+            which = slice(cuts[start // _BLOCK], cuts[start // _BLOCK + 1])
+            at[long[0][which] - start] = long[1][which] + plus
+        at[0] += last
+        np.cumsum(at, out=at)
+        last = int(at[-1])
+        if last >= len(elements):
+            raise ValueError("a delta's positions run past its chunk")
+        picked = scratch.values(elements.dtype)[:stop - start]
+        np.take(elements, at, out=picked, mode="clip")  # checked above; "raise" would copy `picked` first
+        np.bitwise_xor(picked, values[start:stop], out=picked)
+        elements[at] = picked
+
+
+class _Scratch(threading.local):
+    """One thread's buffers, reused from chunk to chunk (a restore's rebuild threads apply many frames): the
+    decompressed frame (kept up to `_KEEP` bytes; a larger one is allocated for its frame alone) and a block's
+    positions and values."""
+
+    def __init__(self):
+        self.raw = np.empty(0, np.uint8)
+        self.positions = np.empty(_BLOCK, np.intp)
+        self._values: dict[np.dtype, np.ndarray] = {}
+
+    def values(self, dtype: np.dtype) -> np.ndarray:
+        if dtype not in self._values:
+            self._values[dtype] = np.empty(_BLOCK, dtype)
+        return self._values[dtype]
+
+
+_SCRATCH = _Scratch()
+
+
+def _decompressed(frame: memoryview, size: int) -> np.ndarray:
+    """The `size` bytes of zstd frame `frame`, decompressed straight into this thread's scratch (valid until its
+    next call on this thread). Raises `ValueError` for a damaged frame or one of another size."""
+    raw = _SCRATCH.raw
+    if len(raw) < size:
+        raw = np.empty(max(size, 2 * len(raw)) if size <= _KEEP else size, np.uint8)
+        if size <= _KEEP:
+            _SCRATCH.raw = raw
+    out = raw[:size]
+    zstd.decompress_into(frame, memoryview(out))
+    return out
