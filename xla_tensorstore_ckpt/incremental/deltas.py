@@ -4,9 +4,10 @@ zstd, lossless. The encodings, by how much changed, each one byte of kind then a
 * sparse (kind 2, what a save writes where at most 1 element in `SPARSE_EVERY` differs, as in RL-style steps
   where 1-3 % of bf16 weights move): the number of changed elements and of long gaps (8 bytes each), then one frame
   of the changed elements' XORs, the long gaps (uint32 positions in the gap list, uint32 values) and the gaps
-  between changed elements, one byte each (a gap over 255 is listed among the long ones; its low byte there is ignored). Applying it
-  touches only the changed elements. One byte per gap instead of four halves what zstd decompresses, which is
-  most of a delta restore's cost (6 to 3 bytes per changed bf16 element: docs/incremental.md).
+  between changed elements, one byte each (a gap over 255 is listed among the long ones; its low byte there is
+  ignored). Applying it touches only the changed elements. One byte per gap instead of four halves what zstd
+  decompresses, which is most of a delta restore's cost (6 to 3 bytes per changed bf16 element:
+  docs/incremental.md).
 * sparse (kind 1, written before kind 2, still read): the count, then the frame of uint32 gaps and the XORs.
 * dense (kind 0): the frame of the whole XOR; applying it decompresses and XORs every byte.
 
