@@ -257,6 +257,42 @@ def test_delta_encodings_round_trip_and_refuse_damage(changed):
     assert (deltas.apply(base, old) == new).all()
 
 
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64, np.dtype("V3")])
+def test_sparse_deltas_with_long_gaps_apply_in_reused_buffers_for_every_element_size(dtype):
+    """Sparse frames of both kinds, with runs, short gaps and long ones (over 255, listed apart), apply back to
+    exactly the new chunk, in place, for every element size (a 3-byte one as bytes), twice over on one thread
+    (its buffers reused, the second frame longer than the first); a frame whose last position lies past the
+    chunk is refused before anything is written out of it."""
+    from xla_tensorstore_ckpt.arrays import zstd
+    from xla_tensorstore_ckpt.incremental import deltas
+
+    small = np.zeros(600, dtype=np.uint8).view(np.dtype(dtype)) if np.dtype(dtype).itemsize > 1 else None
+    if small is not None:  # a short frame first: the buffers grow for the long one
+        changed = small.copy()
+        changed.view(np.uint8)[::97] = 1
+        assert deltas.apply(small, deltas.encode(changed, small)).tobytes() == changed.tobytes()
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 255, (5000, np.dtype(dtype).itemsize), dtype=np.uint8).view(dtype).reshape(-1)
+    at = np.unique(np.concatenate([rng.choice(1200, 90, replace=False), [1499, 1500, 2100, 4999],
+                                   np.arange(3000, 3040)]))  # runs, gaps of 1-299 and long ones
+    new = base.copy()
+    new.view(np.uint8).reshape(len(base), -1)[at, 0] ^= 0x5A
+    frame = deltas.encode(new, base)
+    assert frame[0] == 2 and struct.unpack_from("<QQ", frame, 1)[1] > 2  # sparse, with long gaps
+    rebuilt = base.copy()
+    assert deltas.apply(rebuilt, frame, in_place=True) is rebuilt
+    assert rebuilt.tobytes() == new.tobytes() and deltas.apply(base, frame).tobytes() == new.tobytes()
+    flat = base.view(np.uint8).reshape(-1).view(deltas._ELEMENT.get(base.itemsize, np.uint8))
+    changed_at = np.flatnonzero(flat != new.view(np.uint8).reshape(-1).view(flat.dtype))
+    old = (np.diff(changed_at, prepend=0).astype(np.uint32).tobytes()
+           + (new.view(flat.dtype) ^ flat)[changed_at].tobytes())  # kind 1: uint32 steps, then the XORs
+    kind1 = bytes([1]) + struct.pack("<Q", len(changed_at)) + zstd.compress(memoryview(old), 3)
+    assert deltas.apply(base, kind1).tobytes() == new.tobytes()
+    with pytest.raises(ValueError, match="past its chunk"):
+        deltas.apply(base[:4000].copy(), frame, in_place=True)
+
+
 @pytest.mark.xla
 def test_spmd_sharded_chunks_referenced_and_restored_resharded(tmp_path, mesh_4x2, mesh_2x4):
     """torch_xla SPMD: each device's shard is a chunk; the unchanged ones are referenced, and the step restores

@@ -4,9 +4,10 @@ zstd, lossless. The encodings, by how much changed, each one byte of kind then a
 * sparse (kind 2, what a save writes where at most 1 element in `SPARSE_EVERY` differs, as in RL-style steps
   where 1-3 % of bf16 weights move): the number of changed elements and of long gaps (8 bytes each), then one frame
   of the changed elements' XORs, the long gaps (uint32 positions in the gap list, uint32 values) and the gaps
-  between changed elements, one byte each (a gap over 255 is 0 there and listed among the long ones). Applying it
-  touches only the changed elements. One byte per gap instead of four halves what zstd decompresses, which is
-  most of a delta restore's cost (6 to 3 bytes per changed bf16 element: docs/incremental.md).
+  between changed elements, one byte each (a gap over 255 is listed among the long ones; its low byte there is
+  ignored). Applying it touches only the changed elements. One byte per gap instead of four halves what zstd
+  decompresses, which is most of a delta restore's cost (6 to 3 bytes per changed bf16 element:
+  docs/incremental.md).
 * sparse (kind 1, written before kind 2, still read): the count, then the frame of uint32 gaps and the XORs.
 * dense (kind 0): the frame of the whole XOR; applying it decompresses and XORs every byte.
 
@@ -16,6 +17,7 @@ Called by the save (`saving.Recorder`) and by the reader (`layered`); raise `Val
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 
@@ -23,6 +25,7 @@ from ..arrays import zstd
 
 SPARSE_EVERY = 5  # sparse costs ~7.5 ns per changed element to apply, dense ~1.5 ns per element: even at 1 in 5
 _DENSE, _SPARSE, _SPARSE8 = 0, 1, 2
+_KEEP = 1 << 23  # the largest decompressed frame a thread keeps its buffer for (8 MiB)
 _ELEMENT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -32,80 +35,152 @@ def _elements(array: np.ndarray) -> np.ndarray:
 
 
 def encode(new: np.ndarray, base: np.ndarray, level: int = zstd.DEFAULT_LEVEL) -> bytes:
-    """The delta turning `base` into `new` (same shape and dtype)."""
+    """The delta turning `base` into `new` (same shape and dtype). Called by the save (`saving.Recorder`) on
+    the thread writing the chunk; blocks while it compresses."""
     a, b = _elements(new), _elements(base)
+    changed = _changed(a, b)
+    if len(changed) * SPARSE_EVERY <= len(a) and len(a) < 1 << 32:
+        return _sparse8(a, b, changed, level)
     xor = np.bitwise_xor(a, b)
-    changed = _changed(xor)
-    if len(changed) * SPARSE_EVERY <= len(xor) and len(xor) < 1 << 32:
-        gaps = np.diff(changed, prepend=-1) - 1  # >= 0: positions strictly increase
-        long = np.flatnonzero(gaps > 255)
-        payload = b"".join((xor[changed].tobytes(), long.astype(np.uint32).tobytes(),
-                            gaps[long].astype(np.uint32).tobytes(), gaps.astype(np.uint8).tobytes()))
-        return (bytes([_SPARSE8]) + struct.pack("<QQ", len(changed), len(long))
-                + zstd.compress(memoryview(payload), level))
     return bytes([_DENSE]) + zstd.compress(memoryview(xor.view(np.uint8)), level)
 
 
-def _changed(xor: np.ndarray) -> np.ndarray:
-    """The positions of `xor`'s non-zero elements, ascending. Found word by word (8 bytes: 4 bf16 elements) and
-    only then element by element in the non-zero words: with a few percent changed, a quarter of the elements
+def _sparse8(a: np.ndarray, b: np.ndarray, changed: np.ndarray, level: int) -> bytes:
+    """The sparse (kind 2) delta of the elements at `changed`, laid out in one buffer that zstd compresses:
+    the XORs gathered straight into it (never the whole chunk's XOR), then the long gaps, then the gaps."""
+    count, size = len(changed), a.itemsize
+    gaps = np.empty(count, np.intp)
+    np.subtract(changed[1:], changed[:-1], out=gaps[1:])
+    gaps[1:] -= 1
+    gaps[:1] = changed[:1]  # >= 0: positions strictly increase
+    long = np.flatnonzero(gaps > 255)
+    end = count * size
+    payload = np.empty(end + 8 * len(long) + count, np.uint8)
+    values = payload[:end].view(a.dtype)
+    np.take(a, changed, out=values, mode="clip")  # positions of `a`'s own elements: "raise" would copy first
+    np.bitwise_xor(values, np.take(b, changed, mode="clip"), out=values)
+    payload[end:end + 4 * len(long)].view(np.uint32)[:] = long
+    payload[end + 4 * len(long):end + 8 * len(long)].view(np.uint32)[:] = gaps[long]
+    np.copyto(payload[end + 8 * len(long):], gaps, casting="unsafe")  # a long gap's byte is ignored
+    return (bytes([_SPARSE8]) + struct.pack("<QQ", count, len(long))
+            + zstd.compress(memoryview(payload), level))
+
+
+def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The positions where `a` and `b` differ, ascending. Found word by word (8 bytes: 4 bf16 elements) and
+    only then element by element in the differing words: with a few percent changed, a quarter of the elements
     to scan (`np.flatnonzero` of the elements took 2/3 of a delta's encoding); each scan of a boolean mask,
-    which numpy's `nonzero` runs several times faster than over integers."""
-    per_word = 8 // xor.itemsize
-    head = len(xor) - len(xor) % per_word
+    which numpy's `nonzero` runs several times faster than over integers. The two are compared, not XORed: the
+    XOR of the whole chunk (a chunk-sized array of fresh memory, written and read again) is never made."""
+    per_word = 8 // a.itemsize
+    head = len(a) - len(a) % per_word
     if per_word == 1 or head == 0:
-        return np.flatnonzero(xor != 0)
-    words = np.flatnonzero(xor[:head].view(np.uint64) != 0)
-    lanes = np.flatnonzero(xor[:head].reshape(-1, per_word)[words] != 0)
+        return np.flatnonzero(a != b)
+    a64, b64 = a[:head].view(np.uint64), b[:head].view(np.uint64)
+    words = np.flatnonzero(np.not_equal(a64, b64, out=_SCRATCH.take("mask", len(a64), bool)))
+    xor = np.take(a64, words, mode="clip")
+    np.bitwise_xor(xor, np.take(b64, words, mode="clip"), out=xor)
+    lanes = np.flatnonzero(xor.view(a.dtype) != 0)
     changed = words[lanes // per_word] * per_word + lanes % per_word
-    tail = np.flatnonzero(xor[head:] != 0)
+    tail = np.flatnonzero(a[head:] != b[head:])
     return np.concatenate((changed, tail + head)) if len(tail) else changed
 
 
 def apply(base: np.ndarray, delta: bytes, *, in_place: bool = False) -> np.ndarray:
     """`base` with `delta` applied, an array of its shape and dtype: `base` itself, changed, with `in_place`
-    where it is writable and contiguous (a buffer the caller owns), else a new array."""
+    where it is writable and contiguous (a buffer the caller owns), else a new array. Called by the reader's
+    rebuild threads (`layered`); blocks while it decompresses (without the GIL) and XORs."""
     out = base if in_place and base.flags.writeable and base.flags.c_contiguous else np.array(base, order="C")
     elements = _elements(out)
-    if delta[:1] == bytes([_DENSE]):
-        xor = np.frombuffer(zstd.decompress(delta[1:], elements.nbytes), elements.dtype)
+    frame = memoryview(delta).cast("B")
+    kind = frame[0] if len(frame) else None
+    if kind == _DENSE:
+        xor = _decompressed(frame[1:], elements.nbytes).view(elements.dtype)
         np.bitwise_xor(elements, xor, out=elements)
-        return out
-    if delta[:1] == bytes([_SPARSE8]) and len(delta) >= 17:
-        _apply_sparse8(elements, delta)
-        return out
-    if delta[:1] != bytes([_SPARSE]) or len(delta) < 9:
+    elif kind == _SPARSE8 and len(frame) >= 17:
+        _apply_sparse8(elements, frame)
+    elif kind == _SPARSE and len(frame) >= 9:
+        (count,) = struct.unpack_from("<Q", frame, 1)
+        if count > len(elements):
+            raise ValueError(f"a delta of {count} elements for a chunk of {len(elements)}")
+        payload = _decompressed(frame[9:], count * (4 + elements.itemsize))
+        steps = payload[:4 * count].view(np.uint32)
+        _xor_at(elements, steps, payload[4 * count:].view(elements.dtype), first=0, plus=0)
+    else:
         raise ValueError("not a delta of a known kind")
-    (count,) = struct.unpack("<Q", delta[1:9])
-    if count > len(elements):
-        raise ValueError(f"a delta of {count} elements for a chunk of {len(elements)}")
-    payload = zstd.decompress(delta[9:], count * (4 + elements.itemsize))
-    positions = np.cumsum(np.frombuffer(payload, np.uint32, count), dtype=np.int64)
-    if count and positions[-1] >= len(elements):
-        raise ValueError("a delta's positions run past its chunk")
-    elements[positions] ^= np.frombuffer(payload, elements.dtype, count, offset=4 * count)
     return out
 
 
-def _apply_sparse8(elements: np.ndarray, delta: bytes) -> None:
-    count, nlong = struct.unpack("<QQ", delta[1:17])
+def _apply_sparse8(elements: np.ndarray, frame: memoryview) -> None:
+    count, nlong = struct.unpack_from("<QQ", frame, 1)
     if count > len(elements) or nlong > count:
         raise ValueError(f"a delta of {count} elements ({nlong} long gaps) for a chunk of {len(elements)}")
     if count == 0:  # nothing changed (a save never writes such a delta: the chunk's hash matched)
         return
-    size = elements.itemsize
-    payload = zstd.decompress(delta[17:], count * (size + 1) + 8 * nlong)
-    if len(payload) != count * (size + 1) + 8 * nlong:
-        raise ValueError("a delta's frame is not of the size its header declares")
-    positions = np.frombuffer(payload, np.uint8, count, offset=count * size + 8 * nlong).astype(np.intp)
-    if nlong:
-        at = np.frombuffer(payload, np.uint32, nlong, offset=count * size)
-        if int(at.max()) >= count:
-            raise ValueError("a delta's long gaps lie past its positions")
-        positions[at] = np.frombuffer(payload, np.uint32, nlong, offset=count * size + 4 * nlong)
-    positions += 1  # gap + 1 each; their running sum, less one, the positions
-    np.cumsum(positions, out=positions)
-    positions -= 1
-    if count and positions[-1] >= len(elements):
+    values_end = count * elements.itemsize
+    payload = _decompressed(frame[17:], values_end + 8 * nlong + count)
+    long_at = payload[values_end:values_end + 4 * nlong].view(np.uint32)
+    long_gaps = payload[values_end + 4 * nlong:values_end + 8 * nlong].view(np.uint32)
+    if nlong and int(long_at.max()) >= count:
+        raise ValueError("a delta's long gaps lie past its positions")
+    _xor_at(elements, payload[values_end + 8 * nlong:], payload[:values_end].view(elements.dtype),
+            first=-1, plus=1, long=(long_at, long_gaps))
+
+
+def _xor_at(elements: np.ndarray, steps: np.ndarray, values: np.ndarray, *, first: int, plus: int,
+            long: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """XOR `values` into `elements` at the positions the `steps` encode: position i is `first` plus the running
+    sum of `steps[:i + 1] + plus` (`long` replaces the steps listed: positions in `steps`, values). In this
+    thread's scratch (`_SCRATCH`): one pass widens the steps into the positions, one adds them up, then a
+    gather, an XOR and a scatter; no array is allocated. Few numpy calls per frame, not a loop over blocks: the
+    frames are applied on the reader's rebuild threads beside the restoring thread, where each call that
+    releases and takes the GIL back costs CPU (blocks of 32 Ki elements cost 15-25 % more inside a restore).
+    The positions only grow, so checking the last one against the chunk's end keeps every write inside it."""
+    count = len(steps)
+    if count == 0:
+        return
+    at = _SCRATCH.take("positions", count, np.intp)
+    np.add(steps, plus, out=at, dtype=np.intp)
+    if long is not None and len(long[0]):
+        at[long[0]] = long[1]
+        at[long[0]] += plus
+    at[0] += first
+    np.cumsum(at, out=at)
+    if int(at[-1]) >= len(elements):
         raise ValueError("a delta's positions run past its chunk")
-    elements[positions] ^= np.frombuffer(payload, elements.dtype, count)
+    picked = _SCRATCH.take("values", count, elements.dtype)
+    np.take(elements, at, out=picked, mode="clip")  # checked above; "raise" would copy `picked` first
+    np.bitwise_xor(picked, values, out=picked)
+    elements[at] = picked
+
+
+class _Scratch(threading.local):
+    """One thread's buffers, reused from chunk to chunk (a restore's rebuild threads apply many frames, a save's
+    writing thread encodes many): the decompressed frame, the positions and values of a sparse frame, an
+    encoding's mask of changed words; each kept up to `_KEEP` bytes (a larger one is allocated for its call
+    alone). Fresh memory costs a page fault per 4 KiB (2-8 us each on the development VM)."""
+
+    def __init__(self):
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def take(self, name: str, size: int, dtype) -> np.ndarray:
+        """Buffer `name` as `size` elements of `dtype` (valid until its next `take` on this thread)."""
+        dtype = np.dtype(dtype)
+        held = self.buffers.get(name)
+        if held is None or held.nbytes < size * dtype.itemsize:
+            if size * dtype.itemsize > _KEEP:
+                return np.empty(size, dtype)
+            nbytes = max(size * dtype.itemsize, min(2 * (0 if held is None else held.nbytes), _KEEP))
+            held = self.buffers[name] = np.empty(nbytes, np.uint8)
+        return held[:size * dtype.itemsize].view(dtype)
+
+
+_SCRATCH = _Scratch()
+
+
+def _decompressed(frame: memoryview, size: int) -> np.ndarray:
+    """The `size` bytes of zstd frame `frame`, decompressed straight into this thread's scratch (valid until its
+    next call on this thread). Raises `ValueError` for a damaged frame or one of another size."""
+    out = _SCRATCH.take("raw", size, np.uint8)
+    zstd.decompress_into(frame, memoryview(out))
+    return out
