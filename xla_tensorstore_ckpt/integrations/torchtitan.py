@@ -2,15 +2,16 @@
 job config (``checkpoint=XtcCheckpointManager.Config(enable=True, ...)``), and ``config.checkpoint.build(...)``
 constructs it where torchtitan's own DCP manager would be.
 
-The only module that imports torchtitan. The trainer calls the public methods of
+With `titan_qkv`, the only modules that import torchtitan. The trainer calls the public methods of
 `torchtitan.components.checkpointer.base.BaseCheckpointManager`; each runs on every process, blocks as said in
 its hook's docstring, and raises this library's errors (`errors`), which name the step, key and path.
 
 What is saved, each step an item of one of our steps (``<folder>/step_<n>/``): ``model`` (the model parts'
-flattened state dict, DTensors restored in place and then through `ModelWrapper.load_state_dict`, as torchtitan's
-manager does), ``optimizer`` (the container's flattened state dict), ``lr_scheduler``, ``data_loader`` (the
-serialised position of every data-parallel rank, one row each: `opaque_rows`), ``extra`` (every other state the
-trainer hands over, ``train_state`` among them, by name) and ``rng`` (every process's generators).
+flattened state dict, fused QKV weights as ``wq``/``wk``/``wv`` sharded like them (`titan_qkv`), DTensors
+restored in place and then through `ModelWrapper.load_state_dict`, as torchtitan's manager does),
+``optimizer`` (the container's flattened state dict), ``lr_scheduler``, ``data_loader`` (the serialised
+position of every data-parallel rank, one row each: `opaque_rows`), ``extra`` (every other state the trainer
+hands over, ``train_state`` among them, by name) and ``rng`` (every process's generators).
 """
 
 from __future__ import annotations

@@ -39,8 +39,11 @@ def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[Lo
     """The host data of the local shards each plan's writes read from (`stage`): one call per target and copy
     mode (a tensor the plan owns, a scalar leaf's, is never copied)."""
     out: list[dict[LocalShard, torch.Tensor]] = [{} for _ in batch]
+    for i, p in enumerate(batch):
+        if p.owned and p.sources:  # a host tensor planning made: it is its one whole shard (hundreds per step)
+            out[i] = {p.sources[0]: p.value}
     for copy in (True, False):
-        where = [i for i, p in enumerate(batch) if (copy_cpu and not p.owned) == copy]
+        where = [i for i, p in enumerate(batch) if not p.owned and copy_cpu == copy]
         if not where:
             continue
         fetched = targets.fetch([batch[i].value for i in where], [batch[i].layout for i in where],
