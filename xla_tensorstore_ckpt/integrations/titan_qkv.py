@@ -67,9 +67,9 @@ def _split_locally(module: Any, state_dict: dict, prefix: str, local_metadata: A
 
 
 @contextlib.contextmanager
-def _hooks_replaced(parts: list[torch.nn.Module]) -> Iterator[None]:
+def _hooks_replaced(parts: list[torch.nn.Module]) -> Iterator[int]:
     """Within: every `FusedQKVLinear` of `parts` splits with `_split_locally` instead of torchtitan's hook (the
-    module's hook table is swapped for a copy, and put back on the way out)."""
+    module's hook table is swapped for a copy, and put back on the way out). Yields how many were swapped."""
     swapped = []
     for part in parts:
         for module in part.modules():
@@ -79,7 +79,7 @@ def _hooks_replaced(parts: list[torch.nn.Module]) -> Iterator[None]:
                 module._state_dict_hooks = type(hooks)((k, _split_locally if h is _HOOK else h)
                                                        for k, h in hooks.items())
     try:
-        yield
+        yield len(swapped)
     finally:
         for module, hooks in swapped:
             module._state_dict_hooks = hooks
@@ -87,8 +87,9 @@ def _hooks_replaced(parts: list[torch.nn.Module]) -> Iterator[None]:
 
 class Splitter:
     """The model parts' merged state dict, as `ModelWrapper.state_dict` computes it, but with fused QKV weights
-    split without gathering (`_split_locally`). The first call also computes torchtitan's own split and compares
-    every value (collective: it gathers both); if any differs, torchtitan's hook is used from then on (logged).
+    split without gathering (`_split_locally`). The first call of a model with one also computes torchtitan's own
+    split and compares every value (collective: it gathers both); if any differs, torchtitan's hook is used from
+    then on (logged).
     Called by the manager's saves on every process; blocks; collective where torchtitan's hook is used."""
 
     def __init__(self, parts: list[torch.nn.Module]) -> None:
@@ -99,9 +100,9 @@ class Splitter:
     def state_dict(self) -> dict[str, Any]:
         if not self.local:
             return self._merged()
-        with _hooks_replaced(self.parts):
+        with _hooks_replaced(self.parts) as swapped:
             ours = self._merged()
-        if not self.checked:
+        if not self.checked and swapped:
             self.checked = True
             theirs = self._merged()
             if set(ours) != set(theirs) or not all(_same(ours[k], theirs[k]) for k in theirs):
