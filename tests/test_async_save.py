@@ -97,6 +97,33 @@ def test_background_error_is_reraised_with_step_and_cause(tmp_path, where):
     assert 2 not in xtc.CheckpointManager(tmp_path, async_options()).all_steps()
 
 
+def test_a_failed_copy_off_the_devices_is_reported_by_the_commit(tmp_path, monkeypatch):
+    # An asynchronous save returns once this process's copies are made, without an agreement on the others'
+    # (what a training step waits for): a failed copy is raised by the commit's agreement, on every process.
+    from xla_tensorstore_ckpt.saves import staging
+
+    mgr = xtc.CheckpointManager(tmp_path, async_options())
+    mgr.save(1, extra={"v": torch.ones(2)})
+    mgr.wait_until_finished()
+
+    def failing(*args, **kwargs):
+        raise xtc.StorageError("out of host memory while staging")
+
+    monkeypatch.setattr(staging, "fetch_sources", failing)
+    assert mgr.save(2, extra={"v": torch.full((2,), 2.0)})
+    with pytest.raises(xtc.AsyncSaveError, match="step 2") as err:
+        mgr.wait_until_finished()
+    assert isinstance(err.value.__cause__, xtc.StorageError) and "staging" in str(err.value)
+    monkeypatch.undo()
+    assert mgr.all_steps() == [1]
+    assert mgr.save(3, extra={"v": torch.full((2,), 3.0)})
+    mgr.close()
+    extra = {"v": torch.zeros(2)}
+    with xtc.CheckpointManager(tmp_path, async_options()) as fresh:
+        assert fresh.restore("latest", extra=extra) == 3
+    assert torch.equal(extra["v"], torch.full((2,), 3.0))
+
+
 def test_a_new_save_waits_for_the_previous_commit_before_staging(tmp_path):
     heard = []
 

@@ -56,6 +56,10 @@ def test_killed_after_a_commit_resumes_bit_for_bit(full_run, tmp_path):
     assert sorted(after) == [(rank, step) for rank in (0, 1) for step in (5, 6)]
     full_losses = _losses(full)
     assert after == {key: full_losses[key] for key in after}  # float.hex: bit for bit
+    # The saves split torchtitan's fused QKV weights from each process's shard (no gather), checked at the first
+    # save against torchtitan's own split, value for value.
+    assert [line["qkv_split_locally"] for result in full for line in result["lines"]
+            if "qkv_split_locally" in line] == [True, True]
 
 
 def test_resume_onto_four_processes_restores_every_state_exactly(full_run):

@@ -163,6 +163,8 @@ def train(args: argparse.Namespace) -> None:
         if train_state.step == args.state_at:
             emit(state=state_digests(model, optimizers, lr_schedulers, train_state))
     checkpointer.maybe_wait_for_saving()
+    if args.manager == "xtc":  # whether its saves split the fused QKV weights without gathering them
+        emit(qkv_split_locally=checkpointer._splitter.local)
     checkpointer.close()
 
 

@@ -196,7 +196,8 @@ class CheckpointManager(RestoreSide):
         save of any tier (with several processes: once a save is due, on every process), `CheckpointExistsError`
         if `step` is committed in the persistent tier and `force` is False (with `force` it is replaced; a
         local step of the same number is always replaced), `UnsupportedValueError` before anything is written if
-        a value cannot be stored. Every failure before the commits is raised on every process.
+        a value cannot be stored. Every failure before the commits is raised on every process (in async mode a
+        failed copy off the devices as the commit's `AsyncSaveError`: a process does not wait for the others').
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -229,7 +230,8 @@ class CheckpointManager(RestoreSide):
 
     def _save(self, step: int, tiers: list[ManagedTier], objects: Mapping[str, Any], marker: StepMetadata) -> None:
         """Stage `objects` once for every tier of `tiers`, then commit each (in the background in async mode).
-        Every failure before the commits is raised on every process (collective)."""
+        Every failure before the commits is raised on every process (collective; an async save's staging at its
+        commit)."""
         started = time.perf_counter()
         step_events = self._persistent.events.bound(tier=None, step=step, path=str(self.step_path(step)))
         step_events.emit(events.SAVE_STARTED, details={"tiers": [managed.name for managed in tiers]})

@@ -2,8 +2,9 @@
 copy, with its own RNG row), each step directory cleared, and the shards copied off the devices once for all of
 them. What comes back is a `PendingSave` per tier, which the manager commits on that tier's background thread.
 
-Collective with several processes (planning the persistent tier's items, clearing its step directory, staging).
-Blocks while the shards are copied.
+Collective with several processes (planning the persistent tier's items, clearing its step directory, and the
+staging unless it is an asynchronous save's shared copy, whose failure the commit reports). Blocks while the
+shards are copied.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def stage(step: int, destinations: Sequence[Destination], states: Mapping[str, A
     `writing.begin_writes` does. `marker` is completed per destination (items; for an own copy its writer, whether
     the step also goes to a shared tier, and the shared tier's root as `marker.persistent_root` names it).
     `precondition` (what the caller did before; `save_plan.Precondition`) is checked in the first
-    destination's planning agreement. Raises what planning and staging raise, and the precondition's error, on
-    every process."""
+    destination's planning agreement. Raises what planning raises, and the precondition's error, on every
+    process; what staging raises too, except in async mode without `max_host_bytes`, where a process does not
+    wait for the others' staging: a failure there is raised when the commit starts the writes (on every process,
+    by the commit's agreement)."""
     shared = any(not d.own_copy for d in destinations)
     # Incremental saves: each tier's base, pinned against retention until the save commits or fails.
     bases = [dataclasses.replace(d.tier.base_for(step, d.anchor_every), delta=d.delta, max_chain=d.max_chain)
@@ -107,14 +110,27 @@ def _stage(step: int, destinations: Sequence[Destination], states: Mapping[str, 
                                                persistent_root=marker.persistent_root if own else None))
         writer = coordinator.index
 
-        def begin() -> list[Callable[[], writing.Writes]]:
-            if async_save and max_host_bytes is None:
+        if async_save and max_host_bytes is None:
+            # No agreement here: a process returns to training once its own copies are made. A failed staging
+            # is raised by its writes' start, in the commit's agreement, on every process (`AsyncSaveError`).
+            try:
                 staged = staging.stage_shared(plans, options)
-                return [writing.deferred_writes(location, p, s, o, writer=writer)
-                        for (location, _), p, s, o in zip(places, plans, staged, opts)]
-            return [writing.begin_writes(location, p, o, writer=writer, background=async_save,
-                                        max_host_bytes=max_host_bytes)
-                    for (location, _), p, o in zip(places, plans, opts)]
-
-        starts = coordinator.everywhere(f"staging step {step}", begin)
+            except Exception as exc:  # noqa: BLE001 - raised on every process by the commit's agreement
+                starts = [_failed(exc) for _ in places]
+            else:
+                starts = [writing.deferred_writes(location, p, s, o, writer=writer)
+                          for (location, _), p, s, o in zip(places, plans, staged, opts)]
+        else:
+            starts = coordinator.everywhere(f"staging step {step}", lambda: [
+                writing.begin_writes(location, p, o, writer=writer, background=async_save,
+                                     max_host_bytes=max_host_bytes)
+                for (location, _), p, o in zip(places, plans, opts)])
     return starts, places, plans, markers
+
+
+def _failed(exc: Exception) -> Callable[[], writing.Writes]:
+    """The start of the writes of a save whose staging failed with `exc`: raises it (on the commit's thread)."""
+    def start() -> writing.Writes:
+        raise exc
+
+    return start

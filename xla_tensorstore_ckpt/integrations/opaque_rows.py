@@ -24,9 +24,9 @@ LAYOUT = "opaque rows per process"
 
 def encode(entries: Mapping[str, bytes], coordinator: Coordinator) -> dict:
     """This process's `entries` (key -> bytes) as its row of a global array agreed with every process of
-    `coordinator` (collective: one gather of the row widths). Blocks."""
+    `coordinator` (collective: one reduction of the row widths, of which only the widest matters). Blocks."""
     row = b"".join(_HEADER.pack(len(k.encode()), len(v)) + k.encode() + bytes(v) for k, v in entries.items())
-    width = max(1, *coordinator.all_gather(len(row)))
+    width = max(1, *coordinator.reduce_max([len(row)], "agreeing on the data loader rows' width"))
     data = torch.zeros((1, width), dtype=torch.uint8)
     if row:
         data[0, :len(row)] = torch.frombuffer(bytearray(row), dtype=torch.uint8)

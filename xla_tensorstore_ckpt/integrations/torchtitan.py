@@ -2,15 +2,16 @@
 job config (``checkpoint=XtcCheckpointManager.Config(enable=True, ...)``), and ``config.checkpoint.build(...)``
 constructs it where torchtitan's own DCP manager would be.
 
-The only module that imports torchtitan. The trainer calls the public methods of
+With `titan_qkv`, the only modules that import torchtitan. The trainer calls the public methods of
 `torchtitan.components.checkpointer.base.BaseCheckpointManager`; each runs on every process, blocks as said in
 its hook's docstring, and raises this library's errors (`errors`), which name the step, key and path.
 
 What is saved, each step an item of one of our steps (``<folder>/step_<n>/``): ``model`` (the model parts'
-flattened state dict, DTensors restored in place and then through `ModelWrapper.load_state_dict`, as torchtitan's
-manager does), ``optimizer`` (the container's flattened state dict), ``lr_scheduler``, ``data_loader`` (the
-serialised position of every data-parallel rank, one row each: `opaque_rows`), ``extra`` (every other state the
-trainer hands over, ``train_state`` among them, by name) and ``rng`` (every process's generators).
+flattened state dict, fused QKV weights as ``wq``/``wk``/``wv`` sharded like them (`titan_qkv`), DTensors
+restored in place and then through `ModelWrapper.load_state_dict`, as torchtitan's manager does),
+``optimizer`` (the container's flattened state dict), ``lr_scheduler``, ``data_loader`` (the serialised
+position of every data-parallel rank, one row each: `opaque_rows`), ``extra`` (every other state the trainer
+hands over, ``train_state`` among them, by name) and ``rng`` (every process's generators).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..core.errors import CheckpointNotFoundError, StepNotFoundError, UsageError
 from ..formats import safetensors
 from ..multihost.distributed import Coordinator
 from ..options import CheckpointManagerOptions, RestoreOptions
-from . import hf_export, opaque_rows
+from . import hf_export, opaque_rows, titan_qkv
 
 log = logging.getLogger("xla_tensorstore_ckpt")
 
@@ -124,6 +125,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._restore_options = RestoreOptions(single_replica_reads=config.single_replica_reads)
         self._coordinator = Coordinator.from_environment()  # the data loader rows' widths
+        self._splitter = titan_qkv.Splitter(model_parts)  # fused QKV weights split without gathering them
         self._manager = CheckpointManager(self.folder, _manager_options(config, self._restore_options))
         log.info("checkpoints of %s are saved to and loaded from %s", type(self).__name__, self._manager.directory)
 
@@ -165,7 +167,7 @@ class XtcCheckpointManager(BaseCheckpointManager):
         return started
 
     def _saved_objects(self) -> dict[str, Any]:
-        objects: dict[str, Any] = {"model": self._model_state(),
+        objects: dict[str, Any] = {"model": self._splitter.state_dict(),
                                    "optimizer": self.states[OPTIMIZER].state_dict(),
                                    "lr_scheduler": self.states[LR_SCHEDULER].state_dict()}
         if self.states[DATALOADER] is not None:
@@ -179,7 +181,9 @@ class XtcCheckpointManager(BaseCheckpointManager):
         """The model parts' state dicts merged, as `ModelWrapper.state_dict` computes them, without its cache:
         torchtitan keeps tensors that state-dict hooks make (a fused QKV weight split into ``wq``/``wk``/``wv``)
         in stable storage for DCP's pinned staging buffers, at the cost of copying each into it at every save;
-        our staging copies what it saves anyway. Collective when a hook is (that split gathers the weight)."""
+        our staging copies what it saves anyway. Collective when a hook is (that split gathers the weight). The
+        last step's model-only save uses it (its export reshapes whole tensors); the other saves take the model's
+        state from `titan_qkv.Splitter`, which splits the fused weight without the gather."""
         return {key: value for part in self.states[MODEL].model for key, value in part.state_dict().items()}
 
     def _save_model_only(self, step: int) -> None:

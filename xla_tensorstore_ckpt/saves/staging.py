@@ -44,8 +44,11 @@ def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[Lo
     mode (a tensor the plan owns, a scalar leaf's, is never copied)."""
     FETCHED.add(batches=1, batches_under_gc=int(gc.isenabled()))
     out: list[dict[LocalShard, torch.Tensor]] = [{} for _ in batch]
+    for i, p in enumerate(batch):
+        if p.owned and p.sources:  # a host tensor planning made: it is its one whole shard (hundreds per step)
+            out[i] = {p.sources[0]: p.value}
     for copy in (True, False):
-        where = [i for i, p in enumerate(batch) if (copy_cpu and not p.owned) == copy]
+        where = [i for i, p in enumerate(batch) if not p.owned and copy_cpu == copy]
         if not where:
             continue
         fetched = targets.fetch([batch[i].value for i in where], [batch[i].layout for i in where],
