@@ -20,7 +20,7 @@ CASES: dict[str, Case] = {case.name: case for case in (
     Case("cold-chunk-reads", "bench_cold_chunk_reads", "evicted restores read direct or buffered, ABBA",
          quick_repeats=2, quick_scale=0.02),
     Case("item-cpu", "bench_item_cpu", "item save/restore CPU seconds, one or several checkouts ABBA", scale=0.1,
-         quick_scale=0.01, options={"workload": "small", "per_process": "7", "trees": ""},
+         quick_scale=0.01, options={"workload": "small", "per_process": "7", "trees": "", "mode": "items"},
          quick_options={"per_process": "1"}),
     Case("restore-memory", "bench_restore_memory", "the restore plan's predicted peak host memory against the measured",
          options={"workloads": "large,small,model", "max_host_mib": "0"}, quick_options={"workloads": "large"},
