@@ -226,3 +226,20 @@ def test_every_folder_says_what_it_owns(package):
     parts += [p.name for p in folder_path.iterdir() if (p / "__init__.py").exists()]
     unnamed = sorted(m for m in parts if f"`{m}" not in doc)
     assert not unnamed, f"{package}/__init__.py does not name its modules {unnamed}"
+
+
+def test_thread_pools_are_sized_in_one_place():
+    """Every thread pool of the package gets its size from `core.threads` (a pool of it, or a count it gave):
+    no module writes a thread count of its own."""
+    sized_here = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == ROOT / "core" / "threads.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == \
+                    "ThreadPoolExecutor":
+                sizes = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "max_workers")]
+                if not sizes or any(isinstance(n, ast.Constant) or "threads.count" not in ast.unparse(n)
+                                    and not isinstance(n, ast.Name) for n in sizes):
+                    sized_here.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not sized_here, "\n".join(sized_here)

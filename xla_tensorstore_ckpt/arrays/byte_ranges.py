@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 
 from .. import storage
-from ..core import dtypes, tunables
+from ..core import dtypes, threads, tunables
 from ..core.errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..core.records import ArrayMetadata, RawArrayMetadata
 from .base import ArrayReader, ByteCounter, Empty, Index, Picked, Ready, index_box
@@ -30,7 +30,7 @@ from .local_reads import read_runs
 MAX_POSITIONED_READS = 16  # runs per region read with pread; more are copied out of a memory map
 MAX_REQUEST_BYTES = 16 << 20
 
-_COPIES = ThreadPoolExecutor(4, thread_name_prefix="xtc-raw-read")
+_COPIES = threads.pool("local_reads", "xtc-raw-read")
 
 
 class ByteRangeReader(ArrayReader):

@@ -27,13 +27,13 @@ import math
 import os
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import crc32c
 import numpy as np
 
 from .. import storage
-from ..core import bounds, dtypes, layout, tunables
+from ..core import bounds, dtypes, layout, threads, tunables
 from ..core.errors import CorruptCheckpointError, StorageError
 from ..core.records import ArrayMetadata, ArrayStore
 from . import zstd
@@ -49,7 +49,7 @@ from .tensorstore_reads import TensorstoreReader
 # and copies, 0.06 s without them). Measured on that workload: median 1.07 s read here inline against 1.35 s
 # for format 1 (tensorstore, a directory per array). Larger chunks are mostly data, read with the GIL released.
 _CHECKSUM_BYTES = 4
-_WORKERS = ThreadPoolExecutor(4, thread_name_prefix="xtc-chunk-read")  # reads overlap; checksums need 2 cores
+_WORKERS = threads.pool("local_reads", "xtc-chunk-read")
 
 
 def covers(item: storage.Location, store: ArrayStore) -> bool:

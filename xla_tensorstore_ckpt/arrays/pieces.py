@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 
 from .. import storage
-from ..core import dtypes
+from ..core import dtypes, threads
 from ..core.errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..core.records import ArrayMetadata, PiecesArrayMetadata
 from . import torch_zip
@@ -28,7 +28,7 @@ from .base import ArrayReader, ByteCounter, Empty, Index, Picked, index_box
 from .byte_ranges import requests_of, runs_between
 from .local_reads import read_boxes
 
-_POOL = ThreadPoolExecutor(8, thread_name_prefix="xtc-pieces")
+_POOL = threads.pool("dcp_pieces", "xtc-pieces")
 
 
 class PiecesReader(ArrayReader):

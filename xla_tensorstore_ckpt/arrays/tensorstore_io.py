@@ -20,14 +20,13 @@ tensorstore's threads. Errors are translated to `CorruptCheckpointError` (checks
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import tensorstore as ts
 
 from .. import storage
-from ..core import dtypes, layout
+from ..core import dtypes, layout, threads
 from ..core.errors import CorruptCheckpointError, StorageError
 from ..core.records import ArrayStore
 from ..storage import without_spec
@@ -207,7 +206,7 @@ def new_transaction() -> ts.Transaction:
 
 
 # One thread hands finished chunk files to the disk: off tensorstore's threads, and never on the caller's.
-_WRITEBACK = ThreadPoolExecutor(1, thread_name_prefix="xtc-writeback")
+_WRITEBACK = threads.pool("ordered", "xtc-writeback")
 
 
 def _on_done(item: Pending, loc: storage.Location, key: str) -> None:

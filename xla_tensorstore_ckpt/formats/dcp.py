@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..arrays import torch_zip
-from ..core import bounds, dtypes, layout, torch_pickle, tree
+from ..core import bounds, dtypes, layout, threads, torch_pickle, tree
 from ..core.errors import CorruptCheckpointError, UnsupportedValueError
 from ..core.records import ArrayStore, ItemManifest, PieceMetadata, PiecesArrayMetadata
 from ..storage import Location, RangeNotSatisfiableError
@@ -213,7 +213,7 @@ def _read_values(loc: Location, entries: list[tuple[str, int, int]], keys: list[
     """The plain value of each bytes entry (or why it is left out), a few read at a time."""
     if not entries:
         return []
-    workers = min(16, len(entries))
+    workers = threads.count("storage_requests", len(entries))
     out: list[Any] = []
     with ThreadPoolExecutor(workers) as pool:
         window: deque = deque()

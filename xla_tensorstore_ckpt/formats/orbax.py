@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import arrays
-from ..core import bounds, layout, tree
+from ..core import bounds, layout, threads, tree
 from ..core.errors import CorruptCheckpointError
 from ..core.records import ArrayMetadata, ArrayStore, ItemManifest, StepMetadata
 from ..storage import Location
@@ -174,7 +174,7 @@ def decode_item(loc: Location, doc: dict | None, *, where: str) -> ItemManifest:
     for path in to_open:
         _check_array_name(path, names[path], where)
     reader = arrays.TensorstoreReader(loc, store)  # Orbax's arrays are zarr, read by tensorstore
-    with ThreadPoolExecutor(16) as pool:
+    with ThreadPoolExecutor(threads.count("storage_requests", len(to_open))) as pool:
         opened = dict(zip(to_open, pool.map(lambda p: reader.open_name(names[p]).result(), to_open)))
     leaves: list[tuple[layout.KeyPath, Any]] = []
     for path, value in entries:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..core import bounds, dtypes, layout
+from ..core import bounds, dtypes, layout, threads
 from ..core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 from ..core.records import ArrayStore, ItemManifest, RawArrayMetadata
 from ..storage import Location, RangeNotSatisfiableError
@@ -100,7 +100,7 @@ def _headers(loc: Location, files: list[str], keys_in: dict[str, list[str]]) -> 
     """The tensors of every file of an index, a few headers read at a time (object stores: one at a time is
     slow); the first file that fails stops the reading (an index of 200,000 missing files fails at the first,
     without queuing the rest)."""
-    workers = min(16, len(files) or 1)
+    workers = threads.count("storage_requests", len(files))
     out: dict[str, dict[str, RawArrayMetadata]] = {}
     with ThreadPoolExecutor(workers) as pool:
         window: deque = deque()

@@ -19,13 +19,13 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 import numpy as np
 
 from .. import arrays, formats, storage
 from ..arrays.base import ArrayReader, Empty, Index, PendingRead, Picked, StoredArray, index_box
+from ..core import threads
 from ..core.errors import CheckpointError, CorruptCheckpointError
 from ..core.records import ArrayMetadata, ArrayStore
 from . import deltas, tables
@@ -33,7 +33,7 @@ from . import deltas, tables
 Own = None  # a chunk's source: the item's own store
 # Delta chunks are rebuilt here as soon as their reads are asked for, beside the other chunks' reads and each
 # other (zstd decompresses without the GIL), rather than one by one when the restore waits for each.
-_REBUILDS = ThreadPoolExecutor(2, thread_name_prefix="xtc-delta-rebuild")
+_REBUILDS = threads.pool("cpu", "xtc-delta-rebuild")
 # Where a chunk is: (the step holding it whole, None: this item; or a delta chain `tables.Delta`)
 Where = tuple[int | None, tables.Delta | None]
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
+from ..core import threads
 from ..core.errors import AsyncSaveError
 
 
@@ -24,7 +25,7 @@ class BackgroundCommitter:
 
     def __init__(self, max_pending: int):
         self._slots = threading.Semaphore(max_pending)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xtc-commit")
+        self._executor = threads.pool("ordered", "xtc-commit")
         self._futures: list[Future] = []
         self._lock = threading.Lock()
         self._error: AsyncSaveError | None = None

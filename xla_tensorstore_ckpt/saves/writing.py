@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import arrays, storage
-from ..core import dtypes, grid, layout
+from ..core import dtypes, grid, layout, threads
 from ..core.errors import CheckpointExistsError
 from ..incremental.saving import BaseStep, Recorder
 from ..options import SaveOptions
@@ -264,7 +264,7 @@ class _DirectLane:
     def __init__(self, store: arrays.DirectStore, zstd_level: int | None):
         self.store = store
         self.zstd_level = zstd_level
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="xtc-direct-write")
+        self.thread = threads.pool("ordered", "xtc-direct-write")
 
     def put(self, chunks: list[tuple[str, object, tuple[int, ...]]]) -> Future:
         """Start writing `chunks` after the lane's earlier work; the future raises the lane's `StorageError`

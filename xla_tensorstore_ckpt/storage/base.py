@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+from ..core import threads
 from ..core.errors import StorageError
 
 
@@ -219,7 +220,7 @@ class Backend(ABC):
         self.delete_tree(target)
         files = self.list_files(source)
         last = [name for name in commit_files if name in files]
-        with ThreadPoolExecutor(16) as pool:
+        with ThreadPoolExecutor(threads.count("storage_requests")) as pool:
             list(pool.map(lambda name: self.copy_file(_join(source, name), _join(target, name)),
                           [name for name in files if name not in last]))
         for name in last:

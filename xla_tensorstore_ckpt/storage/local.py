@@ -11,9 +11,10 @@ import secrets
 import shutil
 import stat
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+from ..core import threads
 from ..core.errors import StorageError
 from ..core.processes import host_tag, pid_alive
 from .base import Backend, Capabilities, RangeNotSatisfiableError
@@ -374,7 +375,7 @@ def _remove_quietly(path: str) -> None:
 
 
 # fsyncs of many files at once let the file system commit its journal once for all of them.
-_FSYNC_POOL = ThreadPoolExecutor(16, thread_name_prefix="xtc-fsync")
+_FSYNC_POOL = threads.pool("storage_requests", "xtc-fsync")
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
 _RENAMEAT2 = getattr(_LIBC, "renameat2", None)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core import dtypes, layout, tunables
+from ..core import dtypes, layout, threads, tunables
 from ..core.errors import CorruptCheckpointError, UsageError
 from ..core.records import ArrayMetadata
 from ..tools import scans
@@ -34,11 +34,11 @@ from .sketch import EXACT_DTYPES, Histogram, Scratch, ValueSketch
 
 QUANTILES = (0.01, 0.10, 0.25, 0.50, 0.75, 0.90, 0.99)
 DEFAULT_MAX_BYTES = 64 << 20
-THREADS = 2
+THREADS = threads.count("cpu")
 MAX_JOBS = 4 * THREADS  # chunks waiting to be binned, at most
 READ_AHEAD = 8  # chunks of one array read ahead, at most
 RELATIVE_ERROR = 2.0 ** -8
-_POOL = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="xtckpt-stats")
+_POOL = threads.pool("cpu", "xtckpt-stats")
 
 Array = tuple[str, ArrayMetadata, str]  # (item, metadata, key)
 
