@@ -20,20 +20,34 @@ CHROMIUM := /usr/bin/chromium
 # *.egg-info) then take turns under a lock.
 REQUIREMENTS = $(PYTHON) -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 	print(*p["dependencies"], *(r for extra in sys.argv[1:] for r in p["optional-dependencies"][extra]), sep="\n")'
-EDITABLE = flock .install.lock $(1) -m pip install --quiet --no-deps -e .
+# Packages are installed by uv (from the registry, pinned), which fetches and unpacks wheels in parallel and keeps
+# one cache for both environments: pip took 2-3 minutes of a fresh `make test` (15 under load) where uv takes a
+# quarter of that, resolving the same versions. uv does not read pip's configuration, so the machine's pip settings
+# (constraints that cap torch, local wheels, extra indexes) are passed on as flags, and candidates are chosen
+# across indexes as pip chooses them.
+UV_VERSION := 0.13.10
+UV_FLAGS = $(shell $(PYTHON) -m pip config list 2>/dev/null | $(PYTHON) -c 'import shlex, sys; \
+	flags = {"constraint": "--constraint", "find-links": "--find-links", "index-url": "--index-url", \
+	         "extra-index-url": "--extra-index-url"}; \
+	pairs = dict.fromkeys((flags[k.split(".")[-1]], v) for k, _, q in (l.strip().partition("=") for l in sys.stdin) \
+	                      if k.split(".")[-1] in flags for v in " ".join(shlex.split(q)).split()); \
+	print(*(x for pair in pairs for x in pair))') --index-strategy unsafe-best-match
+INSTALL = $(1)/bin/uv pip install --quiet --python $(1)/bin/python $(UV_FLAGS)
+EDITABLE = flock .install.lock $(call INSTALL,$(1)) --no-deps -e .
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(REQUIREMENTS) xla test | $(PY) -m pip install --quiet -r /dev/stdin
-	$(call EDITABLE,$(PY))
+	$(PY) -m pip install --quiet uv==$(UV_VERSION)
+	$(REQUIREMENTS) xla test | $(call INSTALL,$(VENV)) --compile-bytecode -r /dev/stdin
+	$(call EDITABLE,$(VENV))
 	touch $(STAMP)
 
 $(NEWEST_STAMP): pyproject.toml
 	test -x $(NEWEST_PY) || $(PYTHON) -m venv $(NEWEST_VENV)
-	$(NEWEST_PY) -m pip install --quiet --upgrade pip
-	( $(REQUIREMENTS) test trainers; echo 'torch==$(NEWEST_TORCH)' ) | $(NEWEST_PY) -m pip install --quiet -r /dev/stdin
-	$(call EDITABLE,$(NEWEST_PY))
+	$(NEWEST_PY) -m pip install --quiet uv==$(UV_VERSION)
+	( $(REQUIREMENTS) test trainers; echo 'torch==$(NEWEST_TORCH)' ) | \
+		$(call INSTALL,$(NEWEST_VENV)) --compile-bytecode -r /dev/stdin
+	$(call EDITABLE,$(NEWEST_VENV))
 	touch $(NEWEST_STAMP)
 
 demo: $(STAMP)
@@ -92,7 +106,7 @@ test-newest: lint $(NEWEST_STAMP) $(CHROMIUM)
 # Every benchmark case (benchmarks/cases.py), one after the other, each writing benchmarks/results/NAME.{json,txt};
 # then docs/performance.md's generated tables. One case: `$(PY) -m benchmarks NAME [--quick]`.
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[xla,test,bench]'
+	$(call INSTALL,$(VENV)) --compile-bytecode -e '.[xla,test,bench]'
 	$(PY) -m benchmarks --all
 	$(PY) -m benchmarks.report
 

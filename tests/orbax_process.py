@@ -8,12 +8,11 @@ import base64
 import json
 import math
 import os
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
 import torch
+from forked import run_forked
 
 from xla_tensorstore_ckpt.core import dtypes
 
@@ -21,10 +20,10 @@ TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "orba
 
 
 def orbax(*args) -> dict:
-    """Run the Orbax tool in a JAX process of its own; its JSON answer."""
+    """Run the Orbax tool in a JAX process of its own, forked from one that imported JAX and Orbax once
+    (tests/forked.py); its JSON answer."""
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
-    proc = subprocess.run([sys.executable, TOOL, *map(str, args)], capture_output=True, text=True, timeout=600,
-                          env=env)
+    proc, = run_forked(TOOL, [list(map(str, args))], parallel=1, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

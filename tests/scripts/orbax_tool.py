@@ -32,8 +32,10 @@ import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
+# Set before JAX initialises its backend, at import and again in main(): a run forked from a process that imported
+# this script (tests/forked.py) starts with its batch's environment.
+JAX_ENVIRONMENT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+os.environ.update(JAX_ENVIRONMENT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -108,6 +110,7 @@ def manager_options(flags: dict) -> ocp.CheckpointManagerOptions:
 
 
 def main() -> None:
+    os.environ.update(JAX_ENVIRONMENT)
     command, target = sys.argv[1], sys.argv[2]
     flags = dict(zip(sys.argv[3::2], sys.argv[4::2]))
     if command == "write":
