@@ -267,7 +267,7 @@ def _kept_allocations(tree: ast.Module) -> list[ast.AST]:
 
 
 def test_reusable_buffers_live_in_one_pool():
-    """Memory written again and again is made, sized and kept by `core.buffers` (`scratch`, `take`/`give`,
+    """Memory written again and again is made, sized and kept by `core.buffers` (`of_thread`, `take`/`give`,
     `Carved`): no other module keeps a buffer of its own for reuse (a per-thread one, or an uninitialised
     allocation stored beyond the call that made it)."""
     kept = [f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:100]}" for path in sorted(ROOT.rglob("*.py"))

@@ -43,18 +43,18 @@ def test_the_free_list_keeps_up_to_the_kept_maximum_and_a_few_buffers():
 
 
 def test_each_thread_has_its_own_buffer_by_name_kept_up_to_the_maximum():
-    first = buffers.scratch("test", 1000, np.int32)
+    first = buffers.of_thread("test", 1000, np.int32)
     assert first.dtype == np.int32 and len(first) == 1000 and _address(first) % buffers.PAGE == 0
-    assert _address(buffers.scratch("test", 500, np.uint8)) == _address(first)  # reused
-    grown = buffers.scratch("test", 5000, np.int32)  # 20,000 bytes: made anew, 32 KiB
-    assert _address(grown) != _address(first) and _address(buffers.scratch("test", 8192)) == _address(grown)
+    assert _address(buffers.of_thread("test", 500, np.uint8)) == _address(first)  # reused
+    grown = buffers.of_thread("test", 5000, np.int32)  # 20,000 bytes: made anew, 32 KiB
+    assert _address(grown) != _address(first) and _address(buffers.of_thread("test", 8192)) == _address(grown)
     elsewhere = []
-    thread = threading.Thread(target=lambda: elsewhere.append(_address(buffers.scratch("test", 10))))
+    thread = threading.Thread(target=lambda: elsewhere.append(_address(buffers.of_thread("test", 10))))
     thread.start()
     thread.join()
     assert elsewhere[0] != _address(grown)
     with tunables.overridden(kept_buffer_bytes=4096):
-        buffers.scratch("test_large", 8192)  # made for the call alone
+        buffers.of_thread("test_large", 8192)  # made for the call alone
         assert "test_large" not in buffers._held.buffers and "test" in buffers._held.buffers
 
 

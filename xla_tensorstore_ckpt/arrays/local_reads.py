@@ -342,7 +342,7 @@ def _fill(fd: int, view: memoryview, at: int) -> int:
 
 
 def _window(nbytes: int = 0) -> memoryview:
-    """This thread's window (`buffers.scratch`, page-aligned as direct reads need) of ``read_window_bytes``
+    """This thread's window (`buffers.of_thread`, page-aligned as direct reads need) of ``read_window_bytes``
     (`tunables`), or for more (a row larger than a window) a larger one kept beside it: the two are never
     overwritten by each other's reads. Windows live as long as their thread, so their pages are faulted in
     once. Why huge pages (`buffers.new`): a direct request is built from the buffer's pages, as segments of
@@ -353,5 +353,5 @@ def _window(nbytes: int = 0) -> memoryview:
     0.47-0.55 s buffered."""
     window_bytes = tunables.get("read_window_bytes")
     if nbytes > window_bytes:
-        return memoryview(buffers.scratch("large_read_window", nbytes))
-    return memoryview(buffers.scratch("read_window", window_bytes))
+        return memoryview(buffers.of_thread("large_read_window", nbytes))
+    return memoryview(buffers.of_thread("read_window", window_bytes))

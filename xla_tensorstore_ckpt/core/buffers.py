@@ -14,7 +14,7 @@ One rule for every buffer:
 * **kept** up to ``kept_buffer_bytes`` (`core.tunables`) each, larger ones freed once unused; the free list
   (`take` / `give`) holds at most `KEPT_BUFFERS` of them at a time.
 
-Two ways to hold one: a thread's own buffer by name (`scratch`: valid until the thread's next `scratch` of that
+Two ways to hold one: a thread's own buffer by name (`of_thread`: valid until the thread's next `of_thread` of that
 name, for work that finishes before the thread's next item), or one checked out (`take`, then `give`: for
 buffers that outlive a call or cross threads); `Carved` cuts slices one after another out of one of them (a
 restore's batch, a peer copy's round). Used by `arrays.local_reads` and `arrays.direct_ocdbt` (windows),
@@ -88,9 +88,9 @@ def give(buffer: np.ndarray) -> None:
                 _free.append(buffer)
 
 
-def scratch(name: str, count: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
+def of_thread(name: str, count: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
     """This thread's buffer `name` as `count` elements of `dtype`, page-aligned, valid until this thread's next
-    `scratch(name, ...)` (so for work the thread finishes first). Made on first use and anew when a larger one is
+    `of_thread(name, ...)` (so for work the thread finishes first). Made on first use and anew when a larger one is
     needed (zero-filled then: `new`); one larger than ``kept_buffer_bytes`` is made for this call alone. Called
     on any thread; blocks only to map memory; raises OSError (ENOMEM) where none is left."""
     dtype = np.dtype(dtype)

@@ -76,7 +76,7 @@ def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if per_word == 1 or head == 0:
         return np.flatnonzero(a != b)
     a64, b64 = a[:head].view(np.uint64), b[:head].view(np.uint64)
-    words = np.flatnonzero(np.not_equal(a64, b64, out=buffers.scratch("delta_mask", len(a64), bool)))
+    words = np.flatnonzero(np.not_equal(a64, b64, out=buffers.of_thread("delta_mask", len(a64), bool)))
     xor = np.take(a64, words, mode="clip")
     np.bitwise_xor(xor, np.take(b64, words, mode="clip"), out=xor)
     lanes = np.flatnonzero(xor.view(a.dtype) != 0)
@@ -130,7 +130,7 @@ def _xor_at(elements: np.ndarray, steps: np.ndarray, values: np.ndarray, *, firs
             long: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """XOR `values` into `elements` at the positions the `steps` encode: position i is `first` plus the running
     sum of `steps[:i + 1] + plus` (`long` replaces the steps listed: positions in `steps`, values). In this
-    thread's buffers (`buffers.scratch`, reused from frame to frame: fresh memory costs a page fault per 4 KiB):
+    thread's buffers (`buffers.of_thread`, reused from frame to frame: fresh memory costs a page fault per 4 KiB):
     one pass widens the steps into the positions, one adds them up, then a gather, an XOR and a scatter; no
     array is allocated. Few numpy calls per frame, not a loop over blocks: the
     frames are applied on the reader's rebuild threads beside the restoring thread, where each call that
@@ -139,7 +139,7 @@ def _xor_at(elements: np.ndarray, steps: np.ndarray, values: np.ndarray, *, firs
     count = len(steps)
     if count == 0:
         return
-    at = buffers.scratch("delta_positions", count, np.intp)
+    at = buffers.of_thread("delta_positions", count, np.intp)
     np.add(steps, plus, out=at, dtype=np.intp)
     if long is not None and len(long[0]):
         at[long[0]] = long[1]
@@ -148,7 +148,7 @@ def _xor_at(elements: np.ndarray, steps: np.ndarray, values: np.ndarray, *, firs
     np.cumsum(at, out=at)
     if int(at[-1]) >= len(elements):
         raise ValueError("a delta's positions run past its chunk")
-    picked = buffers.scratch("delta_values", count, elements.dtype)
+    picked = buffers.of_thread("delta_values", count, elements.dtype)
     np.take(elements, at, out=picked, mode="clip")  # checked above; "raise" would copy `picked` first
     np.bitwise_xor(picked, values, out=picked)
     elements[at] = picked
@@ -156,8 +156,8 @@ def _xor_at(elements: np.ndarray, steps: np.ndarray, values: np.ndarray, *, firs
 
 def _decompressed(frame: memoryview, size: int) -> np.ndarray:
     """The `size` bytes of zstd frame `frame`, decompressed straight into this thread's buffer
-    (`buffers.scratch`, valid until its next call on this thread). Raises `ValueError` for a damaged frame or
+    (`buffers.of_thread`, valid until its next call on this thread). Raises `ValueError` for a damaged frame or
     one of another size."""
-    out = buffers.scratch("delta_frame", size)
+    out = buffers.of_thread("delta_frame", size)
     zstd.decompress_into(frame, memoryview(out))
     return out

@@ -20,7 +20,7 @@ moments, gradients), else of ``value - shift`` (the middle of the slab's range, 
 first) so that data far from zero with a narrow spread (a norm's weights near 1) keeps its digits; the sketch
 re-centres each slab's sums onto its own shift in float64; spreads beyond float32's safe range are summed in
 float64. Used by `views.histogram`; no I/O; `add` may be called from several threads at once (the merge into the
-sketch takes its lock), each in its thread's buffers (`core.buffers.scratch`).
+sketch takes its lock), each in its thread's buffers (`core.buffers.of_thread`).
 """
 
 from __future__ import annotations
@@ -81,15 +81,15 @@ _BYTE_CODES = _byte_codes()
 
 
 def _codes() -> tuple[np.ndarray, np.ndarray]:
-    """This thread's int64 bin numbers (`buffers.scratch`, zero-filled when made: their upper bytes stay zero, as
+    """This thread's int64 bin numbers (`buffers.of_thread`, zero-filled when made: their upper bytes stay zero, as
     only the low 16 bits are ever written) and their low 16 bits, `SLAB` of each."""
-    wide = buffers.scratch("sketch_codes", SLAB, np.int64)
+    wide = buffers.of_thread("sketch_codes", SLAB, np.int64)
     return wide, wide.view(np.uint16)[0 if _LITTLE else 3::4]
 
 
 def _floats() -> np.ndarray:
-    """This thread's float32 deviations (`buffers.scratch`), `SLAB` of them."""
-    return buffers.scratch("sketch_floats", SLAB, np.float32)
+    """This thread's float32 deviations (`buffers.of_thread`), `SLAB` of them."""
+    return buffers.of_thread("sketch_floats", SLAB, np.float32)
 
 
 class ValueSketch:
