@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fresh_process  # noqa: E402
 import harness  # noqa: E402
 
-from xla_tensorstore_ckpt.arrays.local_reads import new_window  # noqa: E402
+from xla_tensorstore_ckpt.core import buffers  # noqa: E402
 
 REQUEST = 8 << 20
 HOLD_S, RELEASE_S = 0.023, 0.05
@@ -58,10 +58,11 @@ class _Event(ctypes.Structure):
 
 
 def _windows(count: int) -> list[memoryview]:
-    """`count` request-sized windows in huge pages, as the library's direct reads use (`local_reads.new_window`),
+    """`count` request-sized windows in huge pages, as the library's direct reads use (`core.buffers.new`),
     touched."""
-    view = new_window(count * REQUEST)
-    view[::mmap.PAGESIZE] = bytes(len(view[::mmap.PAGESIZE]))
+    buffer = buffers.new(count * REQUEST)[:count * REQUEST]
+    buffer[::mmap.PAGESIZE] = 0
+    view = memoryview(buffer)
     return [view[i * REQUEST:(i + 1) * REQUEST] for i in range(count)]
 
 

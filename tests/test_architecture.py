@@ -243,3 +243,48 @@ def test_thread_pools_are_sized_in_one_place():
                                     and not isinstance(n, ast.Name) for n in sizes):
                     sized_here.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not sized_here, "\n".join(sized_here)
+
+
+_ALLOCATIONS = {"empty", "empty_like", "bytearray", "mmap"}  # uninitialised memory: what is made to be written into
+
+
+def _kept_allocations(tree: ast.Module) -> list[ast.AST]:
+    """The nodes of `tree` that keep a reusable buffer of their own: a `threading.local`, or an uninitialised
+    allocation (`np.empty`, `bytearray`, `mmap.mmap`) stored where it outlives the call: in an attribute
+    (``self.x = np.empty(...)``, ``self.x[k] = ...``) or at the module's top level."""
+    kept = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "local" and getattr(node.value, "id", "") == "threading":
+            kept.append(node)
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        allocates = any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", "")) in _ALLOCATIONS
+                        for n in ast.walk(node.value))
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if allocates and (node in tree.body or any(isinstance(n, ast.Attribute) for t in targets for n in ast.walk(t))):
+            kept.append(node)
+    return kept
+
+
+def test_reusable_buffers_live_in_one_pool():
+    """Memory written again and again is made, sized and kept by `core.buffers` (`of_thread`, `take`/`give`,
+    `Carved`): no other module keeps a buffer of its own for reuse (a per-thread one, or an uninitialised
+    allocation stored beyond the call that made it)."""
+    kept = [f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:100]}" for path in sorted(ROOT.rglob("*.py"))
+            if path != ROOT / "core" / "buffers.py" for node in _kept_allocations(ast.parse(path.read_text()))]
+    assert not kept, "\n".join(kept)
+
+
+@pytest.mark.parametrize("source", [
+    "import threading\nclass _Held(threading.local):\n    pass\n",
+    "import numpy as np\nclass A:\n    def grow(self, n):\n        self._buffer = np.empty(n, np.uint8)\n",
+    "import numpy as np\nclass A:\n    def take(self, name, n):\n        held = self.buffers[name] = np.empty(n)\n",
+    "import mmap\n_WINDOW = memoryview(mmap.mmap(-1, 4096))\n",
+])
+def test_the_pool_check_sees_a_kept_buffer(source):
+    assert _kept_allocations(ast.parse(source))
+
+
+def test_the_pool_check_lets_a_call_own_its_memory():
+    source = "import numpy as np\ndef f(n):\n    out = np.empty(n)\n    parts = {}\n    parts[0] = np.empty(n)\n"
+    assert not _kept_allocations(ast.parse(source))

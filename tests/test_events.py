@@ -76,10 +76,10 @@ def test_item_saves_and_restores_tell_their_listeners(tmp_path):
                                 events.RESTORE_BUILT, events.RESTORE_FINISHED]
     issued, built, finished = recorder.events[1], recorder.events[2:4], recorder.events[4]
     assert finished.nbytes == STATE_BYTES and finished.step is None
-    assert sorted(issued.details["keys"]) == ["b", "w"] and issued.details["buffers"] == "arena"
+    assert sorted(issued.details["keys"]) == ["b", "w"] and issued.details["buffers"] == "batch"
     assert sorted(e.details["key"] for e in built) == ["b", "w"] and {e.details["target"] for e in built} == {"cpu"}
     paths = finished.details["paths"]  # a restore that is not in place: CPU results own their buffers
-    assert (paths["batches"], paths["own_buffer_bytes"], paths["arena_bytes"]) == (1, STATE_BYTES, 0)
+    assert (paths["batches"], paths["own_buffer_bytes"], paths["batch_buffer_bytes"]) == (1, STATE_BYTES, 0)
     assert {"read_ahead", "into_target_bytes", "cache_probes", "direct_bytes", "buffered_bytes", "chunks_inline",
             "chunks_on_workers", "tensorstore_regions", "whole_reads", "ranged_read_bytes"} <= set(paths)
 

@@ -15,7 +15,7 @@ from memory_maps import vm_flags
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import CorruptCheckpointError, StorageError
 from xla_tensorstore_ckpt.arrays import local_reads, page_cache
-from xla_tensorstore_ckpt.core import tunables
+from xla_tensorstore_ckpt.core import buffers, tunables
 
 
 def _file(tmp_path, nbytes=200_000):
@@ -274,7 +274,7 @@ def test_direct_reads_go_through_windows_advised_to_use_huge_pages(tmp_path):
     finally:
         os.close(fd)
     assert "hg" in vm_flags(address)
-    written = local_reads.new_window()  # the direct writes' windows (arrays.direct_ocdbt) as well
+    written = buffers.take(8 << 20)  # the direct writes' windows (arrays.direct_ocdbt), and every buffer, as well
     assert "hg" in vm_flags(ctypes.addressof(ctypes.c_char.from_buffer(written)))
 
 

@@ -1,5 +1,5 @@
 """Memory of restores: a restore in place releases each target's device data right before its new value is
-placed (tied parameters included); data bound for the devices is read into two reused arenas (`restore_arenas`);
+placed (tied parameters included); data bound for the devices is read into two reused batch buffers (`core.buffers`);
 `RestoreOptions.max_host_bytes` keeps the reads in flight within it, waits for each transfer to the devices, and
 after each batch returns freed host memory to the OS unless the next batch fits beside it."""
 
@@ -165,7 +165,7 @@ def _paths_heard(into: list):
     return lambda e: e.kind == RESTORE_FINISHED and into.append(e.details["paths"])
 
 
-def test_device_data_is_read_into_two_reused_arenas_and_host_results_own_theirs(tmp_path):
+def test_device_data_is_read_into_two_reused_batch_buffers_and_host_results_own_theirs(tmp_path):
     mesh = make_mesh((4, 2), ("x", "y"))
     torch.manual_seed(0)
     state = {f"w{i}": sharded(torch.randn(64, 512), mesh, ("x", "y")) for i in range(8)}  # 128 KiB each
@@ -178,23 +178,23 @@ def test_device_data_is_read_into_two_reused_arenas_and_host_results_own_theirs(
               if k != "unsharded" else sharded(torch.zeros(32, 32), None, None) for k, v in state.items()}
     out = xtc.restore(tmp_path / "ck", {**target, **{k: torch.zeros(64, 512) for k in cpu}},
                       options=xtc.RestoreOptions(read_batch_bytes=256 << 10, listeners=(_paths_heard(heard),)))
-    for key, value in {**state, **cpu}.items():  # later batches reusing an arena changed nothing restored before
+    for key, value in {**state, **cpu}.items():  # later batches reusing a buffer changed nothing restored before
         assert torch.equal(out[key].cpu(), value.cpu()), key
     (paths,) = heard
-    assert paths["batches"] > 2 and paths["arena_allocations"] == 2  # two arenas, each allocated once
-    assert paths["arena_frees"] == 0
-    assert paths["arena_bytes"] == sum(v.numel() * 4 for v in state.values())  # all device data
-    assert paths["own_buffer_bytes"] == sum(v.nbytes for v in cpu.values())  # CPU results: never arena memory
+    assert paths["batches"] > 2 and paths["batch_buffer_allocations"] == 2  # two buffers, each allocated once
+    assert paths["batch_buffer_frees"] == 0
+    assert paths["batch_buffer_bytes"] == sum(v.numel() * 4 for v in state.values())  # all device data
+    assert paths["own_buffer_bytes"] == sum(v.nbytes for v in cpu.values())  # CPU results: never batch buffers
 
 
-def test_under_a_budget_a_tensor_larger_than_a_batch_is_read_alone_without_arenas(tmp_path):
+def test_under_a_budget_a_tensor_larger_than_a_batch_is_read_alone_without_batch_buffers(tmp_path):
     mesh = make_mesh((4, 2), ("x", "y"))
     torch.manual_seed(0)
     state = {"a_small": torch.randn(64, 256), "b_big": torch.randn(512, 512), "c_small": torch.randn(64, 256)}
     xtc.save(tmp_path / "ck", {k: sharded(v, mesh, ("x", "y")) for k, v in state.items()})
     events, heard = [], []
     listeners = (lambda e: e.kind == RESTORE_BATCH_ISSUED and events.append(
-        (e.details["keys"][0], e.details["buffers"] == "arena")), _paths_heard(heard))
+        (e.details["keys"][0], e.details["buffers"] == "batch")), _paths_heard(heard))
     # Budget 1 MiB: batches of 256 KiB (64 KiB a small tensor); the 1 MiB tensor is a batch of its own.
     out = xtc.restore(tmp_path / "ck", {k: sharded(torch.zeros(tuple(v.shape)), mesh, ("y", "x"))
                                         for k, v in state.items()},
@@ -202,10 +202,10 @@ def test_under_a_budget_a_tensor_larger_than_a_batch_is_read_alone_without_arena
     for key, value in state.items():
         assert torch.equal(out[key].cpu(), value), key
     # One at a time (a small batch, torch_xla's copy and the large tensor exceed the budget), the large one
-    # into buffers of its own after both arenas were given up.
+    # into buffers of its own after both batch buffers were given up.
     assert events == [("a_small", True), ("b_big", False), ("c_small", True)]
-    (paths,) = heard  # a_small's arena given up for b_big, allocated again for c_small
-    assert (paths["arena_allocations"], paths["arena_frees"]) == (2, 1), paths
+    (paths,) = heard  # a_small's buffer given up for b_big, allocated again for c_small
+    assert (paths["batch_buffer_allocations"], paths["batch_buffer_frees"]) == (2, 1), paths
     assert paths["own_buffer_bytes"] == state["b_big"].nbytes
 
 

@@ -111,13 +111,13 @@ class RestoreOptions:
 
     read_batch_bytes: bytes read per batch (a tensor larger than this is a batch of its own); the reads of one
         batch overlap placing the previous one on the devices, so host memory holds about two batches beyond
-        the restored tensors (data bound for XLA devices is read into two arenas of this size, reused batch
-        after batch: `restore_arenas`). Smaller batches overlap better (a 1 GiB resume: 1.11-1.25 s with 256 MiB,
+        the restored tensors (data bound for XLA devices is read into two buffers of this size, reused batch
+        after batch: `core.buffers`). Smaller batches overlap better (a 1 GiB resume: 1.11-1.25 s with 256 MiB,
         1.03 s with 64 MiB, on 2 cores).
     max_host_bytes: if set, host memory stays within it (or within twice one tensor's local shards, if
         larger): batches are at most a quarter of it, and the next is read ahead only while two batches and
         torch_xla's copies of two tensors (one being placed, one on its way) fit; a tensor larger than a batch
-        is read into buffers of its own, with the arenas given up meanwhile; each tensor's transfer to its
+        is read into buffers of its own, with the batch buffers given up meanwhile; each tensor's transfer to its
         devices is waited for before the one after the next is placed (torch_xla holds a host copy until
         then); after a batch the freed host memory is returned to the OS if the process has grown too much for
         the next one, so that its resident memory stays within the budget too, short of the restore's own

@@ -28,7 +28,7 @@ from ..core.errors import CheckpointError
 from ..core.grid import Index
 from ..core.records import ArrayMetadata
 
-Empty = Callable[[tuple[int, ...], np.dtype], np.ndarray]  # np.empty or a restore arena's: where reads put data
+Empty = Callable[[tuple[int, ...], np.dtype], np.ndarray]  # np.empty or a restore batch buffer's: where reads put data
 
 
 class PendingRead(Protocol):

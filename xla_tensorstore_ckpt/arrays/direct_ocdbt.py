@@ -23,7 +23,6 @@ import fcntl
 import os
 import secrets
 import struct
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
@@ -31,16 +30,13 @@ from typing import NoReturn
 import crc32c
 import numpy as np
 
+from ..core import buffers, tunables
 from ..core.errors import StorageError
 from . import ocdbt, zstd
-from .local_reads import ALIGN, copy_bytes, new_window  # the windows direct reads use
+from .local_reads import ALIGN, copy_bytes
 
 _BTREE_MAGIC = 0x0CDB20DE
 _INLINE, _INDIRECT = 0, 1  # value kinds: in the B-tree node, in a data file
-_KEPT_WINDOWS = 4
-# Windows of finished stores, kept for the next save's: each would otherwise be 8 MiB of fresh memory per save.
-_free_windows: list[memoryview] = []
-_free_windows_lock = threading.Lock()
 
 
 def encode_chunk(data: np.ndarray, chunk_shape: Sequence[int], zstd_level: int | None = None) -> list[memoryview]:
@@ -74,7 +70,7 @@ class DirectStore:
         self.files: list[str] = []  # relative to `path`: d/<hex>
         self.entries: list[_Entry] = []
         self._file: _DataFile | None = None
-        self._window: memoryview | None = None
+        self._buffer: np.ndarray | None = None  # the data files' window (`buffers.take`), given back when done
         self.failed: StorageError | None = None
 
     def put(self, key: str, parts: Sequence[memoryview]) -> None:
@@ -140,11 +136,10 @@ class DirectStore:
             self._give_back_window()
 
     def _give_back_window(self) -> None:
-        window, self._window = self._window, None
-        if window is not None:
-            with _free_windows_lock:
-                if len(_free_windows) < _KEPT_WINDOWS:
-                    _free_windows.append(window)
+        """Give the window back to the pool for the next save's store (8 MiB of fresh memory per save else)."""
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            buffers.give(buffer)
 
     def _check(self) -> None:
         if self.failed is not None:
@@ -159,13 +154,12 @@ class DirectStore:
             file.close()
         name = f"d/{secrets.token_hex(16)}"
         os.makedirs(os.path.join(self.path, "d"), exist_ok=True)
-        if self._window is None:
-            with _free_windows_lock:
-                self._window = _free_windows.pop() if _free_windows else None
-            if self._window is None:
-                self._window = new_window()
+        window_bytes = tunables.get("read_window_bytes")
+        if self._buffer is None:
+            self._buffer = buffers.take(window_bytes)
         self.files.append(name)
-        self._file = _DataFile(os.path.join(self.path, name), self._window, buffered=self.buffered)
+        self._file = _DataFile(os.path.join(self.path, name), memoryview(self._buffer[:window_bytes]),
+                               buffered=self.buffered)
 
 
 @dataclass(frozen=True, order=True)

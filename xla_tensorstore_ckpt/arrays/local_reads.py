@@ -15,24 +15,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
-import mmap
 import os
-import threading
 from collections.abc import Iterator, Sequence
 
 import crc32c
 import numpy as np
 
-from ..core import tunables
+from ..core import buffers, tunables
 from ..core.errors import CorruptCheckpointError, StorageError
 from ..storage.local import is_regular
 from . import page_cache
 from .base import PathCounts
 
-ALIGN = 4096  # a multiple of every logical block size O_DIRECT asks for
+ALIGN = buffers.PAGE  # a multiple of every logical block size O_DIRECT asks for
 _IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per preadv
 _NUMPY_COPY_BYTES = 64 << 10  # smaller copies out of a window are cheaper as memoryview copies (no arrays made)
-_windows = threading.local()
 
 
 COUNTS = PathCounts()  # what this process's local reads did, by path
@@ -80,7 +77,8 @@ def read_window(fd: int, start: int, stop: int, where: str) -> memoryview:
     """The bytes of the local file open as `fd` (`open_for_runs`) from `start` to `stop`, read into this
     thread's window and returned as a view of it, valid until this thread's next read here: no copy beyond the
     read itself, which goes around the page cache where it does not hold the bytes. A span larger than a window
-    is read into a larger window the thread keeps for such spans. Called on reading threads; blocks; raises
+    is read into a larger window (kept by the thread up to ``kept_buffer_bytes``, `buffers`). Called on reading
+    threads; blocks; raises
     `CorruptCheckpointError` where the file ends before `stop`, `StorageError` for other OS errors (both naming
     `where`)."""
     try:
@@ -343,39 +341,17 @@ def _fill(fd: int, view: memoryview, at: int) -> int:
     return got
 
 
-def _window(nbytes: int | None = None) -> memoryview:
-    """This thread's aligned window (`new_window`) of ``read_window_bytes`` (`tunables`), made on first use (and
-    anew if that size changed); for more (a row larger than a window), a larger one kept beside it, made anew
-    only when a still larger one is needed."""
+def _window(nbytes: int = 0) -> memoryview:
+    """This thread's window (`buffers.of_thread`, page-aligned as direct reads need) of ``read_window_bytes``
+    (`tunables`), or for more (a row larger than a window) a larger one kept beside it: the two are never
+    overwritten by each other's reads. Windows live as long as their thread, so their pages are faulted in
+    once. Why huge pages (`buffers.new`): a direct request is built from the buffer's pages, as segments of
+    physically contiguous memory of which a disk takes a limited number, so a window of 4 KiB pages went to the
+    disk here in requests of 512 KiB (the block layer's count: 512 requests for 256 MiB), where 2 MiB pages make
+    requests as large as the device allows (4 MiB: 64 requests). Measured on this VM (4 processes reading 256
+    MiB each, freshly written, cold cache): 0.51-0.57 s with huge-page windows, 0.61-0.73 s with 4 KiB ones,
+    0.47-0.55 s buffered."""
     window_bytes = tunables.get("read_window_bytes")
-    if nbytes is not None and nbytes > window_bytes:
-        large = getattr(_windows, "large", None)
-        if large is None or len(large) < nbytes:
-            _windows.large = large = new_window(-(-nbytes // ALIGN) * ALIGN)
-        return large
-    window = getattr(_windows, "view", None)
-    if window is None or len(window) != window_bytes:
-        _windows.view = window = new_window()
-    return window
-
-
-def new_window(nbytes: int | None = None) -> memoryview:
-    """An aligned window of `nbytes` (by default ``read_window_bytes``, `tunables`) for direct I/O: an
-    anonymous private mapping (page-aligned, and a forked child's copy never reaches the parent's), advised to use
-    huge pages.
-
-    Why huge pages: a direct request is built from the buffer's pages, as segments of physically contiguous
-    memory of which a disk takes a limited number, so a window of 4 KiB pages went to the disk here in
-    requests of 512 KiB (the block layer's count: 512 requests for 256 MiB), where 2 MiB pages make requests
-    as large as the device allows (4 MiB: 64 requests). Measured on this VM (4 processes reading 256 MiB
-    each, freshly written, cold cache): 0.51-0.57 s with huge-page windows, 0.61-0.73 s with 4 KiB ones,
-    0.47-0.55 s buffered. Windows live as long as their thread or pool, so their pages are faulted in once.
-    Where the kernel gives no huge pages, the advice is ignored or refused, and the window works the same in
-    small pages."""
-    size = tunables.get("read_window_bytes") if nbytes is None else nbytes
-    window = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        window.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no MADV_HUGEPAGE here, or transparent huge pages disabled
-        pass
-    return memoryview(window)
+    if nbytes > window_bytes:
+        return memoryview(buffers.of_thread("large_read_window", nbytes))
+    return memoryview(buffers.of_thread("read_window", window_bytes))

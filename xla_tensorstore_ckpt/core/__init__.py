@@ -8,6 +8,7 @@ names on disk every format shares and the one validator of names read from files
 formats read and write (`records`); shard layouts (`tensor_layout`); `ShardedArray`, host shards of a global array
 (`sharded_array`); what saves and restores do, told to listeners (`events`); and process-wide helpers: pausing the
 garbage collector (`gc_pause`), returning freed host memory to the OS (`host_memory`), facts about this host's
-processes (`processes`), the I/O sizes read through one function that tests override (`tunables`), and how many
-threads each kind of work runs on (`threads`).
+processes (`processes`), the I/O sizes read through one function that tests override (`tunables`), how many
+threads each kind of work runs on (`threads`), and the reusable host buffers, made, sized and kept in one place
+(`buffers`).
 """

@@ -32,28 +32,27 @@ phase of the manager's saves and restores) or ``SaveOptions(listeners=...)`` / `
   `details["sent_bytes"]`, `details["holders"]`: writer -> the processes now holding its copy).
 
 and of a restore (per item): ``restore_planned`` (`nbytes` this process will read, `details["arrays"]`,
-`details["chunks"]`: stored chunks its reads touch), ``restore_batch_issued`` when the reads of a batch start
-(`nbytes`; `details`: ``batch``, ``keys``, ``buffers``: ``"arena"`` or ``"own"``, ``into_targets``: the keys read
-straight into their target's memory), ``restore_built`` as each array's value is built and placed (`nbytes` read for
-it; `details`: ``key``, ``batch``, ``target``: its tensor kind), under `max_host_bytes` ``restore_batch_settled`` once
-a batch is built and its transfers to the devices are waited for (`details`: ``batch``, ``returned_memory``: whether
-the freed host memory was then returned to the OS, `core.host_memory.keep_within`), and ``restore_finished``
-(`seconds`, `nbytes` read; `details["paths"]`: which paths the reads took — ``batches``, ``read_ahead``,
-``arena_bytes`` (read into the two reused batch arenas, `restore_arenas`), ``arena_allocations`` and ``arena_frees``
-(their buffers allocated and given back), ``own_buffer_bytes``, ``into_target_bytes``, ``memory_returns`` (batches
-after which freed host memory was returned to the OS), and of this process's array reads meanwhile
-(`arrays.base.PathCounts`) ``cache_probes``, ``cached_probes``, ``nowait_probes`` (probes that read one byte with
-``RWF_NOWAIT``, where ``cachestat`` could not count the cached pages), ``direct_reads``/``direct_bytes`` (local reads
-around the page cache), ``buffered_reads``/``buffered_bytes`` (through it), ``chunks_inline`` and
-``chunks_on_workers`` (chunks this library read from local files itself, on the restoring thread or on its reading
-threads), ``tensorstore_regions`` (regions read through tensorstore), ``files_opened``/``files_closed`` (data files
-those chunk reads opened and closed), and of its storage calls (`storage.CALLS`) ``whole_reads``/``whole_read_bytes``
-(whole files, `Location.read`) and ``ranged_reads``/``ranged_read_bytes`` (byte ranges, `Location.read_range`);
-`details["storage_bytes"]`: what the reader fetched from storage for them, None where it cannot tell; with
-single-replica reads also `details["plan"]`, ``"derived"`` from the shardings or ``"gathered"``, and
-`details["agreements"]`: each collective phase's cost, as for ``save_committed``); with `local_replication`,
-``peer_fetched`` when a local step (or its damaged files) came from a peer before the restore (`nbytes` received,
-`details["source"]`: the process it came from, `details["repair"]`).
+`details["chunks"]`: stored chunks its reads touch), ``restore_batch_issued`` when the reads of a batch start (`nbytes`;
+`details`: ``batch``, ``keys``, ``buffers``: ``"batch"`` or ``"own"``, ``into_targets``: the keys read straight into
+their target's memory), ``restore_built`` as each array's value is built and placed (`nbytes` read for it; `details`:
+``key``, ``batch``, ``target``: its tensor kind), under `max_host_bytes` ``restore_batch_settled`` once a batch is built
+and its transfers to the devices are waited for (`details`: ``batch``, ``returned_memory``: whether the freed host
+memory was then returned to the OS, `core.host_memory.keep_within`), and ``restore_finished`` (`seconds`, `nbytes` read;
+`details["paths"]`: which paths the reads took — ``batches``, ``read_ahead``, ``batch_buffer_bytes`` (read into the two
+reused batch buffers, `buffers.Carved`), ``batch_buffer_allocations`` and ``batch_buffer_frees`` (their buffers
+allocated and freed), ``own_buffer_bytes``, ``into_target_bytes``, ``memory_returns`` (batches after which freed host
+memory was returned to the OS), and of this process's array reads meanwhile (`arrays.base.PathCounts`) ``cache_probes``,
+``cached_probes``, ``nowait_probes`` (probes that read one byte with ``RWF_NOWAIT``, where ``cachestat`` could not count
+the cached pages), ``direct_reads``/``direct_bytes`` (local reads around the page cache),
+``buffered_reads``/``buffered_bytes`` (through it), ``chunks_inline`` and ``chunks_on_workers`` (chunks this library
+read from local files itself, on the restoring thread or on its reading threads), ``tensorstore_regions`` (regions read
+through tensorstore), ``files_opened``/``files_closed`` (data files those chunk reads opened and closed), and of its
+storage calls (`storage.CALLS`) ``whole_reads``/``whole_read_bytes`` (whole files, `Location.read`) and
+``ranged_reads``/``ranged_read_bytes`` (byte ranges, `Location.read_range`); `details["storage_bytes"]`: what the reader
+fetched from storage for them, None where it cannot tell; with single-replica reads also `details["plan"]`,
+``"derived"`` from the shardings or ``"gathered"``, and `details["agreements"]`: each collective phase's cost, as for
+``save_committed``); with `local_replication`, ``peer_fetched`` when a local step (or its damaged files) came from a
+peer before the restore (`nbytes` received, `details["source"]`: the process it came from, `details["repair"]`).
 
 Listeners are called on the thread doing the work (a background commit thread for asynchronous saves), one
 event at a time per save or restore. A listener that raises fails what it listens to, like any error of that

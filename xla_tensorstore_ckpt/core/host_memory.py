@@ -49,7 +49,7 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     no compaction (504 huge page faults). torch's allocator advises nothing unless asked
     (``THP_MEM_ALLOC_ENABLE``), and its buffers go back to glibc's heaps when freed, so the next restore in the
     process reuses them (fresh mappings of our own would be faulted in again every time). Buffers a restore
-    reuses (`restore_arenas`) keep numpy's. Called by restores; raises MemoryError (numpy) or RuntimeError
+    reuses (`buffers`) are mappings of their own. Called by restores; raises MemoryError (numpy) or RuntimeError
     (torch) when memory runs out."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < _TORCH_BYTES:

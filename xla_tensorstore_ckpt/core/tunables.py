@@ -12,6 +12,8 @@ and nothing else writes module constants. The defaults are what the measurements
   (`arrays.byte_ranges`).
 * ``peer_round_bytes`` and ``peer_piece_bytes``: what a peer-copy transfer moves per process per round, and in
   one piece (`peer_copies`).
+* ``kept_buffer_bytes``: the largest reusable buffer kept once unused, by a thread or the free list
+  (`buffers`); larger ones are freed.
 * ``histogram_inline_bytes``: chunks smaller than this are binned by the scanning thread (`views.histogram`).
 """
 
@@ -30,6 +32,7 @@ DEFAULTS = {
     "peer_round_bytes": 32 << 20,
     "peer_piece_bytes": 8 << 20,
     "histogram_inline_bytes": 64 << 10,
+    "kept_buffer_bytes": 32 << 20,
 }
 _values = dict(DEFAULTS)
 

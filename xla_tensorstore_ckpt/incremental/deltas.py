@@ -17,15 +17,14 @@ Called by the save (`saving.Recorder`) and by the reader (`layered`); raise `Val
 from __future__ import annotations
 
 import struct
-import threading
 
 import numpy as np
 
 from ..arrays import zstd
+from ..core import buffers
 
 SPARSE_EVERY = 5  # sparse costs ~7.5 ns per changed element to apply, dense ~1.5 ns per element: even at 1 in 5
 _DENSE, _SPARSE, _SPARSE8 = 0, 1, 2
-_KEEP = 1 << 23  # the largest decompressed frame a thread keeps its buffer for (8 MiB)
 _ELEMENT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -77,7 +76,7 @@ def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if per_word == 1 or head == 0:
         return np.flatnonzero(a != b)
     a64, b64 = a[:head].view(np.uint64), b[:head].view(np.uint64)
-    words = np.flatnonzero(np.not_equal(a64, b64, out=_SCRATCH.take("mask", len(a64), bool)))
+    words = np.flatnonzero(np.not_equal(a64, b64, out=buffers.of_thread("delta_mask", len(a64), bool)))
     xor = np.take(a64, words, mode="clip")
     np.bitwise_xor(xor, np.take(b64, words, mode="clip"), out=xor)
     lanes = np.flatnonzero(xor.view(a.dtype) != 0)
@@ -131,15 +130,16 @@ def _xor_at(elements: np.ndarray, steps: np.ndarray, values: np.ndarray, *, firs
             long: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """XOR `values` into `elements` at the positions the `steps` encode: position i is `first` plus the running
     sum of `steps[:i + 1] + plus` (`long` replaces the steps listed: positions in `steps`, values). In this
-    thread's scratch (`_SCRATCH`): one pass widens the steps into the positions, one adds them up, then a
-    gather, an XOR and a scatter; no array is allocated. Few numpy calls per frame, not a loop over blocks: the
+    thread's buffers (`buffers.of_thread`, reused from frame to frame: fresh memory costs a page fault per 4 KiB):
+    one pass widens the steps into the positions, one adds them up, then a gather, an XOR and a scatter; no
+    array is allocated. Few numpy calls per frame, not a loop over blocks: the
     frames are applied on the reader's rebuild threads beside the restoring thread, where each call that
     releases and takes the GIL back costs CPU (blocks of 32 Ki elements cost 15-25 % more inside a restore).
     The positions only grow, so checking the last one against the chunk's end keeps every write inside it."""
     count = len(steps)
     if count == 0:
         return
-    at = _SCRATCH.take("positions", count, np.intp)
+    at = buffers.of_thread("delta_positions", count, np.intp)
     np.add(steps, plus, out=at, dtype=np.intp)
     if long is not None and len(long[0]):
         at[long[0]] = long[1]
@@ -148,39 +148,16 @@ def _xor_at(elements: np.ndarray, steps: np.ndarray, values: np.ndarray, *, firs
     np.cumsum(at, out=at)
     if int(at[-1]) >= len(elements):
         raise ValueError("a delta's positions run past its chunk")
-    picked = _SCRATCH.take("values", count, elements.dtype)
+    picked = buffers.of_thread("delta_values", count, elements.dtype)
     np.take(elements, at, out=picked, mode="clip")  # checked above; "raise" would copy `picked` first
     np.bitwise_xor(picked, values, out=picked)
     elements[at] = picked
 
 
-class _Scratch(threading.local):
-    """One thread's buffers, reused from chunk to chunk (a restore's rebuild threads apply many frames, a save's
-    writing thread encodes many): the decompressed frame, the positions and values of a sparse frame, an
-    encoding's mask of changed words; each kept up to `_KEEP` bytes (a larger one is allocated for its call
-    alone). Fresh memory costs a page fault per 4 KiB (2-8 us each on the development VM)."""
-
-    def __init__(self):
-        self.buffers: dict[str, np.ndarray] = {}
-
-    def take(self, name: str, size: int, dtype) -> np.ndarray:
-        """Buffer `name` as `size` elements of `dtype` (valid until its next `take` on this thread)."""
-        dtype = np.dtype(dtype)
-        held = self.buffers.get(name)
-        if held is None or held.nbytes < size * dtype.itemsize:
-            if size * dtype.itemsize > _KEEP:
-                return np.empty(size, dtype)
-            nbytes = max(size * dtype.itemsize, min(2 * (0 if held is None else held.nbytes), _KEEP))
-            held = self.buffers[name] = np.empty(nbytes, np.uint8)
-        return held[:size * dtype.itemsize].view(dtype)
-
-
-_SCRATCH = _Scratch()
-
-
 def _decompressed(frame: memoryview, size: int) -> np.ndarray:
-    """The `size` bytes of zstd frame `frame`, decompressed straight into this thread's scratch (valid until its
-    next call on this thread). Raises `ValueError` for a damaged frame or one of another size."""
-    out = _SCRATCH.take("raw", size, np.uint8)
+    """The `size` bytes of zstd frame `frame`, decompressed straight into this thread's buffer
+    (`buffers.of_thread`, valid until its next call on this thread). Raises `ValueError` for a damaged frame or
+    one of another size."""
+    out = buffers.of_thread("delta_frame", size)
     zstd.decompress_into(frame, memoryview(out))
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from .. import formats
 from ..arrays.chunk_hashes import chunk_hash
-from ..core import dtypes
+from ..core import buffers, dtypes
 from ..core.errors import CheckpointError
 from ..core.records import StepMetadata
 from ..formats import item_refs as refs_mod
@@ -61,7 +62,7 @@ class Recorder:
         self.frames: list[bytes] = []
         self.delta_bytes = 0
         self._reader = None  # of the base item, for deltas
-        self._anchor_buffer = np.empty(0, np.uint8)  # the anchor's chunk, read there chunk after chunk
+        self._anchor_buffer = buffers.Carved()  # the anchor's chunk, read there chunk after chunk
 
     def select(self, group: Sequence, data: Sequence[Sequence]) -> tuple[list, list[list]]:
         """The plans of `group` (`save_plan.ArrayPlan`) with only the chunks to write, and their data (as
@@ -121,13 +122,12 @@ class Recorder:
 
     def _anchor_chunk(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """Where the anchor's chunk is read (`_delta`): one buffer for every chunk of the save (a `Recorder` takes
-        one chunk's delta at a time), grown to the largest. Fresh memory for each chunk cost a page fault per
-        4 KiB (2-8 us each here), most of what reading the anchor's chunks cost a delta save."""
-        dtype = np.dtype(dtype)
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if len(self._anchor_buffer) < size:
-            self._anchor_buffer = np.empty(size, np.uint8)
-        return self._anchor_buffer[:size].view(dtype).reshape(shape)
+        one chunk's delta at a time; `buffers.Carved`, grown to the largest, given back by `finish`). Fresh
+        memory for each chunk cost a page fault per 4 KiB (2-8 us each here), most of what reading the anchor's
+        chunks cost a delta save."""
+        self._anchor_buffer.reset(math.prod(shape) * np.dtype(dtype).itemsize)
+        chunk = self._anchor_buffer.cut(shape, dtype)
+        return np.empty(shape, dtype) if chunk is None else chunk
 
     def _anchor_array(self, anchor: int, meta):
         """Array `meta` in step `anchor`'s own store: the base item's own (the base is the anchor), or, through
@@ -148,6 +148,7 @@ class Recorder:
         stores; their names."""
         if self._reader is not None:
             self._reader.close()
+        self._anchor_buffer.give_back()
         name, frames = tables.table_name(self.writer), tables.delta_name(self.writer)
         item.write(frames, b"".join(self.frames), fsync=False)
         item.write(name, tables.encode(self.table), fsync=False)

@@ -1,9 +1,9 @@
 """Reading a restore's arrays batch by batch and building its values (`read_arrays`, called by
-`restoring.read_item`): each batch of `read_jobs.schedule` read into one of two reused arenas (`restore_arenas`)
-or, in a restore in place, straight into the target's memory, the next batch's reads overlapping this one's
-building, one transfer to the devices running while the next tensor is copied, and under a host budget the freed
-memory returned to the OS between batches. With single-replica reads, each batch is settled with the other
-processes first (`replica_reads.Exchange`). What the reads did is counted by path (`PATHS`). Blocks.
+`restoring.read_item`): each batch of `read_jobs.schedule` read into one of two reused batch buffers
+(`core.buffers.Carved`) or, in a restore in place, straight into the target's memory, the next batch's reads
+overlapping this one's building, one transfer to the devices running while the next tensor is copied, and under a
+host budget the freed memory returned to the OS between batches. With single-replica reads, each batch is settled
+with the other processes first (`replica_reads.Exchange`). What the reads did is counted by path (`PATHS`). Blocks.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import numpy as np
 import torch
 
 from .. import arrays, storage, targets
-from ..core import dtypes, host_memory, layout, tree
+from ..core import buffers, dtypes, host_memory, layout, tree
 from ..core.errors import CheckpointError, CorruptCheckpointError
 from ..core.events import RESTORE_BATCH_ISSUED, RESTORE_BATCH_SETTLED, RESTORE_BUILT, Emitter
 from ..options import RestoreOptions
-from . import read_jobs, replica_reads, restore_arenas
+from . import read_jobs, replica_reads
 from .read_jobs import ReadJob
 
 # What `read_arrays` counts of the paths its reads take (``restore_finished``'s ``paths``, with the local reads').
-PATHS = ("batches", "read_ahead", "arena_bytes", "arena_allocations", "arena_frees", "own_buffer_bytes",
-         "into_target_bytes", "memory_returns")
+PATHS = ("batches", "read_ahead", "batch_buffer_bytes", "batch_buffer_allocations", "batch_buffer_frees",
+         "own_buffer_bytes", "into_target_bytes", "memory_returns")
 
 
 def read_arrays(loc: storage.Location, reader: arrays.ArrayReader, jobs: Sequence[ReadJob], options: RestoreOptions,
@@ -119,7 +119,7 @@ def _check_sizes(loc: storage.Location, jobs: Sequence[ReadJob]) -> None:
 
 
 class _Batches:
-    """The reads of a schedule's batches: batch k is read into arena ``k % 2`` (or, alone under a budget, into
+    """The reads of a schedule's batches: batch k is read into batch buffer ``k % 2`` (or, alone under a budget, into
     buffers of its own); a region's buffer is dropped once its tensor is built."""
 
     def __init__(self, loc: storage.Location, schedule: read_jobs.ReadSchedule, opened: dict,
@@ -127,25 +127,24 @@ class _Batches:
                  events: Emitter, paths: Counter[str]):
         self._loc, self._schedule, self._opened, self._exchange = loc, schedule, opened, exchange
         self._events, self._paths = events, paths
-        self._arenas = (restore_arenas.Arena(schedule.batch_bytes, paths), restore_arenas.Arena(schedule.batch_bytes,
-                                                                                                paths))
+        self._buffers = (buffers.Carved(schedule.batch_bytes, paths), buffers.Carved(schedule.batch_bytes, paths))
         self._issued: dict[int, list[dict]] = {}
         self._into = into or {}
         self.written_into: set[layout.KeyPath] = set()  # targets whose own memory a read was started into
 
     def issue(self, k: int) -> None:
-        """Start the reads of batch k, if not yet started (batch k - 2, read into the same arena, is built)."""
+        """Start the reads of batch k, if not yet started (batch k - 2, read into the same buffer, is built)."""
         if k in self._issued:
             return
-        arena = self._arenas[k % 2]
+        batch = self._buffers[k % 2]
         if self._schedule.alone(k):
-            arena.release()
-            arena = None
+            batch.release()
+            batch = None
         else:
-            arena.reset()
+            batch.reset()
         group = self._schedule.groups[k]
         into_before = set(self.written_into)
-        self._issued[k] = _issue_reads(self._loc, group, self._opened, arena, self._exchange, self._into,
+        self._issued[k] = _issue_reads(self._loc, group, self._opened, batch, self._exchange, self._into,
                                        self.written_into, self._paths)
         self._paths["batches"] += 1
         if self._events.listeners:
@@ -153,7 +152,7 @@ class _Batches:
                     and job.key_path not in into_before]
             self._events.emit(RESTORE_BATCH_ISSUED, nbytes=self._schedule.sizes[k], details={
                 "batch": k, "keys": [tree.format_key_path(job.key_path) for job in group],
-                "buffers": "own" if arena is None else "arena", "into_targets": into})
+                "buffers": "own" if batch is None else "batch", "into_targets": into})
 
     def take(self, k: int, i: int) -> dict:
         """The read regions of job i of batch k (blocks until they are read); the batch no longer holds them."""
@@ -170,7 +169,7 @@ class _Batches:
         upcoming = 0
         if k + 1 < len(schedule.groups):
             if schedule.alone(k + 1):
-                self._arenas[k % 2].release()  # unused until after the large tensor is placed
+                self._buffers[k % 2].release()  # unused until after the large tensor is placed
             upcoming = schedule.staged(k + 1) + schedule.placing(k + 1)
         return host_memory.keep_within(resident_at_start, schedule.budget - upcoming)
 
@@ -201,11 +200,11 @@ class _Transfers:
 
 
 def _issue_reads(loc: storage.Location, group: Sequence[ReadJob], opened: dict,
-                 arena: restore_arenas.Arena | None, exchange: replica_reads.Exchange | None,
+                 batch: buffers.Carved | None, exchange: replica_reads.Exchange | None,
                  into: Mapping[layout.KeyPath, torch.Tensor], written_into: set[layout.KeyPath],
                  paths: Counter[str]) -> list[dict]:
     """Start the reads of `group` (through `exchange`, if given). Data bound for XLA devices is read into
-    `arena` if given (torch_xla copies it before `_build` returns, so the arena is free again once the group is
+    `batch` if given (torch_xla copies it before `_build` returns, so the buffer is free again once the group is
     built); a host target restored in place (`into`) is read into directly where it can be (`_target_memory`;
     its key is added to `written_into`); other CPU and host results own theirs. `paths` counts the bytes read
     into each kind of buffer."""
@@ -213,13 +212,13 @@ def _issue_reads(loc: storage.Location, group: Sequence[ReadJob], opened: dict,
     for job in group:
         stored = opened[job.key_path].result()
         _check_stored(loc, job, stored)
-        in_arena = arena is not None and job.target.DEVICE_BOUND
-        empty = arena.empty if in_arena else host_memory.empty
+        in_batch = batch is not None and job.target.DEVICE_BOUND
+        empty = _carved_or_own(batch) if in_batch else host_memory.empty
         memory = _target_memory(job, into.get(job.key_path))
         if memory is not None:
             empty = _into(memory)
             written_into.add(job.key_path)
-        paths["into_target_bytes" if memory is not None else "arena_bytes" if in_arena
+        paths["into_target_bytes" if memory is not None else "batch_buffer_bytes" if in_batch
               else "own_buffer_bytes"] += job.read_bytes
         issued.append(stored.read(job.reads, empty) if exchange is None else exchange.read(job, stored, empty))
     return issued
@@ -237,6 +236,15 @@ def _target_memory(job: ReadJob, target: torch.Tensor | None) -> np.ndarray | No
             or local.is_conj() or local.is_neg()):  # lazily conjugated or negated views: their memory is not the values
         return None
     return dtypes.tensor_to_numpy(local.detach())
+
+
+def _carved_or_own(batch: buffers.Carved) -> arrays.Empty:
+    """An `Empty` that cuts the regions out of `batch` while they fit, then gives arrays of their own."""
+    def empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        out = batch.cut(shape, dtype)
+        return np.empty(shape, dtype) if out is None else out
+
+    return empty
 
 
 def _into(memory: np.ndarray) -> arrays.Empty:

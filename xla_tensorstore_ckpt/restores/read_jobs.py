@@ -145,8 +145,8 @@ def is_array_target(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class ReadSchedule:
-    """The batches a restore reads in, in order, and what each holds in host memory. Batch k reads into arena
-    ``k % 2`` (`restore_arenas`) while batch k - 1 is built and placed; under a host budget (`budget`), a batch
+    """The batches a restore reads in, in order, and what each holds in host memory. Batch k reads into batch
+    buffer ``k % 2`` (`core.buffers`) while batch k - 1 is built and placed; under a host budget (`budget`), a batch
     larger than `batch_bytes` (one large tensor) reads into buffers of its own instead, and the next batch is
     read ahead only if it fits beside the current one."""
 
@@ -159,7 +159,7 @@ class ReadSchedule:
         return tuple(sum(job.read_bytes for job in group) for group in self.groups)
 
     def alone(self, k: int) -> bool:
-        """Whether batch k reads into buffers of its own (the arenas are given up meanwhile)."""
+        """Whether batch k reads into buffers of its own (the batch buffers are given up meanwhile)."""
         return self.budget is not None and self.sizes[k] > self.batch_bytes
 
     def staged(self, k: int) -> int:
@@ -183,8 +183,8 @@ class ReadSchedule:
 
     @cached_property
     def peak_host_bytes(self) -> int:
-        """Host memory the restore holds at most beyond the restored tensors' own: the arenas' touched bytes
-        (each keeps the most any of its batches wrote into it), the reads of a batch that did not fit its arena,
+        """Host memory the restore holds at most beyond the restored tensors' own: the batch buffers' touched bytes
+        (each keeps the most any of its batches wrote into it), the reads of a batch that did not fit its buffer,
         and torch_xla's copies in flight, for the batch being built and the one read ahead. Data that stays on
         the host (CPU tensors, `ShardedArray`s) is the result itself."""
         touched = [0, 0]

@@ -44,7 +44,7 @@ class Target(Protocol):
 
     NAME: str  # the registry's key, recorded in `TensorLayout.target`
     # Restored data goes to devices through host buffers that are free again once `build` returns (they come
-    # from a restore's reusable arenas), and `settle` waits for a placed value's transfer.
+    # from a restore's reusable batch buffers), and `settle` waits for a placed value's transfer.
     DEVICE_BOUND: bool
     # A local shard is one chunk of the array's chunk grid (`TensorLayout.shard_shape`); False when the layout's
     # shard shape is a grid that shards are made of several chunks of.

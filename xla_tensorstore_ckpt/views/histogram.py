@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import math
-import queue
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ from ..core.errors import CorruptCheckpointError, UsageError
 from ..core.records import ArrayMetadata
 from ..tools import scans
 from ..tools.inspection import Checkpoint, array_metadata
-from .sketch import EXACT_DTYPES, Histogram, Scratch, ValueSketch
+from .sketch import EXACT_DTYPES, Histogram, ValueSketch
 
 QUANTILES = (0.01, 0.10, 0.25, 0.50, 0.75, 0.90, 0.99)
 DEFAULT_MAX_BYTES = 64 << 20
@@ -126,9 +125,6 @@ class Binning:
 
     def __init__(self, budget: int, bins: int, scale: str):
         self.budget, self.bins, self.scale = budget, bins, scale
-        self.scratches: queue.SimpleQueue[Scratch] = queue.SimpleQueue()  # one per thread binning at a time
-        for _ in range(THREADS + 1):
-            self.scratches.put(Scratch())
         self.entries: collections.deque[Entry] = collections.deque()
         self.jobs: collections.deque[tuple[Entry, concurrent.futures.Future, int]] = collections.deque()
         self.held = 0
@@ -141,20 +137,13 @@ class Binning:
     def put(self, entry: Entry, data: np.ndarray) -> None:
         """Bin `data` into `entry`'s sketch: at once if small, else on the pool once there is room."""
         if data.nbytes < tunables.get("histogram_inline_bytes"):
-            self._add(entry.sketch, data)
+            entry.sketch.add(data)
             return
         while self.jobs and (self.held + data.nbytes > self.budget or len(self.jobs) >= MAX_JOBS):
             self._retire()
         entry.pending += 1
-        self.jobs.append((entry, _POOL.submit(self._add, entry.sketch, data), data.nbytes))
+        self.jobs.append((entry, _POOL.submit(entry.sketch.add, data), data.nbytes))
         self.held += data.nbytes
-
-    def _add(self, sketch: ValueSketch, data: np.ndarray) -> None:
-        scratch = self.scratches.get()
-        try:
-            sketch.add(data, scratch)
-        finally:
-            self.scratches.put(scratch)
 
     def _retire(self) -> None:
         """Wait for the oldest job; raises what it raised."""

@@ -20,7 +20,7 @@ moments, gradients), else of ``value - shift`` (the middle of the slab's range, 
 first) so that data far from zero with a narrow spread (a norm's weights near 1) keeps its digits; the sketch
 re-centres each slab's sums onto its own shift in float64; spreads beyond float32's safe range are summed in
 float64. Used by `views.histogram`; no I/O; `add` may be called from several threads at once (the merge into the
-sketch takes its lock), each with a `Scratch` of its own.
+sketch takes its lock), each in its thread's buffers (`core.buffers.of_thread`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core import dtypes
+from ..core import buffers, dtypes
 from ..core.errors import UsageError
 
 BINS = 1 << 16
@@ -80,19 +80,16 @@ def _byte_codes() -> dict[np.dtype, np.ndarray]:
 _BYTE_CODES = _byte_codes()
 
 
-class Scratch:
-    """Reused buffers for one thread at a time: int64 bin numbers (their upper bytes stay zero: only the low 16
-    bits are ever written) and float32 deviations, 12 MiB, allocated on first use and freed with the object."""
+def _codes() -> tuple[np.ndarray, np.ndarray]:
+    """This thread's int64 bin numbers (`buffers.of_thread`, zero-filled when made: their upper bytes stay zero, as
+    only the low 16 bits are ever written) and their low 16 bits, `SLAB` of each."""
+    wide = buffers.of_thread("sketch_codes", SLAB, np.int64)
+    return wide, wide.view(np.uint16)[0 if _LITTLE else 3::4]
 
-    def __init__(self) -> None:
-        self.codes: np.ndarray | None = None
 
-    def buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if self.codes is None:
-            self.codes = np.zeros(SLAB, dtype=np.int64)
-            self.low16 = self.codes.view(np.uint16)[0 if _LITTLE else 3::4]
-            self.floats = np.empty(SLAB, dtype=np.float32)
-        return self.codes, self.low16, self.floats
+def _floats() -> np.ndarray:
+    """This thread's float32 deviations (`buffers.of_thread`), `SLAB` of them."""
+    return buffers.of_thread("sketch_floats", SLAB, np.float32)
 
 
 class ValueSketch:
@@ -118,13 +115,12 @@ class ValueSketch:
         centred = self.total / self.count
         return math.sqrt(max(0.0, self.total_sq / self.count - centred * centred))
 
-    def add(self, data: np.ndarray, scratch: Scratch | None = None) -> None:
-        """Add every value of `data` (any numeric dtype; complex: magnitudes), using `scratch`'s buffers (which no
-        other thread uses meanwhile) or buffers of its own."""
+    def add(self, data: np.ndarray) -> None:
+        """Add every value of `data` (any numeric dtype; complex: magnitudes), binned in this thread's buffers.
+        Called on any thread; blocks only on the sketch's lock."""
         flat = data.reshape(-1)
-        scratch = scratch or Scratch()
         for start in range(0, flat.size, SLAB):
-            self._take(_slab_part(flat[start:start + SLAB], scratch))
+            self._take(_slab_part(flat[start:start + SLAB]))
 
     def merge(self, other: ValueSketch) -> None:
         """Add `other`'s values (its counts and sums)."""
@@ -227,22 +223,22 @@ class _Part:
         self.low, self.high, self.shift, self.total, self.total_sq = low, high, shift, total, total_sq
 
 
-def _slab_part(values: np.ndarray, scratch: Scratch) -> _Part:
+def _slab_part(values: np.ndarray) -> _Part:
     """The `_Part` of at most `SLAB` values, by their dtype's fastest exact route."""
     dtype = values.dtype
     if dtype == _BFLOAT16:
-        return _exact_part(values.view(np.uint16), scratch)
+        return _exact_part(values.view(np.uint16))
     codes = _BYTE_CODES.get(dtype)
     if codes is not None:
-        return _exact_part(codes[values.view(np.uint8)], scratch)
+        return _exact_part(codes[values.view(np.uint8)])
     if dtype == np.float16 or (dtype.kind in "iu" and dtype.itemsize <= 2):
         values = values.astype(np.float32)  # exact
     if values.dtype == np.float32:
-        return _float32_part(values, scratch)
-    return _general_part(values, scratch)
+        return _float32_part(values)
+    return _general_part(values)
 
 
-def _bins(codes: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray | None]:
+def _bins(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """(counts, present) of uint16 bin numbers: for `SMALL` or more, every bin's count (`present` None) by one
     bincount of them widened into this thread's int64 buffer (added to a sketch whole: no search for the bins
     present); for fewer, (their counts, the bins present) by a radix sort (a bincount zeroes 65,536 bins)."""
@@ -250,7 +246,7 @@ def _bins(codes: np.ndarray, scratch: Scratch) -> tuple[np.ndarray, np.ndarray |
         ordered = np.sort(codes, kind="stable")  # radix sort for 16-bit integers
         starts = np.flatnonzero(np.diff(ordered)) + 1
         return np.diff(np.r_[0, starts, codes.size]), ordered[np.r_[0, starts]].astype(np.intp)
-    wide, low16, _ = scratch.buffers()
+    wide, low16 = _codes()
     low16[:codes.size] = codes
     return np.bincount(wide[:codes.size], minlength=BINS), None
 
@@ -262,9 +258,9 @@ def _any_in(counts: np.ndarray, present: np.ndarray | None, first: int, stop: in
     return bool(np.searchsorted(present, first) < np.searchsorted(present, stop))
 
 
-def _exact_part(codes: np.ndarray, scratch: Scratch) -> _Part:
+def _exact_part(codes: np.ndarray) -> _Part:
     """Values that are exactly their bins' lower edges (bfloat16, 8-bit types): every statistic from the bins."""
-    counts, present = _bins(codes, scratch)
+    counts, present = _bins(codes)
     if present is None:
         present = np.flatnonzero(counts)
         counts = counts[present]
@@ -284,10 +280,10 @@ def _exact_part(codes: np.ndarray, scratch: Scratch) -> _Part:
                  float(weighted.sum()), float(weighted @ deviation), present)
 
 
-def _float32_part(values: np.ndarray, scratch: Scratch) -> _Part:
+def _float32_part(values: np.ndarray) -> _Part:
     """float32 values: bins first; NaN/Inf (exponent all ones) and zeros (the two bins around zero) looked for
     in the values only where the bins show them; then min, max, Σ and Σ² (`_sums32`), one pass each."""
-    counts, present = _bins(values.view(np.uint16)[_HIGH_HALF::2], scratch)
+    counts, present = _bins(values.view(np.uint16)[_HIGH_HALF::2])
     nan = inf = 0
     if _any_in(counts, present, 0x7F80, 0x8000) or _any_in(counts, present, 0xFF80, BINS):
         nan, inf = int(np.isnan(values).sum()), int(np.isinf(values).sum())
@@ -302,15 +298,15 @@ def _float32_part(values: np.ndarray, scratch: Scratch) -> _Part:
     low, high = float(values.min()), float(values.max())
     zeros = 0
     if _any_in(counts, present, 0x8000, 0x8001):  # -0 or a tiny negative: zeros are the bits 0 after the sign
-        bits = np.left_shift(values.view(np.uint32), 1, out=scratch.buffers()[2][:values.size].view(np.uint32))
+        bits = np.left_shift(values.view(np.uint32), 1, out=_floats()[:values.size].view(np.uint32))
         zeros = values.size - int(np.count_nonzero(bits))
     elif _any_in(counts, present, 0, 1):  # +0 or a tiny positive: zeros are the words 0
         zeros = values.size - int(np.count_nonzero(values.view(np.uint32)))
-    shift, total, total_sq = _sums32(values, low, high, scratch)
+    shift, total, total_sq = _sums32(values, low, high)
     return _Part(counts, values.size, nan, inf, zeros, low, high, shift, total, total_sq, present)
 
 
-def _sums32(values: np.ndarray, low: float, high: float, scratch: Scratch) -> tuple[float, float, float]:
+def _sums32(values: np.ndarray, low: float, high: float) -> tuple[float, float, float]:
     """(shift, Σ (v - shift), Σ (v - shift)²) of finite float32 values between `low` and `high`: the shift is 0
     when the values straddle zero or lie within their spread of it (then Σ v and Σ v² lose at most two bits to
     the mean's cancellation, and take one reading pass each, no copy), else the middle of the range, subtracted
@@ -324,12 +320,12 @@ def _sums32(values: np.ndarray, low: float, high: float, scratch: Scratch) -> tu
     if abs(shift) <= spread and _SPREAD[0] <= magnitude <= _SPREAD[1]:
         return 0.0, float(values.sum()), float(np.einsum("i,i->", values, values))
     if _SPREAD[0] <= spread <= _SPREAD[1]:
-        deviation = np.subtract(values, np.float32(shift), out=scratch.buffers()[2][:values.size])
+        deviation = np.subtract(values, np.float32(shift), out=_floats()[:values.size])
         return shift, float(deviation.sum()), float(np.einsum("i,i->", deviation, deviation))
     return (shift, *_sums64(values, shift))
 
 
-def _general_part(values: np.ndarray, scratch: Scratch) -> _Part:
+def _general_part(values: np.ndarray) -> _Part:
     """Any other dtype (float64, wide integers, complex magnitudes), in float64."""
     if values.dtype.kind == "c":
         values = np.abs(values)
@@ -342,7 +338,7 @@ def _general_part(values: np.ndarray, scratch: Scratch) -> _Part:
     if not values.size:
         return _Part(np.zeros(0, np.int64), nan=nan, inf=inf, present=np.zeros(0, np.intp))
     narrow = np.clip(values, -_F32_MAX, _F32_MAX).astype(np.float32)  # beyond float32: its extreme bins
-    counts, present = _bins(narrow.view(np.uint16)[_HIGH_HALF::2], scratch)
+    counts, present = _bins(narrow.view(np.uint16)[_HIGH_HALF::2])
     low, high = float(values.min()), float(values.max())
     shift = (low + high) / 2
     total, total_sq = _sums64(values, shift)

@@ -1,15 +1,15 @@
 """The engine that moves files between processes over a gloo group (`transfer`): the files of each `Transfer`
 cut into pieces of at most ``peer_piece_bytes`` and sent point to point in rounds of at most ``peer_round_bytes``
-(`tunables`) per process, the next round read and started while the one before is in flight, through two reused
-host areas; each file's CRC32C counted as it is read or written. Files only: what they mean is the caller's.
-Called by `PeerReplicator` (copies of new local steps) and `PeerCopies` (fetching and repairing steps at a
-resume); collective, blocks.
+(`tunables`) per process, the next round read and started while the one before is in flight, through two reused host
+buffers (`core.buffers`, kept for the next transfer: a resume's fetch comes right after the process starts, and faulting
+in fresh memory then was a fifth of a 64 MiB fetch here); each file's CRC32C counted as it is read or written. Files
+only: what they mean is the caller's. Called by `PeerReplicator` (copies of new local steps) and `PeerCopies` (fetching
+and repairing steps at a resume); collective, blocks.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +18,7 @@ import crc32c
 import numpy as np
 
 from ...arrays.local_reads import read_runs
-from ...core import tunables
+from ...core import buffers, tunables
 from ...core.errors import CoordinationError, CorruptCheckpointError, StorageError
 from ...multihost.distributed import Coordinator, Exchange
 from .on_disk import StepFiles
@@ -70,42 +70,6 @@ def _read_piece(path: str, start: int, out: np.ndarray) -> bool:
     return True
 
 
-class _Buffers:
-    """Two areas the rounds' pieces are cut from, one per round in flight: a transfer touches fresh memory for
-    two rounds, not for every byte it moves. The areas are kept for the next transfer (`_kept_areas`, up to
-    ``peer_round_bytes`` each): a resume's fetch comes right after the process starts, and faulting in fresh areas then
-    was a fifth of a 64 MiB fetch here."""
-
-    def __init__(self) -> None:
-        with _kept_lock:
-            self._areas: list[np.ndarray] = [_kept_areas.pop() if _kept_areas else np.empty(0, np.uint8)
-                                             for _ in range(2)]
-        self._used = [0, 0]
-
-    def reset(self, number: int, nbytes: int) -> None:
-        """Round `number` (the area of the round two before it is free again) needs `nbytes`."""
-        if self._areas[number % 2].size < nbytes:
-            self._areas[number % 2] = np.empty(nbytes, np.uint8)
-        self._used[number % 2] = 0
-
-    def take(self, number: int, nbytes: int) -> np.ndarray:
-        used = self._used[number % 2]
-        self._used[number % 2] = used + nbytes
-        return self._areas[number % 2][used:used + nbytes]
-
-    def close(self) -> None:
-        """Give the areas back for the next transfer (once nothing is in flight in them)."""
-        with _kept_lock:
-            for area in self._areas:
-                if 0 < area.size <= tunables.get("peer_round_bytes") and len(_kept_areas) < 2:
-                    _kept_areas.append(area)
-        self._areas = []
-
-
-_kept_areas: list[np.ndarray] = []
-_kept_lock = threading.Lock()
-
-
 def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dirs: Mapping[int, str],
              target_dirs: Mapping[int, str], what: str) -> tuple[dict[int, list[int]], StorageError | None]:
     """Move the files of every transfer (the same list on every process): this process reads those it is the
@@ -124,19 +88,20 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
     plans = [(i, t, rounds) for i, t, rounds in everyone if me in (t.source, t.target)]
     crcs: dict[int, dict[str, int]] = {i: {} for i, _, _ in plans}
     files = _Landing(target_dirs, crcs, what, {i: t.source for i, t, _ in plans})
-    buffers = _Buffers()
+    in_flight = (buffers.Carved(align=1), buffers.Carved(align=1))  # one per round in flight: its pieces end to end
 
     def start(number: int) -> tuple[Exchange, list[tuple[int, str, int, np.ndarray]]]:
         sends: dict[int, list[np.ndarray]] = {}
         receives: dict[int, list[np.ndarray]] = {}
         landing: list[tuple[int, str, int, np.ndarray]] = []
-        buffers.reset(number, sum(length for _, _, rounds in plans if number < len(rounds)
-                                  for _, _, length in rounds[number]))
+        pieces = in_flight[number % 2]  # the round two before, which used it, is written
+        pieces.reset(sum(length for _, _, rounds in plans if number < len(rounds) for _, _, length in rounds[number]))
         for i, t, rounds in plans:
             if number >= len(rounds):
                 continue
             for path, at, length in rounds[number]:
-                buffer = buffers.take(number, length)
+                buffer = pieces.cut((length,))
+                buffer = np.empty(0, np.uint8) if buffer is None else buffer  # an empty file's one piece
                 if t.source == me:
                     read = _read_piece(os.path.join(source_dirs[i], path), at, buffer)
                     if not read:
@@ -173,7 +138,8 @@ def transfer(coordinator: Coordinator, transfers: Sequence[Transfer], source_dir
         raise
     finally:
         files.close()
-    buffers.close()  # not after an error: a message of the failed round may still arrive in them
+    for pieces in in_flight:  # not after an error: a message of the failed round may still arrive in them
+        pieces.give_back()
     return {i: [crcs[i].get(path, 0) for path in transfers[i].paths] for i in crcs}, files.error
 
 
