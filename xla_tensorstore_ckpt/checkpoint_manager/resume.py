@@ -54,6 +54,9 @@ class Candidate:
     step: int
     redo_persistent: bool = False
     fetch: tuple[tuple[int, int], ...] = ()  # (process, source): local steps a process gets from a peer first
+    # (base step, its (process, source) pairs): the steps an incremental step references that a process lacks,
+    # fetched before it, oldest first
+    base_fetches: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
 
 
 def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, wanted: int | None,
@@ -61,31 +64,47 @@ def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, w
     """The steps to try, best first; `wanted` a given step (tried in the local tier first), or None for the
     newest; and what every process holds (its own local steps, and with `peers` its peer copies). `local`
     holds only this run's local steps (the manager leaves out the others). A local step is a candidate if every
-    process has it, or (with `peers`) can get its own index's from another process. Every process gets the same
-    lists."""
+    process has it, or (with `peers`) can get its own index's from another process, and the same holds for
+    every step it references (an incremental step's bases, as the markers of the processes holding it name
+    them): a process that lacks a base gets it first, and a base no process can serve leaves the step out, as a
+    damaged copy would. Every process gets the same lists."""
     persistent_steps = persistent.committed()
-    mine: list[tuple[int, bool, int | None]] = []
+    mine: list[tuple[int, bool, int | None, tuple[int, ...]]] = []
     if local is not None:
-        mine = sorted((step, marker.persistent_copy, marker.writer) for step, marker in local.committed().items())
-    own = frozenset((step, writer) for step, _, writer in mine if writer is not None)
+        mine = sorted((step, marker.persistent_copy, marker.writer, tuple(marker.bases))
+                      for step, marker in local.committed().items())
+    own = frozenset((step, writer) for step, _, writer, _ in mine if writer is not None)
     if local is None and peers is None:  # nothing to agree on: every process lists the same persistent tier
         gathered = [([], Holdings(frozenset()))] * coordinator.count
     else:
         gathered = coordinator.all_gather((mine, peers.holdings(own) if peers is not None else Holdings(own)),
                                           "agreeing on the step to resume from")
-    everyone = [{step: flag for step, flag, _ in entries} for entries, _ in gathered]
+    everyone = [{step: flag for step, flag, _, _ in entries} for entries, _ in gathered]
+    bases_of: dict[int, set[int]] = {}
+    for entries, _ in gathered:
+        for step, _, _, bases in entries:
+            bases_of.setdefault(step, set()).update(bases)
     holdings = [held for _, held in gathered]
-    fetches: dict[int, tuple[tuple[int, int], ...]] = {}
-    for step in set().union(*everyone):
+
+    def sources_for(step: int) -> tuple[tuple[int, int], ...] | None:
+        """(process, source) for each process lacking `step`, or None if one has no source."""
         missing = [p for p, steps in enumerate(everyone) if step not in steps]
         sources = {p: source_of(holdings, p, step, p) if peers is not None else None for p in missing}
-        if all(source is not None for source in sources.values()):
-            fetches[step] = tuple(sorted(sources.items()))
+        return tuple(sorted(sources.items())) if all(s is not None for s in sources.values()) else None
+
+    fetches: dict[int, tuple[tuple[int, int], ...]] = {}
+    base_fetches: dict[int, tuple[tuple[int, tuple[tuple[int, int], ...]], ...]] = {}
+    for step in set().union(*everyone):
+        sources = sources_for(step)
+        bases = {base: sources_for(base) for base in sorted(bases_of.get(step, ()))}
+        if sources is not None and all(b is not None for b in bases.values()):
+            fetches[step] = sources
+            base_fetches[step] = tuple((base, b) for base, b in bases.items() if b)
     due_copy = {step for step in fetches if all(flags.get(step, True) for flags in everyone)}
 
     def local_candidate(step: int) -> Candidate:
         return Candidate(LOCAL, step, redo_persistent=step in due_copy and step not in persistent_steps,
-                         fetch=fetches[step])
+                         fetch=fetches[step], base_fetches=base_fetches[step])
 
     if wanted is not None:
         out = [local_candidate(wanted)] if wanted in fetches else []
@@ -130,8 +149,10 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
         else:
             error = None
             try:
+                for base, fetch in choice.base_fetches:  # an incremental step's bases first
+                    _fetch(coordinator, tier, peers, base, fetch, holdings, fetched)
                 if choice.fetch:
-                    _fetch(coordinator, tier, peers, choice, holdings, fetched)
+                    _fetch(coordinator, tier, peers, choice.step, choice.fetch, holdings, fetched)
                 restore(choice)
             except Exception as exc:  # noqa: BLE001 - every process learns of it in `failures`
                 error = exc
@@ -219,21 +240,22 @@ def _repair_sources(failed: dict[int, str], holdings: list[Holdings], candidate:
     return sources
 
 
-def _fetch(coordinator: Coordinator, local: Tier, peers: PeerCopies | None, candidate: Candidate,
-           holdings: list[Holdings], fetched: Callable[[int, int, int, bool], None] | None) -> None:
-    """Bring the local step `candidate` to the processes that lack it (collective), and into their tier's
-    bookkeeping."""
+def _fetch(coordinator: Coordinator, local: Tier, peers: PeerCopies | None, step: int,
+           fetch: tuple[tuple[int, int], ...], holdings: list[Holdings],
+           fetched: Callable[[int, int, int, bool], None] | None) -> None:
+    """Bring the local step `step` (a candidate, or a step it references) to the processes that lack it
+    (`fetch`: (process, source) pairs; collective), and into their tier's bookkeeping."""
     assert peers is not None  # only peers make candidates with fetches
-    sources = dict(candidate.fetch)
-    own = {coordinator.index: local.marker(candidate.step).writer} if candidate.step in local.committed() else {}
-    name = local.index.location(candidate.step).name
-    nbytes = peers.fetch(coordinator, candidate.step, name, own, sources, holdings)
+    sources = dict(fetch)
+    own = {coordinator.index: local.marker(step).writer} if step in local.committed() else {}
+    name = local.index.location(step).name
+    nbytes = peers.fetch(coordinator, step, name, own, sources, holdings)
     if coordinator.index in sources:
-        local.adopt(candidate.step)
-        log.info("step %d of the local tier came from process %d (%d bytes)", candidate.step,
-                 sources[coordinator.index], nbytes)
+        local.adopt(step)
+        log.info("step %d of the local tier came from process %d (%d bytes)", step, sources[coordinator.index],
+                 nbytes)
         if fetched is not None:
-            fetched(candidate.step, nbytes, sources[coordinator.index], False)
+            fetched(step, nbytes, sources[coordinator.index], False)
 
 
 def redo_persistent_copy(step: int, marker: StepMetadata, restored: Collection[str], persistent: Tier,
