@@ -329,7 +329,8 @@ def test_incremental_steps_send_only_their_own_files_and_restore_bit_exact_with_
     step 1's chunks of it, so their replication sends only their own files (`peer_copies_committed`'s sent
     bytes), and the peers keep step 1's copy as their base. A wiped host fetches step 3 and its base from its
     peer and restores bit-exact, nothing read from the persistent tier; with the base's copy gone from the peer,
-    the local steps that need it are skipped and the persistent step restored."""
+    the local steps that need it are skipped and the persistent step restored; a damaged chunk of the base is
+    replaced from the base's copy."""
     root, local_base = tmp_path / "persistent", tmp_path / "local"
     sent: dict[int, list[int]] = {}
     for r in lines(run("save", root, local_base, incremental=True)):
@@ -358,16 +359,48 @@ def test_incremental_steps_send_only_their_own_files_and_restore_bit_exact_with_
             assert copied == tree_bytes(local_base / f"host{writer}" / step)
         assert sum(tree_bytes(local_base / f"host{writer}" / "3").values()) == sent[3][writer]
 
+    def restore_after(prepare) -> list[dict]:
+        """Restore after `prepare` changed the saved tree, then put the tree back as saved (the same paths: a
+        local step records its persistent root, and one of another root would not be this run's)."""
+        backup = tmp_path / "backup"
+        shutil.copytree(root, backup / "persistent", symlinks=True)
+        shutil.copytree(local_base, backup / "local", symlinks=True)
+        prepare()
+        results = lines(run("restore", root, local_base, incremental=True))
+        shutil.rmtree(root)
+        shutil.rmtree(local_base)
+        os.rename(backup / "persistent", root)
+        os.rename(backup / "local", local_base)
+        return results
+
     # The peer lost the base's copy: steps 2 and 3 cannot come whole to the wiped host, as if damaged.
-    lost = tmp_path / "lost"
-    shutil.copytree(tmp_path / "persistent", lost / "persistent", symlinks=True)
-    shutil.copytree(local_base, lost / "local", symlinks=True)
-    shutil.rmtree(lost / "local" / "host1")
-    shutil.rmtree(lost / "local" / "host3" / "peer_copies" / "1" / "1")
-    for r in lines(run("restore", lost / "persistent", lost / "local", incremental=True)):
+    def lose_base() -> None:
+        shutil.rmtree(local_base / "host1")
+        shutil.rmtree(local_base / "host3" / "peer_copies" / "1" / "1")
+
+    for r in restore_after(lose_base):
         assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
         assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]
         assert not [e for e in r["events"] if e["kind"] == "peer_fetched"], r["events"]
+
+    # A damaged chunk of the base on host 0: only that file comes from the copy of step 1 on host 2.
+    damaged: list[str] = []
+
+    def damage_base() -> None:
+        damaged.append(damage_largest_file(local_base / "host0" / "1"))
+        hide_persistent_data(root)
+
+    size = None
+    for r in restore_after(damage_base):
+        assert r["step"] == 3 and r["equal"] and r["position"] == 30, r
+        assert any("damaged on process [0]" in w and "replacing the damaged files" in w for w in r["warnings"]), r
+        repaired = [(e["step"], e["nbytes"], e["details"]) for e in r["events"] if e["kind"] == "peer_fetched"]
+        if r["host"] == 0:
+            size = os.path.getsize(local_base / "host0" / "1" / damaged[0])
+            assert repaired == [(1, size, {"source": 2, "repair": True}), (3, 0, {"source": 2, "repair": True})]
+        else:
+            assert not repaired
+    assert size is not None
 
     shutil.rmtree(local_base / "host1")  # a replaced VM
     hide_persistent_data(root)

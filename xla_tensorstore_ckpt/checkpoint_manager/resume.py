@@ -57,6 +57,7 @@ class Candidate:
     # (base step, its (process, source) pairs): the steps an incremental step references that a process lacks,
     # fetched before it, oldest first
     base_fetches: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    bases: tuple[int, ...] = ()  # every step it references, repaired from peer copies with it
 
 
 def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, wanted: int | None,
@@ -104,7 +105,8 @@ def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, w
 
     def local_candidate(step: int) -> Candidate:
         return Candidate(LOCAL, step, redo_persistent=step in due_copy and step not in persistent_steps,
-                         fetch=fetches[step], base_fetches=base_fetches[step])
+                         fetch=fetches[step], base_fetches=base_fetches[step],
+                         bases=tuple(sorted(bases_of.get(step, ()))))
 
     if wanted is not None:
         out = [local_candidate(wanted)] if wanted in fetches else []
@@ -157,7 +159,8 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
             except Exception as exc:  # noqa: BLE001 - every process learns of it in `failures`
                 error = exc
             failed = failures(coordinator, choice, where, error)
-            sources = None if not failed or peers is None else _repair_sources(failed, holdings, choice)
+            sources = None if not failed or peers is None else _repair_sources(failed, holdings, choice.step,
+                                                                               choice.fetch)
             if sources is not None:
                 assert peers is not None
                 warnings.warn(f"step {choice.step} of the local tier is damaged on process"
@@ -166,7 +169,18 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
                               stacklevel=3)
                 error = None
                 try:
-                    writers = {p: _writer(holdings, p, choice) for p in sources}
+                    # The files of a step it references may be the damaged ones: each base too, where every
+                    # failed process's base has a copy on a peer (only files that differ travel).
+                    for base, fetch in ((b, dict(choice.base_fetches).get(b, ())) for b in choice.bases):
+                        base_sources = _repair_sources(failed, holdings, base, fetch)
+                        if base_sources is None:
+                            continue
+                        writers = {p: _writer(holdings, p, base, fetch) for p in base_sources}
+                        nbytes = peers.repair(coordinator, base, tier.index.location(base).name, writers,
+                                              base_sources)
+                        if coordinator.index in base_sources and nbytes and fetched is not None:
+                            fetched(base, nbytes, base_sources[coordinator.index], True)
+                    writers = {p: _writer(holdings, p, choice.step, choice.fetch) for p in sources}
                     nbytes = peers.repair(coordinator, choice.step, tier.index.location(choice.step).name, writers,
                                           sources)
                     if coordinator.index in sources:
@@ -216,24 +230,27 @@ def _reasons(failed: dict[int, str]) -> str:
     return "; ".join(f"process {p} {text}" for p, text in sorted(failed.items()))
 
 
-def _writer(holdings: list[Holdings], process: int, candidate: Candidate) -> int:
-    """Who wrote the step `candidate` in `process`'s local tier: itself if it got it from a peer."""
-    if any(target == process for target, _ in candidate.fetch):
+def _writer(holdings: list[Holdings], process: int, step: int, fetch: tuple[tuple[int, int], ...]) -> int:
+    """Who wrote the step `step` in `process`'s local tier (`fetch`: the processes that got it from a peer at
+    this resume): itself if it got it from a peer."""
+    if any(target == process for target, _ in fetch):
         return process
-    return next((writer for step, writer in holdings[process].own if step == candidate.step), process)
+    return next((writer for held, writer in holdings[process].own if held == step), process)
 
 
-def _repair_sources(failed: dict[int, str], holdings: list[Holdings], candidate: Candidate) -> dict[int, int] | None:
-    """For each process of `failed`, another that holds a peer copy of its step (copies carry every file's
-    CRC32C, so only the damaged files need to travel); None if one has none, or if one failed to fetch the step
-    (what it fetched was checked whole against the copy, or could not be written: a repair would move it again)."""
-    if any(process in dict(candidate.fetch) for process in failed):
+def _repair_sources(failed: dict[int, str], holdings: list[Holdings], step: int,
+                    fetch: tuple[tuple[int, int], ...]) -> dict[int, int] | None:
+    """For each process of `failed`, another that holds a peer copy of its step `step` (copies carry every file's
+    CRC32C, so only the damaged files need to travel); None if one has none, or if one fetched the step at this
+    resume (`fetch`: what it fetched was checked whole against the copy, or could not be written: a repair would
+    move it again)."""
+    if any(process in dict(fetch) for process in failed):
         return None
     sources = {}
     for process in failed:
-        writer = _writer(holdings, process, candidate)
+        writer = _writer(holdings, process, step, fetch)
         source = next((h for h, held in enumerate(holdings)
-                       if h != process and (writer, candidate.step) in held.copies), None)
+                       if h != process and (writer, step) in held.copies), None)
         if source is None:
             return None
         sources[process] = source
