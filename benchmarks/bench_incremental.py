@@ -13,19 +13,27 @@ incremental + delta) runs in a fresh process the same training from the same see
 own (synchronous saves, fsync on: the library's defaults otherwise), ``--set steps`` steps, one save each; figures
 are medians over the steps after the first (>= 7 with the default 9 steps). Restores read the step into new CPU
 tensors (`xtc.restore`), `--repeats` of them, with the page cache warm, then cold (every step of the variant's run
-evicted from it before each restore: a restart on a fresh host). Local disk only (``--set dir``: where, default
-the harness's temporary directory).
+evicted from it before each restore: a restart on a fresh host). On local disk (``--set dir``: where, default
+the harness's temporary directory), or with ``--set storage=gcs`` on the persistent tier in the GCS emulator the
+tests use (fake-gcs-server on 127.0.0.1, started here; result set ``incremental-gcs``): the manager's root is then
+``gs://bench/<workload>/<variant>``, a step's bytes are the sizes of its objects as the emulator lists them, and the
+restores are `--repeats` reads over HTTP from the emulator's memory (mode ``network``: there is no page cache to
+warm or evict).
 
     python -m benchmarks incremental [--repeats 7] [--scale 1] [--set steps=9] [--set dir=DIR]
+    python -m benchmarks incremental --set storage=gcs [--scale 0.5] [--repeats 7] [--set steps=9]
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 
 import torch
 
@@ -35,6 +43,7 @@ import harness  # noqa: E402
 from fresh_process import evict  # noqa: E402
 
 import xla_tensorstore_ckpt as xtc  # noqa: E402
+from xla_tensorstore_ckpt import storage  # noqa: E402
 
 VARIANTS = (("lora", ("full", "incremental")), ("rl", ("full", "incremental", "delta")))
 CHAINS = (0, 1, 4, 8)
@@ -101,15 +110,34 @@ def _train_step(model: Decoder, optimizer: torch.optim.Optimizer, step: int) -> 
 
 
 def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    """The bytes stored under `path`: a directory's files, or (``gs://bucket/prefix``) the objects the GCS
+    emulator named by STORAGE_EMULATOR_HOST lists under that prefix."""
+    if not path.startswith("gs://"):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    bucket, _, prefix = path.removeprefix("gs://").partition("/")
+    total, token = 0, ""
+    while True:
+        query = urllib.parse.urlencode({"prefix": prefix.rstrip("/") + "/", **({"pageToken": token} if token else {})})
+        url = f"{os.environ['STORAGE_EMULATOR_HOST']}/storage/v1/b/{bucket}/o?{query}"
+        with urllib.request.urlopen(url, timeout=60) as response:
+            page = json.loads(response.read())
+        total += sum(int(item["size"]) for item in page.get("items", []))
+        token = page.get("nextPageToken", "")
+        if not token:
+            return total
+
+
+def _join(root: str, *names: str) -> str:
+    return "/".join((root.rstrip("/"), *names)) if "://" in root else os.path.join(root, *names)
 
 
 def _restore_seconds(path: str, repeats: int, root: str) -> dict:
     """`repeats` restores of `path` into new tensors, page cache warm, and as many with every step under `root`
-    evicted first (cold: the restore of a restart on a fresh host); wall and CPU seconds (this process, all its
-    threads: under a loaded machine CPU is the steadier), each run and their medians."""
+    evicted first (cold: the restore of a restart on a fresh host); on ``gs://``, `repeats` restores over HTTP
+    (``network``); wall and CPU seconds (this process, all its threads: under a loaded machine CPU is the
+    steadier), each run and their medians."""
     out = {}
-    for mode in ("warm", "cold"):
+    for mode in ("network",) if "://" in root else ("warm", "cold"):
         walls, cpus = [], []
         for _ in range(repeats):
             if mode == "cold":
@@ -150,7 +178,7 @@ def train(workload: str, variant: str, root: str, steps: int, width: int) -> lis
             objects = {"model": model} if workload == "rl" else {"model": model, "optimizer": optimizer}
             wall, cpu = time.perf_counter(), time.process_time()
             mgr.save(step, **objects)
-            rows.append({"step": step, "bytes": _dir_bytes(os.path.join(root, str(step))),
+            rows.append({"step": step, "bytes": _dir_bytes(_join(root, str(step))),
                          "save_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
                          "changed": changed})
     return rows
@@ -162,10 +190,12 @@ def worker(workload: str, variant: str, root: str, steps_: str, width_: str, rep
     steps, repeats = int(steps_), int(repeats_)
     out = {"rows": train(workload, variant, root, steps, int(width_))}
     if workload == "rl":
-        out["restore_s"] = {str(chain): _restore_seconds(os.path.join(root, str(chain + 1), "model"), repeats, root)
+        out["restore_s"] = {str(chain): _restore_seconds(_join(root, str(chain + 1), "model"), repeats, root)
                             for chain in CHAINS if chain + 1 <= steps}
     else:
-        out["restore_s"] = {"last": _restore_seconds(os.path.join(root, str(steps), "model"), repeats, root)}
+        out["restore_s"] = {"last": _restore_seconds(_join(root, str(steps), "model"), repeats, root)}
+    if "://" in root:  # the emulator keeps every object in memory: the next variant's run starts without these
+        storage.location(root).delete_tree()
     return out
 
 
@@ -173,9 +203,31 @@ def _median(rows: list[dict], key: str) -> float:
     return harness.median(r[key] for r in rows[1:])
 
 
+def _network_table(results: dict) -> list[str]:
+    """`table` of a run on ``gs://``: save wall and CPU against the full variant's too, and each restore's wall
+    and CPU over HTTP against the full variant's of the same chain."""
+    lines = [f"{'workload/variant':22} {'bytes/step':>12} {'vs full':>8} {'save s':>8} {'x full':>7} {'CPU s':>7} "
+             f"{'x full':>7} {'changed':>8}  restore (chain: wall s, x full; CPU s, x full)"]
+    for name, out in results.items():
+        full = results[f"{name.split('/')[0]}/full"]
+        rows = out["rows"]
+        changed = [r["changed"] for r in rows[1:] if r["changed"] is not None]
+        restore = ", ".join(
+            f"{k}: {v['network']['wall']:.4f} ({v['network']['wall'] / f[k]['network']['wall']:.2f}x); "
+            f"{v['network']['cpu']:.4f} ({v['network']['cpu'] / f[k]['network']['cpu']:.2f}x)"
+            for k, v in out["restore_s"].items() for f in [full["restore_s"]])
+        ratio = {key: _median(rows, key) / _median(full["rows"], key) for key in ("bytes", "save_s", "cpu_s")}
+        lines.append(f"{name:22} {_median(rows, 'bytes'):>12,.0f} {ratio['bytes']:>8.4f} "
+                     f"{_median(rows, 'save_s'):>8.4f} {ratio['save_s']:>6.2f}x {_median(rows, 'cpu_s'):>7.4f} "
+                     f"{ratio['cpu_s']:>6.2f}x {(f'{harness.median(changed):.4f}' if changed else '-'):>8}  {restore}")
+    return lines
+
+
 def table(results: dict) -> list[str]:
     """The lines of the result set's own table: per variant bytes per step, their share of the full variant's,
     save wall and CPU seconds, the fraction of elements changed, and the restores against the full variant's."""
+    if any("network" in modes for out in results.values() for modes in out["restore_s"].values()):
+        return _network_table(results)
     lines = [f"{'workload/variant':22} {'bytes/step':>12} {'vs full':>8} {'save s':>8} {'CPU s':>7} "
              f"{'changed':>8}  restore (chain: warm wall s, CPU s, CPU x full; cold wall s, x full)"]
     for name, out in results.items():
@@ -196,7 +248,8 @@ def table(results: dict) -> list[str]:
 def result(results: dict, note: str = "") -> harness.Result:
     """The result set of the variants' answers (`worker`'s, by ``workload/variant``): a row per variant of its
     steps after the first (bytes, save wall and CPU, percent of elements changed), a row per restore (warm and
-    cold wall and CPU) with its ratios to the full variant's; the text is `table`'s, after `note`."""
+    cold wall and CPU, or over the network) with its ratios to the full variant's; the text is `table`'s, after
+    `note`."""
     rows = []
     for name, out in results.items():
         full, steps = results[f"{name.split('/')[0]}/full"], out["rows"][1:]
@@ -206,14 +259,20 @@ def result(results: dict, note: str = "") -> harness.Result:
         if any(r["changed"] is not None for r in steps):
             metrics["changed"] = harness.series([100 * r["changed"] for r in steps], "%")
         rows.append(harness.Row(name, metrics, "steps after the first", {
-            "of_full": _median(out["rows"], "bytes") / _median(full["rows"], "bytes")}))
+            "of_full": _median(out["rows"], "bytes") / _median(full["rows"], "bytes"),
+            "save_s_x_full": _median(out["rows"], "save_s") / _median(full["rows"], "save_s"),
+            "save_cpu_x_full": _median(out["rows"], "cpu_s") / _median(full["rows"], "cpu_s")}))
     for name, out in results.items():
         full = results[f"{name.split('/')[0]}/full"]["restore_s"]
         for chain, modes in out["restore_s"].items():
             metrics = {f"{mode}_{what}_s": harness.series(modes[mode][what + "s"], "s")
-                       for mode in ("warm", "cold") for what in ("wall", "cpu")}
-            ratios = {"warm_cpu_x_full": modes["warm"]["cpu"] / full[chain]["warm"]["cpu"],
-                      "cold_wall_x_full": modes["cold"]["wall"] / full[chain]["cold"]["wall"]}
+                       for mode in modes for what in ("wall", "cpu")}
+            if "network" in modes:
+                ratios = {f"network_{what}_x_full": modes["network"][what] / full[chain]["network"][what]
+                          for what in ("wall", "cpu")}
+            else:
+                ratios = {"warm_cpu_x_full": modes["warm"]["cpu"] / full[chain]["warm"]["cpu"],
+                          "cold_wall_x_full": modes["cold"]["wall"] / full[chain]["cold"]["wall"]}
             label = f"{name} " + ("last step" if chain == "last" else f"chain {chain}")
             rows.append(harness.Row(label, metrics, "restores", ratios))
     return harness.Result(rows, "\n".join(([note] if note else []) + table(results)), results)
@@ -225,22 +284,34 @@ def width(scale: float) -> int:
 
 
 def run(settings: harness.Settings) -> harness.Result:
-    """The case `incremental`: each workload's variants one after the other, each in a fresh process."""
-    steps = settings.option("steps", 9)
+    """The case `incremental`: each workload's variants one after the other, each in a fresh process; with
+    ``--set storage=gcs``, on the GCS emulator (started here, stopped at the end)."""
+    from object_stores import start_object_store
+
+    steps, storage = settings.option("steps", 9), settings.option("storage", "local")
+    if storage not in ("local", "gcs"):
+        raise ValueError(f"incremental: storage must be local or gcs, not {storage!r}")
+    server, bucket = start_object_store(storage)
+    env = server.environment if server is not None else {}
     base = tempfile.mkdtemp(prefix="xtc-incremental-", dir=settings.option("dir", "") or settings.workdir)
     results = {}
     try:
         for workload, variants in VARIANTS:
             for variant in variants:
-                root = os.path.join(base, workload, variant)
+                root = os.path.join(base, workload, variant) if bucket is None else f"{bucket}/{workload}/{variant}"
                 results[f"{workload}/{variant}"] = harness.fresh(
-                    __file__, workload, variant, root, steps, width(settings.scale), settings.repeats,
+                    __file__, workload, variant, root, steps, width(settings.scale), settings.repeats, env=env,
                     what=f"the {variant} run of {workload}")
-                shutil.rmtree(root)
+                if bucket is None:
+                    shutil.rmtree(root)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    note = (f"decoders of width {width(settings.scale)}, {steps} steps; medians of the {steps - 1} steps after the "
-            f"first (bytes, save), of {settings.repeats} restores")
+        if server is not None:
+            server.stop()
+    where = "" if bucket is None else (", the persistent tier on gs:// (fake-gcs-server on 127.0.0.1, in memory); "
+                                       "restores over HTTP")
+    note = (f"decoders of width {width(settings.scale)}, {steps} steps{where}; medians of the {steps - 1} steps after "
+            f"the first (bytes, save), of {settings.repeats} restores")
     return result(results, note)
 
 

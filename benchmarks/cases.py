@@ -62,8 +62,9 @@ CASES: dict[str, Case] = {case.name: case for case in (
          options={"workloads": "large,model", "warm_memory": "0"}, quick_options={"workloads": "large"},
          quick_repeats=2, quick_scale=0.02),
     Case("incremental", "bench_incremental", "incremental and delta steps against full ones: bytes per step, save, "
-         "restore by chain length", options={"steps": "9", "dir": ""}, quick_options={"steps": "3"},
-         quick_scale=0.25),
+         "restore by chain length", options={"steps": "9", "dir": "", "storage": "local"},
+         quick_options={"steps": "3"}, quick_scale=0.25, reference_options=("storage",),
+         output=lambda s: "incremental" if s.option("storage", "local") == "local" else "incremental-gcs"),
     Case("warm-restart", "bench_warm_restart", "a restore right after the save and on a fresh host, written around "
          "the page cache or through it, against torch_xla's manager", options={"dir": ""}),
     Case("zstd-restore", "bench_zstd_restore", "a zstd item restored by the direct chunk reader against "

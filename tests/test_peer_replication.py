@@ -20,8 +20,9 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "peer_replication.py
 
 def run(mode: str, root, local_base, *args: str, hosts: str = "0,1,2,3", expect_ok: bool = True,
         layout: str = "fsdp", piece_bytes: int | None = None, unreadable: str | None = None,
-        fsize: str | None = None, fsize_from: int | None = None, unlistable: int | None = None) -> list[dict]:
-    env = {"XTC_HOSTS": hosts, "XTC_LAYOUT": layout}
+        fsize: str | None = None, fsize_from: int | None = None, unlistable: int | None = None,
+        incremental: bool = False) -> list[dict]:
+    env = {"XTC_HOSTS": hosts, "XTC_LAYOUT": layout, "XTC_INCREMENTAL": "1" if incremental else "0"}
     if piece_bytes is not None:
         env["XTC_PIECE_BYTES"] = str(piece_bytes)
     if unreadable is not None:
@@ -321,3 +322,97 @@ def test_a_replica_that_cannot_list_its_step_makes_the_job_fall_back_at_once(sav
         assert len(skipped) == 1 and "step 3 could not be fetched" in skipped[0], r["warnings"]
         assert "process 2 cannot list" in skipped[0] and "Permission denied" in skipped[0], skipped
     assert "3" not in os.listdir(local_base / "host0")
+
+
+def test_incremental_steps_send_only_their_own_files_and_restore_bit_exact_with_their_base_from_peers(tmp_path):
+    """Incremental steps on a replicated local tier (a frozen weight 32x the trained one): steps 2 and 3 reference
+    step 1's chunks of it, so their replication sends only their own files (`peer_copies_committed`'s sent
+    bytes), and the peers keep step 1's copy as their base. A wiped host fetches step 3 and its base from its
+    peer and restores bit-exact, nothing read from the persistent tier; with the base's copy gone from the peer,
+    the local steps that need it are skipped and the persistent step restored; a damaged chunk of the base is
+    replaced from the base's copy."""
+    root, local_base = tmp_path / "persistent", tmp_path / "local"
+    sent: dict[int, list[int]] = {}
+    for r in lines(run("save", root, local_base, incremental=True)):
+        assert r["error"] is None and r["persistent"] == [2], r
+        assert set(r["local"]) >= {2, 3}, r
+        committed = [e for e in r["events"] if e["kind"] == "peer_copies_committed"]
+        assert [e["step"] for e in committed] == [1, 2, 3]
+        assert [e["details"]["holders"] for e in committed] == [{"0": [2], "1": [3], "2": [0], "3": [1]}] * 3, \
+            (committed, r["logs"])
+        for e in committed:
+            sent.setdefault(e["step"], []).append(e["details"]["sent_bytes"])
+        finished = {e["step"]: e["details"].get("bases") for e in r["events"]
+                    if e["kind"] == "save_committed" and e["tier"] == "local"}
+        assert finished == {1: None, 2: [1], 3: [1]}, finished
+    frozen = 32 * 16 * 32 * 4  # the frozen shard's bytes on each host (FROZEN_ROWS x COLUMNS float32)
+    for step in (2, 3):  # each process sends its w shard's new chunks and metadata, not its frozen shard again
+        for full, incremental in zip(sent[1], sent[step]):
+            assert incremental < full - frozen, (step, sent)
+    for host in range(4):
+        writer = (host + 2) % 4
+        copies = local_base / f"host{host}" / "peer_copies" / str(writer)
+        assert sorted(os.listdir(copies)) == ["1", "2", "3"]  # step 1 kept: steps 2 and 3 reference it
+        for step in ("1", "2", "3"):
+            copied = tree_bytes(copies / step)
+            copied.pop("copy.json")
+            assert copied == tree_bytes(local_base / f"host{writer}" / step)
+        assert sum(tree_bytes(local_base / f"host{writer}" / "3").values()) == sent[3][writer]
+
+    def restore_after(prepare) -> list[dict]:
+        """Restore after `prepare` changed the saved tree, then put the tree back as saved (the same paths: a
+        local step records its persistent root, and one of another root would not be this run's)."""
+        backup = tmp_path / "backup"
+        shutil.copytree(root, backup / "persistent", symlinks=True)
+        shutil.copytree(local_base, backup / "local", symlinks=True)
+        prepare()
+        results = lines(run("restore", root, local_base, incremental=True))
+        shutil.rmtree(root)
+        shutil.rmtree(local_base)
+        os.rename(backup / "persistent", root)
+        os.rename(backup / "local", local_base)
+        return results
+
+    # The peer lost the base's copy: steps 2 and 3 cannot come whole to the wiped host, as if damaged.
+    def lose_base() -> None:
+        shutil.rmtree(local_base / "host1")
+        shutil.rmtree(local_base / "host3" / "peer_copies" / "1" / "1")
+
+    for r in restore_after(lose_base):
+        assert r["step"] == 2 and r["equal"] and r["position"] == 20, r
+        assert any("restored step 2 from the persistent tier" in line for line in r["logs"]), r["logs"]
+        assert not [e for e in r["events"] if e["kind"] == "peer_fetched"], r["events"]
+
+    # A damaged chunk of the base on host 0: only that file comes from the copy of step 1 on host 2.
+    damaged: list[str] = []
+
+    def damage_base() -> None:
+        damaged.append(damage_largest_file(local_base / "host0" / "1"))
+        hide_persistent_data(root)
+
+    size = None
+    for r in restore_after(damage_base):
+        assert r["step"] == 3 and r["equal"] and r["position"] == 30, r
+        assert any("damaged on process [0]" in w and "replacing the damaged files" in w for w in r["warnings"]), r
+        repaired = [(e["step"], e["nbytes"], e["details"]) for e in r["events"] if e["kind"] == "peer_fetched"]
+        if r["host"] == 0:
+            size = os.path.getsize(local_base / "host0" / "1" / damaged[0])
+            assert repaired == [(1, size, {"source": 2, "repair": True}), (3, 0, {"source": 2, "repair": True})]
+        else:
+            assert not repaired
+    assert size is not None
+
+    shutil.rmtree(local_base / "host1")  # a replaced VM
+    hide_persistent_data(root)
+    for r in lines(run("restore", root, local_base, incremental=True)):
+        assert r["step"] == 3 and r["equal"] and r["position"] == 30, r
+        assert any("restored step 3 from the local tier" in line for line in r["logs"]), r["logs"]
+        assert not [e for e in r["events"] if e["tier"] == "persistent"], r["events"]
+        fetched = [(e["step"], e["nbytes"], e["details"]) for e in r["events"] if e["kind"] == "peer_fetched"]
+        if r["host"] == 1:
+            copies = local_base / "host3" / "peer_copies" / "1"
+            assert fetched == [(step, sum(tree_bytes(copies / str(step)).values())
+                                - os.path.getsize(copies / str(step) / "copy.json"), {"source": 3, "repair": False})
+                               for step in (1, 3)]
+        else:
+            assert not fetched

@@ -231,7 +231,8 @@ class CheckpointManagerOptions:
     incremental: each step stores only the chunks that changed since the tier's newest committed step and
         references the others (docs/incremental.md); retention keeps every step a kept step references. Off by
         default: every step standalone, which Orbax reads whole (`xtckpt convert --to step` makes an
-        incremental step standalone). With ``local_replication > 1`` the local tier stays standalone.
+        incremental step standalone). With ``local_replication > 1`` a step's peer copies are its own files
+        only; the peers keep its bases' copies (docs/multi-tier.md).
     delta: with ``incremental``, a changed chunk is stored as the zstd frame of its bitwise XOR with the chunk's
         anchor (the step that last wrote it whole) where that is at most half its size (lossless: RL-style steps
         that change a few percent of bf16 weights); a restore reads the anchor's chunk and applies that one

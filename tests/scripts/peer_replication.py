@@ -16,8 +16,9 @@ s (as if they vanished after they were listed). With XTC_FSIZE=h:n, host h canno
 disk full, as far as its writes go), from the start or, with XTC_FSIZE_FROM=s, from the moment the replication
 of step s starts moving files (its own step s is committed: the copy of its peer's step s cannot be written). With
 XTC_UNLISTABLE=h, host h cannot list the files of its local steps when it is to send them (as if they vanished
-after the holdings were gathered). Prints one JSON line: {"rank", "host",
-...}.
+after the holdings were gathered). With XTC_INCREMENTAL=1, the manager saves incremental steps and the model
+has a frozen weight (64 KiB per host) beside "w", the same at every step: steps 2 and 3 reference step 1's
+chunks of it. Prints one JSON line: {"rank", "host", ...}.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from xla_tensorstore_ckpt.core import tunables
 
 HOSTS, ROWS, COLUMNS = 4, 16, 32
 SHARD = (ROWS, COLUMNS)
+FROZEN_ROWS = 32 * ROWS  # XTC_INCREMENTAL: a frozen weight 32x "w"'s size, as a fine-tune's base outweighs its adapters
 
 
 def shards() -> int:
@@ -51,12 +53,28 @@ def global_value(step: int) -> torch.Tensor:
     return torch.randn((shards() * ROWS, COLUMNS), generator=torch.Generator().manual_seed(step))
 
 
+def incremental() -> bool:
+    return os.environ.get("XTC_INCREMENTAL") == "1"
+
+
+def frozen_value() -> torch.Tensor:
+    return torch.randn((shards() * FROZEN_ROWS, COLUMNS), generator=torch.Generator().manual_seed(12345))
+
+
 def model_for(step: int | None, host: int) -> dict:
     shard = host % shards()
     index = ((shard * ROWS, (shard + 1) * ROWS), (0, COLUMNS))
+    frozen = ((shard * FROZEN_ROWS, (shard + 1) * FROZEN_ROWS), (0, COLUMNS))
     if step is None:
-        return {"w": xtc.ShardedArray.target((shards() * ROWS, COLUMNS), torch.float32, SHARD, [index])}
-    return {"w": xtc.ShardedArray.from_tensor(global_value(step), SHARD, [index])}
+        model = {"w": xtc.ShardedArray.target((shards() * ROWS, COLUMNS), torch.float32, SHARD, [index])}
+        if incremental():
+            model["frozen"] = xtc.ShardedArray.target((shards() * FROZEN_ROWS, COLUMNS), torch.float32,
+                                                      (FROZEN_ROWS, COLUMNS), [frozen])
+        return model
+    model = {"w": xtc.ShardedArray.from_tensor(global_value(step), SHARD, [index])}
+    if incremental():
+        model["frozen"] = xtc.ShardedArray.from_tensor(frozen_value(), (FROZEN_ROWS, COLUMNS), [frozen])
+    return model
 
 
 def kill_before_committing_step(step: int) -> None:
@@ -119,7 +137,7 @@ def main() -> None:
     options = xtc.CheckpointManagerOptions(
         save_interval_steps=2, max_to_keep=2, local_directory=os.path.join(local_base, f"host{host}"),
         local_save_interval_steps=1, local_max_to_keep=2, local_replication=2, coordination_timeout_s=120,
-        listeners=(listen,))
+        listeners=(listen,), incremental=incremental())
     manager = xtc.CheckpointManager(root, options)
     out: dict = {"rank": rank, "host": host}
     if mode == "save":
@@ -141,7 +159,11 @@ def main() -> None:
             step = manager.restore("latest", model=model, data_loader=loader)
         (index, data), = model["w"].shards
         expected = global_value(step)[index[0][0]:index[0][1]]
-        out.update(step=step, equal=bool(torch.equal(data, expected)), position=loader.position,
+        equal = bool(torch.equal(data, expected))
+        if incremental():
+            (index, data), = model["frozen"].shards
+            equal = equal and bool(torch.equal(data, frozen_value()[index[0][0]:index[0][1]]))
+        out.update(step=step, equal=equal, position=loader.position,
                    draw=torch.rand(1).item(), warnings=[str(w.message) for w in caught])
     out.update(logs=logs, events=[e for e in events if e["kind"] != "save_started"])
     try:

@@ -296,9 +296,10 @@ class CheckpointManager(RestoreSide):
             self._coordinator.everywhere(f"committing step {step}", lambda: _raise_first(errors))
 
     def _incremental(self, managed: ManagedTier) -> bool:
-        """Whether the tier's steps are incremental: with the option, except a replicated local tier (its peers'
-        copies would lack the bases)."""
-        return self._options.incremental and not (managed.is_local and self._options.local_replication > 1)
+        """Whether the tier's steps are incremental: with the option, on every tier (a replicated local tier's
+        peers hold its bases' copies: each step is copied to the same peers, which keep the bases of the copies
+        they keep; `peer_copies`)."""
+        return self._options.incremental
 
     def _check_background(self) -> None:
         """Raise the error of a failed background save of any tier (once). Does not block."""

@@ -54,6 +54,10 @@ class Candidate:
     step: int
     redo_persistent: bool = False
     fetch: tuple[tuple[int, int], ...] = ()  # (process, source): local steps a process gets from a peer first
+    # (base step, its (process, source) pairs): the steps an incremental step references that a process lacks,
+    # fetched before it, oldest first
+    base_fetches: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    bases: tuple[int, ...] = ()  # every step it references, repaired from peer copies with it
 
 
 def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, wanted: int | None,
@@ -61,31 +65,48 @@ def candidates(coordinator: Coordinator, local: Tier | None, persistent: Tier, w
     """The steps to try, best first; `wanted` a given step (tried in the local tier first), or None for the
     newest; and what every process holds (its own local steps, and with `peers` its peer copies). `local`
     holds only this run's local steps (the manager leaves out the others). A local step is a candidate if every
-    process has it, or (with `peers`) can get its own index's from another process. Every process gets the same
-    lists."""
+    process has it, or (with `peers`) can get its own index's from another process, and the same holds for
+    every step it references (an incremental step's bases, as the markers of the processes holding it name
+    them): a process that lacks a base gets it first, and a base no process can serve leaves the step out, as a
+    damaged copy would. Every process gets the same lists."""
     persistent_steps = persistent.committed()
-    mine: list[tuple[int, bool, int | None]] = []
+    mine: list[tuple[int, bool, int | None, tuple[int, ...]]] = []
     if local is not None:
-        mine = sorted((step, marker.persistent_copy, marker.writer) for step, marker in local.committed().items())
-    own = frozenset((step, writer) for step, _, writer in mine if writer is not None)
+        mine = sorted((step, marker.persistent_copy, marker.writer, tuple(marker.bases))
+                      for step, marker in local.committed().items())
+    own = frozenset((step, writer) for step, _, writer, _ in mine if writer is not None)
     if local is None and peers is None:  # nothing to agree on: every process lists the same persistent tier
         gathered = [([], Holdings(frozenset()))] * coordinator.count
     else:
         gathered = coordinator.all_gather((mine, peers.holdings(own) if peers is not None else Holdings(own)),
                                           "agreeing on the step to resume from")
-    everyone = [{step: flag for step, flag, _ in entries} for entries, _ in gathered]
+    everyone = [{step: flag for step, flag, _, _ in entries} for entries, _ in gathered]
+    bases_of: dict[int, set[int]] = {}
+    for entries, _ in gathered:
+        for step, _, _, bases in entries:
+            bases_of.setdefault(step, set()).update(bases)
     holdings = [held for _, held in gathered]
-    fetches: dict[int, tuple[tuple[int, int], ...]] = {}
-    for step in set().union(*everyone):
+
+    def sources_for(step: int) -> tuple[tuple[int, int], ...] | None:
+        """(process, source) for each process lacking `step`, or None if one has no source."""
         missing = [p for p, steps in enumerate(everyone) if step not in steps]
         sources = {p: source_of(holdings, p, step, p) if peers is not None else None for p in missing}
-        if all(source is not None for source in sources.values()):
-            fetches[step] = tuple(sorted(sources.items()))
+        return tuple(sorted(sources.items())) if all(s is not None for s in sources.values()) else None
+
+    fetches: dict[int, tuple[tuple[int, int], ...]] = {}
+    base_fetches: dict[int, tuple[tuple[int, tuple[tuple[int, int], ...]], ...]] = {}
+    for step in set().union(*everyone):
+        sources = sources_for(step)
+        bases = {base: sources_for(base) for base in sorted(bases_of.get(step, ()))}
+        if sources is not None and all(b is not None for b in bases.values()):
+            fetches[step] = sources
+            base_fetches[step] = tuple((base, b) for base, b in bases.items() if b)
     due_copy = {step for step in fetches if all(flags.get(step, True) for flags in everyone)}
 
     def local_candidate(step: int) -> Candidate:
         return Candidate(LOCAL, step, redo_persistent=step in due_copy and step not in persistent_steps,
-                         fetch=fetches[step])
+                         fetch=fetches[step], base_fetches=base_fetches[step],
+                         bases=tuple(sorted(bases_of.get(step, ()))))
 
     if wanted is not None:
         out = [local_candidate(wanted)] if wanted in fetches else []
@@ -130,13 +151,16 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
         else:
             error = None
             try:
+                for base, fetch in choice.base_fetches:  # an incremental step's bases first
+                    _fetch(coordinator, tier, peers, base, fetch, holdings, fetched)
                 if choice.fetch:
-                    _fetch(coordinator, tier, peers, choice, holdings, fetched)
+                    _fetch(coordinator, tier, peers, choice.step, choice.fetch, holdings, fetched)
                 restore(choice)
             except Exception as exc:  # noqa: BLE001 - every process learns of it in `failures`
                 error = exc
             failed = failures(coordinator, choice, where, error)
-            sources = None if not failed or peers is None else _repair_sources(failed, holdings, choice)
+            sources = None if not failed or peers is None else _repair_sources(failed, holdings, choice.step,
+                                                                               choice.fetch)
             if sources is not None:
                 assert peers is not None
                 warnings.warn(f"step {choice.step} of the local tier is damaged on process"
@@ -145,7 +169,18 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
                               stacklevel=3)
                 error = None
                 try:
-                    writers = {p: _writer(holdings, p, choice) for p in sources}
+                    # The files of a step it references may be the damaged ones: each base too, where every
+                    # failed process's base has a copy on a peer (only files that differ travel).
+                    for base, fetch in ((b, dict(choice.base_fetches).get(b, ())) for b in choice.bases):
+                        base_sources = _repair_sources(failed, holdings, base, fetch)
+                        if base_sources is None:
+                            continue
+                        writers = {p: _writer(holdings, p, base, fetch) for p in base_sources}
+                        nbytes = peers.repair(coordinator, base, tier.index.location(base).name, writers,
+                                              base_sources)
+                        if coordinator.index in base_sources and nbytes and fetched is not None:
+                            fetched(base, nbytes, base_sources[coordinator.index], True)
+                    writers = {p: _writer(holdings, p, choice.step, choice.fetch) for p in sources}
                     nbytes = peers.repair(coordinator, choice.step, tier.index.location(choice.step).name, writers,
                                           sources)
                     if coordinator.index in sources:
@@ -195,45 +230,49 @@ def _reasons(failed: dict[int, str]) -> str:
     return "; ".join(f"process {p} {text}" for p, text in sorted(failed.items()))
 
 
-def _writer(holdings: list[Holdings], process: int, candidate: Candidate) -> int:
-    """Who wrote the step `candidate` in `process`'s local tier: itself if it got it from a peer."""
-    if any(target == process for target, _ in candidate.fetch):
+def _writer(holdings: list[Holdings], process: int, step: int, fetch: tuple[tuple[int, int], ...]) -> int:
+    """Who wrote the step `step` in `process`'s local tier (`fetch`: the processes that got it from a peer at
+    this resume): itself if it got it from a peer."""
+    if any(target == process for target, _ in fetch):
         return process
-    return next((writer for step, writer in holdings[process].own if step == candidate.step), process)
+    return next((writer for held, writer in holdings[process].own if held == step), process)
 
 
-def _repair_sources(failed: dict[int, str], holdings: list[Holdings], candidate: Candidate) -> dict[int, int] | None:
-    """For each process of `failed`, another that holds a peer copy of its step (copies carry every file's
-    CRC32C, so only the damaged files need to travel); None if one has none, or if one failed to fetch the step
-    (what it fetched was checked whole against the copy, or could not be written: a repair would move it again)."""
-    if any(process in dict(candidate.fetch) for process in failed):
+def _repair_sources(failed: dict[int, str], holdings: list[Holdings], step: int,
+                    fetch: tuple[tuple[int, int], ...]) -> dict[int, int] | None:
+    """For each process of `failed`, another that holds a peer copy of its step `step` (copies carry every file's
+    CRC32C, so only the damaged files need to travel); None if one has none, or if one fetched the step at this
+    resume (`fetch`: what it fetched was checked whole against the copy, or could not be written: a repair would
+    move it again)."""
+    if any(process in dict(fetch) for process in failed):
         return None
     sources = {}
     for process in failed:
-        writer = _writer(holdings, process, candidate)
+        writer = _writer(holdings, process, step, fetch)
         source = next((h for h, held in enumerate(holdings)
-                       if h != process and (writer, candidate.step) in held.copies), None)
+                       if h != process and (writer, step) in held.copies), None)
         if source is None:
             return None
         sources[process] = source
     return sources
 
 
-def _fetch(coordinator: Coordinator, local: Tier, peers: PeerCopies | None, candidate: Candidate,
-           holdings: list[Holdings], fetched: Callable[[int, int, int, bool], None] | None) -> None:
-    """Bring the local step `candidate` to the processes that lack it (collective), and into their tier's
-    bookkeeping."""
+def _fetch(coordinator: Coordinator, local: Tier, peers: PeerCopies | None, step: int,
+           fetch: tuple[tuple[int, int], ...], holdings: list[Holdings],
+           fetched: Callable[[int, int, int, bool], None] | None) -> None:
+    """Bring the local step `step` (a candidate, or a step it references) to the processes that lack it
+    (`fetch`: (process, source) pairs; collective), and into their tier's bookkeeping."""
     assert peers is not None  # only peers make candidates with fetches
-    sources = dict(candidate.fetch)
-    own = {coordinator.index: local.marker(candidate.step).writer} if candidate.step in local.committed() else {}
-    name = local.index.location(candidate.step).name
-    nbytes = peers.fetch(coordinator, candidate.step, name, own, sources, holdings)
+    sources = dict(fetch)
+    own = {coordinator.index: local.marker(step).writer} if step in local.committed() else {}
+    name = local.index.location(step).name
+    nbytes = peers.fetch(coordinator, step, name, own, sources, holdings)
     if coordinator.index in sources:
-        local.adopt(candidate.step)
-        log.info("step %d of the local tier came from process %d (%d bytes)", candidate.step,
-                 sources[coordinator.index], nbytes)
+        local.adopt(step)
+        log.info("step %d of the local tier came from process %d (%d bytes)", step, sources[coordinator.index],
+                 nbytes)
         if fetched is not None:
-            fetched(candidate.step, nbytes, sources[coordinator.index], False)
+            fetched(step, nbytes, sources[coordinator.index], False)
 
 
 def redo_persistent_copy(step: int, marker: StepMetadata, restored: Collection[str], persistent: Tier,

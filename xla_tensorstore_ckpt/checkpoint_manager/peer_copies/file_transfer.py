@@ -63,6 +63,8 @@ DAMAGED = -1  # the CRC32C recorded for a file its source could not read whole
 
 def _read_piece(path: str, start: int, out: np.ndarray) -> bool:
     """Fill `out` with the bytes of `path` from `start`; False if the file is missing or shorter."""
+    if not out.size:  # the one piece of an empty file (an incremental item's delta file with no frames)
+        return os.path.isfile(path)
     try:
         read_runs(path, [(start, memoryview(out))], path)
     except (StorageError, CorruptCheckpointError):

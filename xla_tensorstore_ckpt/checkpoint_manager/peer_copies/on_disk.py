@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import crc32c
 
+from ... import formats, storage
 from ...core import layout, tunables
 from ...storage.local import fsync_path, is_regular
 
@@ -82,6 +83,18 @@ def read_copy(directory: str) -> StepFiles | None:
         log.warning("ignoring the peer copy in %s: %s", directory, str(exc)[:500])
         return None
     return manifest if manifest.crcs is not None else None
+
+
+def copy_bases(directory: str) -> tuple[int, ...]:
+    """The steps a committed copy's step references (its marker's `bases`: an incremental step's chunks stored
+    there), () for a standalone step or a marker that cannot be read (the copy is then no use to a restore, and
+    keeps nothing else)."""
+    try:
+        marker = formats.read_step(storage.location(directory))
+    except (OSError, ValueError) as exc:  # StorageError, CorruptCheckpointError, FormatVersionError included
+        log.warning("reading the bases of the peer copy in %s: %s", directory, str(exc)[:500])
+        return ()
+    return tuple(marker.bases) if marker is not None else ()
 
 
 def record(manifest: StepFiles) -> dict:

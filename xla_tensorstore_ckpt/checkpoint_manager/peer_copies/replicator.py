@@ -8,6 +8,7 @@ background save.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -20,6 +21,8 @@ from . import file_transfer, on_disk
 from .file_transfer import Transfer
 from .on_disk import StepFiles
 from .placement import peers_of
+
+log = logging.getLogger("xla_tensorstore_ckpt")
 
 
 class PeerReplicator:
@@ -104,6 +107,11 @@ class PeerReplicator:
         for i in partials:
             t, crcs = transfers[i], crcs_of[i]
             if crcs != truth[t.source][i] or file_transfer.DAMAGED in crcs:
+                differ = [path for path, got, want in zip(t.paths, crcs, truth[t.source][i])
+                          if got != want or got == file_transfer.DAMAGED]
+                log.warning("not keeping the copy of step %d of process %d: %d files arrived damaged or could not "
+                            "be read where they came from (%s)", step, t.source, len(differ),
+                            ", ".join(differ[:5]))
                 shutil.rmtree(partials[i], ignore_errors=True)
                 continue
             manifest = StepFiles(t.source, step, t.files.files, tuple(crcs), t.files.shared)
@@ -134,7 +142,9 @@ class PeerReplicator:
                                         process=process)
 
     def _retain(self) -> None:
-        """Keep the newest `keep` copies of each writer (the local tier's count)."""
+        """Keep the newest `keep` copies of each writer (the local tier's count), and the copies of the steps
+        those reference (an incremental step's bases: its copy holds only its own files, the rest is in theirs,
+        as the writer's local tier keeps them)."""
         if self._keep is None:
             return
         base = on_disk.copies_root(self._root)
@@ -146,8 +156,12 @@ class PeerReplicator:
                 manifest = on_disk.read_copy(os.path.join(base, writer, name))
                 if manifest is not None:
                     entries.append((manifest.step, name))
-            for _, name in sorted(entries)[:-self._keep]:
-                shutil.rmtree(os.path.join(base, writer, name), ignore_errors=True)
+            entries.sort()
+            kept = entries[-self._keep:]
+            needed = {b for _, name in kept for b in on_disk.copy_bases(os.path.join(base, writer, name))}
+            for step, name in entries[:-self._keep]:
+                if step not in needed:
+                    shutil.rmtree(os.path.join(base, writer, name), ignore_errors=True)
 
     def defer(self, what: str, step: int, work: Callable[[], None]) -> None:
         """Run `work` on the replication thread after the replications queued so far (the local tier's retention
