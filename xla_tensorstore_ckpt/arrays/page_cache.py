@@ -79,7 +79,7 @@ def _ask_unseen(fd: int) -> bool:
     info = _buffers()[4]  # struct statfs, whose first field is the file system's magic
     if _fstatfs is None or _fstatfs(fd, info) != 0:
         return False
-    return _MAGIC.from_buffer(info).value & 0xFFFFFFFF in _CACHE_UNSEEN_MAGIC
+    return ctypes.c_long.from_buffer(info).value & 0xFFFFFFFF in _CACHE_UNSEEN_MAGIC
 
 
 def _buffers() -> tuple:
@@ -106,6 +106,5 @@ _CACHE_UNSEEN_MAGIC = {0x794C7630, 0x2FC12FC1}  # overlayfs, ZFS
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _cachestat = getattr(_LIBC, "syscall", None)
 _fstatfs = getattr(_LIBC, "fstatfs", None)
-_MAGIC = ctypes.c_long
 _pinned: dict[int, bool] = {}  # descriptors held open by their pinner: whether cachestat cannot see their cache
 _local = threading.local()
