@@ -18,6 +18,7 @@ from typing import Any
 import crc32c
 
 from ..core.errors import CorruptCheckpointError
+from . import page_cache
 from .local_reads import COUNTS, open_for_runs, read_runs, read_window
 
 
@@ -96,7 +97,9 @@ class ChunkReads:
 
 
 class OpenFiles:
-    """The data files one restore has open, with their sizes; shared by its reading threads."""
+    """The data files one restore has open, with their sizes; shared by its reading threads. Their descriptors
+    are pinned (`page_cache.pin`) while open: the probe before each of the thousands of reads from them asks
+    their file system once, not each time."""
 
     def __init__(self) -> None:
         self._open: dict[str, tuple[int, int]] = {}
@@ -109,12 +112,15 @@ class OpenFiles:
             return found
         with self._lock:
             if path not in self._open:
-                self._open[path] = open_sized(path)
+                fd, size = open_sized(path)
+                page_cache.pin(fd)
+                self._open[path] = fd, size
             return self._open[path]
 
     def close(self) -> None:
         with self._lock:
             for fd, _ in self._open.values():
+                page_cache.unpin(fd)  # before its number can name another file
                 os.close(fd)
             COUNTS.add(files_closed=len(self._open))
             self._open.clear()

@@ -136,5 +136,6 @@ def _indirect(item: storage.Location, where: str) -> StoredValue:
     path = base + file
     if kind != "value":
         raise CorruptCheckpointError(f"the array store of {item} references {where!r}, not a value in a file")
-    layout.relative_path(path, where=f"the array store of {item} references {where!r}", what="data file")
+    if not layout.is_safe_relative_path(path):  # the message is made only for a bad path (asked once per chunk)
+        layout.relative_path(path, where=f"the array store of {item} references {where!r}", what="data file")
     return StoredValue(file=path, offset=int(offset), length=int(length))

@@ -1,7 +1,8 @@
 """Whether the page cache holds a local file's bytes (`probe`), asked before each positioned read
 (`local_reads`): counted with ``cachestat`` (`cached_pages`), which reads nothing; where the kernel cannot count
 them, a ``RWF_NOWAIT`` read of one byte in the middle, which fails rather than wait for the disk. Called by
-`local_reads` alone; reads no file data.
+`local_reads` alone, and by `chunk_files.OpenFiles` to `pin` the descriptors a restore keeps open; reads no file
+data.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
 
 
 def probe(fd: int, start: int, stop: int) -> tuple[bool, bool]:
@@ -37,8 +39,11 @@ def cached_pages(fd: int, start: int, stop: int) -> int | None:
     call = _cachestat  # once: another thread may give it up meanwhile
     if call is None or stop <= start or _cache_unseen(fd):
         return None
-    span, counts = _CachestatRange(start, stop - start), _Cachestat()
-    if call(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(counts), 0) == 0:
+    # This thread's own structures, reused: a restore probes before each of its thousands of reads, and making
+    # them anew cost more than the system call.
+    span, counts, span_ref, counts_ref, _ = _buffers()
+    span.off, span.len = start, stop - start
+    if call(_CACHESTAT, fd, span_ref, counts_ref, 0) == 0:
         return counts.nr_cache
     if ctypes.get_errno() == errno.ENOSYS:
         _give_up_cachestat()
@@ -50,14 +55,41 @@ def _give_up_cachestat() -> None:
     _cachestat = None
 
 
+def pin(fd: int) -> None:
+    """Remember the answer of `_cache_unseen` for `fd`, which the caller keeps open until it calls `unpin`
+    (`chunk_files.OpenFiles`, whose data files every chunk of a restore is read from): while it is open, the
+    number names that file, whose file system cannot change. Called on any thread; one ``fstatfs``."""
+    _pinned[fd] = _ask_unseen(fd)
+
+
+def unpin(fd: int) -> None:
+    """Forget `fd`'s pinned answer; called before the descriptor is closed (its number is then reused)."""
+    _pinned.pop(fd, None)
+
+
 def _cache_unseen(fd: int) -> bool:
-    """Whether `fd`'s file system keeps its cached pages where ``cachestat`` does not look. Asked at every probe
-    (one ``fstatfs``, as cheap as the ``fstat`` a memo by device would need): device numbers are reused by the
-    next mount, so a memo could answer for a file system that is gone."""
-    info = ctypes.create_string_buffer(256)  # struct statfs, whose first field is the file system's magic
+    """Whether `fd`'s file system keeps its cached pages where ``cachestat`` does not look: the pinned answer
+    (`pin`), else one ``fstatfs`` now. No memo by device: device numbers are reused by the next mount, so it
+    could answer for a file system that is gone."""
+    unseen = _pinned.get(fd)
+    return _ask_unseen(fd) if unseen is None else unseen
+
+
+def _ask_unseen(fd: int) -> bool:
+    info = _buffers()[4]  # struct statfs, whose first field is the file system's magic
     if _fstatfs is None or _fstatfs(fd, info) != 0:
         return False
     return ctypes.c_long.from_buffer(info).value & 0xFFFFFFFF in _CACHE_UNSEEN_MAGIC
+
+
+def _buffers() -> tuple:
+    """This thread's ``cachestat`` range and counts (with references to pass them) and ``statfs`` buffer."""
+    try:
+        return _local.buffers
+    except AttributeError:
+        span, counts = _CachestatRange(), _Cachestat()
+        _local.buffers = (span, counts, ctypes.byref(span), ctypes.byref(counts), ctypes.create_string_buffer(256))
+        return _local.buffers
 
 
 class _CachestatRange(ctypes.Structure):
@@ -74,3 +106,5 @@ _CACHE_UNSEEN_MAGIC = {0x794C7630, 0x2FC12FC1}  # overlayfs, ZFS
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _cachestat = getattr(_LIBC, "syscall", None)
 _fstatfs = getattr(_LIBC, "fstatfs", None)
+_pinned: dict[int, bool] = {}  # descriptors held open by their pinner: whether cachestat cannot see their cache
+_local = threading.local()

@@ -80,16 +80,18 @@ def assign_in_place(target: Any, values: dict[KeyPath, Any]) -> None:
     """Write restored `values` into the `target` tree: tensors keep their identity, device and sharding (XLA
     data is swapped without computation, CPU data and a DTensor's local tensor copied); other leaves are
     replaced in their (mutable) containers."""
-    pairs = []
+    pairs, owners = [], []
     for path, value in values.items():
         container, key = _parent(target, path)
         current = container[key]
         owner = targets.of(current)
         if owner is not None and owner.ASSIGNS_IN_PLACE and targets.of(value) is owner:
             pairs.append((current, value))  # by its target, batched (`targets.assign`)
+            owners.append(owner)
         elif isinstance(container, (dict, list)):
             container[key] = value
-    targets.assign(pairs)
+    if pairs:
+        targets.assign(pairs, owners)
 
 
 def _parent(root: Any, path: KeyPath) -> tuple[Any, Any]:

@@ -4,6 +4,7 @@ format names its arrays is the format's own (`formats.v1.array_path`, `formats.v
 
 from __future__ import annotations
 
+import functools
 import re
 
 from .errors import CorruptCheckpointError
@@ -53,6 +54,12 @@ def is_safe_relative_path(path: object, *, single: bool = False) -> bool:
 def _path_problem(name: object, *, single: bool) -> str | None:
     if not isinstance(name, str):
         return "is not a string"
+    return _str_path_problem(name, single)
+
+
+@functools.lru_cache(maxsize=1024)
+def _str_path_problem(name: str, single: bool) -> str | None:
+    """Memoised: an OCDBT index names its few data files once per chunk (thousands of times a restore)."""
     if not name:
         return "is empty"
     if "\x00" in name or "\\" in name:

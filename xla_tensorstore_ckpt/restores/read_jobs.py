@@ -77,9 +77,9 @@ class ReadJob:
         none for data that stays on the host (`Target.placing_elements`)."""
         return self.target.placing_elements(self.layout) * dtypes.by_torch(self.dtype).itemsize
 
-    @property
+    @cached_property
     def target(self) -> targets.Target:
-        """The target (tensor kind) that builds this array's value."""
+        """The target (tensor kind) that builds this array's value (asked several times per array)."""
         return targets.of_layout(self.layout)
 
 

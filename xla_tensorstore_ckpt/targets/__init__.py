@@ -74,12 +74,12 @@ def of_layout(layout: TensorLayout) -> Target:
 def _by_target(owners: Sequence[Target], batch: Callable[[Target, list[int]], list[T]]) -> list[T]:
     """`batch(target, positions)` once per target among `owners` (the target of each item), its results put
     back at the items' positions."""
-    positions: dict[str, list[int]] = {}
+    positions: dict[str, tuple[Target, list[int]]] = {}
     for i, target in enumerate(owners):
-        positions.setdefault(target.NAME, []).append(i)
+        positions.setdefault(target.NAME, (target, []))[1].append(i)
     out: list[Any] = [None] * len(owners)
-    for name, where in positions.items():
-        for i, result in zip(where, batch(named(name), where)):
+    for target, where in positions.values():
+        for i, result in zip(where, batch(target, where)):
             out[i] = result
     return out
 
@@ -110,14 +110,15 @@ def fetch(values: Sequence[Any], value_layouts: Sequence[TensorLayout], wanted: 
     return _by_target([of_layout(lay) for lay in value_layouts], batch)
 
 
-def assign(pairs: Sequence[tuple[Any, Any]]) -> None:
-    """Put each restored value into its target (`Target.assign`), one call per kind of target."""
+def assign(pairs: Sequence[tuple[Any, Any]], owners: Sequence[Target] | None = None) -> None:
+    """Put each restored value into its target (`Target.assign`), one call per kind of target; `owners`: each
+    pair's target (`of` its first), where the caller has them already (a restore in place assigns tensor by
+    tensor)."""
     def batch(target: Target, where: list[int]) -> list[None]:
         target.assign([pairs[i][0] for i in where], [pairs[i][1] for i in where])
         return [None] * len(where)
 
-    owners = [of(current) for current, _ in pairs]
-    _by_target(owners, batch)  # type: ignore[arg-type]
+    _by_target([of(current) for current, _ in pairs] if owners is None else owners, batch)
 
 
 def local_memory(value: Any) -> torch.Tensor | None:
