@@ -11,7 +11,8 @@ import ctypes
 import errno
 import mmap
 import os
-import threading
+
+from ..core import buffers
 
 
 def probe(fd: int, start: int, stop: int) -> tuple[bool, bool]:
@@ -84,12 +85,12 @@ def _ask_unseen(fd: int) -> bool:
 
 def _buffers() -> tuple:
     """This thread's ``cachestat`` range and counts (with references to pass them) and ``statfs`` buffer."""
-    try:
-        return _local.buffers
-    except AttributeError:
-        span, counts = _CachestatRange(), _Cachestat()
-        _local.buffers = (span, counts, ctypes.byref(span), ctypes.byref(counts), ctypes.create_string_buffer(256))
-        return _local.buffers
+    return buffers.of_thread_made("page_cache_calls", _make_buffers)
+
+
+def _make_buffers() -> tuple:
+    span, counts = _CachestatRange(), _Cachestat()
+    return span, counts, ctypes.byref(span), ctypes.byref(counts), ctypes.create_string_buffer(256)
 
 
 class _CachestatRange(ctypes.Structure):
@@ -107,4 +108,3 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _cachestat = getattr(_LIBC, "syscall", None)
 _fstatfs = getattr(_LIBC, "fstatfs", None)
 _pinned: dict[int, bool] = {}  # descriptors held open by their pinner: whether cachestat cannot see their cache
-_local = threading.local()

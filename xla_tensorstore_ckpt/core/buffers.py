@@ -19,7 +19,8 @@ name, for work that finishes before the thread's next item), or one checked out 
 buffers that outlive a call or cross threads); `Carved` cuts slices one after another out of one of them (a
 restore's batch, a peer copy's round). Used by `arrays.local_reads` and `arrays.direct_ocdbt` (windows),
 `incremental.deltas` and `incremental.saving` (delta frames, the anchor's chunk), `views.sketch` (binning),
-`restores.read_batches` (batches) and `checkpoint_manager.peer_copies.file_transfer` (rounds).
+`restores.read_batches` (batches) and `checkpoint_manager.peer_copies.file_transfer` (rounds). A thread's own
+small structures for system calls, made once (`of_thread_made`), live here too: `arrays.page_cache`'s.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ import math
 import mmap
 import threading
 from collections import Counter
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
 from . import tunables
+
+T = TypeVar("T")
 
 PAGE = 4096  # a multiple of every logical block size O_DIRECT asks for (and of no page size smaller)
 KEPT_BUFFERS = 4  # free buffers kept at most: two rounds of a peer copy in flight, a direct save's writers
@@ -44,6 +49,7 @@ _free_lock = threading.Lock()
 class _Held(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[str, np.ndarray] = {}
+        self.made: dict[str, object] = {}
 
 
 _held = _Held()
@@ -102,6 +108,18 @@ def of_thread(name: str, count: int, dtype: np.dtype | type = np.uint8) -> np.nd
         if len(held) <= tunables.get("kept_buffer_bytes"):
             buffers[name] = held
     return held[:nbytes].view(dtype)
+
+
+def of_thread_made(name: str, make: Callable[[], T]) -> T:
+    """This thread's own `name`, made by `make()` on first use and kept for the thread's life: small fixed
+    structures passed to system calls again and again (a ``cachestat`` range and its answer), where making them
+    anew would cost more than the call. Called on any thread; never blocks; raises what `make` raises."""
+    made = _held.made
+    try:
+        return made[name]  # type: ignore[return-value]
+    except KeyError:
+        made[name] = value = make()
+        return value
 
 
 class Carved:
