@@ -11,6 +11,7 @@ import selectors
 import subprocess
 import sys
 import tempfile
+import threading
 
 FORKING = os.path.join(os.path.dirname(__file__), "scripts", "forking.py")
 # What a job's batch sets itself: the servers differ only by the rest of their environment. The tests' own knobs
@@ -64,6 +65,9 @@ class _Server:
 
 
 _servers: collections.OrderedDict[tuple, _Server] = collections.OrderedDict()
+# A server answers one batch at a time, in order: threads of a test that run jobs take turns (`run_forked`); a
+# batch of several jobs runs them in parallel.
+_turns = threading.Lock()
 
 
 def _server(python: str, script: str, env: dict) -> _Server:
@@ -98,8 +102,9 @@ def run_forked(script: str, argvs: list[list[str]], *, parallel: int = 2, env: d
     with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
         jobs = [{"argv": [str(a) for a in argv], "env": job_env, "out": os.path.join(tmp, f"{i}.out"),
                  "err": os.path.join(tmp, f"{i}.err")} for i, (argv, job_env) in enumerate(zip(argvs, job_envs))]
-        server = _server(python, os.path.abspath(script), env)
-        codes = server.run({"parallel": parallel, "env": env, "jobs": jobs}, timeout)
+        with _turns:
+            server = _server(python, os.path.abspath(script), env)
+            codes = server.run({"parallel": parallel, "env": env, "jobs": jobs}, timeout)
         return [subprocess.CompletedProcess([script, *job["argv"]], code, open(job["out"]).read(),
                                             open(job["err"]).read()) for job, code in zip(jobs, codes)]
 

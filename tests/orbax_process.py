@@ -20,12 +20,18 @@ TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "orba
 
 
 def orbax(*args) -> dict:
-    """Run the Orbax tool in a JAX process of its own, forked from one that imported JAX and Orbax once
-    (tests/forked.py); its JSON answer."""
+    """Run the Orbax tool with `args` in a JAX process of its own (`orbax_all`); its JSON answer."""
+    return orbax_all([args], parallel=1)[0]
+
+
+def orbax_all(calls: list[tuple], parallel: int = 2) -> list[dict]:
+    """Run the Orbax tool once per entry of `calls` (its arguments), `parallel` at once, each in a JAX process of
+    its own forked from one that imported JAX and Orbax once (tests/forked.py); their JSON answers, in order."""
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
-    proc, = run_forked(TOOL, [list(map(str, args))], parallel=1, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = run_forked(TOOL, [list(map(str, args)) for args in calls], parallel=parallel, env=env, timeout=600)
+    for args, proc in zip(calls, procs):
+        assert proc.returncode == 0, f"orbax_tool.py {' '.join(map(str, args))}: {proc.stderr[-4000:]}"
+    return [json.loads(proc.stdout.strip().splitlines()[-1]) for proc in procs]
 
 
 def leaf(entry: dict):

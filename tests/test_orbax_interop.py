@@ -8,13 +8,12 @@ import json
 import os
 import re
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 from conftest import make_mesh, sharded
-from orbax_process import leaf, orbax, same
+from orbax_process import leaf, orbax, orbax_all, same
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli
@@ -55,9 +54,7 @@ VARIANTS = {"ocdbt-zarr3": (1, 1), "dirs-zarr3": (0, 1), "ocdbt-zarr2": (1, 0), 
 @pytest.fixture(scope="module")
 def written_by_orbax(tmp_path_factory):
     base = tmp_path_factory.mktemp("orbax-items")
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda kv: orbax("write", base / kv[0], "--ocdbt", kv[1][0], "--zarr3", kv[1][1]),
-                      VARIANTS.items()))
+    orbax_all([("write", base / name, "--ocdbt", ocdbt, "--zarr3", zarr3) for name, (ocdbt, zarr3) in VARIANTS.items()])
     return base
 
 
@@ -193,8 +190,7 @@ NAMING = {"plain": (), "prefixed": ("--prefix", "checkpoint"), "padded": ("--fix
 @pytest.fixture(scope="module")
 def orbax_roots(tmp_path_factory):
     base = tmp_path_factory.mktemp("orbax-roots")
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda kv: orbax("manager", base / kv[0], *kv[1]), NAMING.items()))
+    orbax_all([("manager", base / name, *flags) for name, flags in NAMING.items()])
     return base
 
 
