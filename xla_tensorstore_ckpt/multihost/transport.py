@@ -261,6 +261,31 @@ class GlooTransport:
     def _silent(self, sequence: int) -> tuple[list[int], str]:
         """The processes to name for the alarm of collective `sequence`, and how they failed: those whose
         watcher did not answer (dead or stopped), else, if every process runs, those that had not arrived."""
+        silent, how = self._find_silent(sequence)
+        if self._store is not None and not self._store_silent:
+            self._conclude(sequence, silent)
+        return silent, how
+
+    def _conclude(self, sequence: int, silent: list[int]) -> None:
+        """Tell the others that this process has named the silent ones of alarm `sequence`. The store's host
+        (process 0) then waits, at most the grace period, until every process it did not name has done so: a
+        process 0 that raised and exited at once took the store with it, and a process still asking was left to
+        name process 0 instead of the one that died."""
+        grace = min(self.timeout_s, GRACE_S)
+        try:
+            self._ask(lambda: self._store.set(f"concluded/{sequence}/{self.index}", b"1"), grace)
+            if self.index != 0:
+                return
+            waiting = [f"concluded/{sequence}/{p}" for p in range(1, self.count) if p not in silent]
+            until = time.monotonic() + grace
+            while waiting and not self._ask(lambda: self._store.check(waiting), grace):
+                if time.monotonic() > until:
+                    return
+                time.sleep(0.05)
+        except RuntimeError:  # the store does not answer: there is nobody to wait for
+            return
+
+    def _find_silent(self, sequence: int) -> tuple[list[int], str]:
         dead, late = _DEAD, "ran but had not arrived"
         if self._store is None:
             return [], dead
