@@ -21,6 +21,11 @@ PER_RUN_PREFIX = "XTC_"
 # pytest names the running test and its phase here: a server keyed on it served one job, and its import cost
 # three times what the jobs it served did (251 servers in one run of both suites: 714 CPU-s against 282).
 PER_TEST = ("PYTEST_CURRENT_TEST",)
+# Where the object-store clients send their requests (an emulator, or a fault proxy in front of it, a port per
+# test): read when a client is made, in the run, never at import. A server keyed on them was started anew for each
+# proxy (18 of the 39 servers of one run of both suites, all for tests/scripts/replica_reads.py).
+PER_RUN = ("TENSORSTORE_GCS_HTTP_URL", "STORAGE_EMULATOR_HOST", "AWS_ENDPOINT_URL")
+_NOT_KEYED = PER_BATCH + PER_TEST + PER_RUN
 # Servers kept per pytest process, the least recently used closed first: tests of one module run together, and
 # each server holds torch imported (a few hundred MB).
 MAX_SERVERS = 3
@@ -72,7 +77,7 @@ _turns = threading.Lock()
 
 def _server(python: str, script: str, env: dict) -> _Server:
     key = (python, script, tuple(sorted((k, v) for k, v in env.items()
-                                        if k not in PER_BATCH + PER_TEST and not k.startswith(PER_RUN_PREFIX))))
+                                        if k not in _NOT_KEYED and not k.startswith(PER_RUN_PREFIX))))
     server = _servers.pop(key, None)
     if server is None or server.process.poll() is not None:
         server = _Server(python, script, env)

@@ -74,7 +74,7 @@ def test_every_chunk_is_read_once_and_values_are_exact(local_item):
 
 
 def test_small_transfer_batches_give_the_same_values(local_item):
-    runs = restored(local_item, "on", env={"BROADCAST_MAX_BYTES": str(16 << 10)})  # a batch per array or less
+    runs = restored(local_item, "on", env={"XTC_BROADCAST_MAX_BYTES": str(16 << 10)})  # a batch per array or less
     assert all(line["ok"] for line in runs["on"]), runs
     assert sum(line["storage_bytes"] for line in runs["on"]) == stored_chunk_bytes(local_item)
 
@@ -87,7 +87,7 @@ def test_object_stores_serve_each_chunk_once(request, scheme):
     from conftest import object_store
 
     path, port, clients = object_store(request, scheme, "replica-reads")
-    saved(path, OCDBT="0")  # an object per chunk: what is served is the chunks and the metadata files
+    saved(path, XTC_OCDBT="0")  # an object per chunk: what is served is the chunks and the metadata files
     stored = stored_chunk_bytes(path)
     served = {}
     counted = {}
@@ -135,7 +135,7 @@ def test_a_reader_that_dies_makes_every_process_raise(local_item):
 
 
 def test_a_damaged_chunk_raises_the_same_error_on_every_process(tmp_path):
-    path = saved(str(tmp_path / "item"), OCDBT="0")  # a file per chunk
+    path = saved(str(tmp_path / "item"), XTC_OCDBT="0")  # a file per chunk
     meta = formats.read_item(storage.location(path)).leaves()[("dp2",)]
     chunk = os.path.join(path, meta.path, "c", "1", "0")  # rows 32-64: needed by processes 1 and 3
     with open(chunk, "r+b") as f:

@@ -108,7 +108,7 @@ def restore(path: str, rank: int, mode: str, *, die: bool = False) -> dict:
             finished.append(event)
 
     options = xtc.RestoreOptions(single_replica_reads=mode == "on", listeners=(listener,),
-                                 broadcast_max_bytes=int(os.environ.get("BROADCAST_MAX_BYTES", 256 << 20)))
+                                 broadcast_max_bytes=int(os.environ.get("XTC_BROADCAST_MAX_BYTES", 256 << 20)))
     line = {"rank": rank, "mode": mode}
     try:
         restored = xtc.restore(path, target(rank), options=options)
@@ -124,7 +124,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     if mode == "save":
         # Tensors every process holds whole are split into chunks written by different processes (from 16 KiB).
-        xtc.save(path, state(rank), options=xtc.SaveOptions(use_ocdbt=os.environ.get("OCDBT", "1") == "1",
+        xtc.save(path, state(rank), options=xtc.SaveOptions(use_ocdbt=os.environ.get("XTC_OCDBT", "1") == "1",
                                                               single_file_max_bytes=0, split_bytes=16 << 10))
         print(json.dumps({"rank": rank, "saved": True}), flush=True)
     elif mode == "restore":
