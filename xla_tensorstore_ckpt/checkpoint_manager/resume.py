@@ -175,14 +175,10 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
                         base_sources = _repair_sources(failed, holdings, base, fetch)
                         if base_sources is None:
                             continue
-                        writers = {p: _writer(holdings, p, base, fetch) for p in base_sources}
-                        nbytes = peers.repair(coordinator, base, tier.index.location(base).name, writers,
-                                              base_sources)
+                        nbytes = _repair(coordinator, tier, peers, base, fetch, base_sources, holdings)
                         if coordinator.index in base_sources and nbytes and fetched is not None:
                             fetched(base, nbytes, base_sources[coordinator.index], True)
-                    writers = {p: _writer(holdings, p, choice.step, choice.fetch) for p in sources}
-                    nbytes = peers.repair(coordinator, choice.step, tier.index.location(choice.step).name, writers,
-                                          sources)
+                    nbytes = _repair(coordinator, tier, peers, choice.step, choice.fetch, sources, holdings)
                     if coordinator.index in sources:
                         if fetched is not None:
                             fetched(choice.step, nbytes, sources[coordinator.index], True)
@@ -236,6 +232,14 @@ def _writer(holdings: list[Holdings], process: int, step: int, fetch: tuple[tupl
     if any(target == process for target, _ in fetch):
         return process
     return next((writer for held, writer in holdings[process].own if held == step), process)
+
+
+def _repair(coordinator: Coordinator, local: Tier, peers: PeerCopies, step: int, fetch: tuple[tuple[int, int], ...],
+            sources: dict[int, int], holdings: list[Holdings]) -> int:
+    """Replace the damaged files of local step `step` on each process of `sources` from its source's peer copy
+    (`fetch`: who got the step from a peer at this resume; collective, blocks); the bytes this process received."""
+    writers = {p: _writer(holdings, p, step, fetch) for p in sources}
+    return peers.repair(coordinator, step, local.index.location(step).name, writers, sources)
 
 
 def _repair_sources(failed: dict[int, str], holdings: list[Holdings], step: int,
