@@ -1,6 +1,7 @@
-"""A real S3 server for the tests: moto's standalone server (``python -m moto.server``, from the registry's
-``moto[server]``) on 127.0.0.1, in memory. The clients (tensorstore through this library, and boto3) find it
-through the standard AWS variables that `client_environment` returns and `configure_clients` sets."""
+"""A real S3 server for the tests: moto's standalone server (from the registry's ``moto[server]``, run by
+`atomic_moto` so that conditional writes are decided atomically, as by AWS) on 127.0.0.1, in memory. The clients
+(tensorstore through this library, and boto3) find it through the standard AWS variables that
+`client_environment` returns and `configure_clients` sets."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ class S3Server:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> S3Server:
-        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "atomic_moto.py"),
+                                         str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until_answering(self.process, f"{self.url}/moto-api/", "the moto S3 server")
         return self
 
