@@ -38,6 +38,7 @@ from ..core.errors import UsageError
 BINS = 1 << 16
 SLAB = 1 << 20  # values per slab: the reused buffers are 12 MiB per thread
 SMALL = 1 << 15  # fewer values are binned by sorting
+ROW = 1 << 12  # values per row of a slab whose columns are summed (`_column_sums`)
 _F32_MAX = float(np.finfo(np.float32).max)
 _BFLOAT16 = dtypes.by_name("bfloat16").numpy
 _LITTLE = sys.byteorder == "little"
@@ -318,11 +319,23 @@ def _sums32(values: np.ndarray, low: float, high: float) -> tuple[float, float, 
         return shift, 0.0, 0.0
     magnitude = max(abs(low), abs(high))
     if abs(shift) <= spread and _SPREAD[0] <= magnitude <= _SPREAD[1]:
-        return 0.0, float(values.sum()), float(np.einsum("i,i->", values, values))
+        return (0.0, *_column_sums(values))
     if _SPREAD[0] <= spread <= _SPREAD[1]:
-        deviation = np.subtract(values, np.float32(shift), out=_floats()[:values.size])
-        return shift, float(deviation.sum()), float(np.einsum("i,i->", deviation, deviation))
+        return (shift, *_column_sums(np.subtract(values, np.float32(shift), out=_floats()[:values.size])))
     return (shift, *_sums64(values, shift))
+
+
+def _column_sums(values: np.ndarray) -> tuple[float, float]:
+    """(Σ v, Σ v²) of float32 values, one reading pass each: the values as rows of `ROW`, summed down the columns
+    in float32 (SIMD lanes over a row; a column holds at most SLAB / ROW = 256 values, so each sum's rounding
+    stays near 2^-24 of its magnitudes), then the `ROW` column sums in float64. Twice as fast as a pairwise sum
+    and a one-dimensional einsum, and closer to the exact sums; the fewer than `ROW` values left over in float64."""
+    whole = values.size - values.size % ROW
+    rows = values[:whole].reshape(-1, ROW)
+    rest = values[whole:].astype(np.float64)
+    total = float(rows.sum(axis=0).sum(dtype=np.float64)) + float(rest.sum())
+    squares = float(np.einsum("ij,ij->j", rows, rows).sum(dtype=np.float64)) + float(rest @ rest)
+    return total, squares
 
 
 def _general_part(values: np.ndarray) -> _Part:
