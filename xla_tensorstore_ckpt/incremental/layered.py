@@ -61,10 +61,12 @@ class LayeredReader(ArrayReader):
         self._lock = threading.Lock()
 
     def open(self, meta: ArrayMetadata) -> arrays.Opening:
-        opening = self.own.open(meta)
         if meta.path not in self.refs.arrays:
-            return opening
-        return _Opening(self, meta, opening)
+            return self.own.open(meta)
+        # An array none of whose chunks is in this item's store is not opened there (its metadata read and
+        # parsed for nothing: a third of a delta step's opens on an object store, each a request's CPU)
+        return _Opening(self, meta, None if _all_elsewhere(self.chunk_steps(meta.path), meta)
+                        else self.own.open(meta))
 
     def close(self) -> None:
         self.own.close()
@@ -133,8 +135,18 @@ class LayeredReader(ArrayReader):
         return reader.open(base)
 
 
+def _all_elsewhere(where: dict[tuple[int, ...], Where], meta: ArrayMetadata) -> bool:
+    """True if every chunk of array `meta` is held by another step (whole or as a delta on its anchor)."""
+    if meta.num_chunks == 0 or len(where) < meta.num_chunks:
+        return False
+    grid = [-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape)]
+    elsewhere = {index for index, (step, delta) in where.items() if step is not None or delta is not None
+                 if len(index) == len(grid) and all(0 <= i < g for i, g in zip(index, grid))}
+    return len(elsewhere) == meta.num_chunks
+
+
 class _Opening:
-    def __init__(self, reader: LayeredReader, meta: ArrayMetadata, own: arrays.Opening):
+    def __init__(self, reader: LayeredReader, meta: ArrayMetadata, own: arrays.Opening | None):
         self.reader, self.meta, self.own = reader, meta, own
 
     def result(self) -> StoredArray:
@@ -142,18 +154,23 @@ class _Opening:
         steps = sorted({s for s, _ in where.values() if s is not None}
                        | {d[0] for _, d in where.values() if d is not None})
         bases = {s: self.reader.base_array(s, self.meta) for s in steps}
-        return LayeredArray(self.own.result(), {s: o.result() for s, o in bases.items()}, where,
-                            lambda link: self.reader.read_frame(link, self.meta))
+        return LayeredArray(None if self.own is None else self.own.result(),
+                            {s: o.result() for s, o in bases.items()}, where,
+                            lambda link: self.reader.read_frame(link, self.meta),
+                            self.reader.item.child(self.meta.path))
 
 
 class LayeredArray:
-    """An array whose chunks live in several steps (see the module)."""
+    """An array whose chunks live in several steps (see the module); `own` None where none is in this item's
+    store (`LayeredReader.open`): its shape and chunking are then its bases', checked equal to its own."""
 
-    def __init__(self, own: StoredArray, bases: dict[int, StoredArray], where: dict[tuple[int, ...], Where],
-                 read_frame):
+    def __init__(self, own: StoredArray | None, bases: dict[int, StoredArray], where: dict[tuple[int, ...], Where],
+                 read_frame, location: storage.Location):
         self.own, self.bases, self.where, self.read_frame = own, bases, where, read_frame
-        self.location, self.shape, self.dtype_name = own.location, own.shape, own.dtype_name
-        self.chunk_shape, self.reads_whole_chunks = own.chunk_shape, own.reads_whole_chunks
+        like = own if own is not None else next(iter(bases.values()))
+        self.location = like.location if own is not None else location
+        self.shape, self.dtype_name = like.shape, like.dtype_name
+        self.chunk_shape, self.reads_whole_chunks = like.chunk_shape, like.reads_whole_chunks
 
     def _source(self, step) -> StoredArray:
         if isinstance(step, tuple):  # a delta chunk: ("delta", grid position)
@@ -163,8 +180,8 @@ class LayeredArray:
     def _pieces(self, region: Index) -> list[tuple[object, Index]]:
         """The parts of `region`, each within one chunk, with where it is read: a step (None: this item's
         store) or ("delta", grid position)."""
-        if any(b <= a for a, b in region):
-            return [(Own, region)]
+        if any(b <= a for a, b in region):  # nothing to read: any store of the array answers
+            return [(Own if self.own is not None else next(iter(self.bases)), region)]
         ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(region, self.chunk_shape)]
         pieces = []
         for index in itertools.product(*ranges):
