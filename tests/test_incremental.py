@@ -339,3 +339,20 @@ def test_two_processes_reference_and_delta_their_own_chunks(tmp_path):
         "_chunk_hashes.process_0.json", "_chunk_hashes.process_1.json"]
     for step in (1, 3):
         assert torch.equal(xtc.restore(tmp_path / "root" / str(step) / "model")["w"], global_value(step))
+
+
+def test_frames_are_read_in_runs_of_nearby_frames():
+    """`read_frame` reads a frame with the wanted frames of its file that lie within `FRAME_GAP` of each other,
+    at most `FRAME_SPAN` bytes in all; a frame far away is read on its own."""
+    from xla_tensorstore_ckpt.incremental import layered
+
+    def link(at, length=100):
+        return (None, "_chunk_deltas.process_0", at, length, 0)
+
+    near = [link(0), link(100), link(200), link(300 + layered.FRAME_GAP)]
+    far = link(400 + 3 * layered.FRAME_GAP)
+    assert layered._span(near[2], set(near) | {far}) == near
+    assert layered._span(far, set(near) | {far}) == [far]
+    big = [link(i * layered.FRAME_SPAN // 2, layered.FRAME_SPAN // 2) for i in range(4)]
+    run = layered._span(big[1], set(big))
+    assert big[1] in run and len(run) == 2 and run == sorted(run, key=lambda x: x[2])
