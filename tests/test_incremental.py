@@ -201,7 +201,8 @@ def test_delta_chain_and_damaged_delta(tmp_path):
 def test_delta_restore_reads_each_frame_once(tmp_path):
     """A delta step deep in its chain restores bit-exact reading one frame per changed chunk, each once: the
     restore's ``restore_finished`` event counts the ranged reads (frames) and their bytes, which are exactly the
-    step's own delta file, however many saves lie between it and its anchor."""
+    step's own delta file, however many saves lie between it and its anchor; the frames, end to end in that
+    file, are read in one read (`LayeredReader.read_frame`), not one per chunk."""
     with xtc.CheckpointManager(tmp_path, _options(max_to_keep=None, delta=True)) as mgr:
         for step in range(1, 7):
             mgr.save(step, extra={"w": _sharded(_rl_weights(step))})
@@ -214,7 +215,7 @@ def test_delta_restore_reads_each_frame_once(tmp_path):
         else:
             value = paths.restore(tmp_path / "6" / "extra", {"w": torch.zeros(64, 64, dtype=torch.bfloat16)})["w"]
         assert torch.equal(value, _rl_weights(6))
-        assert paths["ranged_reads"] == CHUNKS and paths["ranged_read_bytes"] == frames  # one frame a chunk
+        assert paths["ranged_reads"] == 1 and paths["ranged_read_bytes"] == frames  # the CHUNKS frames at once
 
 
 def test_anchor_every_writes_a_full_step_and_frees_the_older_ones(tmp_path):
@@ -338,3 +339,20 @@ def test_two_processes_reference_and_delta_their_own_chunks(tmp_path):
         "_chunk_hashes.process_0.json", "_chunk_hashes.process_1.json"]
     for step in (1, 3):
         assert torch.equal(xtc.restore(tmp_path / "root" / str(step) / "model")["w"], global_value(step))
+
+
+def test_frames_are_read_in_runs_of_nearby_frames():
+    """`read_frame` reads a frame with the wanted frames of its file that lie within `FRAME_GAP` of each other,
+    at most `FRAME_SPAN` bytes in all; a frame far away is read on its own."""
+    from xla_tensorstore_ckpt.incremental import layered
+
+    def link(at, length=100):
+        return (None, "_chunk_deltas.process_0", at, length, 0)
+
+    near = [link(0), link(100), link(200), link(300 + layered.FRAME_GAP)]
+    far = link(400 + 3 * layered.FRAME_GAP)
+    assert layered._span(near[2], set(near) | {far}) == near
+    assert layered._span(far, set(near) | {far}) == [far]
+    big = [link(i * layered.FRAME_SPAN // 2, layered.FRAME_SPAN // 2) for i in range(4)]
+    run = layered._span(big[1], set(big))
+    assert big[1] in run and len(run) == 2 and run == sorted(run, key=lambda x: x[2])

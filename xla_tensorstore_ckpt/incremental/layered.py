@@ -59,12 +59,19 @@ class LayeredReader(ArrayReader):
         self._bases: dict[int, tuple[ArrayReader, dict[str, ArrayMetadata]]] = {}
         self._where: dict[str, dict[tuple[int, ...], Where]] | None = None
         self._lock = threading.Lock()
+        # Delta frames: those of the arrays opened, by file, not read yet (`want_frames`), and those read with
+        # another's span and not asked for yet (`read_frame`); one lock per file serializes its span reads
+        self._wanted: dict[tuple[int | None, str], set[tables.Link]] = {}
+        self._frames: dict[tables.Link, memoryview] = {}
+        self._file_locks: dict[tuple[int | None, str], threading.Lock] = {}
 
     def open(self, meta: ArrayMetadata) -> arrays.Opening:
-        opening = self.own.open(meta)
         if meta.path not in self.refs.arrays:
-            return opening
-        return _Opening(self, meta, opening)
+            return self.own.open(meta)
+        # An array none of whose chunks is in this item's store is not opened there (its metadata read and
+        # parsed for nothing: a third of a delta step's opens on an object store, each a request's CPU)
+        return _Opening(self, meta, None if _all_elsewhere(self.chunk_steps(meta.path), meta)
+                        else self.own.open(meta))
 
     def close(self) -> None:
         self.own.close()
@@ -95,11 +102,43 @@ class LayeredReader(ArrayReader):
                 self._where = where
             return self._where.get(name, {})
 
-    def read_frame(self, link: tables.Link, meta: ArrayMetadata) -> bytes:
-        """The checked frame of one delta of a chain. Blocks."""
+    def want_frames(self, where: dict[tuple[int, ...], Where]) -> None:
+        """Note the delta frames of an array being opened (its chunks' `where`), for `read_frame` to read with
+        the others of their file. Never blocks (but on the reader's lock)."""
+        with self._lock:
+            for _, delta in where.values():
+                for link in delta[1] if delta is not None else ():
+                    if link not in self._frames:
+                        self._wanted.setdefault(link[:2], set()).add(link)
+
+    def read_frame(self, link: tables.Link, meta: ArrayMetadata) -> bytes | memoryview:
+        """The checked frame of one delta of a chain. Blocks. Read with the other frames of its file that the
+        arrays opened so far want (`want_frames`) and that lie with it within `FRAME_GAP` of each other, up to
+        `FRAME_SPAN` bytes in one read: a step's frames lie end to end in its delta file, so a restore reads
+        them in a few reads rather than one per chunk (on an object store each read is a request, and its CPU);
+        the others are kept for their chunks' `read_frame` (until the reader is dropped). Raises
+        `CorruptCheckpointError` naming the file for a frame missing or damaged."""
         step, file, at, length, crc = link
         item = self.item if step is None else self.step_item(step)
-        frame = item.read_range(file, at, at + length).result()
+        with self._lock:
+            lock = self._file_locks.setdefault(link[:2], threading.Lock())
+        with lock:
+            with self._lock:
+                frame = self._frames.pop(link, None)
+                wanted = self._wanted.get(link[:2], set())
+                wanted.discard(link)
+                span = [link] if frame is not None else _span(link, wanted)
+                wanted.difference_update(span)
+            if frame is None:
+                start, stop = span[0][2], max(a + n for _, _, a, n, _ in span)
+                data = item.read_range(file, start, stop).result()
+                if data is not None and len(data) == stop - start:
+                    data = memoryview(data).cast("B")
+                    with self._lock:
+                        for other in span:
+                            if other != link:
+                                self._frames[other] = data[other[2] - start:other[2] - start + other[3]]
+                    frame = data[at - start:at - start + length]
         if frame is None or len(frame) != length or crc32c.crc32c(frame) != crc:
             raise CorruptCheckpointError(f"{item.child(file)}: the delta of a chunk of array {meta.path} "
                                          f"(bytes {at}-{at + length}) is missing or damaged (CRC32C mismatch)")
@@ -133,27 +172,68 @@ class LayeredReader(ArrayReader):
         return reader.open(base)
 
 
+FRAME_GAP = 64 << 10  # bytes between two frames read in one span at most (`read_frame`)
+FRAME_SPAN = 8 << 20  # bytes of one span of frames at most: the first of them waits for the whole span
+
+
+def _span(link: tables.Link, wanted: set[tables.Link]) -> list[tables.Link]:
+    """The frames read with `link` (`LayeredReader.read_frame`): those of `wanted` (of its file) that lie in a
+    run with it, each within `FRAME_GAP` of the one before, at most `FRAME_SPAN` bytes in all; by offset."""
+    run = [link]
+    ordered = sorted(wanted - {link}, key=lambda other: other[2])
+    after = [o for o in ordered if o[2] > link[2]]
+    before = [o for o in reversed(ordered) if o[2] < link[2]]
+    start, stop = link[2], link[2] + link[3]
+    for other in after:
+        if other[2] - stop > FRAME_GAP or other[2] + other[3] - start > FRAME_SPAN:
+            break
+        run.append(other)
+        stop = max(stop, other[2] + other[3])
+    for other in before:
+        if start - (other[2] + other[3]) > FRAME_GAP or stop - other[2] > FRAME_SPAN:
+            break
+        run.insert(0, other)
+        start = other[2]
+    return run
+
+
+def _all_elsewhere(where: dict[tuple[int, ...], Where], meta: ArrayMetadata) -> bool:
+    """True if every chunk of array `meta` is held by another step (whole or as a delta on its anchor)."""
+    if meta.num_chunks == 0 or len(where) < meta.num_chunks:
+        return False
+    grid = [-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape)]
+    elsewhere = {index for index, (step, delta) in where.items() if step is not None or delta is not None
+                 if len(index) == len(grid) and all(0 <= i < g for i, g in zip(index, grid))}
+    return len(elsewhere) == meta.num_chunks
+
+
 class _Opening:
-    def __init__(self, reader: LayeredReader, meta: ArrayMetadata, own: arrays.Opening):
+    def __init__(self, reader: LayeredReader, meta: ArrayMetadata, own: arrays.Opening | None):
         self.reader, self.meta, self.own = reader, meta, own
 
     def result(self) -> StoredArray:
         where = self.reader.chunk_steps(self.meta.path)
+        self.reader.want_frames(where)
         steps = sorted({s for s, _ in where.values() if s is not None}
                        | {d[0] for _, d in where.values() if d is not None})
         bases = {s: self.reader.base_array(s, self.meta) for s in steps}
-        return LayeredArray(self.own.result(), {s: o.result() for s, o in bases.items()}, where,
-                            lambda link: self.reader.read_frame(link, self.meta))
+        return LayeredArray(None if self.own is None else self.own.result(),
+                            {s: o.result() for s, o in bases.items()}, where,
+                            lambda link: self.reader.read_frame(link, self.meta),
+                            self.reader.item.child(self.meta.path))
 
 
 class LayeredArray:
-    """An array whose chunks live in several steps (see the module)."""
+    """An array whose chunks live in several steps (see the module); `own` None where none is in this item's
+    store (`LayeredReader.open`): its shape and chunking are then its bases', checked equal to its own."""
 
-    def __init__(self, own: StoredArray, bases: dict[int, StoredArray], where: dict[tuple[int, ...], Where],
-                 read_frame):
+    def __init__(self, own: StoredArray | None, bases: dict[int, StoredArray], where: dict[tuple[int, ...], Where],
+                 read_frame, location: storage.Location):
         self.own, self.bases, self.where, self.read_frame = own, bases, where, read_frame
-        self.location, self.shape, self.dtype_name = own.location, own.shape, own.dtype_name
-        self.chunk_shape, self.reads_whole_chunks = own.chunk_shape, own.reads_whole_chunks
+        like = own if own is not None else next(iter(bases.values()))
+        self.location = like.location if own is not None else location
+        self.shape, self.dtype_name = like.shape, like.dtype_name
+        self.chunk_shape, self.reads_whole_chunks = like.chunk_shape, like.reads_whole_chunks
 
     def _source(self, step) -> StoredArray:
         if isinstance(step, tuple):  # a delta chunk: ("delta", grid position)
@@ -163,8 +243,8 @@ class LayeredArray:
     def _pieces(self, region: Index) -> list[tuple[object, Index]]:
         """The parts of `region`, each within one chunk, with where it is read: a step (None: this item's
         store) or ("delta", grid position)."""
-        if any(b <= a for a, b in region):
-            return [(Own, region)]
+        if any(b <= a for a, b in region):  # nothing to read: any store of the array answers
+            return [(Own if self.own is not None else next(iter(self.bases)), region)]
         ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(region, self.chunk_shape)]
         pieces = []
         for index in itertools.product(*ranges):
