@@ -12,8 +12,9 @@ Both decoders have 4 layers of width 512 x `--scale` (a multiple of 16). Each va
 incremental + delta) runs in a fresh process the same training from the same seed with a CheckpointManager of its
 own (synchronous saves, fsync on: the library's defaults otherwise), ``--set steps`` steps, one save each; figures
 are medians over the steps after the first (>= 7 with the default 9 steps). Restores read the step into new CPU
-tensors (`xtc.restore`), `--repeats` of them, with the page cache warm, then cold (every step of the variant's run
-evicted from it before each restore: a restart on a fresh host). On local disk (``--set dir``: where, default
+tensors (`xtc.restore`), `--repeats` rounds of them, every variant's of a workload in one fresh process, one after
+the other in each round (so that they find the allocator alike), with the page cache warm, then cold (every step
+evicted before each restore: a restart on a fresh host). On local disk (``--set dir``: where, default
 the harness's temporary directory), or with ``--set storage=gcs`` on the persistent tier in the GCS emulator the
 tests use (fake-gcs-server on 127.0.0.1, started here; result set ``incremental-gcs``): the manager's root is then
 ``gs://bench/<workload>/<variant>``, a step's bytes are the sizes of its objects as the emulator lists them, and the
@@ -131,22 +132,30 @@ def _join(root: str, *names: str) -> str:
     return "/".join((root.rstrip("/"), *names)) if "://" in root else os.path.join(root, *names)
 
 
-def _restore_seconds(path: str, repeats: int, root: str) -> dict:
-    """`repeats` restores of `path` into new tensors, page cache warm, and as many with every step under `root`
-    evicted first (cold: the restore of a restart on a fresh host); on ``gs://``, `repeats` restores over HTTP
-    (``network``); wall and CPU seconds (this process, all its threads: under a loaded machine CPU is the
-    steadier), each run and their medians."""
-    out = {}
-    for mode in ("network",) if "://" in root else ("warm", "cold"):
-        walls, cpus = [], []
+def _restores(paths: dict[str, dict[str, str]], repeats: int, roots: list[str]) -> dict:
+    """`repeats` rounds of restores into new tensors of every path (`paths`: variant -> chain -> the step's item),
+    one after the other in each round, with the page cache warm, then as many with every step under `roots`
+    evicted before each restore (cold: the restore of a restart on a fresh host); on ``gs://``, rounds of
+    restores over HTTP (``network``). In one process, round by round, so that each variant's restore finds the
+    allocator and the page cache as the others' do: restores in a process of each variant's own differed by 2x in
+    CPU seconds with how much freed memory its training had left for the new tensors. Wall and CPU seconds (this
+    process, all its threads: under a loaded machine CPU is the steadier), each run and their medians, by variant
+    and chain."""
+    out: dict = {variant: {chain: {} for chain in chains} for variant, chains in paths.items()}
+    for mode in ("network",) if any("://" in root for root in roots) else ("warm", "cold"):
+        runs = {(variant, chain): ([], []) for variant, chains in paths.items() for chain in chains}
         for _ in range(repeats):
-            if mode == "cold":
-                evict(root)
-            begun, cpu = time.perf_counter(), time.process_time()
-            xtc.restore(path)
-            walls.append(time.perf_counter() - begun)
-            cpus.append(time.process_time() - cpu)
-        out[mode] = {"wall": harness.median(walls), "cpu": harness.median(cpus), "walls": walls, "cpus": cpus}
+            for (variant, chain), (walls, cpus) in runs.items():
+                if mode == "cold":
+                    for root in roots:
+                        evict(root)
+                begun, cpu = time.perf_counter(), time.process_time()
+                xtc.restore(paths[variant][chain])
+                walls.append(time.perf_counter() - begun)
+                cpus.append(time.process_time() - cpu)
+        for (variant, chain), (walls, cpus) in runs.items():
+            out[variant][chain][mode] = {"wall": harness.median(walls), "cpu": harness.median(cpus), "walls": walls,
+                                         "cpus": cpus}
     return out
 
 
@@ -184,18 +193,23 @@ def train(workload: str, variant: str, root: str, steps: int, width: int) -> lis
     return rows
 
 
-def worker(workload: str, variant: str, root: str, steps_: str, width_: str, repeats_: str) -> dict:
-    """One variant's run in a fresh process (`harness.fresh`): its steps, then its restores (RL: by the delta
-    chain's length, step k+1 of the run having chain k; LoRA: the last step)."""
-    steps, repeats = int(steps_), int(repeats_)
-    out = {"rows": train(workload, variant, root, steps, int(width_))}
-    if workload == "rl":
-        out["restore_s"] = {str(chain): _restore_seconds(_join(root, str(chain + 1), "model"), repeats, root)
-                            for chain in CHAINS if chain + 1 <= steps}
-    else:
-        out["restore_s"] = {"last": _restore_seconds(_join(root, str(steps), "model"), repeats, root)}
-    if "://" in root:  # the emulator keeps every object in memory: the next variant's run starts without these
-        storage.location(root).delete_tree()
+def worker(task: str, workload: str, *args: str) -> dict:
+    """In a fresh process (`harness.fresh`): ``train`` one variant's run (args: VARIANT ROOT STEPS WIDTH; its
+    steps' figures), or ``restore`` the steps of every variant's run of `workload` (args: ROOTS, a JSON object
+    variant -> root, STEPS, REPEATS; `_restores`; then the roots on an object store are deleted): RL by the delta
+    chain's length, step k+1 of a run having chain k; LoRA the last step."""
+    if task == "train":
+        variant, root, steps, width_ = args
+        return {"rows": train(workload, variant, root, int(steps), int(width_))}
+    roots, steps, repeats = json.loads(args[0]), int(args[1]), int(args[2])
+    chains = ({str(chain): str(chain + 1) for chain in CHAINS if chain + 1 <= steps} if workload == "rl"
+              else {"last": str(steps)})
+    paths = {variant: {chain: _join(root, step, "model") for chain, step in chains.items()}
+             for variant, root in roots.items()}
+    out = _restores(paths, repeats, list(roots.values()))
+    for root in roots.values():
+        if "://" in root:  # the emulator keeps every object in memory: the next workload starts without these
+            storage.location(root).delete_tree()
     return out
 
 
@@ -288,20 +302,25 @@ def run(settings: harness.Settings) -> harness.Result:
     ``--set storage=gcs``, on the GCS emulator (started here, stopped at the end)."""
     from object_stores import start_object_store
 
-    steps, storage = settings.option("steps", 9), settings.option("storage", "local")
-    if storage not in ("local", "gcs"):
-        raise ValueError(f"incremental: storage must be local or gcs, not {storage!r}")
-    server, bucket = start_object_store(storage)
+    steps, store = settings.option("steps", 9), settings.option("storage", "local")
+    if store not in ("local", "gcs"):
+        raise ValueError(f"incremental: storage must be local or gcs, not {store!r}")
+    server, bucket = start_object_store(store)
     env = server.environment if server is not None else {}
     base = tempfile.mkdtemp(prefix="xtc-incremental-", dir=settings.option("dir", "") or settings.workdir)
     results = {}
     try:
         for workload, variants in VARIANTS:
-            for variant in variants:
-                root = os.path.join(base, workload, variant) if bucket is None else f"{bucket}/{workload}/{variant}"
+            roots = {variant: os.path.join(base, workload, variant) if bucket is None
+                     else f"{bucket}/{workload}/{variant}" for variant in variants}
+            for variant, root in roots.items():
                 results[f"{workload}/{variant}"] = harness.fresh(
-                    __file__, workload, variant, root, steps, width(settings.scale), settings.repeats, env=env,
+                    __file__, "train", workload, variant, root, steps, width(settings.scale), env=env,
                     what=f"the {variant} run of {workload}")
+            restores = harness.fresh(__file__, "restore", workload, json.dumps(roots), steps, settings.repeats,
+                                     env=env, what=f"the restores of {workload}")
+            for variant, root in roots.items():
+                results[f"{workload}/{variant}"]["restore_s"] = restores[variant]
                 if bucket is None:
                     shutil.rmtree(root)
     finally:
@@ -311,7 +330,7 @@ def run(settings: harness.Settings) -> harness.Result:
     where = "" if bucket is None else (", the persistent tier on gs:// (fake-gcs-server on 127.0.0.1, in memory); "
                                        "restores over HTTP")
     note = (f"decoders of width {width(settings.scale)}, {steps} steps{where}; medians of the {steps - 1} steps after "
-            f"the first (bytes, save), of {settings.repeats} restores")
+            f"the first (bytes, save), of {settings.repeats} restores (every variant's in one process, round by round)")
     return result(results, note)
 
 
