@@ -149,43 +149,7 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
             coordinator.everywhere(f"restoring step {choice.step} from the persistent tier ({where})",
                                    lambda choice=choice: restore(choice))
         else:
-            error = None
-            try:
-                for base, fetch in choice.base_fetches:  # an incremental step's bases first
-                    _fetch(coordinator, tier, peers, base, fetch, holdings, fetched)
-                if choice.fetch:
-                    _fetch(coordinator, tier, peers, choice.step, choice.fetch, holdings, fetched)
-                restore(choice)
-            except Exception as exc:  # noqa: BLE001 - every process learns of it in `failures`
-                error = exc
-            failed = failures(coordinator, choice, where, error)
-            sources = None if not failed or peers is None else _repair_sources(failed, holdings, choice.step,
-                                                                               choice.fetch)
-            if sources is not None:
-                assert peers is not None
-                warnings.warn(f"step {choice.step} of the local tier is damaged on process"
-                              f"{'es' if len(failed) > 1 else ''} {sorted(failed)} ({_reasons(failed)}): "
-                              f"replacing the damaged files from peer copies on {sorted(set(sources.values()))}",
-                              stacklevel=3)
-                error = None
-                try:
-                    # The files of a step it references may be the damaged ones: each base too, where every
-                    # failed process's base has a copy on a peer (only files that differ travel).
-                    for base, fetch in ((b, dict(choice.base_fetches).get(b, ())) for b in choice.bases):
-                        base_sources = _repair_sources(failed, holdings, base, fetch)
-                        if base_sources is None:
-                            continue
-                        nbytes = _repair(coordinator, tier, peers, base, fetch, base_sources, holdings)
-                        if coordinator.index in base_sources and nbytes and fetched is not None:
-                            fetched(base, nbytes, base_sources[coordinator.index], True)
-                    nbytes = _repair(coordinator, tier, peers, choice.step, choice.fetch, sources, holdings)
-                    if coordinator.index in sources:
-                        if fetched is not None:
-                            fetched(choice.step, nbytes, sources[coordinator.index], True)
-                        restore(choice)  # this process again; the others' restores stand
-                except Exception as exc:  # noqa: BLE001 - every process learns of it below
-                    error = exc
-                failed = failures(coordinator, choice, where, error)
+            failed = _restore_local(coordinator, tier, peers, choice, where, holdings, restore, fetched)
             if failed:
                 warnings.warn(f"skipping step {choice.step} of the local tier ({where} here): not intact on every "
                               f"process ({_reasons(failed)}); falling back to the next candidate", stacklevel=3)
@@ -203,6 +167,54 @@ def resume(coordinator: Coordinator, local: Tier | None, persistent: Tier, wante
     raise CorruptCheckpointError(
         f"no intact step to resume from: the local steps {damaged} ({local.root} here) are damaged or incomplete "
         f"on some process (see the warnings), and the persistent tier {persistent.root} holds no committed step")
+
+
+def _restore_local(coordinator: Coordinator, tier: Tier, peers: PeerCopies | None, choice: Candidate, where: str,
+                   holdings: list[Holdings], restore: Callable[[Candidate], None],
+                   fetched: Callable[[int, int, int, bool], None] | None) -> dict[int, str]:
+    """Restore the local candidate `choice` (its step directory `where`) on every process, fetching its step and
+    bases from peers where this process lacks them, and with `peers` replacing the files of the processes that
+    found it damaged from peer copies, then restoring there again (`resume`); the processes where it is still
+    damaged, each with its path and error (`failures`), the same on every process. Collective; blocks; raises
+    what `failures` raises."""
+    error = None
+    try:
+        for base, fetch in choice.base_fetches:  # an incremental step's bases first
+            _fetch(coordinator, tier, peers, base, fetch, holdings, fetched)
+        if choice.fetch:
+            _fetch(coordinator, tier, peers, choice.step, choice.fetch, holdings, fetched)
+        restore(choice)
+    except Exception as exc:  # noqa: BLE001 - every process learns of it in `failures`
+        error = exc
+    failed = failures(coordinator, choice, where, error)
+    sources = None if not failed or peers is None else _repair_sources(failed, holdings, choice.step,
+                                                                       choice.fetch)
+    if sources is not None:
+        assert peers is not None
+        warnings.warn(f"step {choice.step} of the local tier is damaged on process"
+                      f"{'es' if len(failed) > 1 else ''} {sorted(failed)} ({_reasons(failed)}): "
+                      f"replacing the damaged files from peer copies on {sorted(set(sources.values()))}",
+                      stacklevel=4)
+        error = None
+        try:
+            # The files of a step it references may be the damaged ones: each base too, where every
+            # failed process's base has a copy on a peer (only files that differ travel).
+            for base, fetch in ((b, dict(choice.base_fetches).get(b, ())) for b in choice.bases):
+                base_sources = _repair_sources(failed, holdings, base, fetch)
+                if base_sources is None:
+                    continue
+                nbytes = _repair(coordinator, tier, peers, base, fetch, base_sources, holdings)
+                if coordinator.index in base_sources and nbytes and fetched is not None:
+                    fetched(base, nbytes, base_sources[coordinator.index], True)
+            nbytes = _repair(coordinator, tier, peers, choice.step, choice.fetch, sources, holdings)
+            if coordinator.index in sources:
+                if fetched is not None:
+                    fetched(choice.step, nbytes, sources[coordinator.index], True)
+                restore(choice)  # this process again; the others' restores stand
+        except Exception as exc:  # noqa: BLE001 - every process learns of it below
+            error = exc
+        failed = failures(coordinator, choice, where, error)
+    return failed
 
 
 def failures(coordinator: Coordinator, candidate: Candidate, where: str, error: Exception | None) -> dict[int, str]:
