@@ -1,5 +1,6 @@
 """The package's shape, read from its source with `ast` (nothing is imported): no import cycle between its folders
-or between its modules, and no module over `MAX_LINES` lines (issue 60).
+or between its modules, no module over `MAX_LINES` lines and no function over `MAX_FUNCTION_LINES` lines of code
+(issue 60).
 
 Every import counts, wherever it is written: at module level, inside a function, under ``if TYPE_CHECKING``. A
 folder is a subpackage of the package (`arrays`, `formats`, ...); a module at the top of the package is a folder
@@ -9,6 +10,7 @@ of its own (`checkpointer`, `cli`, ...).
 from __future__ import annotations
 
 import ast
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import pytest
 PACKAGE = "xla_tensorstore_ckpt"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 60  # of code: its docstring, blank lines and comment lines not counted
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -185,6 +188,57 @@ def test_no_module_over_the_line_limit():
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by idea): " + ", ".join(
         f"{name} ({n})" for name, n in sorted(long.items(), key=lambda kv: -kv[1]))
+
+
+def code_lines(source: str) -> dict[str, int]:
+    """Each function of `source` (by its dotted path in the module: ``Class.method``, ``outer.inner``) and its
+    lines of code: from its first statement after the docstring to its end, blank and comment lines left out."""
+    lines = source.splitlines()
+    out: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = child.body
+                has_doc = (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                           and isinstance(body[0].value.value, str))
+                first = body[0].end_lineno + 1 if has_doc else body[0].lineno
+                out[prefix + child.name] = sum(1 for line in lines[first - 1:child.end_lineno]
+                                               if line.strip() and not line.strip().startswith("#"))
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def test_no_function_over_the_line_limit():
+    long = {f"{name}.{function}": n for name, path in modules().items()
+            for function, n in code_lines(path.read_text()).items() if n > MAX_FUNCTION_LINES}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines of code (split them by step): " + ", ".join(
+        f"{name} ({n})" for name, n in sorted(long.items(), key=lambda kv: -kv[1]))
+
+
+def test_the_function_count_skips_docstrings_and_comments():
+    source = textwrap.dedent('''\
+        def f():
+            """Doc.
+
+            More."""
+            # why
+            a = 1
+
+            return a
+
+
+        class C:
+            def m(self):
+                def inner():
+                    return 2
+                return inner()
+        ''')
+    assert code_lines(source) == {"f": 2, "C.m": 3, "C.m.inner": 1}
 
 
 def test_the_graph_sees_every_kind_of_import(tmp_path):
