@@ -90,8 +90,7 @@ def assign_in_place(target: Any, values: dict[KeyPath, Any]) -> None:
             owners.append(owner)
         elif isinstance(container, (dict, list)):
             container[key] = value
-    if pairs:
-        targets.assign(pairs, owners)
+    targets.assign(pairs, owners)
 
 
 def _parent(root: Any, path: KeyPath) -> tuple[Any, Any]:

@@ -110,15 +110,14 @@ def fetch(values: Sequence[Any], value_layouts: Sequence[TensorLayout], wanted: 
     return _by_target([of_layout(lay) for lay in value_layouts], batch)
 
 
-def assign(pairs: Sequence[tuple[Any, Any]], owners: Sequence[Target] | None = None) -> None:
+def assign(pairs: Sequence[tuple[Any, Any]], owners: Sequence[Target]) -> None:
     """Put each restored value into its target (`Target.assign`), one call per kind of target; `owners`: each
-    pair's target (`of` its first), where the caller has them already (a restore in place assigns tensor by
-    tensor)."""
+    pair's target (`of` its first), which the caller found when it chose the pair (`assign_in_place`)."""
     def batch(target: Target, where: list[int]) -> list[None]:
         target.assign([pairs[i][0] for i in where], [pairs[i][1] for i in where])
         return [None] * len(where)
 
-    _by_target([of(current) for current, _ in pairs] if owners is None else owners, batch)
+    _by_target(owners, batch)
 
 
 def local_memory(value: Any) -> torch.Tensor | None:
