@@ -38,7 +38,7 @@ from .restores.restore_plan import KeyPlan, RestorePlan, plan_restore
 from .tools.inspection import open_array
 from .version import __version__ as __version__
 
-_zarr_dtypes.register()
+_zarr_dtypes.register_when_imported()
 
 __all__ = [
     "ArrayMetadata",

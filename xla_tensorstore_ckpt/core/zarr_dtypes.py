@@ -1,13 +1,17 @@
 """Registers the data types tensorstore writes but zarr-python 3.1 does not know (bfloat16, float8_*), so that
 ``zarr.open_array`` reads every array of a checkpoint.
 
-Called once from the package ``__init__``; a no-op when zarr-python is not installed. `docs/format.md` shows the
-same registration for readers without this package.
+Set up once from the package ``__init__`` (`register_when_imported`): at once if zarr-python is already imported,
+else when it is, so that importing this package does not import zarr-python (0.15 s) in processes that never use
+it; a no-op when zarr-python is not installed. `docs/format.md` shows the same registration for readers without
+this package.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
+import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,3 +62,34 @@ def register() -> None:
     for name in dtypes.EXTENDED_NAMES:
         if name not in data_type_registry.contents:
             data_type_registry.register(name, _make_zdtype(dtypes.by_name(name)))
+
+
+class _AfterZarrImport(importlib.abc.MetaPathFinder):
+    """Finds zarr-python as the finders after it do, and registers the dtypes once its module has run. It stays in
+    place until then: a `find_spec("zarr")` that only probes runs nothing."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "zarr":
+            return None
+        others = (finder for finder in sys.meta_path if finder is not self and hasattr(finder, "find_spec"))
+        spec = next((found for found in (f.find_spec(name, path, target) for f in others) if found), None)
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module  # a loader of this spec's own: wrapping it touches no other
+
+            def exec_then_register(module) -> None:
+                exec_module(module)
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                register()
+
+            spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def register_when_imported() -> None:
+    """Called by the package ``__init__``: register the dtypes now if zarr-python is imported, else right after
+    its import (whoever imports it). Does not block; raises nothing."""
+    if "zarr" in sys.modules:
+        register()
+    else:
+        sys.meta_path.insert(0, _AfterZarrImport())
