@@ -403,7 +403,7 @@ def test_sketch_adds_the_counts_of_a_slab_up_to_its_highest_bin():
 
 
 def test_recycled_chunk_buffers_are_handed_out_again_once_given_back():
-    recycled = histogram.Recycled(limit=3 * 4096)
+    recycled = histogram.Recycled(limit=2 * 4096)
     first = recycled.empty((32, 32), np.float32)
     again = recycled.empty((1024,), np.int32)  # the first is not given back yet: a buffer of its own
     assert not np.shares_memory(first, again)
@@ -411,10 +411,12 @@ def test_recycled_chunk_buffers_are_handed_out_again_once_given_back():
     reused = recycled.empty((16, 64), np.float32)
     assert np.shares_memory(first, reused) and reused.shape == (16, 64)
     recycled.give(np.empty(1024, np.float32))  # not one of its own: left alone
-    assert not np.shares_memory(first, recycled.empty((1024,), np.float32))
-    for buffer in [recycled.empty((1024,), np.float32) for _ in range(4)]:
-        recycled.give(buffer)
-    assert recycled.kept <= 3 * 4096 and len(recycled.free) == 3
+    third = recycled.empty((1024,), np.float32)
+    assert not recycled.free and not any(np.shares_memory(third, b) for b in (first, again))
+    for given, kept in ((reused, 0), (again, 1), (third, 2)):  # the limit counts the buffers handed out first
+        recycled.give(given)
+        assert len(recycled.free) == kept and recycled.kept == kept * 4096
+    assert np.shares_memory(recycled.empty((4096,), np.uint8), third)  # the most recently given
 
 
 def test_summaries_of_arrays_read_into_recycled_buffers_are_each_their_own(tmp_path):

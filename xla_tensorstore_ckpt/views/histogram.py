@@ -9,7 +9,8 @@ count, min, max, NaN/Inf and zero counts are exact; mean and std within about 1e
 `summaries` reads each chunk once (`scans.iter_chunks`, checksums verified) and reads ahead while the chunks
 already read are binned on `THREADS` long-lived threads (numpy releases the GIL), across array boundaries:
 the next array's first chunks are read while the last ones of this array are binned. At most `max_bytes` of
-chunks are held (half read ahead, half waiting to be binned; one chunk, if larger). Chunks under
+chunks are held (half read ahead, half waiting to be binned; one chunk, if larger), and a chunk's buffer is
+handed to the next read of as many bytes once it is binned (`Recycled`, kept within the same bound). Chunks under
 ``histogram_inline_bytes`` (`tunables`) are binned on the reading thread (a job costs more than they do). Used by
 ``xtckpt stats``, the report and `views.stats_view`; blocks; no torch_xla.
 """
@@ -124,9 +125,9 @@ class Recycled:
     """Chunk buffers for the reader (`empty`, called on the scanning thread) given back once binned (`give`,
     with the chunk `empty` made or a view of it) and handed out again to a chunk of as many bytes: a chunk read
     into fresh memory pays a page fault per page, the kernel zeroing each first (`stats` over the 2.42 GiB model:
-    18-22 thousand minor faults instead of 25-45 thousand). Buffers not in use are kept up to `limit` bytes, the
-    least recently given freed first: enough for a transformer layer's chunks, so the next layer's find theirs.
-    Not thread-safe: one scanning thread. Other arrays given (the diff's, a reader's own) are left alone."""
+    18-22 thousand minor faults instead of 25-45 thousand). Buffers not in use are kept while they and the ones
+    handed out come to at most `limit` bytes, the least recently given freed first. Not thread-safe: one
+    scanning thread. Other arrays given (the diff's, a reader's own) are left alone."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -155,7 +156,8 @@ class Recycled:
             return
         self.free.append(root)
         self.kept += root.nbytes
-        while self.kept > self.limit:
+        room = self.limit - sum(buffer.nbytes for buffer in self.lent.values())  # the chunks held come first
+        while self.free and self.kept > room:
             self.kept -= self.free.pop(0).nbytes
 
 
