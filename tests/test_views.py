@@ -387,3 +387,55 @@ def test_chunks_added_on_threads_give_the_same_summary(tmp_path):
         assert (summary.quantiles, summary.histogram, summary.count, summary.zeros, summary.min, summary.max) == (
             expected.quantiles, expected.histogram, 3072, 768, expected.min, expected.max)
         assert summary.mean == pytest.approx(expected.mean) and summary.std == pytest.approx(expected.std)
+
+
+def test_sketch_adds_the_counts_of_a_slab_up_to_its_highest_bin():
+    """A bincounted slab's counts end at its highest bin (positive values: below the negative ones), added to the
+    sketch's first bins beside slabs whose bins reach further."""
+    rng = np.random.default_rng(5)
+    parts = [np.abs(rng.standard_normal(3 * sketch.SMALL)).astype(np.float32), np.full(sketch.SMALL, 1e-30, np.float32),
+             rng.standard_normal(3 * sketch.SMALL).astype(np.float32)]
+    whole = histogram.ValueSketch()
+    for part in parts:
+        whole.add(part)
+    expected = np.bincount(np.concatenate(parts).view(np.uint32) >> 16, minlength=sketch.BINS)
+    assert np.array_equal(whole.counts, expected)
+
+
+def test_recycled_chunk_buffers_are_handed_out_again_once_given_back():
+    recycled = histogram.Recycled(limit=2 * 4096)
+    first = recycled.empty((32, 32), np.float32)
+    again = recycled.empty((1024,), np.int32)  # the first is not given back yet: a buffer of its own
+    assert not np.shares_memory(first, again)
+    recycled.give(first.view(np.uint32))  # a view of it gives it back
+    reused = recycled.empty((16, 64), np.float32)
+    assert np.shares_memory(first, reused) and reused.shape == (16, 64)
+    recycled.give(np.empty(1024, np.float32))  # not one of its own: left alone
+    third = recycled.empty((1024,), np.float32)
+    assert not recycled.free and not any(np.shares_memory(third, b) for b in (first, again))
+    for given, kept in ((reused, 0), (again, 1), (third, 2)):  # the limit counts the buffers handed out first
+        recycled.give(given)
+        assert len(recycled.free) == kept and recycled.kept == kept * 4096
+    assert np.shares_memory(recycled.empty((4096,), np.uint8), third)  # the most recently given
+
+
+def test_summaries_of_arrays_read_into_recycled_buffers_are_each_their_own(tmp_path):
+    """Arrays of one chunk size in a row: their chunks reuse the buffers of the arrays before them, each only once
+    binned (a buffer handed out again while its chunk waited to be binned would mix two arrays' values)."""
+    g = torch.Generator().manual_seed(6)
+    state = {f"w{i}": torch.randn(64, 48, generator=g) * (i + 1) + i for i in range(6)}
+    xtc.save(tmp_path / "item", {k: xtc.ShardedArray.from_tensor(v, (16, 24), xtc.ShardedArray.grid((64, 48), (16, 24)))
+                                 for k, v in state.items()})
+    checkpoint = inspection.open_checkpoint(str(tmp_path / "item"))
+    arrays = [(inspection.split_key(r.key, checkpoint)[0], r.meta, r.key) for r in inspection.tree_rows(checkpoint)
+              if r.meta is not None]
+    with tunables.overridden(histogram_inline_bytes=0):
+        summaries = list(histogram.summaries(checkpoint, arrays, max_bytes=4 * 16 * 24 * 4))
+    assert [s.key for s in summaries] == sorted(state)
+    for summary in summaries:
+        whole = histogram.ValueSketch()
+        whole.add(state[summary.key].numpy())
+        expected = histogram.summarize(summary.key, "float32", (64, 48), whole)
+        assert (summary.quantiles, summary.histogram, summary.min, summary.max) == (
+            expected.quantiles, expected.histogram, expected.min, expected.max)
+        assert summary.mean == pytest.approx(expected.mean) and summary.std == pytest.approx(expected.std)

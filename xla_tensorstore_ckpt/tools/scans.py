@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .. import arrays, storage
+from ..arrays.base import Empty
 from ..core import dtypes, grid, layout
 from ..core.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from ..core.records import ArrayMetadata, ArrayStore
@@ -47,10 +48,11 @@ def chunk_regions(meta: ArrayMetadata) -> Iterator[tuple[Cell, grid.Index]]:
 
 
 def iter_chunks(checkpoint: Checkpoint, item: str, meta: ArrayMetadata, *, regions: Iterable | None = None,
-                window: int = 8) -> Iterator[tuple[Cell, np.ndarray | Exception]]:
+                window: int = 8, empty: Empty = np.empty) -> Iterator[tuple[Cell, np.ndarray | Exception]]:
     """Every chunk's data of the array `meta` of `item`, or with `regions` ((position, region) pairs) those
     regions' data, or the error reading it; a few reads in flight at a time (memory stays near `window`
-    chunks)."""
+    chunks). The data are read into buffers from `empty` (called on this thread: a caller that knows when it
+    is done with a chunk may hand out buffers again, as `views.histogram` does)."""
     loc = checkpoint.item_location(item).child(meta.path)
     try:
         stored = checkpoint.open(item, meta)
@@ -67,7 +69,7 @@ def iter_chunks(checkpoint: Checkpoint, item: str, meta: ArrayMetadata, *, regio
     WALKED.add(arrays=1)
     for cell, region in cells:
         WALKED.add(chunks=1)
-        queue.append((cell, stored.read([region])[region]))
+        queue.append((cell, stored.read([region], empty)[region]))
         if len(queue) >= window:
             yield _take(queue.pop(0))
     while queue:

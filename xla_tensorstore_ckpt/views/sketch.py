@@ -6,8 +6,9 @@ A value's bin is the top 16 bits of its float32 form (sign, exponent and the top
 bits, no arithmetic), so a bin spans a relative width of 2^-7; values that bfloat16 holds exactly (bfloat16,
 float8, int8, uint8, bool) each have a bin of their own. A float32 slab of `SLAB` values costs five reading
 passes and no allocation of its size: the bins (their bit patterns widened into a reused int64 buffer, one
-``np.bincount``, whose 65,536 counts are added to the sketch whole), min, max, the sum and the sum of squares
-(the slab as rows of `ROW` values summed down the columns: one reduction, one ``einsum``). NaN/Inf and zeros
+``np.bincount``, whose counts up to the highest bin present are added to the sketch whole), min, max, the sum
+and the sum of squares (the slab as rows of `ROW` values summed down the columns: one reduction, one
+``einsum``). NaN/Inf and zeros
 are looked for in the values only when the bins show them (the exponent-all-ones bins; the two bins around zero,
 then one integer count of the words that are zero), so finite data without zeros takes no extra pass. For
 bfloat16 and the 8-bit types every statistic comes from the bins, exactly: a slab costs the bincount alone.
@@ -134,7 +135,7 @@ class ValueSketch:
     def _take(self, part: _Part) -> None:
         with self._lock:
             if part.present is None:
-                self.counts += part.counts
+                self.counts[:part.counts.size] += part.counts
             else:
                 self.counts[part.present] += part.counts
             self.nan += part.nan
@@ -241,16 +242,17 @@ def _slab_part(values: np.ndarray) -> _Part:
 
 
 def _bins(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """(counts, present) of uint16 bin numbers: for `SMALL` or more, every bin's count (`present` None) by one
-    bincount of them widened into this thread's int64 buffer (added to a sketch whole: no search for the bins
-    present); for fewer, (their counts, the bins present) by a radix sort (a bincount zeroes 65,536 bins)."""
+    """(counts, present) of uint16 bin numbers: for `SMALL` or more, the counts of bins 0 to the highest present
+    (`present` None) by one bincount of them widened into this thread's int64 buffer (added to a sketch whole: no
+    search for the bins present); for fewer, (their counts, the bins present) by a radix sort (a bincount zeroes
+    up to 65,536 bins)."""
     if codes.size < SMALL:
         ordered = np.sort(codes, kind="stable")  # radix sort for 16-bit integers
         starts = np.flatnonzero(np.diff(ordered)) + 1
         return np.diff(np.r_[0, starts, codes.size]), ordered[np.r_[0, starts]].astype(np.intp)
     wide, low16 = _codes()
     low16[:codes.size] = codes
-    return np.bincount(wide[:codes.size], minlength=BINS), None
+    return np.bincount(wide[:codes.size]), None  # up to the highest bin present: less to zero and to add
 
 
 def _any_in(counts: np.ndarray, present: np.ndarray | None, first: int, stop: int) -> bool:
