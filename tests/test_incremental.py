@@ -248,6 +248,8 @@ def test_delta_encodings_round_trip_and_refuse_damage(changed):
     frame = deltas.encode(new, base)
     assert frame[0] == (2 if changed * deltas.SPARSE_EVERY <= base.size else 0)
     assert (deltas.apply(base, frame) == new).all()
+    # frames are written at `deltas.LEVEL`; those of zstd's default level (written before) apply alike
+    assert (deltas.apply(base, deltas.encode(new, base, level=3)) == new).all()
     with pytest.raises(ValueError):
         deltas.apply(base, frame[:-3])
     # the sparse frames written before one-byte gaps (kind 1: uint32 gaps) still apply

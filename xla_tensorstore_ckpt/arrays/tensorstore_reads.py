@@ -7,6 +7,7 @@ by `local_chunks` for the arrays it does not cover, and by `formats.orbax` to le
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,6 +35,11 @@ class TensorstoreReader(ArrayReader):
         self._driver = item.kvstore_spec()["driver"]
         self._bytes_read_at_start = _kvstore_bytes_read(self._driver)
         self._checked_files = False  # the item's local files, for special files, before tensorstore opens one
+        # What this reader reads is as fresh as this moment at least: an OCDBT store's manifest fetched since
+        # (for one array of the item) serves every other array's metadata and chunk reads, rather than being
+        # fetched again (a conditional request) for nearly every read issued apart from the others. The cache
+        # of manifests is the operation's own (`operation_context`), so no earlier operation's copy is trusted.
+        self.fresh_since = time.time()
 
     @property
     def context(self) -> ts.Context:
@@ -71,16 +77,17 @@ class TensorstoreReader(ArrayReader):
             # backend, which refuses them likewise.
             if self.store.kind != "ocdbt":
                 storage.check_regular_files(ref.location)
-                return _Opening(ref, Ready(ref.location.read(metadata)), metadata, "zarr3" if zarr3 else "zarr")
+                return _Opening(ref, Ready(ref.location.read(metadata)), metadata, "zarr3" if zarr3 else "zarr",
+                                self.fresh_since)
             if not self._checked_files:
                 storage.check_regular_files(self.item)
                 self._checked_files = True
         try:
             kvstore = ts.KvStore.open(ref.kvstore_spec(), context=self.context).result()
-            reading = kvstore.read(metadata)
+            reading = kvstore.read(metadata, staleness_bound=self.fresh_since)
         except ValueError as exc:
             raise error("cannot open array", ref.location, exc, writing=False) from exc
-        return _Opening(ref, reading, metadata, "zarr3" if zarr3 else "zarr")
+        return _Opening(ref, reading, metadata, "zarr3" if zarr3 else "zarr", self.fresh_since)
 
 
 _ZARR2_METADATA = ".zarray"
@@ -90,10 +97,12 @@ class _Opening:
     """An array being opened: its metadata file being read: a kvstore read, or the bytes (None: missing) read
     already."""
 
-    __slots__ = ("ref", "reading", "name", "driver")
+    __slots__ = ("ref", "reading", "name", "driver", "fresh_since")
 
-    def __init__(self, ref: ArrayRef, reading: ts.Future | Ready, name: str, driver: str):
+    def __init__(self, ref: ArrayRef, reading: ts.Future | Ready, name: str, driver: str,
+                 fresh_since: float | None = None):
         self.ref, self.reading, self.name, self.driver = ref, reading, name, driver
+        self.fresh_since = fresh_since
 
     def result(self) -> TensorstoreArray:
         where = f"{self.ref.location}/{self.name}"
@@ -109,6 +118,8 @@ class _Opening:
         _check_zarr_grid(doc, self.driver, where)
         spec = {"driver": self.driver, "kvstore": self.ref.kvstore_spec(), "metadata": doc, "assume_metadata": True,
                 "fill_missing_data_reads": self.ref.store.fill_missing}
+        if self.fresh_since is not None:
+            spec["recheck_cached_data"] = self.fresh_since
         try:
             return TensorstoreArray(ts.open(spec, context=self.ref.context_or_default, read=True).result(),
                                     self.ref.location)

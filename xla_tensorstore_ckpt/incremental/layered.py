@@ -68,10 +68,18 @@ class LayeredReader(ArrayReader):
     def open(self, meta: ArrayMetadata) -> arrays.Opening:
         if meta.path not in self.refs.arrays:
             return self.own.open(meta)
+        where = self.chunk_steps(meta.path)
+        self.want_frames(where)
+        # The bases' arrays are opened now, beside the other arrays' openings, not when the restore waits for
+        # each: an OCDBT store's reads issued together share its manifest's fetch (opened one by one, a base
+        # store's manifest was fetched again for nearly every array: 46 requests of a delta restore's 103 on
+        # gs://, against 16 for a full restore's store).
+        steps = sorted({s for s, _ in where.values() if s is not None}
+                       | {d[0] for _, d in where.values() if d is not None})
+        bases = {s: self.base_array(s, meta) for s in steps}
         # An array none of whose chunks is in this item's store is not opened there (its metadata read and
         # parsed for nothing: a third of a delta step's opens on an object store, each a request's CPU)
-        return _Opening(self, meta, None if _all_elsewhere(self.chunk_steps(meta.path), meta)
-                        else self.own.open(meta))
+        return _Opening(self, meta, None if _all_elsewhere(where, meta) else self.own.open(meta), where, bases)
 
     def close(self) -> None:
         self.own.close()
@@ -208,17 +216,13 @@ def _all_elsewhere(where: dict[tuple[int, ...], Where], meta: ArrayMetadata) -> 
 
 
 class _Opening:
-    def __init__(self, reader: LayeredReader, meta: ArrayMetadata, own: arrays.Opening | None):
-        self.reader, self.meta, self.own = reader, meta, own
+    def __init__(self, reader: LayeredReader, meta: ArrayMetadata, own: arrays.Opening | None,
+                 where: dict[tuple[int, ...], Where], bases: dict[int, arrays.Opening]):
+        self.reader, self.meta, self.own, self.where, self.bases = reader, meta, own, where, bases
 
     def result(self) -> StoredArray:
-        where = self.reader.chunk_steps(self.meta.path)
-        self.reader.want_frames(where)
-        steps = sorted({s for s, _ in where.values() if s is not None}
-                       | {d[0] for _, d in where.values() if d is not None})
-        bases = {s: self.reader.base_array(s, self.meta) for s in steps}
         return LayeredArray(None if self.own is None else self.own.result(),
-                            {s: o.result() for s, o in bases.items()}, where,
+                            {s: o.result() for s, o in self.bases.items()}, self.where,
                             lambda link: self.reader.read_frame(link, self.meta),
                             self.reader.item.child(self.meta.path))
 
