@@ -76,3 +76,12 @@ def test_carved_slices_fit_the_capacity_and_are_counted():
     ends.reset(1 << 20)  # larger than the buffer: another is taken at the next cut
     assert len(ends.cut((1 << 20,))) == 1 << 20
     ends.give_back()
+
+
+def test_a_view_of_a_threads_buffer_is_that_buffer_or_a_grown_one():
+    held = buffers.of_thread("test_view", 8192)
+    view = buffers.view_of_thread("test_view", 4096)
+    assert len(view) == 4096 and _address(np.frombuffer(view, np.uint8)) == _address(held)
+    grown = buffers.view_of_thread("test_view", 3 * 8192)
+    assert len(grown) == 3 * 8192 and _address(np.frombuffer(grown, np.uint8)) != _address(held)
+    assert _address(buffers.of_thread("test_view", 10)) == _address(np.frombuffer(grown, np.uint8))

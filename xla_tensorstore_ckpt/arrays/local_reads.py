@@ -57,14 +57,18 @@ def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: 
             raise StorageError(f"cannot open {where}: {exc}") from exc
     try:
         direct_path = path if own else f"/proc/self/fd/{fd}"
-        end = max(at + len(view) for at, view, _ in tagged)
-        nbytes = sum(len(view) for _, view, _ in tagged)
-        checksum = None if _cached(fd, tagged[0][0], end) else _read_direct(direct_path, tagged, where)
+        end = nbytes = 0
+        for at, view, _ in tagged:
+            end, nbytes = max(end, at + len(view)), nbytes + len(view)
+        cached, counted = page_cache.probe(fd, tagged[0][0], end)  # `_cached`, counted with the read below
+        checksum = None if cached else _read_direct(direct_path, tagged, where)
         if checksum is None:
             checksum = _read_buffered(fd, tagged, where)
-            COUNTS.add(buffered_reads=1, buffered_bytes=nbytes)
+            COUNTS.add(cache_probes=1, cached_probes=int(cached), nowait_probes=int(not counted), buffered_reads=1,
+                       buffered_bytes=nbytes)
         else:
-            COUNTS.add(direct_reads=1, direct_bytes=nbytes)
+            COUNTS.add(cache_probes=1, cached_probes=0, nowait_probes=int(not counted), direct_reads=1,
+                       direct_bytes=nbytes)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
     finally:
@@ -284,9 +288,10 @@ def _read_direct(path: str, runs: list[tuple[int, memoryview, bool]], where: str
     if fd is None:
         return None
     checksum = 0
+    window_bytes = tunables.get("read_window_bytes")
     try:
-        window = _window()
-        for start, parts in _by_window(runs):
+        window = buffers.view_of_thread("read_window", window_bytes)  # `_window`
+        for start, parts in _by_window(runs, window_bytes):
             stop = -(-max(source + len(dest) for source, dest, _ in parts) // ALIGN) * ALIGN
             try:
                 got = _fill(fd, window[:stop - start], start)
@@ -316,10 +321,17 @@ def copy_bytes(dest: memoryview, source: memoryview) -> None:
         np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(source, np.uint8))
 
 
-def _by_window(runs: list[tuple[int, memoryview, bool]]) -> list[tuple[int, list[tuple[int, memoryview, bool]]]]:
-    """The runs (sorted) cut at the boundaries of windows (``tunables`` ``read_window_bytes``) aligned in the
-    file, grouped by window, in file order: (the aligned offset the window's read starts at, its parts)."""
-    window_bytes = tunables.get("read_window_bytes")
+def _by_window(runs: list[tuple[int, memoryview, bool]],
+               window_bytes: int) -> list[tuple[int, list[tuple[int, memoryview, bool]]]]:
+    """The runs (sorted) cut at the boundaries of windows of `window_bytes` (``tunables`` ``read_window_bytes``)
+    aligned in the file, grouped by window, in file order: (the aligned offset the window's read starts at, its
+    parts)."""
+    end = 0
+    for source, dest, _ in runs:
+        end = max(end, source + len(dest))
+    first = runs[0][0] if runs else 0
+    if end > first and first // window_bytes == (end - 1) // window_bytes:
+        return [(first // ALIGN * ALIGN, runs)]  # all in one window, nothing to cut: a chunk's read, mostly
     groups: dict[int, list[tuple[int, memoryview, bool]]] = {}
     for source, dest, checksummed in runs:
         while len(dest):
@@ -327,7 +339,7 @@ def _by_window(runs: list[tuple[int, memoryview, bool]]) -> list[tuple[int, list
             take = min(len(dest), base + window_bytes - source)
             groups.setdefault(base, []).append((source, dest[:take], checksummed))
             source, dest = source + take, dest[take:]
-    return [(min(s for s, _, _ in parts) // ALIGN * ALIGN, parts) for _, parts in sorted(groups.items())]
+    return [(parts[0][0] // ALIGN * ALIGN, parts) for _, parts in sorted(groups.items())]  # parts in file order
 
 
 def _fill(fd: int, view: memoryview, at: int) -> int:
@@ -353,5 +365,5 @@ def _window(nbytes: int = 0) -> memoryview:
     0.47-0.55 s buffered."""
     window_bytes = tunables.get("read_window_bytes")
     if nbytes > window_bytes:
-        return memoryview(buffers.of_thread("large_read_window", nbytes))
-    return memoryview(buffers.of_thread("read_window", window_bytes))
+        return buffers.view_of_thread("large_read_window", nbytes)
+    return buffers.view_of_thread("read_window", window_bytes)

@@ -110,6 +110,15 @@ def of_thread(name: str, count: int, dtype: np.dtype | type = np.uint8) -> np.nd
     return held[:nbytes].view(dtype)
 
 
+def view_of_thread(name: str, nbytes: int) -> memoryview:
+    """`of_thread` of `nbytes` bytes as a memoryview: a direct read's window, asked before each of a restore's
+    thousands of reads, so without `of_thread`'s dtype handling where the buffer is large enough already."""
+    held = _held.buffers.get(name)
+    if held is None or len(held) < nbytes:
+        return memoryview(of_thread(name, nbytes))
+    return memoryview(held)[:nbytes]
+
+
 def of_thread_made(name: str, make: Callable[[], T]) -> T:
     """This thread's own `name`, made by `make()` on first use and kept for the thread's life: small fixed
     structures passed to system calls again and again (a ``cachestat`` range and its answer), where making them

@@ -63,7 +63,7 @@ class TensorLayout:
     shards: tuple[LocalShard, ...]
     sharding: SavedSharding | None = None
 
-    @property
+    @cached_property
     def chunk_shape(self) -> tuple[int, ...]:
         return tuple(max(1, s) for s in self.shard_shape)
 

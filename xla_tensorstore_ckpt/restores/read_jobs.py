@@ -92,9 +92,16 @@ def read_regions(indices: tuple[Index, ...], meta: ArrayMetadata, amplification:
     every process (`replica_plans`)."""
     if len(indices) <= 1:
         return indices
-    box = tuple((min(i[d][0] for i in indices), max(i[d][1] for i in indices)) for d in range(len(meta.shape)))
+    # Loops, not generators: a restore of thousands of small sharded arrays computes this for each.
+    starts, stops, shard_elements = [a for a, _ in indices[0]], [b for _, b in indices[0]], 0
+    for index in indices:
+        elements = 1
+        for d, (a, b) in enumerate(index):
+            starts[d], stops[d], elements = min(starts[d], a), max(stops[d], b), elements * (b - a)
+        shard_elements += elements
+    box = tuple(zip(starts, stops))
     box_elements = math.prod(b - a for a, b in box)
-    tiled = sum(math.prod(b - a for a, b in i) for i in indices) == box_elements
+    tiled = shard_elements == box_elements
     small = box_elements * dtypes.by_name(meta.dtype).itemsize <= SMALL_READ_BYTES
     if tiled and (small or sum(_fetched(meta, i) for i in indices) > amplification * _fetched(meta, box)):
         return (box,)
@@ -121,10 +128,15 @@ def max_amplification(fetches_once: bool, cheap_refetch: bool) -> float:
 def jobs(saved: dict, wanted: dict, max_amplification: float) -> list[ReadJob]:
     """The reads of every array `wanted` asks for (target leaves by key path, as `restoring` matches them): what the
     restore reads, and what `restore_plan` reports."""
-    references = {p: (t.reference, t.dtype) if isinstance(t, RestoreAs) else (t, t.dtype)
-                  for p, t in wanted.items() if is_array_target(t)}
-    refs = [(p, ref, targets.of(ref)) for p, (ref, _) in references.items()]
-    layouts = dict(zip([p for p, _, _ in refs], targets.layouts([r for _, r, _ in refs], [t for _, _, t in refs])))
+    references: dict[layout.KeyPath, tuple[Any, torch.dtype]] = {}
+    owners = []  # the target of each reference, asked once
+    for p, t in wanted.items():
+        ref = t.reference if isinstance(t, RestoreAs) else t
+        owner = targets.of(ref)
+        if owner is not None or isinstance(t, RestoreAs):  # `is_array_target`
+            references[p] = ref, t.dtype
+            owners.append(owner)
+    layouts = dict(zip(references, targets.layouts([r for r, _ in references.values()], owners)))
     out = []
     for path in wanted:
         meta = saved[path]

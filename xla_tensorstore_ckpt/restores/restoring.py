@@ -200,7 +200,8 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
         if path not in saved:
             continue
         stored = saved[path]
-        if is_array_target(value):
+        array = is_array_target(value)
+        if array:
             reference = value.reference if isinstance(value, RestoreAs) else value
             if not isinstance(stored, ArrayMetadata):
                 raise UnsupportedValueError(
@@ -211,5 +212,5 @@ def _match(loc: storage.Location, saved: dict, target: dict, strict: bool) -> di
                     f"cannot restore {tree.format_key_path(path)}: checkpoint shape {stored.shape} at "
                     f"{loc.child(stored.path)} does not match target shape {tuple(reference.shape)}",
                     key=tree.format_key_path(path), saved_shape=stored.shape, target_shape=tuple(reference.shape))
-        wanted[path] = value if is_array_target(value) else None
+        wanted[path] = value if array else None
     return wanted

@@ -28,6 +28,12 @@ def grid_regions(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[
     return tuple(grid.regions(shape, chunk_shape))
 
 
+@lru_cache(maxsize=4096)
+def grid_sizes(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The elements of each region of `grid_regions`, in its order."""
+    return tuple(math.prod(b - a for a, b in region) for region in grid_regions(shape, chunk_shape))
+
+
 def local_chunks(lay: TensorLayout, chunk_shape: tuple[int, ...]) -> dict[Index, LocalShard]:
     """The chunks whose data this process holds, each with the local shard (lowest replica) holding it."""
     if chunk_shape == lay.chunk_shape and targets.of_layout(lay).SHARDS_ARE_CHUNKS:  # chunks are the shards
@@ -57,9 +63,11 @@ def assign(local: list[tuple[ArrayMetadata, TensorLayout]], holdings: list[write
     for (meta, _), groups, chunks in zip(local, holdings, own):
         held = None if groups is None else writer_plans.chunk_holders(meta.shape, meta.chunk_shape, groups)
         derived.append(held if held is not None and writer_plans.holds_own(held, coordinator.index, chunks) else None)
-    digest = writer_plans.digest([(meta.path, meta.shape, meta.dtype, meta.chunk_shape,
-                                   groups if held is not None else None)
-                                  for (meta, _), groups, held in zip(local, holdings, derived)])
+    digest = 0  # alone, there is no one to agree with
+    if coordinator.distributed:
+        digest = writer_plans.digest([(meta.path, meta.shape, meta.dtype, meta.chunk_shape,
+                                       groups if held is not None else None)
+                                      for (meta, _), groups, held in zip(local, holdings, derived)])
     gather, high, low = coordinator.reduce_max([int(any(held is None for held in derived)), digest, -digest],
                                                "agreeing on the writers of the chunks")
     if high != -low:  # the processes derived differently (or save other trees): gather every chunk list
@@ -87,8 +95,8 @@ def assign(local: list[tuple[ArrayMetadata, TensorLayout]], holdings: list[write
             held = dict.fromkeys(regions, tuple(range(coordinator.count)))
         chunk_shapes[meta.path] = meta.chunk_shape
         itemsize = dtypes.by_name(meta.dtype).itemsize
-        chunks.extend(((meta.path, region), math.prod(b - a for a, b in region) * itemsize, held[region])
-                      for region in regions)
+        chunks.extend(((meta.path, region), size * itemsize, held[region])
+                      for region, size in zip(regions, grid_sizes(meta.shape, meta.chunk_shape)))
     return chunk_shapes, balance(chunks, coordinator.count)
 
 

@@ -47,6 +47,7 @@ def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[Lo
     for i, p in enumerate(batch):
         if p.owned and p.sources:  # a host tensor planning made: it is its one whole shard (hundreds per step)
             out[i] = {p.sources[0]: p.value}
+    device = [0, 0, 0]  # arrays, shards, bytes fetched from devices: counted once per batch
     for copy in (True, False):
         where = [i for i, p in enumerate(batch) if not p.owned and copy_cpu == copy]
         if not where:
@@ -56,7 +57,12 @@ def fetch_sources(batch: Sequence[ArrayPlan], *, copy_cpu: bool) -> list[dict[Lo
         for i, shards in zip(where, fetched):
             out[i] = dict(zip(batch[i].sources, shards))
             if targets.of_layout(batch[i].layout).DEVICE_BOUND:
-                FETCHED.add(device_arrays=1, device_shards=len(shards), device_bytes=sum(s.nbytes for s in shards))
+                device[0] += 1
+                device[1] += len(shards)
+                for shard in shards:
+                    device[2] += shard.nbytes
+    if device[0]:
+        FETCHED.add(device_arrays=device[0], device_shards=device[1], device_bytes=device[2])
     return out
 
 

@@ -29,6 +29,8 @@ __all__ = ["TARGETS", "Target", "assign", "fetch", "is_global", "layouts", "loca
 
 # In the order asked: the first target that claims a value owns it (`cpu` claims any tensor: last).
 TARGETS: tuple[Target, ...] = (host, dtensor, xla, cpu)  # type: ignore[assignment]
+# The same by name, for `named`: asked for every array of a save or restore, several times each.
+_BY_NAME: dict[str, Target] = {t.NAME: t for t in TARGETS}
 
 T = TypeVar("T")
 
@@ -37,18 +39,20 @@ def register(target: Target) -> None:
     """Add a tensor kind, asked before those registered so far (the CPU target claims any tensor, so a new kind
     must come first). Called once, at import, by the code adding a kind (or by a test); not thread-safe against
     saves and restores running meanwhile. Raises `UsageError` if a kind of the same `NAME` is registered."""
-    global TARGETS
+    global TARGETS, _BY_NAME
     if any(t.NAME == target.NAME for t in TARGETS):
         raise UsageError(f"a tensor kind named {target.NAME!r} is already registered")
     TARGETS = (target, *TARGETS)
+    _BY_NAME = {t.NAME: t for t in TARGETS}
 
 
 def unregister(name: str) -> None:
     """Remove the tensor kind `name` that `register` added (a test's toy kind). Raises `UsageError` if there is
     none."""
-    global TARGETS
+    global TARGETS, _BY_NAME
     named(name)
     TARGETS = tuple(t for t in TARGETS if t.NAME != name)
+    _BY_NAME = {t.NAME: t for t in TARGETS}
 
 
 def of(value: Any) -> Target | None:
@@ -61,14 +65,15 @@ def of(value: Any) -> Target | None:
 
 def named(name: str) -> Target:
     """The target called `name` (`TensorLayout.target`). Raises `UsageError` if none is registered."""
-    for target in TARGETS:
-        if target.NAME == name:
-            return target
+    target = _BY_NAME.get(name)
+    if target is not None:
+        return target
     raise UsageError(f"no tensor kind {name!r} is registered (known: {', '.join(t.NAME for t in TARGETS)})")
 
 
 def of_layout(layout: TensorLayout) -> Target:
-    return named(layout.target)
+    target = _BY_NAME.get(layout.target)
+    return target if target is not None else named(layout.target)
 
 
 def _by_target(owners: Sequence[Target], batch: Callable[[Target, list[int]], list[T]]) -> list[T]:

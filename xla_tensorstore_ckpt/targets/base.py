@@ -9,7 +9,6 @@ in place. The save and restore paths ask the target; none of them names a kind.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -115,13 +114,20 @@ class Target(Protocol):
 
 def region(index: Index, reads: dict) -> Any:
     """The data of `index` (a numpy view into the read that contains it), or None for an empty shard."""
-    if math.prod(b - a for a, b in index) == 0:
-        return None
+    # Loops, not generators: asked for every shard of every array a restore builds.
+    for a, b in index:
+        if a == b:
+            return None
     for read, data in reads.items():
         if index == read:
             return data
-        if all(ra <= a and b <= rb for (a, b), (ra, rb) in zip(index, read)):
-            return data[tuple(slice(a - ra, b - ra) for (a, b), (ra, _) in zip(index, read))]
+        cut = []
+        for (a, b), (ra, rb) in zip(index, read):
+            if a < ra or rb < b:
+                break
+            cut.append(slice(a - ra, b - ra))
+        else:
+            return data[tuple(cut)]
     raise AssertionError(f"no read covers {index}")  # the reads are planned to cover every shard
 
 

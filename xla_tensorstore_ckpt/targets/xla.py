@@ -185,7 +185,11 @@ def device_processes() -> tuple[int, ...] | None:
     holding as many (device d belongs to process d // addressable count). None if the counts do not divide. A
     plan derived from it is checked against the shards each process holds (`writer_plans`)."""
     load()
-    total, local = xr.global_runtime_device_count(), xr.addressable_runtime_device_count()
+    return _device_processes(xr.global_runtime_device_count(), xr.addressable_runtime_device_count())
+
+
+@lru_cache(maxsize=16)
+def _device_processes(total: int, local: int) -> tuple[int, ...] | None:
     if not local or total % local:
         return None
     return tuple(d // local for d in range(total))
@@ -202,6 +206,7 @@ def layouts(tensors: Sequence[torch.Tensor], signatures: Sequence[tuple] | None 
     by_tensor = dict(zip(tiled, replica_indices))
     devices = _X._xla_get_runtime_devices()
     num_devices = xr.global_runtime_device_count()
+    mesh = mesh_key() if tiled else None  # once: it is the same for every tensor
     out = []
     for i, (tensor, spec) in enumerate(zip(tensors, hlo)):
         shape = tuple(tensor.shape)
@@ -211,7 +216,7 @@ def layouts(tensors: Sequence[torch.Tensor], signatures: Sequence[tuple] | None 
             shards = tuple(
                 LocalShard(pos, devices[pos], tuple((s.start, s.stop) for s in index), replica)
                 for pos, (replica, index) in enumerate(by_tensor[i]))
-            sharding = _saved_sharding(spec, tiles, order, replicas, num_devices, len(shape))
+            sharding = _saved_sharding(spec, tiles, order, replicas, num_devices, len(shape), mesh)
             out.append(TensorLayout(shape, NAME, shard_shape, shards, sharding))
         elif spec:
             shards = tuple(LocalShard(pos, dev, full_index(shape), pos) for pos, dev in enumerate(devices))
@@ -290,6 +295,7 @@ def _release(tensor: torch.Tensor) -> None:
         _X._replace_xla_tensor(tensor, torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device))
 
 
+@lru_cache(maxsize=4096)  # a layout and a holding ask for each tensor's; a model has a few shardings
 def parse_hlo_sharding(spec: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """Tiles per tensor dimension, the device order of the tile assignment, and the replication factor of an
     HLO sharding string such as ``{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}``."""
@@ -311,17 +317,14 @@ def parse_hlo_sharding(spec: str, rank: int) -> tuple[tuple[int, ...], tuple[int
 
 
 def _saved_sharding(spec: str, tiles: tuple[int, ...], order: tuple[int, ...], replicas: int,
-                    num_devices: int, rank: int) -> SavedSharding:
-    mesh = xs.get_global_mesh()
+                    num_devices: int, rank: int, mesh: tuple | None) -> SavedSharding:
+    """`mesh`: the global mesh's `mesh_key`."""
     partition_spec = None
-    if mesh is not None and len(mesh.device_ids) == num_devices:
-        partition_spec = _match_partition_spec(
-            tuple(int(d) for d in np.asarray(mesh.device_ids).reshape(-1)), tuple(mesh.mesh_shape),
-            tuple(mesh.axis_names) if mesh.axis_names else None, tiles, order, replicas, rank)
+    if mesh is not None and len(mesh[0]) == num_devices:
+        partition_spec = _match_partition_spec(*mesh, tiles, order, replicas, rank)
     if partition_spec is None:
         return SavedSharding(spec, tiles, replicas, num_devices)
-    return SavedSharding(spec, tiles, replicas, num_devices, tuple(mesh.mesh_shape),
-                         tuple(mesh.axis_names) if mesh.axis_names else None, partition_spec)
+    return SavedSharding(spec, tiles, replicas, num_devices, mesh[1], mesh[2], partition_spec)
 
 
 @lru_cache(maxsize=4096)
