@@ -60,15 +60,12 @@ def read_runs(path: str, runs: list[tuple[int, memoryview]], where: str, *, fd: 
         end = nbytes = 0
         for at, view, _ in tagged:
             end, nbytes = max(end, at + len(view)), nbytes + len(view)
-        cached, counted = page_cache.probe(fd, tagged[0][0], end)  # `_cached`, counted with the read below
-        checksum = None if cached else _read_direct(direct_path, tagged, where)
+        checksum = None if _cached(fd, tagged[0][0], end) else _read_direct(direct_path, tagged, where)
         if checksum is None:
             checksum = _read_buffered(fd, tagged, where)
-            COUNTS.add(cache_probes=1, cached_probes=int(cached), nowait_probes=int(not counted), buffered_reads=1,
-                       buffered_bytes=nbytes)
+            COUNTS.add(buffered_reads=1, buffered_bytes=nbytes)
         else:
-            COUNTS.add(cache_probes=1, cached_probes=0, nowait_probes=int(not counted), direct_reads=1,
-                       direct_bytes=nbytes)
+            COUNTS.add(direct_reads=1, direct_bytes=nbytes)
     except OSError as exc:
         raise StorageError(f"cannot read {where}: {exc}") from exc
     finally:
@@ -288,10 +285,9 @@ def _read_direct(path: str, runs: list[tuple[int, memoryview, bool]], where: str
     if fd is None:
         return None
     checksum = 0
-    window_bytes = tunables.get("read_window_bytes")
     try:
-        window = buffers.view_of_thread("read_window", window_bytes)  # `_window`
-        for start, parts in _by_window(runs, window_bytes):
+        window = _window()
+        for start, parts in _by_window(runs, len(window)):
             stop = -(-max(source + len(dest) for source, dest, _ in parts) // ALIGN) * ALIGN
             try:
                 got = _fill(fd, window[:stop - start], start)

@@ -42,7 +42,7 @@ def cached_pages(fd: int, start: int, stop: int) -> int | None:
         return None
     # This thread's own structures, reused: a restore probes before each of its thousands of reads, and making
     # them anew cost more than the system call.
-    span, counts, span_ref, counts_ref, _ = buffers.of_thread_made("page_cache_calls", _make_buffers)  # `_buffers`
+    span, counts, span_ref, counts_ref, _ = _buffers()
     span.off, span.len = start, stop - start
     if call(_CACHESTAT, fd, span_ref, counts_ref, 0) == 0:
         return counts.nr_cache

@@ -72,8 +72,7 @@ def named(name: str) -> Target:
 
 
 def of_layout(layout: TensorLayout) -> Target:
-    target = _BY_NAME.get(layout.target)
-    return target if target is not None else named(layout.target)
+    return named(layout.target)
 
 
 def _by_target(owners: Sequence[Target], batch: Callable[[Target, list[int]], list[T]]) -> list[T]:
