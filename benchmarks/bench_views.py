@@ -68,13 +68,17 @@ def floor(path: str) -> None:
 
 def read(path: str) -> None:
     from xla_tensorstore_ckpt.tools import inspection, scans
+    from xla_tensorstore_ckpt.views import histogram
 
     checkpoint = inspection.open_checkpoint(path)
+    recycled = histogram.Recycled(histogram.DEFAULT_MAX_BYTES)  # the buffers stats reads into, as fast to read into
     for row in inspection.tree_rows(checkpoint):
         if row.meta is not None:
-            for _, data in scans.iter_chunks(checkpoint, inspection.split_key(row.key, checkpoint)[0], row.meta):
+            for _, data in scans.iter_chunks(checkpoint, inspection.split_key(row.key, checkpoint)[0], row.meta,
+                                             empty=recycled.empty):
                 if isinstance(data, Exception):
                     raise data
+                recycled.give(data)
 
 
 def worker(contender: str, path: str, out: str) -> dict:

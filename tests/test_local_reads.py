@@ -289,6 +289,33 @@ def test_a_held_descriptor_is_read_cold_even_after_its_name_is_removed(tmp_path,
     assert bytes(out) == payload[100:20100]
 
 
+def test_aligned_runs_into_aligned_buffers_are_read_straight_in_and_checksummed_in_file_order(tmp_path, monkeypatch):
+    """A cold run whose file offset and destination are page-aligned is read into the destination, with no copy
+    out of a window (what `views.histogram`'s buffers get); what lies around it still goes through the window,
+    and the checksum is still of every checksummed run in file order."""
+    path, data = _file(tmp_path, 2 << 20)
+    _cold(path)
+    if not _direct_supported(path):
+        pytest.skip("no O_DIRECT on this file system: every read is buffered")
+    straight_a, straight_b = buffers.new(600_000), buffers.new(300 << 10)
+    spans = [(0, 600_000, straight_a), (600_100, 5000, None), (1 << 20, 300 << 10, straight_b),
+             ((1 << 20) + (300 << 10), 400_000, None), (1_900_000, 197_152 - 3, None)]
+    outs = [buffer[:n] if buffer is not None else np.zeros(n + 1, np.uint8)[1:] for _, n, buffer in spans]
+    runs = [(at, memoryview(out)) for (at, _, _), out in zip(spans, outs)]
+    copies = []
+    copy_bytes = local_reads.copy_bytes
+    monkeypatch.setattr(local_reads, "copy_bytes", lambda dest, source: (copies.append(len(dest)),
+                                                                       copy_bytes(dest, source)))
+    checksum = local_reads.read_runs(path, runs[::-1], "the test file", checksummed=len(runs))
+    assert [bytes(o) for o in outs] == [data[at:at + n] for at, n, _ in spans]
+    assert checksum == crc32c.crc32c(b"".join(data[at:at + n] for at, n, _ in spans))
+    # straight in: all but the last 600_000 % 4096 bytes of the first run, the whole third; the rest copied
+    assert sorted(copies) == sorted([600_000 % 4096, 5000, 400_000, 197_152 - 3])
+    tail = buffers.new(1 << 20)
+    with pytest.raises(CorruptCheckpointError, match="the test file: the file ends before"):
+        local_reads.read_runs(path, [((1 << 20) + (512 << 10), memoryview(tail))], "the test file")
+
+
 def test_direct_reads_go_through_windows_advised_to_use_huge_pages(tmp_path):
     # A direct request is built from its buffer's physically contiguous runs, of which a disk takes a limited
     # number: in 4 KiB pages a window went to the disk here in requests of 512 KiB, in 2 MiB pages of 4 MiB.

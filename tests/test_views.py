@@ -18,7 +18,7 @@ from hf_files import write_hf_dir
 
 import xla_tensorstore_ckpt as xtc
 from xla_tensorstore_ckpt import cli, storage, views
-from xla_tensorstore_ckpt.core import tunables
+from xla_tensorstore_ckpt.core import buffers, tunables
 from xla_tensorstore_ckpt.core.errors import UsageError
 from xla_tensorstore_ckpt.core.records import SavedSharding
 from xla_tensorstore_ckpt.tools import convert, inspection
@@ -407,6 +407,8 @@ def test_recycled_chunk_buffers_are_handed_out_again_once_given_back():
     first = recycled.empty((32, 32), np.float32)
     again = recycled.empty((1024,), np.int32)  # the first is not given back yet: a buffer of its own
     assert not np.shares_memory(first, again)
+    # page-aligned, so that a cold chunk is read straight into it (`arrays.local_reads`), not copied out of a window
+    assert first.ctypes.data % buffers.PAGE == 0 and again.ctypes.data % buffers.PAGE == 0
     recycled.give(first.view(np.uint32))  # a view of it gives it back
     reused = recycled.empty((16, 64), np.float32)
     assert np.shares_memory(first, reused) and reused.shape == (16, 64)

@@ -30,6 +30,7 @@ from .base import PathCounts
 ALIGN = buffers.PAGE  # a multiple of every logical block size O_DIRECT asks for
 _IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per preadv
 _NUMPY_COPY_BYTES = 64 << 10  # smaller copies out of a window are cheaper as memoryview copies (no arrays made)
+STRAIGHT_BYTES = 256 << 10  # a shorter aligned run is read through the window with its neighbours (one request)
 
 
 COUNTS = PathCounts()  # what this process's local reads did, by path
@@ -287,24 +288,66 @@ def _read_direct(path: str, runs: list[tuple[int, memoryview, bool]], where: str
     checksum = 0
     try:
         window = _window()
-        for start, parts in _by_window(runs, len(window)):
-            stop = -(-max(source + len(dest) for source, dest, _ in parts) // ALIGN) * ALIGN
-            try:
-                got = _fill(fd, window[:stop - start], start)
-            except OSError as exc:
-                if exc.errno == errno.EINVAL:
-                    return None
-                raise
-            for source, dest, checksummed in parts:
-                if source + len(dest) > start + got:
+        for straight, group in _straight_runs(runs):
+            if straight:  # the run's aligned bytes, read into their destination: no copy out of a window
+                source, dest, checksummed = group[0]
+                try:
+                    got = _fill(fd, dest, source)
+                except OSError as exc:
+                    if exc.errno == errno.EINVAL:
+                        return None
+                    raise
+                if got < len(dest):
                     raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
-                read = window[source - start:source - start + len(dest)]
                 if checksummed:
-                    checksum = crc32c.crc32c(read, checksum)
-                copy_bytes(dest, read)
+                    checksum = crc32c.crc32c(dest, checksum)
+                continue
+            for start, parts in _by_window(group, len(window)):
+                stop = -(-max(source + len(dest) for source, dest, _ in parts) // ALIGN) * ALIGN
+                try:
+                    got = _fill(fd, window[:stop - start], start)
+                except OSError as exc:
+                    if exc.errno == errno.EINVAL:
+                        return None
+                    raise
+                for source, dest, checksummed in parts:
+                    if source + len(dest) > start + got:
+                        raise CorruptCheckpointError(f"{where}: the file ends before the tensor's data")
+                    read = window[source - start:source - start + len(dest)]
+                    if checksummed:
+                        checksum = crc32c.crc32c(read, checksum)
+                    copy_bytes(dest, read)
     finally:
         os.close(fd)
     return checksum
+
+
+def _straight_runs(runs: list[tuple[int, memoryview, bool]]) -> list[tuple[bool, list[tuple[int, memoryview, bool]]]]:
+    """The runs (sorted) in file order as segments read one way each by `_read_direct`: (True, [the whole pages
+    of a run at least `STRAIGHT_BYTES` long whose file offset and destination are page-aligned]), read straight
+    into the destination, or (False, the runs and remainders between such), read through the window. A chunk read
+    into a buffer of `buffers.new` (as `views.histogram` hands out) skips the copy out of the window, which cost
+    ~0.3 CPU-s of `stats` over the 2.42 GiB model."""
+    out: list[tuple[bool, list[tuple[int, memoryview, bool]]]] = []
+    pending: list[tuple[int, memoryview, bool]] = []
+    for source, dest, checksummed in runs:
+        body = len(dest) // ALIGN * ALIGN
+        if body < STRAIGHT_BYTES or source % ALIGN or _address(dest) % ALIGN:
+            pending.append((source, dest, checksummed))
+            continue
+        if pending:
+            out.append((False, pending))
+            pending = []
+        out.append((True, [(source, dest[:body], checksummed)]))
+        if body < len(dest):
+            pending.append((source + body, dest[body:], checksummed))
+    if pending:
+        out.append((False, pending))
+    return out
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
 
 
 def copy_bytes(dest: memoryview, source: memoryview) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core import dtypes, layout, threads, tunables
+from ..core import buffers, dtypes, layout, threads, tunables
 from ..core.errors import CorruptCheckpointError, UsageError
 from ..core.records import ArrayMetadata
 from ..tools import scans
@@ -35,11 +35,11 @@ from .sketch import EXACT_DTYPES, Histogram, ValueSketch
 
 QUANTILES = (0.01, 0.10, 0.25, 0.50, 0.75, 0.90, 0.99)
 DEFAULT_MAX_BYTES = 64 << 20
-THREADS = threads.count("cpu")
+THREADS = threads.count("binning")
 MAX_JOBS = 4 * THREADS  # chunks waiting to be binned, at most
 READ_AHEAD = 8  # chunks of one array read ahead, at most
 RELATIVE_ERROR = 2.0 ** -8
-_POOL = threads.pool("cpu", "xtckpt-stats")
+_POOL = threads.pool("binning", "xtckpt-stats")
 
 Array = tuple[str, ArrayMetadata, str]  # (item, metadata, key)
 
@@ -138,15 +138,16 @@ class Recycled:
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        size = buffers.size_for(nbytes)
         for i in range(len(self.free) - 1, -1, -1):
-            if self.free[i].nbytes == nbytes:
+            if self.free[i].nbytes == size:
                 buffer = self.free.pop(i)
-                self.kept -= nbytes
+                self.kept -= size
                 break
         else:
-            buffer = np.empty(nbytes, np.uint8)
+            buffer = buffers.new(nbytes)
         self.lent[id(buffer)] = buffer
-        return buffer.view(dtype).reshape(shape)
+        return buffer[:nbytes].view(dtype).reshape(shape)
 
     def give(self, data: np.ndarray) -> None:
         root = data
