@@ -7,8 +7,9 @@ from the page cache:
 
 - floor: read every file of the item once, sequentially in 8 MiB blocks, and nothing else (the disk's cold
   read time for these bytes through the page cache);
-- read: every chunk of every array read once through the library's reader and nothing computed (the cold-read
-  floor of the views: what `scans.iter_chunks` costs);
+- read: every chunk of every array read once through the library's reader, into the buffers `stats` reads
+  into (`views.histogram.Recycled`), and nothing computed (the cold-read floor of the views: what
+  `scans.iter_chunks` costs);
 - stats: `views.stats_view` over every array (the work of ``xtckpt stats``: count, min/max/mean/std, zeros,
   NaN/Inf, quantiles from the bfloat16-bin sketch, a histogram), chunk by chunk;
 - report: `views.write_report` of the item (tree, layouts, statistics with histograms; one item: no diff).

@@ -4,7 +4,8 @@ around it (``O_DIRECT``) where it does not.
 A cold restore through the page cache fills it with bytes it never reads again, and on a VM that hands fresh memory
 to its hypervisor and back, filling it is most of the cost: a buffered cold read of a 2.48 GB file into fresh memory
 took 5.8-6.6 s here, a direct one 2.2-2.4 s. Direct reads need aligned offsets, lengths and buffers, and a tensor's
-bytes lie anywhere in a file, so they go through one aligned window per thread and are copied out. Whether the bytes
+bytes lie anywhere in a file, so they go through one aligned window per thread and are copied out, but for a run
+whose offset and destination are both page-aligned, read straight in (`views.histogram`'s buffers). Whether the bytes
 are cached is asked of the kernel (``cachestat``, `page_cache`): warm ones are read buffered. File systems without
 ``O_DIRECT`` (tmpfs) are read buffered. Used by the readers of DCP pieces, safetensors regions and this library's
 chunks (`local_chunks`); no torch, no tensorstore.
