@@ -120,4 +120,4 @@ chaos: $(STAMP)  # the long chaos run (docs/reliability.md); CHAOS_ARGS="--seed 
 
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) build *.egg-info .test-*.log .test-*.rc .install.lock .install-newest.log \
-		.chromium.lock
+		.chromium.lock xla_tensorstore_ckpt/incremental/_xor_at.*.so

@@ -261,14 +261,21 @@ def test_delta_encodings_round_trip_and_refuse_damage(changed):
 
 
 
+@pytest.mark.parametrize("loop", ["fused", "numpy"])
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64, np.dtype("V3")])
-def test_sparse_deltas_with_long_gaps_apply_in_reused_buffers_for_every_element_size(dtype):
+def test_sparse_deltas_with_long_gaps_apply_in_reused_buffers_for_every_element_size(dtype, loop, monkeypatch):
     """Sparse frames of both kinds, with runs, short gaps and long ones (over 255, listed apart), apply back to
     exactly the new chunk, in place, for every element size (a 3-byte one as bytes), twice over on one thread
     (its buffers reused, the second frame longer than the first); a frame whose last position lies past the
-    chunk is refused before anything is written out of it."""
+    chunk is refused before anything is written out of it. Both apply loops of kind 2: the compiled one (built
+    with the package: the test environment has a C compiler) and numpy's, where the package was built without."""
     from xla_tensorstore_ckpt.arrays import zstd
     from xla_tensorstore_ckpt.incremental import deltas
+
+    if loop == "fused":
+        assert deltas._fused is not None, "the package was installed without its compiled delta loop (_xor_at.c)"
+    else:
+        monkeypatch.setattr(deltas, "_fused", None)
 
     small = np.zeros(600, dtype=np.uint8).view(np.dtype(dtype)) if np.dtype(dtype).itemsize > 1 else None
     if small is not None:  # a short frame first: the buffers grow for the long one

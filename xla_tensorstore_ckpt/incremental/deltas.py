@@ -5,9 +5,10 @@ zstd, lossless. The encodings, by how much changed, each one byte of kind then a
   where 1-3 % of bf16 weights move): the number of changed elements and of long gaps (8 bytes each), then one frame
   of the changed elements' XORs, the long gaps (uint32 positions in the gap list, uint32 values) and the gaps
   between changed elements, one byte each (a gap over 255 is listed among the long ones; its low byte there is
-  ignored). Applying it touches only the changed elements. One byte per gap instead of four halves what zstd
-  decompresses, which is most of a delta restore's cost (6 to 3 bytes per changed bf16 element:
-  docs/incremental.md).
+  ignored). Applying it touches only the changed elements, in one pass of the compiled loop (`_xor_at.c`) where
+  the package was built with a C compiler, else in numpy's passes (`_xor_at`). One byte per gap instead of four
+  halves what zstd decompresses, the larger part of a delta restore's cost (6 to 3 bytes per changed bf16
+  element: docs/incremental.md).
 * sparse (kind 1, written before kind 2, still read): the count, then the frame of uint32 gaps and the XORs.
 * dense (kind 0): the frame of the whole XOR; applying it decompresses and XORs every byte.
 
@@ -22,6 +23,11 @@ import numpy as np
 
 from ..arrays import zstd
 from ..core import buffers
+
+try:  # the fused apply loop of kind 2, where the package was built with a C compiler (`_xor_at.c`)
+    from . import _xor_at as _fused
+except ImportError:
+    _fused = None
 
 # zstd's level for delta frames. Level 1 decodes faster than zstd's default (3) on these frames, at the same size:
 # step 5's 18 frames of the RL workload at scale 4 (51 MB of XORs and gaps) decoded in 34 ms against 46 ms, 25.5
@@ -131,8 +137,11 @@ def _apply_sparse8(elements: np.ndarray, frame: memoryview) -> None:
         raise ValueError("a delta's long gaps lie past its positions")
     if nlong > 1 and bool(np.any(long_at[1:] <= long_at[:-1])):  # `_xor_at` finds a block's by their order
         raise ValueError("a delta's long gaps are out of order")
-    _xor_at(elements, payload[values_end + 8 * nlong:], payload[:values_end].view(elements.dtype),
-            first=-1, plus=1, long=(long_at, long_gaps))
+    gaps, values = payload[values_end + 8 * nlong:], payload[:values_end]
+    if _fused is not None:
+        _fused.xor_at(elements, gaps, values, long_at, long_gaps, elements.itemsize)
+    else:
+        _xor_at(elements, gaps, values.view(elements.dtype), first=-1, plus=1, long=(long_at, long_gaps))
 
 
 def _xor_at(elements: np.ndarray, steps: np.ndarray, values: np.ndarray, *, first: int, plus: int,
