@@ -273,9 +273,9 @@ def test_sparse_deltas_with_long_gaps_apply_in_reused_buffers_for_every_element_
     from xla_tensorstore_ckpt.incremental import deltas
 
     if loop == "fused":
-        assert deltas._fused is not None, "the package was installed without its compiled delta loop (_xor_at.c)"
+        assert deltas._fused_xor_at is not None, "the package was installed without its compiled delta loop (_xor_at.c)"
     else:
-        monkeypatch.setattr(deltas, "_fused", None)
+        monkeypatch.setattr(deltas, "_fused_xor_at", None)
 
     small = np.zeros(600, dtype=np.uint8).view(np.dtype(dtype)) if np.dtype(dtype).itemsize > 1 else None
     if small is not None:  # a short frame first: the buffers grow for the long one

@@ -1,8 +1,9 @@
 /* The apply loop of a sparse delta (kind 2, `deltas._apply_sparse8`), fused: each changed element's position
  * from its one-byte gap (or the long gap listed for it), then the XOR in place, in one pass over the frame and
- * without the GIL. numpy takes four passes and two index arrays for the same (widen, add up, gather and XOR,
- * scatter: ~3.3 ns per changed element against ~0.6 here). Built where a C compiler is (optional: without it,
- * `deltas` applies the same frames with numpy). */
+ * without the GIL. numpy takes five passes and two index arrays for the same (widen, add up, gather, XOR,
+ * scatter: ~3.3 ns per changed element; ~1.8 here inside a restore at 8 % of a chunk's elements changed, about
+ * what touching each of its cache lines costs). Built where a C compiler is (optional: without it, `deltas`
+ * applies the same frames with numpy). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

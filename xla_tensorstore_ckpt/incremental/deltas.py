@@ -25,9 +25,9 @@ from ..arrays import zstd
 from ..core import buffers
 
 try:  # the fused apply loop of kind 2, where the package was built with a C compiler (`_xor_at.c`)
-    from . import _xor_at as _fused
+    from ._xor_at import xor_at as _fused_xor_at
 except ImportError:
-    _fused = None
+    _fused_xor_at = None
 
 # zstd's level for delta frames. Level 1 decodes faster than zstd's default (3) on these frames, at the same size:
 # step 5's 18 frames of the RL workload at scale 4 (51 MB of XORs and gaps) decoded in 34 ms against 46 ms, 25.5
@@ -138,8 +138,8 @@ def _apply_sparse8(elements: np.ndarray, frame: memoryview) -> None:
     if nlong > 1 and bool(np.any(long_at[1:] <= long_at[:-1])):  # `_xor_at` finds a block's by their order
         raise ValueError("a delta's long gaps are out of order")
     gaps, values = payload[values_end + 8 * nlong:], payload[:values_end]
-    if _fused is not None:
-        _fused.xor_at(elements, gaps, values, long_at, long_gaps, elements.itemsize)
+    if _fused_xor_at is not None:
+        _fused_xor_at(elements, gaps, values, long_at, long_gaps, elements.itemsize)
     else:
         _xor_at(elements, gaps, values.view(elements.dtype), first=-1, plus=1, long=(long_at, long_gaps))
 
