@@ -99,8 +99,7 @@ class _Opening:
 
     __slots__ = ("ref", "reading", "name", "driver", "fresh_since")
 
-    def __init__(self, ref: ArrayRef, reading: ts.Future | Ready, name: str, driver: str,
-                 fresh_since: float | None = None):
+    def __init__(self, ref: ArrayRef, reading: ts.Future | Ready, name: str, driver: str, fresh_since: float):
         self.ref, self.reading, self.name, self.driver = ref, reading, name, driver
         self.fresh_since = fresh_since
 
@@ -117,9 +116,7 @@ class _Opening:
                                max_depth=bounds.MAX_ARRAY_JSON_DEPTH)
         _check_zarr_grid(doc, self.driver, where)
         spec = {"driver": self.driver, "kvstore": self.ref.kvstore_spec(), "metadata": doc, "assume_metadata": True,
-                "fill_missing_data_reads": self.ref.store.fill_missing}
-        if self.fresh_since is not None:
-            spec["recheck_cached_data"] = self.fresh_since
+                "fill_missing_data_reads": self.ref.store.fill_missing, "recheck_cached_data": self.fresh_since}
         try:
             return TensorstoreArray(ts.open(spec, context=self.ref.context_or_default, read=True).result(),
                                     self.ref.location)
