@@ -109,6 +109,61 @@ def test_materialized_step_is_standalone(saved, tmp_path):
     assert_trees_equal(xtc.restore(out / "extra"), _state(4)[1])
 
 
+def test_a_whole_step_materialized_standalone_keeps_every_item_and_its_metrics(tmp_path):
+    """`xtckpt convert ROOT/S OUT/S --to step` without `--item` copies every item of an incremental step, so
+    that its bases can go: the copy restores bit-exact with them deleted, and keeps the step's metrics."""
+    root, out = tmp_path / "root", tmp_path / "out" / "3"
+    with xtc.CheckpointManager(root, _options()) as mgr:
+        for step in (1, 2, 3):
+            saved, _ = _state(step)
+            mgr.save(step, model={"frozen": saved["frozen"]}, extra=saved, metrics={"loss": 1.0 / step})
+        assert mgr.metadata(3).bases == (1,)
+    assert cli.main(["convert", str(root / "3"), str(out), "--to", "step"]) == 0
+    shutil.rmtree(root)
+    with xtc.CheckpointManager(out.parent, _options()) as mgr:
+        marker = mgr.metadata(3)
+        assert marker.items == ("model", "extra") and marker.bases == () and marker.metrics == {"loss": 1.0 / 3}
+    for item in ("model", "extra"):
+        assert "incremental" not in _metadata(out / item)["xla_tensorstore_ckpt"]
+    assert_trees_equal(xtc.restore(out / "extra"), _state(3)[1])
+    assert torch.equal(xtc.restore(out / "model")["frozen"], _state(3)[1]["frozen"])
+
+
+def test_a_referenced_step_is_never_replaced_and_a_gone_base_is_written_again(tmp_path):
+    """`save(force=True)` of a step that other steps reference is refused as `delete` is (replacing it would
+    change what they restore), before anything is written; a base deleted by hand is not referenced again:
+    the next save writes its chunks and says why."""
+    seen = []
+    with xtc.CheckpointManager(tmp_path, _options(listeners=(seen.append,))) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, extra=_state(step)[0])
+        with pytest.raises(xtc.UsageError, match=r"cannot replace step 1 .*steps \[2, 3\] reference"):
+            mgr.save(1, extra=_state(7)[0], force=True)
+        mgr.save(3, extra=_state(3)[0], force=True)  # referenced by no step: replaced, on step 2
+        assert mgr.all_steps() == [1, 2, 3] and mgr.metadata(3).bases == (1,)
+    for step in (1, 2, 3):
+        assert_trees_equal(xtc.restore(tmp_path / str(step) / "extra"), _state(step)[1])
+    shutil.rmtree(tmp_path / "1")
+    with xtc.CheckpointManager(tmp_path, _options(listeners=(seen.append,))) as mgr:
+        mgr.save(4, extra=_state(4)[0])
+        assert mgr.metadata(4).bases == ()
+    whole = next(e.details for e in seen if e.kind == "save_written" and e.step == 4)["written_whole"]
+    assert "steps [1] are gone" in whole["extra/frozen"]
+    assert_trees_equal(xtc.restore(tmp_path / "4" / "extra"), _state(4)[1])
+
+
+def test_a_policy_naming_steps_not_committed_keeps_the_committed_ones():
+    class Milestones:
+        def keep(self, committed):
+            return {2, 100}
+
+    def marker(step, bases=()):
+        return StepMetadata(step=step, items=("model",), created_at=0.0, committed_at=0.0, bases=bases)
+
+    committed = {1: marker(1), 2: marker(2, (1,)), 3: marker(3, (1,)), 4: marker(4, (1,))}
+    assert policies.retention(Milestones(), committed) == ([3], {1: [2, 4]})
+
+
 def test_a_missing_base_is_an_error_naming_step_and_path(saved, tmp_path):
     root, _ = saved
     copy = tmp_path / "copy"

@@ -204,7 +204,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return cmd_export(args)
     source = storage.location(args.source)
     checkpoint = inspection.open_checkpoint(source)
-    if checkpoint.marker is not None:  # a step: one of its items
+    whole_step = checkpoint.marker is not None and args.to == "step" and args.item is None
+    if checkpoint.marker is not None and not whole_step:  # a step: one of its items
         item = args.item or "model"
         if item not in checkpoint.items:
             raise UsageError(f"{source} has no item {item!r} (it holds {', '.join(checkpoint.items)}); "
@@ -215,7 +216,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                      compression_level=args.compression_level)
     destination = storage.location(args.destination)
     draw = progress_bar("convert", in_bytes=True)
-    if args.to == "step":
+    if whole_step:  # every item, standalone (an incremental or delta step no longer needs its bases)
+        convert.convert_step(source, destination, options=options, overwrite=args.overwrite, progress=draw)
+    elif args.to == "step":
         convert.convert_to_step(source, destination, item=args.item or "model", options=options,
                                 overwrite=args.overwrite, progress=draw)
     else:
@@ -291,7 +294,7 @@ def _conversion_commands(command: Callable[..., argparse.ArgumentParser]) -> Non
     p.add_argument("--to", choices=("item", "step", "safetensors", "torch"), default="item",
                    help="what to write (default: item)")
     p.add_argument("--item", help="the item of a source step to convert, and the item's name in a new step "
-                   "(default: model)")
+                   "(default: model; a step converted --to step without it: every item, as a standalone step)")
     p.add_argument("--items", help="safetensors / torch: comma-separated items of a step (default: model)")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--chunk-shape", type=parse_shape,

@@ -208,6 +208,8 @@ class CheckpointManager(RestoreSide):
         if not force and step in persistent.committed():
             raise CheckpointExistsError(f"step {step} is already committed at {persistent.index.location(step)}; "
                                         "pass force=True to replace it")
+        if force:
+            self._check_unreferenced(step, "replace")
         tiers = self._due(step, force=force)
         if not tiers:
             return False
@@ -313,16 +315,21 @@ class CheckpointManager(RestoreSide):
         self._check_open()
         self.wait_until_finished()  # collective, as delete is
         self.metadata(step)  # raises StepNotFoundError if not committed
-        for managed in self._tiers:  # an incremental step's base stays while a step references it
-            users = sorted(s for s, m in managed.tier.committed().items() if step in m.bases)
-            if users:
-                raise UsageError(f"cannot delete step {step} of {managed.tier.root}: steps {users} reference "
-                                 f"its chunks (delete them first, or make them standalone with xtckpt convert)")
+        self._check_unreferenced(step, "delete")
         for managed in self._tiers:
             if step in managed.tier.committed():
                 managed.tier.forget(step)
                 self._caller_side(managed).on_primary(f"deleting step {step}",
                                                       lambda managed=managed: managed.tier.delete(step))
+
+    def _check_unreferenced(self, step: int, what: str) -> None:
+        """Raise `UsageError` if a committed step of any tier references `step`'s chunks (an incremental step's
+        base): deleting or replacing it would break that step. Does not block."""
+        for managed in self._tiers:
+            users = sorted(s for s, m in managed.tier.committed().items() if step in m.bases and s != step)
+            if users:
+                raise UsageError(f"cannot {what} step {step} of {managed.tier.root}: steps {users} reference "
+                                 f"its chunks (delete them first, or make them standalone with xtckpt convert)")
 
     # -------------------------------------------------------------------------------------- lifecycle
 

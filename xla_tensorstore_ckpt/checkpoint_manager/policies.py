@@ -168,7 +168,8 @@ def retention(policy: Preservation, committed: Committed,
     manager tells this in ``save_committed``)."""
     if not committed:
         return [], {}
-    keep = set(policy.keep(committed)) | {max(committed)} | (set(pinned) & set(committed))
+    # a user's policy may name steps that are not (or no longer) committed: only committed ones are kept
+    keep = ((set(policy.keep(committed)) | set(pinned)) & set(committed)) | {max(committed)}
     as_bases = kept_as_bases(keep, committed)
     held = {b: sorted(s for s in keep | as_bases if b in committed[s].bases) for b in sorted(as_bases)}
     return [s for s in sorted(committed) if s not in keep and s not in as_bases], held

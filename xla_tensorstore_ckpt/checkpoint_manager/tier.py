@@ -101,7 +101,7 @@ class Tier:
             if anchor_every is not None and self._steps[max(others)].since_anchor + 1 >= anchor_every:
                 return incremental_saving.BaseStep()
             self._pins.append(max(others))
-        return incremental_saving.BaseStep(max(others), self.index.location(max(others)))
+        return incremental_saving.BaseStep(max(others), self.index.location(max(others)), present=frozenset(others))
 
     def unpin(self, base: int | None) -> None:
         """The save whose base was `base` (`base_for`) committed or failed."""

@@ -38,10 +38,13 @@ class BaseStep:
     """What an incremental save compares with: the committed `step` at `location` (its step directory), or
     nothing (`step` None: an anchor, every chunk written, the tables recorded for the next save). With `delta`, a
     changed chunk is stored as the zstd frame of its XOR with its anchor's chunk where that frame is at most
-    `delta_max_ratio` of the chunk and the anchor lies fewer than `max_chain` saves back."""
+    `delta_max_ratio` of the chunk and the anchor lies fewer than `max_chain` saves back. `present`: the steps
+    whose stored chunks may be referenced (the tier's committed steps); a base chunk held in, or chained on, any
+    other step (one deleted by hand) is written again."""
 
     step: int | None = None
     location: Location | None = None
+    present: frozenset[int] = frozenset()
     delta: bool = False
     max_chain: int = 8
     delta_max_ratio: float = 0.5
@@ -56,7 +59,8 @@ class Recorder:
     def __init__(self, item: Location, base: BaseStep, writer: int):
         self.options, self.writer = base, writer
         self.base_item = base.location.child(item.name) if base.location is not None else None
-        self.base = _base_tables(self.base_item, base.step) if self.base_item is not None else {}
+        self.base, self.gone = _base_tables(self.base_item, base.step, base.present) \
+            if self.base_item is not None else ({}, {})
         self.table: dict[str, tables.ArrayChunks] = {}
         self.whole: dict[str, str] = {}  # arrays written whole although the base has them: why
         self.frames: list[bytes] = []
@@ -96,6 +100,8 @@ class Recorder:
                                          f"{list(base.chunk_shape)}")
             else:
                 hit = base.chunks.get(index)
+                if hit is None and meta.path in self.gone:
+                    self.whole[meta.path] = f"the base's chunks of it in steps {sorted(self.gone[meta.path])} are gone"
                 if hit is not None and hit[0] == digest:
                     chunk = hit  # unchanged: where the base has it (whole in a step, or a delta on its anchor)
                 elif hit is not None and self.options.delta and tables.depth(hit) < self.options.max_chain:
@@ -157,22 +163,41 @@ class Recorder:
         return [frames, name]
 
 
-def _base_tables(item: Location, step: int) -> dict[str, tables.ArrayChunks]:
-    """The base item's chunks, merged over its tables, with every "this item" resolved to the base's step."""
+def _base_tables(item: Location, step: int,
+                 present: frozenset[int]) -> tuple[dict[str, tables.ArrayChunks], dict[str, set[int]]]:
+    """The base item's chunks, merged over its tables, with every "this item" resolved to the base's step; and,
+    by array, the steps outside `present` that its chunks left out were held in or chained on."""
     try:
         manifest = formats.read_item(item)
     except CheckpointError:
-        return {}  # an item the base step lacks (or never had): nothing to reference
+        return {}, {}  # an item the base step lacks (or never had): nothing to reference
     refs = manifest.store.refs
     merged: dict[str, tables.ArrayChunks] = {}
+    gone: dict[str, set[int]] = {}
     for name in (refs.tables if refs is not None else ()):
         for array, entry in (tables.read(item, name) or {}).items():
-            chunks = {i: _resolved(chunk, step) for i, chunk in entry.chunks.items()}
+            chunks = {}
+            for i, chunk in entry.chunks.items():
+                chunk = _resolved(chunk, step)
+                missing = _steps_of(chunk) - present
+                if missing:
+                    gone.setdefault(array, set()).update(missing)
+                else:
+                    chunks[i] = chunk
             if array in merged:
                 merged[array].chunks.update(chunks)
             else:
                 merged[array] = dataclasses.replace(entry, chunks=chunks)
-    return merged
+    return merged, gone
+
+
+def _steps_of(chunk: tables.Chunk) -> set[int]:
+    """The steps a resolved chunk's bytes are read from: the step holding it, or its anchor and frames'."""
+    _, held, delta = chunk
+    if delta is None:
+        return {held}
+    anchor, links, _ = delta
+    return {anchor, *(s for s, *_ in links)}
 
 
 def _resolved(chunk: tables.Chunk, step: int) -> tables.Chunk:

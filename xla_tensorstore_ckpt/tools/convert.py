@@ -118,25 +118,59 @@ def convert_to_step(source: storage.Location, step_dir: storage.Location, *, ite
     manager's steps are (`commit.commit`: the item's files, then the step's marker and Orbax's completion mark),
     under a temporary step name that a manager treats as partial, and put in place once committed. Raises as
     `convert_item` does, and `UsageError` if `step_dir` is not named by a step number."""
+    return _write_step({item: source}, step_dir, None, {"converted_from": str(source)}, options, overwrite,
+                       progress)
+
+
+def convert_step(source: storage.Location, step_dir: storage.Location, *, items: tuple[str, ...] | None = None,
+                 options: ConvertOptions | None = None, overwrite: bool = False,
+                 progress: Progress | None = None) -> StepMetadata:
+    """Copy the committed step at `source` (every item, or `items`) into a new standalone step at `step_dir`,
+    as `convert_to_step` writes one: an incremental or delta step becomes a step holding every chunk itself,
+    which Orbax restores and which no longer needs its bases. Its metrics and custom metadata are kept.
+    Raises as `convert_to_step` does, and `UsageError` if `source` is not a committed step or lacks an item of
+    `items`."""
+    marker = formats.read_step(source, None)
+    if marker is None:
+        raise UsageError(f"{source} is not a committed step (it has no step marker)")
+    chosen = marker.items if items is None else items
+    missing = [name for name in chosen if name not in marker.items]
+    if missing:
+        raise UsageError(f"{source} has no item {missing[0]!r} (it holds {', '.join(marker.items)})")
+    custom = {**(marker.custom or {}), "converted_from": str(source)}
+    return _write_step({name: source.child(name) for name in chosen}, step_dir, marker.metrics, custom, options,
+                       overwrite, progress)
+
+
+def _write_step(sources: dict[str, storage.Location], step_dir: storage.Location, metrics: dict | None,
+                custom: dict, options: ConvertOptions | None, overwrite: bool,
+                progress: Progress | None) -> StepMetadata:
+    """Each item of `sources` (name -> item) copied into a new committed step at `step_dir` (`convert_to_step`)."""
     options = options or ConvertOptions()
     step = layout.parse_step_name(step_dir.name, None, any_prefix=False)
     if step is None:
         raise UsageError(f"{step_dir}: a step directory is named by its step number (e.g. <root>/0)")
-    if not layout.is_safe_relative_path(item, single=True):
-        raise UsageError(f"{item!r} is not an item name (one path segment)")
-    outputs.check_separate(source, step_dir)
+    for item, source in sources.items():
+        if not layout.is_safe_relative_path(item, single=True):
+            raise UsageError(f"{item!r} is not an item name (one path segment)")
+        outputs.check_separate(source, step_dir)
     outputs.check_vacant(step_dir, overwrite=overwrite)
     created = time.time()
-    sources, plan, units = _prepare(source, options)
-    fmt = formats.writer(plan.manifest.format)
+    prepared = {item: _prepare(source, options) for item, source in sources.items()}
+    total = sum(_total(plan, units) for _, plan, units in prepared.values())
+    fmt = formats.writer(next(iter(prepared.values()))[1].manifest.format)  # every item's: the current one
     with outputs.staged_directory(step_dir, overwrite=overwrite, step=True,
                                   commit_files=fmt.STEP_COMMIT_FILES) as staged:
-        _copy(source, sources, staged.child(item), plan, units, options, progress)
-        marker = StepMetadata(step=step, items=(item,), created_at=created, committed_at=time.time(),
-                              custom={"converted_from": str(source)}, versions=formats.writer_versions(),
+        done = 0
+        for item, (arrays_open, plan, units) in prepared.items():
+            counted = (lambda d, _t, before=done: progress(before + d, total)) if progress else None
+            _copy(sources[item], arrays_open, staged.child(item), plan, units, options, counted)
+            done += _total(plan, units)
+        marker = StepMetadata(step=step, items=tuple(sources), created_at=created, committed_at=time.time(),
+                              metrics=metrics, custom=custom, versions=formats.writer_versions(),
                               format_version=fmt.VERSION)
-        commit.commit(Coordinator.single(), staged, {item: plan}, formats.step_files(marker), fsync=options.fsync,
-                      what=f"step {step_dir}")
+        commit.commit(Coordinator.single(), staged, {item: plan for item, (_, plan, _) in prepared.items()},
+                      formats.step_files(marker), fsync=options.fsync, what=f"step {step_dir}")
     return marker
 
 
@@ -290,6 +324,11 @@ def _copy(source: storage.Location, sources: dict[layout.KeyPath, Any], destinat
         progress(total, total)
     if options.fsync:
         destination.sync_files(writer.writes.files, writer.writes.trees)
+
+
+def _total(plan: save_plan.SavePlan, unit_shapes: dict[layout.KeyPath, tuple[int, ...]]) -> int:
+    """The bytes `_copy` reads and writes for `plan`."""
+    return sum(unit.nbytes for p in plan.arrays for unit in _units(p, unit_shapes.get(p.key_path)))
 
 
 def _read_batch(batch: list[_Unit], sources: dict[layout.KeyPath, arrays.StoredArray]) -> list[list[torch.Tensor]]:
