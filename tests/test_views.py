@@ -186,6 +186,60 @@ def test_chunk_diff_counts_and_norms_as_float64_masks_do(special):
     assert found[0] == pytest.approx(expected[0], rel=1e-12) and found[3] == pytest.approx(expected[3], rel=1e-12)
 
 
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_integer_diffs_are_exact_and_nan_values_equal(tmp_path, capsys):
+    """int64 values beyond 2^53 that differ by less than float64's spacing there still differ; a NaN scalar
+    equals NaN; --json writes an infinite change as null (JSON has no Infinity)."""
+    from xla_tensorstore_ckpt.tools import scans
+
+    big = 2 ** 53
+    xtc.save(tmp_path / "a", {"count": torch.tensor([big, 7, -big]),
+                              "small": torch.tensor([1, -128, 5], dtype=torch.int8), "loss": math.nan,
+                              "grad": torch.tensor([1.0, 2.0])})
+    xtc.save(tmp_path / "b", {"count": torch.tensor([big + 1, 7, 2 ** 62]),
+                              "small": torch.tensor([1, 127, 5], dtype=torch.int8), "loss": math.nan,
+                              "grad": torch.tensor([1.0, math.inf])})
+    status, out, _ = run("diff", tmp_path / "a", tmp_path / "b", "--json", capsys=capsys)
+    assert status == 0
+    by_key = {e["key"]: e for e in _strict_json(out)}
+    assert set(by_key) == {"count", "small", "grad"}  # the NaN loss is no difference
+    assert (by_key["count"]["differing"], by_key["count"]["max_abs_diff"]) == (2, float(2 ** 62 + big))
+    assert (by_key["small"]["differing"], by_key["small"]["max_abs_diff"]) == (1, 255.0)
+    assert by_key["grad"]["differing"] == 1 and by_key["grad"]["max_abs_diff"] is None
+    top = np.array([0, 2 ** 64 - 1], np.uint64)
+    assert scans._chunk_diff(top, top[::-1].copy())[1:3] == (2, float(2 ** 64 - 1))
+
+
+def test_sketch_histograms_of_exact_types_and_tiny_and_huge_values():
+    """The types bfloat16 holds are binned at their values (negative ones included); float32 values below
+    2^-133 count as nonzero in a log histogram; float64 values beyond 1e154 keep a true std."""
+    def summary(values, dtype, bins):
+        sk = histogram.ValueSketch()
+        sk.add(values)
+        return histogram.summarize("k", dtype, values.shape, sk, bins=bins)
+
+    ints = np.arange(-5, 6, dtype=np.int8)
+    assert summary(ints, "int8", 10).histogram.counts == tuple(np.histogram(ints, 10)[0])
+    halves = np.array([-2, -1, 0, 1, 2], ml_dtypes.bfloat16)
+    assert summary(halves, "bfloat16", 4).histogram.counts == (1, 1, 1, 2)
+    tiny = np.geomspace(1e-44, 1e-39, 1001).astype(np.float32)
+    sk = histogram.ValueSketch()
+    sk.add(tiny)
+    log = sk.histogram(6, "log")
+    assert (sum(log.counts), log.zeros) == (1001, 0)
+    for values in ([1e300, 1.5e300, 1e308, 1.7e308], [1e200, -1e200, 3e200]):
+        huge = np.array(values)
+        scale = 1e300 if huge.max() > 1e250 else 1e200
+        found = summary(huge, "float64", 4)
+        assert found.std == pytest.approx(np.std(huge / scale) * scale, rel=1e-12)
+        assert found.mean == pytest.approx(np.mean(huge / scale) * scale, rel=1e-12)
+
+
 def test_diff_across_formats_with_a_key_map(tmp_path, capsys):
     hf = str(tmp_path / "hf")
     write_hf_dir(hf)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -83,7 +84,19 @@ def time_text(timestamp: float | None) -> str:
 
 
 def print_json(data: Any) -> None:
-    print(json.dumps(data, indent=1, default=str))
+    print(json.dumps(json_finite(data), indent=1, default=str, allow_nan=False))
+
+
+def json_finite(value: Any) -> Any:
+    """`value` with NaN and infinities as null: JSON has none (Python's ``NaN`` and ``Infinity`` break every
+    other reader). Called by `print_json` and the HTML report."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_finite(v) for v in value]
+    return value
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

@@ -116,7 +116,7 @@ def diff(a: Checkpoint, b: Checkpoint, progress: Progress | None = None, *,
     for done, key in enumerate(common, 1):
         ra, rb = rows_a[key], rows_b[key]
         if ra.meta is None or rb.meta is None:
-            if ra.meta is not None or rb.meta is not None or ra.value != rb.value:
+            if ra.meta is not None or rb.meta is not None or not _same_value(ra.value, rb.value):
                 out.append(DiffEntry(key, "value", {"a": _describe(ra), "b": _describe(rb)}))
             elif include_equal:
                 out.append(DiffEntry(key, "equal", {}))
@@ -145,6 +145,13 @@ def _renamed(rows: dict[str, TreeRow], key_map: Callable[[str], str | None] | No
             raise UsageError(f"the key map gives {out[new].key!r} and {key!r} the same name {new!r}")
         out[new] = row
     return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal scalar leaves, NaN equal to NaN (as for arrays): a run's NaN loss is no difference."""
+    if a == b:
+        return True
+    return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
 
 
 def _describe(row: TreeRow) -> Any:
@@ -188,6 +195,8 @@ def _chunk_diff(data_a: np.ndarray, data_b: np.ndarray) -> tuple[float, int, flo
     differing elements) of two chunks of one shape whose bytes differ, in float64. Finite data (the usual case)
     takes one float64 copy of each side and reading passes over them (for finite values b - a is 0 exactly
     where they are equal); NaN or Inf, the masks that compare them."""
+    if data_a.dtype.kind in "iu":
+        return _int_chunk_diff(data_a.reshape(-1), data_b.reshape(-1))
     va, vb = data_a.reshape(-1).astype(np.float64), data_b.reshape(-1).astype(np.float64)
     if _all_finite(data_a) and _all_finite(data_b):
         ref_sq = float(va @ va)
@@ -204,6 +213,20 @@ def _chunk_diff(data_a: np.ndarray, data_b: np.ndarray) -> tuple[float, int, flo
     delta = np.abs(vb - va)
     return (ref_sq, int(np.count_nonzero(unequal)), float(np.nanmax(delta)) if delta.size else 0.0,
             float(np.nansum(np.square(vb - va))))
+
+
+def _int_chunk_diff(a: np.ndarray, b: np.ndarray) -> tuple[float, int, float, float]:
+    """`_chunk_diff` of integer chunks, exact where float64 is not (int64 values beyond 2^53 that differ by
+    less than their spacing in float64): each |b - a| taken exactly as a uint64 (the difference of the two
+    values' 64-bit words, modulo 2^64, in the order that makes it non-negative), then in float64."""
+    wide = np.int64 if a.dtype.kind == "i" else np.uint64
+    a, b = a.astype(wide, copy=False), b.astype(wide, copy=False)
+    words_a, words_b = a.view(np.uint64), b.view(np.uint64)
+    gap = np.where(b >= a, words_b - words_a, words_a - words_b).astype(np.float64)
+    va = a.astype(np.float64)
+    differing = int(np.count_nonzero(gap))
+    return (float(va @ va), differing, float(gap.max()) if differing else 0.0,
+            float(gap @ gap) if differing else 0.0)
 
 
 def _all_finite(data: np.ndarray) -> bool:

@@ -70,8 +70,8 @@ def stats(args: argparse.Namespace) -> int:
         for s in summaries:
             print(f"\n{s.key}: {s.dtype}{list(s.shape)}, {args.histogram} histogram")
             print(text.draw_histogram(s.histogram))
-    print(f"quantiles: nearest rank; values within {100 * histogram.RELATIVE_ERROR:.2f}% (relative), exact for "
-          "bfloat16/8-bit types")
+    print(f"quantiles: nearest rank; values within {100 * histogram.RELATIVE_ERROR:.2f}% (relative; below 1.2e-38, "
+          "within 9.2e-41), exact for bfloat16/8-bit types")
     return 0
 
 

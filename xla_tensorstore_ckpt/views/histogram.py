@@ -3,7 +3,8 @@ log), over one array or every array of a checkpoint in one streaming pass, in bo
 
 The values go into a `sketch.ValueSketch` (a count per bfloat16 value): quantiles are reported at the rank
 exactly (nearest rank) and their value within a relative error of 2^-8 (0.39 %; the bin's midpoint, clamped to
-the exact min and max), exact for the types bfloat16 holds exactly (bfloat16, float8, int8, uint8, bool);
+the exact min and max; below float32's normal range, 2^-126, within 2^-133 absolute: such values share bins),
+exact for the types bfloat16 holds exactly (bfloat16, float8, int8, uint8, bool);
 count, min, max, NaN/Inf and zero counts are exact; mean and std within about 1e-7 of the values' magnitudes.
 
 `summaries` reads each chunk once (`scans.iter_chunks`, checksums verified) and reads ahead while the chunks
@@ -225,7 +226,7 @@ def summarize(key: str, dtype: str, shape: tuple[int, ...], sketch: ValueSketch,
     quantiles = tuple(zip(QUANTILES, sketch.quantiles(QUANTILES, exact_bins=exact, integer=integer)))
     if not sketch.count:
         return ArraySummary(key, dtype, shape, 0, None, None, None, None, sketch.nan, sketch.inf, 0, quantiles,
-                            0.0, sketch.histogram(bins, scale))
+                            0.0, sketch.histogram(bins, scale, exact_bins=exact))
     return ArraySummary(key, dtype, shape, sketch.count, sketch.low, sketch.high, sketch.mean, sketch.std,
                         sketch.nan, sketch.inf, sketch.zeros, quantiles, 0.0 if exact else RELATIVE_ERROR,
-                        sketch.histogram(bins, scale))
+                        sketch.histogram(bins, scale, exact_bins=exact))

@@ -29,6 +29,7 @@ from ..core.records import ArrayMetadata
 from ..storage import outputs
 from ..storage.local import fsync_path
 from ..tools import inspection
+from ..tools.cli_text import json_finite
 from ..tools.inspection import Checkpoint, Progress
 from . import diff as diff_view
 from . import histogram, layout
@@ -189,7 +190,7 @@ def tree_entry(row: inspection.TreeRow) -> dict:
 def report_html(data: dict) -> str:
     """The page for `report_data`'s data: the template with the data embedded as escaped JSON."""
     template = resources.files(__package__).joinpath(_TEMPLATE).read_text(encoding="utf-8")
-    payload = json.dumps(_clean(data), allow_nan=False, default=_json_default, separators=(",", ":"))
+    payload = json.dumps(json_finite(data), allow_nan=False, default=_json_default, separators=(",", ":"))
     payload = payload.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
     payload = payload.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
     fills = {"TITLE": html.escape(str(data.get("title", ""))), "DATA": payload}
@@ -198,17 +199,6 @@ def report_html(data: dict) -> str:
 
 def _json_default(value: Any) -> Any:
     return str(value)
-
-
-def _clean(value: Any) -> Any:
-    """NaN and infinities (JSON has none) as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
 
 
 def write_report(path: str, out: str, options: ReportOptions | None = None, *, overwrite: bool = False,

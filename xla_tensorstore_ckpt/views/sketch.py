@@ -64,6 +64,7 @@ def _bin_values() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 LOW, MIDDLE, ORDER = _bin_values()
+TINY = float(np.uint32(0xFFFF).view(np.float32))  # 2^-133 (9.2e-41): the top of zero's bins
 
 
 def _byte_codes() -> dict[np.dtype, np.ndarray]:
@@ -103,20 +104,24 @@ class ValueSketch:
         self.counts = np.zeros(BINS, dtype=np.int64)
         self.count = self.nan = self.inf = self.zeros = 0
         self.shift = 0.0
-        self.total = self.total_sq = 0.0
+        # extended precision where the platform has it: float64 magnitudes beyond 1e154 square past float64's range
+        self.total = self.total_sq = np.longdouble(0)
         self.low, self.high = math.inf, -math.inf
         self._lock = threading.Lock()
 
     @property
     def mean(self) -> float | None:
-        return self.shift + self.total / self.count if self.count else None
+        return float(self.shift + self.total / self.count) if self.count else None
 
     @property
     def std(self) -> float | None:
         if not self.count:
             return None
         centred = self.total / self.count
-        return math.sqrt(max(0.0, self.total_sq / self.count - centred * centred))
+        variance = self.total_sq / self.count - centred * centred
+        if not np.isfinite(variance):
+            return None  # past the range of the platform's long double: unknown, never a false 0
+        return float(np.sqrt(max(variance, 0)))
 
     def add(self, data: np.ndarray) -> None:
         """Add every value of `data` (any numeric dtype; complex: magnitudes), binned in this thread's buffers.
@@ -144,7 +149,7 @@ class ValueSketch:
                 return
             if not self.count:
                 self.shift = part.shift
-            delta = part.shift - self.shift  # the part's sums re-centred on this sketch's shift
+            delta = np.longdouble(part.shift) - np.longdouble(self.shift)  # the part re-centred on this shift
             self.total += part.total + part.count * delta
             self.total_sq += part.total_sq + 2 * delta * part.total + part.count * delta * delta
             self.count += part.count
@@ -167,25 +172,32 @@ class ValueSketch:
             out.append(min(max(value, self.low), self.high))
         return tuple(out)
 
-    def histogram(self, bins: int = 40, scale: str = "linear") -> Histogram:
+    def histogram(self, bins: int = 40, scale: str = "linear", *, exact_bins: bool = False) -> Histogram:
         """Counts of the finite values in `bins` equal bins: of the value between min and max (``linear``), or
         of log10 |value| between the smallest and largest nonzero magnitudes (``log``; zeros counted apart).
-        Each sketch bin falls whole into the bin holding its midpoint. Raises `UsageError` for another scale."""
+        Each sketch bin falls whole into the bin holding its midpoint (`exact_bins`: its lower edge, the value
+        itself for the types bfloat16 holds). Values below 2^-133 in magnitude (which share zero's bins) count
+        as that magnitude in a ``log`` histogram. Raises `UsageError` for another scale."""
         if scale not in ("linear", "log"):
             raise UsageError(f"unknown histogram scale {scale!r}: linear or log")
         present = np.flatnonzero(self.counts[ORDER])
         codes = ORDER[present]
         weights = self.counts[codes].astype(np.float64)
-        middle = np.clip(MIDDLE[codes], self.low, self.high) if self.count else MIDDLE[codes]
+        values = (LOW if exact_bins else MIDDLE)[codes]
+        values = np.clip(values, self.low, self.high) if self.count else values
         if scale == "log":
-            nonzero = middle != 0
-            magnitudes = np.log10(np.abs(middle[nonzero]))
+            nonzero = values != 0
+            magnitudes = np.log10(np.abs(values[nonzero]))
+            weights_nonzero = weights[nonzero]
+            tiny = int(weights[~nonzero].sum()) - self.zeros  # in zero's bins, not zero
+            if tiny > 0:
+                magnitudes = np.append(magnitudes, math.log10(TINY))
+                weights_nonzero = np.append(weights_nonzero, tiny)
             edges = _edges(magnitudes, bins)
-            counts = np.histogram(magnitudes, edges, weights=weights[nonzero])[0] if magnitudes.size else []
-            return Histogram("log", tuple(float(e) for e in edges), tuple(int(c) for c in counts),
-                             int(weights[~nonzero].sum()))
-        edges = _edges(middle, bins)
-        counts = np.histogram(middle, edges, weights=weights)[0] if middle.size else []
+            counts = np.histogram(magnitudes, edges, weights=weights_nonzero)[0] if magnitudes.size else []
+            return Histogram("log", tuple(float(e) for e in edges), tuple(int(c) for c in counts), self.zeros)
+        edges = _edges(values, bins)
+        counts = np.histogram(values, edges, weights=weights)[0] if values.size else []
         return Histogram("linear", tuple(float(e) for e in edges), tuple(int(c) for c in counts), 0)
 
 
@@ -356,12 +368,16 @@ def _general_part(values: np.ndarray) -> _Part:
     narrow = np.clip(values, -_F32_MAX, _F32_MAX).astype(np.float32)  # beyond float32: its extreme bins
     counts, present = _bins(narrow.view(np.uint16)[_HIGH_HALF::2])
     low, high = float(values.min()), float(values.max())
-    shift = (low + high) / 2
+    shift = low / 2 + high / 2  # (low + high) / 2 overflows beyond 9e307
     total, total_sq = _sums64(values, shift)
     return _Part(counts, values.size, nan, inf, values.size - int(np.count_nonzero(values)), low, high, shift,
                  total, total_sq, present)
 
 
 def _sums64(values: np.ndarray, shift: float) -> tuple[float, float]:
+    """(Σ (v - shift), Σ (v - shift)²) in float64, or in long double where the squares would overflow."""
     deviation = values.astype(np.float64) - shift
+    if deviation.size and not float(np.abs(deviation).max()) <= 1e150:
+        deviation = values.astype(np.longdouble) - np.longdouble(shift)
+        return deviation.sum(), np.dot(deviation, deviation)
     return float(deviation.sum()), float(deviation @ deviation)
