@@ -275,6 +275,12 @@ def test_tile_devices_from_hlo_and_dtensor_shardings():
     assert layout.drawn_dims((3, 100, 7, 50)) == (1, 3) and layout.drawn_dims((5,)) == (0,)
 
 
+def test_layout_of_a_zero_size_array(tmp_path, capsys):
+    xtc.save(tmp_path / "z", {"z": torch.zeros(0, 4)})
+    status, out, _ = run("show", tmp_path / "z", "z", "--layout", capsys=capsys)
+    assert status == 0 and "0x0 boxes" in out and "(no elements: nothing is stored)" in out
+
+
 def test_restore_layout_uses_the_restore_plan(root, capsys):
     status, out, _ = run("show", root / "2", "model/layers.0.w", "--layout", "--mesh", "4x2", "--processes", "2",
                          "--json", capsys=capsys)
@@ -360,6 +366,8 @@ def test_report_escapes_and_keeps_an_existing_file(root, tmp_path, capsys):
     assert "keep me" not in out.read_text()
     with pytest.raises(UsageError):
         report.report_data(str(root), report.ReportOptions(step="9"))
+    status, _, err = run("report", root, "--diff", "1", "99", "-o", tmp_path / "new" / "r.html", capsys=capsys)
+    assert status == cli.EXIT_USAGE and "99" in err and not (tmp_path / "new").exists()  # nothing left behind
 
 
 def upload(local: str, remote: storage.Location) -> str:

@@ -211,9 +211,9 @@ def write_report(path: str, out: str, options: ReportOptions | None = None, *, o
     if os.path.isdir(final):
         raise UsageError(f"{final} is a directory; give the report a file name")
     outputs.check_vacant(destination, overwrite=overwrite)
+    page = report_html(report_data(path, options, progress))  # first: a failed report leaves no directory
     directory = os.path.dirname(final)
     os.makedirs(directory, exist_ok=True)
-    page = report_html(report_data(path, options, progress))
     staged = outputs.StagedFiles(directory)
     try:
         with open(staged.path(os.path.basename(final)), "w", encoding="utf-8") as f:

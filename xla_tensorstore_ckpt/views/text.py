@@ -32,6 +32,8 @@ def draw_layout(layout: Layout) -> str:
     dims = f"dims {' x '.join(map(str, layout.dims))}" if layout.dims else "a scalar"
     head = (f"{layout.key}: {layout.dtype}{list(layout.shape)}, {layout.kind} layout over {dims}, "
             f"{layout.grid_shape[0]}x{layout.grid_shape[1]} boxes; {layout.sharding}")
+    if not layout.boxes:  # a zero-size array: no chunk is stored
+        return "\n".join([head, "(no elements: nothing is stored)", *(f"note: {n}" for n in layout.notes)])
     rows = sorted({b.rows for b in layout.boxes})
     cols = sorted({b.cols for b in layout.boxes})
     by_cell = {(b.rows, b.cols): b for b in layout.boxes}
