@@ -25,8 +25,8 @@ CHUNKS = 4  # chunks of the sharded array, 16 rows each
 
 
 def _options(**kw) -> xtc.CheckpointManagerOptions:
-    return xtc.CheckpointManagerOptions(save_interval_steps=1, async_save=False, save_rng=False, incremental=True,
-                                        **kw)
+    return xtc.CheckpointManagerOptions(**{"save_interval_steps": 1, "async_save": False, "save_rng": False,
+                                           "incremental": True, **kw})
 
 
 def _sharded(full: torch.Tensor) -> xtc.ShardedArray:
@@ -150,6 +150,93 @@ def test_a_referenced_step_is_never_replaced_and_a_gone_base_is_written_again(tm
     whole = next(e.details for e in seen if e.kind == "save_written" and e.step == 4)["written_whole"]
     assert "steps [1] are gone" in whole["extra/frozen"]
     assert_trees_equal(xtc.restore(tmp_path / "4" / "extra"), _state(4)[1])
+
+
+def _xy(step: int, x: float | None = None) -> dict:
+    """`x` changes up to step 2, then stays (later steps reference step 2's chunks); `y` changes every step."""
+    return {"x": torch.full((64, 64), float(min(step, 2) if x is None else x)), "y": torch.full((4,), float(step))}
+
+
+def test_a_base_is_never_replaced_by_a_later_save_in_any_tier(tmp_path):
+    """A step referenced by a save in flight (async) or by local steps is not replaced, with or without
+    `force` (they would restore the new values); a rewound run's save takes an earlier step as its base, never
+    a later one of the abandoned timeline, so it can replace that timeline's steps."""
+    persistent, local = tmp_path / "p", tmp_path / "l"
+    with xtc.CheckpointManager(persistent, _options(async_save=True)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, extra=_xy(step))
+        mgr.wait_until_finished()
+        mgr.save(3, extra=_xy(3))  # its base, step 2, is pinned until it commits
+        with pytest.raises(xtc.UsageError, match=r"cannot replace step 2 .*(a save in flight|steps \[3\])"):
+            mgr.save(2, extra=_xy(2, 99.0), force=True)
+        mgr.wait_until_finished()
+        assert mgr.metadata(3).bases == (2,)
+    assert torch.equal(xtc.restore(persistent / "3" / "extra")["x"], _xy(3)["x"])
+    options = _options(local_directory=str(local), local_save_interval_steps=1, save_interval_steps=10)
+    with xtc.CheckpointManager(tmp_path / "p2", options) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, extra=_xy(step))
+    with xtc.CheckpointManager(tmp_path / "p2", options) as mgr:  # no restore: the local steps are all still there
+        with pytest.raises(xtc.UsageError, match=r"cannot replace step 2 of .*steps \[3, 4\] reference"):
+            mgr.save(2, extra=_xy(2, 99.0))
+    for step in (3, 4):
+        assert torch.equal(xtc.restore(local / str(step) / "extra")["x"], _xy(step)["x"])
+    with xtc.CheckpointManager(tmp_path / "p3", _options()) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, extra=_xy(step))
+        mgr.save(3, extra=_xy(4), force=True)  # the values of step 4: the old code took 4 as its base
+        assert mgr.metadata(3).bases == (2,)
+        mgr.save(4, extra=_xy(4, 5.0), force=True)
+    assert_trees_equal(xtc.restore(tmp_path / "p3" / "3" / "extra"), _xy(4))
+    assert_trees_equal(xtc.restore(tmp_path / "p3" / "4" / "extra"), _xy(4, 5.0))
+
+
+def test_a_damaged_anchor_chunk_is_written_whole(tmp_path):
+    """A delta save that cannot read its anchor's chunk writes the chunk whole (and says why), never fails."""
+    seen = []
+    with xtc.CheckpointManager(tmp_path, _options(delta=True, listeners=(seen.append,))) as mgr:
+        mgr.save(1, extra={"w": _rl_weights(1)})
+        for top, _, names in os.walk(tmp_path / "1" / "extra"):
+            for name in names:
+                if os.sep + "d" in top[len(str(tmp_path)):]:  # the OCDBT data files
+                    path = os.path.join(top, name)
+                    with open(path, "r+b") as f:
+                        f.seek(os.path.getsize(path) // 2)
+                        byte = f.read(1)
+                        f.seek(-1, os.SEEK_CUR)
+                        f.write(bytes([byte[0] ^ 0xFF]))
+        mgr.save(2, extra={"w": _rl_weights(2)})
+    whole = next(e.details for e in seen if e.kind == "save_written" and e.step == 2)["written_whole"]
+    assert "anchor's chunk in step 1 cannot be read" in whole["extra/w"]
+    assert torch.equal(xtc.restore(tmp_path / "2" / "extra")["w"], _rl_weights(2))
+
+
+def test_training_goes_on_after_a_damaged_local_anchor(tmp_path):
+    """A local anchor step damaged on disk: the resume falls back to the persistent step of the same number and
+    deletes the local copy it skipped, so the next local saves do not take it as their base (they failed, each)."""
+    local = tmp_path / "local"
+    options = _options(delta=True, local_directory=str(local), local_save_interval_steps=1, save_interval_steps=3,
+                       max_to_keep=2, local_max_to_keep=2)
+    with xtc.CheckpointManager(tmp_path / "p", options) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, extra={"w": _rl_weights(step)})
+    marker = json.loads((local / "7" / "_CHECKPOINT_METADATA").read_text())
+    assert marker["custom_metadata"]["xla_tensorstore_ckpt"]["bases"] == [1]
+    for top, _, names in os.walk(local / "1" / "extra"):
+        for name in names:
+            if os.path.basename(top) == "d":
+                path = os.path.join(top, name)
+                data = bytearray(open(path, "rb").read())
+                data[len(data) // 2] ^= 0xFF
+                open(path, "wb").write(bytes(data))
+    with xtc.CheckpointManager(tmp_path / "p", options) as mgr:
+        target = {"w": torch.zeros(64, 64, dtype=torch.bfloat16)}
+        with pytest.warns(UserWarning, match="skipping step"):
+            assert mgr.restore("latest", extra=target) == 6
+        assert torch.equal(target["w"], _rl_weights(6)) and 6 not in mgr.all_steps("local")
+        for step in (7, 8):
+            mgr.save(step, extra={"w": _rl_weights(step)})
+    assert torch.equal(xtc.restore(local / "8" / "extra")["w"], _rl_weights(8))
 
 
 def test_a_policy_naming_steps_not_committed_keeps_the_committed_ones():

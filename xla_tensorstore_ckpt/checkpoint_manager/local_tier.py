@@ -59,17 +59,20 @@ def ignore_foreign_steps(tier: Tier, persistent_root: str | storage.Location, pr
                       "from nor deleted by retention", stacklevel=4)
 
 
-def discard_steps_after(tier: Tier, step: int | None) -> None:
+def discard_steps_after(tier: Tier, step: int | None, *, from_local: bool = True) -> None:
     """Delete this process's local steps newer than the step the job resumed from (all of them, if it resumed
-    from nothing), with a warning naming them: the run continues from there, and a step it saves again must not
-    meet them (they are of the abandoned timeline, or damaged, or missing on another process). A step that
-    cannot be deleted is forgotten with a warning naming its path; it is never raised (see the module
-    docstring). Called by every process after the job agreed on `step`. Blocks."""
-    newer = sorted(s for s in tier.committed() if step is None or s > step)
+    from nothing), and that step's local copy too if the job resumed from another tier (`from_local` False: the
+    copy was damaged, or missing on another process), with a warning naming them: the run continues from there,
+    and a step it saves again must not meet them (they are of the abandoned timeline, or damaged, or missing on
+    another process; a damaged one must not be the base of the next incremental save). A step that cannot be
+    deleted is forgotten with a warning naming its path; it is never raised (see the module docstring). Called by
+    every process after the job agreed on `step`. Blocks."""
+    newer = sorted(s for s in tier.committed() if step is None or s > step or (s == step and not from_local))
     if not newer:
         return
     warnings.warn(f"deleting steps {newer} of the local tier {tier.root}: the job resumed from "
-                  f"{'nothing' if step is None else f'step {step}'}, so they will be saved again", stacklevel=3)
+                  f"{'nothing' if step is None else f'step {step}'}{'' if from_local else ' of another tier'}, "
+                  "so they will be saved again", stacklevel=3)
     for old in newer:
         try:
             tier.delete(old)

@@ -195,7 +195,8 @@ class CheckpointManager(RestoreSide):
         step is committed in each tier (sync mode). Raises `AsyncSaveError` for a failed earlier background
         save of any tier (with several processes: once a save is due, on every process), `CheckpointExistsError`
         if `step` is committed in the persistent tier and `force` is False (with `force` it is replaced; a
-        local step of the same number is always replaced), `UnsupportedValueError` before anything is written if
+        local step of the same number is always replaced), `UsageError` if a step it would replace is the base of
+        an incremental step or of a save in flight, `UnsupportedValueError` before anything is written if
         a value cannot be stored. Every failure before the commits is raised on every process (in async mode a
         failed copy off the devices as the commit's `AsyncSaveError`: a process does not wait for the others').
         """
@@ -208,11 +209,10 @@ class CheckpointManager(RestoreSide):
         if not force and step in persistent.committed():
             raise CheckpointExistsError(f"step {step} is already committed at {persistent.index.location(step)}; "
                                         "pass force=True to replace it")
-        if force:
-            self._check_unreferenced(step, "replace")
         tiers = self._due(step, force=force)
         if not tiers:
             return False
+        self._check_unreferenced(step, "replace", [m for m in tiers if step in m.tier.committed()])
         objects = {name: obj for name, obj in zip(_OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra,
                                                                   data_loader)) if obj is not None}
         marker = StepMetadata(step=step, items=(), created_at=time.time(), committed_at=0.0,
@@ -322,14 +322,17 @@ class CheckpointManager(RestoreSide):
                 self._caller_side(managed).on_primary(f"deleting step {step}",
                                                       lambda managed=managed: managed.tier.delete(step))
 
-    def _check_unreferenced(self, step: int, what: str) -> None:
-        """Raise `UsageError` if a committed step of any tier references `step`'s chunks (an incremental step's
-        base): deleting or replacing it would break that step. Does not block."""
-        for managed in self._tiers:
-            users = sorted(s for s, m in managed.tier.committed().items() if step in m.bases and s != step)
-            if users:
-                raise UsageError(f"cannot {what} step {step} of {managed.tier.root}: steps {users} reference "
-                                 f"its chunks (delete them first, or make them standalone with xtckpt convert)")
+    def _check_unreferenced(self, step: int, what: str, tiers: list[ManagedTier] | None = None) -> None:
+        """Raise `UsageError` if a committed step or a save in flight of any of `tiers` (default: all) references
+        `step`'s chunks (an incremental step's base): deleting or replacing it would break that step, or make
+        it restore the new values. Does not block."""
+        for managed in self._tiers if tiers is None else tiers:
+            users, in_flight = managed.tier.users_of(step)
+            if users or in_flight:
+                who = f"steps {users}" if users else "a save in flight"
+                raise UsageError(f"cannot {what} step {step} of {managed.tier.root}: {who} reference"
+                                 f"{'s' if not users else ''} its chunks (delete them first, or make them "
+                                 f"standalone with xtckpt convert)")
 
     # -------------------------------------------------------------------------------------- lifecycle
 

@@ -102,7 +102,8 @@ class RestoreSide:
                                lambda candidate: self._restore_step(candidate, requested, rng, strict, key_map, items),
                                peers=self._peer_copies(), fetched=self._peer_fetched)
         if self._local is not None:
-            local_tier.discard_steps_after(self._local.tier, None if choice is None else choice.step)
+            local_tier.discard_steps_after(self._local.tier, None if choice is None else choice.step,
+                                           from_local=choice is not None and choice.tier == LOCAL)
         if choice is None:
             return None if init_from is None else self._initialise(init_from, requested, strict, key_map, items)
         if choice.redo_persistent:

@@ -91,17 +91,24 @@ class Tier:
         return marker
 
     def base_for(self, step: int, anchor_every: int | None = None) -> incremental_saving.BaseStep:
-        """The base of an incremental save of `step`: the newest other committed step (pinned against retention
-        until `Tier.commit` of the save ends), or none (a full anchor step): the tier's first step, or, with
-        `anchor_every`, the save that many saves after the last full anchor (`StepMetadata.since_anchor`)."""
+        """The base of an incremental save of `step`: the newest committed step before it (pinned against
+        retention until `Tier.commit` of the save ends; never a later one, of a timeline a rewound run abandons),
+        or none (a full anchor step): the tier's first step, or, with `anchor_every`, the save that many saves
+        after the last full anchor (`StepMetadata.since_anchor`)."""
         with self._guard:
-            others = sorted(s for s in self._steps if s != step)
+            others = sorted(s for s in self._steps if s < step)
             if not others:
                 return incremental_saving.BaseStep()
             if anchor_every is not None and self._steps[max(others)].since_anchor + 1 >= anchor_every:
                 return incremental_saving.BaseStep()
             self._pins.append(max(others))
         return incremental_saving.BaseStep(max(others), self.index.location(max(others)), present=frozenset(others))
+
+    def users_of(self, step: int) -> tuple[list[int], bool]:
+        """What references `step`'s chunks: the committed steps naming it among their bases, and whether a save
+        in flight has it as its base."""
+        with self._guard:
+            return sorted(s for s, m in self._steps.items() if step in m.bases and s != step), step in self._pins
 
     def unpin(self, base: int | None) -> None:
         """The save whose base was `base` (`base_for`) committed or failed."""
@@ -219,9 +226,11 @@ class Tier:
 
         def retain() -> tuple[list[int], dict[int, list[int]]]:
             self.lock.heartbeat()
-            with self._guard:
-                pins = list(self._pins)
-            return policies.retention(self.preservation, {**self.committed(), save.step: marker}, pins)
+            with self._guard:  # and unlisted at once: no save in flight can take a doomed step as its base
+                found = policies.retention(self.preservation, {**self._steps, save.step: marker}, list(self._pins))
+                for old in found[0]:
+                    self._steps.pop(old, None)
+            return found
 
         doomed, held = coordinator.on_primary(f"retention after step {save.step}", retain, share=True)
         with self._guard:
