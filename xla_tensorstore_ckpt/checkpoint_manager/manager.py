@@ -212,7 +212,9 @@ class CheckpointManager(RestoreSide):
         tiers = self._due(step, force=force)
         if not tiers:
             return False
-        self._check_unreferenced(step, "replace", [m for m in tiers if step in m.tier.committed()])
+        for managed in tiers:  # an incremental step's base stays while a step or a save in flight references it
+            if step in managed.tier.committed():
+                managed.tier.check_unreferenced(step, "replace")
         objects = {name: obj for name, obj in zip(_OBJECT_ITEMS, (model, optimizer, lr_scheduler, extra,
                                                                   data_loader)) if obj is not None}
         marker = StepMetadata(step=step, items=(), created_at=time.time(), committed_at=0.0,
@@ -315,24 +317,13 @@ class CheckpointManager(RestoreSide):
         self._check_open()
         self.wait_until_finished()  # collective, as delete is
         self.metadata(step)  # raises StepNotFoundError if not committed
-        self._check_unreferenced(step, "delete")
+        for managed in self._tiers:
+            managed.tier.check_unreferenced(step, "delete")
         for managed in self._tiers:
             if step in managed.tier.committed():
                 managed.tier.forget(step)
                 self._caller_side(managed).on_primary(f"deleting step {step}",
                                                       lambda managed=managed: managed.tier.delete(step))
-
-    def _check_unreferenced(self, step: int, what: str, tiers: list[ManagedTier] | None = None) -> None:
-        """Raise `UsageError` if a committed step or a save in flight of any of `tiers` (default: all) references
-        `step`'s chunks (an incremental step's base): deleting or replacing it would break that step, or make
-        it restore the new values. Does not block."""
-        for managed in self._tiers if tiers is None else tiers:
-            users, in_flight = managed.tier.users_of(step)
-            if users or in_flight:
-                who = f"steps {users}" if users else "a save in flight"
-                raise UsageError(f"cannot {what} step {step} of {managed.tier.root}: {who} reference"
-                                 f"{'s' if not users else ''} its chunks (delete them first, or make them "
-                                 f"standalone with xtckpt convert)")
 
     # -------------------------------------------------------------------------------------- lifecycle
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .. import formats
 from ..core import layout
-from ..core.errors import StepNotFoundError
+from ..core.errors import StepNotFoundError, UsageError
 from ..core.records import StepMetadata
 from ..incremental import saving as incremental_saving
 from ..multihost.distributed import Coordinator
@@ -104,11 +104,16 @@ class Tier:
             self._pins.append(max(others))
         return incremental_saving.BaseStep(max(others), self.index.location(max(others)), present=frozenset(others))
 
-    def users_of(self, step: int) -> tuple[list[int], bool]:
-        """What references `step`'s chunks: the committed steps naming it among their bases, and whether a save
-        in flight has it as its base."""
+    def check_unreferenced(self, step: int, what: str) -> None:
+        """Raise `UsageError` if a committed step or a save in flight (its pinned base) references `step`'s chunks:
+        deleting or replacing it (`what`) would break that step, or make it restore the new values."""
         with self._guard:
-            return sorted(s for s, m in self._steps.items() if step in m.bases and s != step), step in self._pins
+            users = sorted(s for s, m in self._steps.items() if step in m.bases and s != step)
+            in_flight = step in self._pins
+        if users or in_flight:
+            who = f"steps {users} reference" if users else "a save in flight references"
+            raise UsageError(f"cannot {what} step {step} of {self.root}: {who} its chunks (delete them first, or "
+                             f"make them standalone with xtckpt convert)")
 
     def unpin(self, base: int | None) -> None:
         """The save whose base was `base` (`base_for`) committed or failed."""
