@@ -125,6 +125,37 @@ def test_a_damaged_compressed_chunk_is_found_by_its_crc32c(tmp_path, capsys, lay
 
 
 @pytest.mark.xla
+def _rle_frame(nbytes: int, declared: int | None = None) -> bytes:
+    """A zstd frame of run-length blocks decoding to `nbytes` zero bytes from a few bytes per 128 KiB; its header
+    declares `declared` bytes (8 bytes wide), or no size."""
+    head = b"\x28\xb5\x2f\xfd" + (bytes([0xC0, 0x38]) + declared.to_bytes(8, "little") if declared is not None
+                                     else bytes([0x00, 0x38]))
+    blocks = nbytes // (128 << 10)
+    return head + b"".join(((128 << 10) << 3 | 1 << 1 | (i == blocks - 1)).to_bytes(3, "little") + b"\x00"
+                           for i in range(blocks))
+
+
+@pytest.mark.parametrize("declared", [None, 1 << 40])
+def test_a_hostile_frame_is_refused_without_decoding_beyond_its_chunk(tmp_path, declared):
+    """A crafted chunk (valid CRC32C) whose frame expands far beyond the chunk, declared or not, is a
+    `CorruptCheckpointError` naming the chunk, and no more than the chunk's bytes are ever decoded."""
+    import tracemalloc
+
+    xtc.save(tmp_path / "ck", {"w": torch.arange(64, dtype=torch.float32)},
+             options=xtc.SaveOptions(compression="zstd", use_ocdbt=False))
+    frame = _rle_frame(64 << 20, declared)
+    chunk = tmp_path / "ck" / "w" / "c" / "0"
+    chunk.write_bytes(frame + struct.pack("<I", crc32c.crc32c(frame)))
+    tracemalloc.start()
+    try:
+        with pytest.raises(xtc.CorruptCheckpointError, match=r"w: chunk c/0 does not decompress to the 256 bytes"):
+            xtc.restore(tmp_path / "ck")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20  # the 64 MiB the frame expands to were never allocated
+
+
 def test_a_manager_saves_compressed_steps_and_restores_them_in_place(tmp_path):
     mesh = make_mesh((4, 2), ("x", "y"))
     w = torch.arange(128.0).reshape(16, 8) % 5

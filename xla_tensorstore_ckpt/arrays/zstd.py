@@ -59,27 +59,18 @@ def content_size(frame) -> int | None:
 
 def decompress_into(frame, out: memoryview) -> None:
     """Decompress one zstd frame into `out` (a writable byte buffer), which it must fill exactly: a chunk read
-    straight into its destination (`local_chunks`). Raises `ValueError` if the frame is damaged or of another
-    size. Blocks while it decompresses, without the GIL."""
-    size = content_size(frame)
-    if size == len(out) == 0:  # numcodecs refuses an empty frame; there is nothing to decompress
-        return
-    if size != len(out):  # a frame without its size (or with another): checked the slow way
-        out[:] = decompress(bytes(frame), len(out))
-        return
+    straight into its destination (`local_chunks`). Never decodes more than `out` holds, whatever the frame
+    declares (a hostile frame may expand a thousandfold). Raises `ValueError` if the frame is damaged or of
+    another size. Blocks while it decompresses, without the GIL."""
+    declared = content_size(frame)
+    if declared is not None and declared != len(out):
+        raise ValueError(f"a zstd frame of {declared} bytes where {len(out)} were expected")
+    if len(out) == 0:  # numcodecs refuses an empty frame; an empty one has nothing to decompress
+        if declared == 0:
+            return
+        raise ValueError("a zstd frame where no bytes were expected")
     try:
-        _zstd.decompress(frame, out)
-    except (RuntimeError, ValueError) as exc:  # numcodecs' errors for a broken frame
+        _zstd.decompress(frame, out)  # bounded by `out`: "too small" or "expected ..., got ..." otherwise
+    except (RuntimeError, ValueError) as exc:  # numcodecs' errors for a broken frame or another size
         raise ValueError(f"broken zstd frame ({exc})") from None
 
-
-def decompress(frame: bytes, size: int) -> bytes:
-    """The bytes of one zstd frame, which must be exactly `size` bytes long (incremental delta chunks). Raises
-    `ValueError` if the frame is damaged or of another size. Blocks while it decompresses."""
-    try:
-        raw = _compressor(DEFAULT_LEVEL).decode(frame)
-    except RuntimeError as exc:  # numcodecs' error for a broken frame
-        raise ValueError(f"broken zstd frame ({exc})") from None
-    if len(raw) != size:
-        raise ValueError(f"a zstd frame of {len(raw)} bytes where {size} were expected")
-    return bytes(raw)
