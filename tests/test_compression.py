@@ -182,6 +182,10 @@ def test_the_command_line_converts_into_and_out_of_compressed_items(tmp_path, ca
     capsys.readouterr()
     assert cli.main(["convert", str(tmp_path / "raw"), str(tmp_path / "x"), "--compression-level", "5"]) == 2
     assert "compression_level=5 needs compression='zstd'" in capsys.readouterr().err
+    assert cli.main(["convert", str(tmp_path / "raw"), str(tmp_path / "x.pt"), "--to", "torch", "--compression",
+                     "zstd"]) == 2
+    assert "--compression applies to items and steps of ours" in capsys.readouterr().err
+    assert not (tmp_path / "x.pt").exists()
 
 
 @pytest.mark.parametrize("kwargs, message", [

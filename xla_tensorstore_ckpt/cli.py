@@ -200,6 +200,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     if args.to in ("safetensors", "torch"):
+        if args.compression is not None:  # said rather than ignored: those files are raw by their format
+            raise UsageError(f"--compression applies to items and steps of ours, not to --to {args.to}")
         args.path, args.out, args.format = args.source, args.destination, args.to
         return cmd_export(args)
     source = storage.location(args.source)
