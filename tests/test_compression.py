@@ -124,7 +124,6 @@ def test_a_damaged_compressed_chunk_is_found_by_its_crc32c(tmp_path, capsys, lay
     assert "a" in capsys.readouterr().out
 
 
-@pytest.mark.xla
 def _rle_frame(nbytes: int, declared: int | None = None) -> bytes:
     """A zstd frame of run-length blocks decoding to `nbytes` zero bytes from a few bytes per 128 KiB; its header
     declares `declared` bytes (8 bytes wide), or no size."""
@@ -156,6 +155,7 @@ def test_a_hostile_frame_is_refused_without_decoding_beyond_its_chunk(tmp_path, 
     assert peak < 8 << 20  # the 64 MiB the frame expands to were never allocated
 
 
+@pytest.mark.xla
 def test_a_manager_saves_compressed_steps_and_restores_them_in_place(tmp_path):
     mesh = make_mesh((4, 2), ("x", "y"))
     w = torch.arange(128.0).reshape(16, 8) % 5
