@@ -96,13 +96,14 @@ class Tier:
         or none (a full anchor step): the tier's first step, or, with `anchor_every`, the save that many saves
         after the last full anchor (`StepMetadata.since_anchor`)."""
         with self._guard:
-            others = sorted(s for s in self._steps if s < step)
-            if not others:
+            earlier = frozenset(s for s in self._steps if s < step)
+            if not earlier:
                 return incremental_saving.BaseStep()
-            if anchor_every is not None and self._steps[max(others)].since_anchor + 1 >= anchor_every:
+            base = max(earlier)
+            if anchor_every is not None and self._steps[base].since_anchor + 1 >= anchor_every:
                 return incremental_saving.BaseStep()
-            self._pins.append(max(others))
-        return incremental_saving.BaseStep(max(others), self.index.location(max(others)), present=frozenset(others))
+            self._pins.append(base)
+        return incremental_saving.BaseStep(base, self.index.location(base), present=earlier)
 
     def check_unreferenced(self, step: int, what: str) -> None:
         """Raise `UsageError` if a committed step or a save in flight (its pinned base) references `step`'s chunks:

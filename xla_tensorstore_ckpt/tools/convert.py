@@ -157,7 +157,8 @@ def _write_step(sources: dict[str, storage.Location], step_dir: storage.Location
     outputs.check_vacant(step_dir, overwrite=overwrite)
     created = time.time()
     prepared = {item: _prepare(source, options) for item, source in sources.items()}
-    total = sum(_total(plan, units) for _, plan, units in prepared.values())
+    sizes = {item: _total(plan, units) for item, (_, plan, units) in prepared.items()}
+    total = sum(sizes.values())
     fmt = formats.writer(next(iter(prepared.values()))[1].manifest.format)  # every item's: the current one
     with outputs.staged_directory(step_dir, overwrite=overwrite, step=True,
                                   commit_files=fmt.STEP_COMMIT_FILES) as staged:
@@ -165,7 +166,7 @@ def _write_step(sources: dict[str, storage.Location], step_dir: storage.Location
         for item, (arrays_open, plan, units) in prepared.items():
             counted = (lambda d, _t, before=done: progress(before + d, total)) if progress else None
             _copy(sources[item], arrays_open, staged.child(item), plan, units, options, counted)
-            done += _total(plan, units)
+            done += sizes[item]
         marker = StepMetadata(step=step, items=tuple(sources), created_at=created, committed_at=time.time(),
                               metrics=metrics, custom=custom, versions=formats.writer_versions(),
                               format_version=fmt.VERSION)

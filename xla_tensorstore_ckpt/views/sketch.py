@@ -336,7 +336,7 @@ def _sums32(values: np.ndarray, low: float, high: float) -> tuple[float, float, 
         return (0.0, *_column_sums(values))
     if _SPREAD[0] <= spread <= _SPREAD[1]:
         return (shift, *_column_sums(np.subtract(values, np.float32(shift), out=_floats()[:values.size])))
-    return (shift, *_sums64(values, shift))
+    return (shift, *_sums64(values, shift, spread))
 
 
 def _column_sums(values: np.ndarray) -> tuple[float, float]:
@@ -369,15 +369,16 @@ def _general_part(values: np.ndarray) -> _Part:
     counts, present = _bins(narrow.view(np.uint16)[_HIGH_HALF::2])
     low, high = float(values.min()), float(values.max())
     shift = low / 2 + high / 2  # (low + high) / 2 overflows beyond 9e307
-    total, total_sq = _sums64(values, shift)
+    total, total_sq = _sums64(values, shift, max(high - shift, shift - low))
     return _Part(counts, values.size, nan, inf, values.size - int(np.count_nonzero(values)), low, high, shift,
                  total, total_sq, present)
 
 
-def _sums64(values: np.ndarray, shift: float) -> tuple[float, float]:
-    """(Σ (v - shift), Σ (v - shift)²) in float64, or in long double where the squares would overflow."""
-    deviation = values.astype(np.float64) - shift
-    if deviation.size and not float(np.abs(deviation).max()) <= 1e150:
+def _sums64(values: np.ndarray, shift: float, spread: float) -> tuple[float, float]:
+    """(Σ (v - shift), Σ (v - shift)²) in float64, or in long double where the squares would overflow (`spread`,
+    the largest |v - shift|, beyond 1e150)."""
+    if not spread <= 1e150:
         deviation = values.astype(np.longdouble) - np.longdouble(shift)
         return deviation.sum(), np.dot(deviation, deviation)
+    deviation = values.astype(np.float64) - shift
     return float(deviation.sum()), float(deviation @ deviation)
